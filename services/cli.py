@@ -1,0 +1,30 @@
+"""`pdcluster` command line.  Each subcommand lives in its own module that
+exposes ``register(subparsers)``; this file only lists them."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# module path -> registers one or more subcommands
+COMMAND_MODULES = [
+    "services.cli_model",
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdcluster", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
