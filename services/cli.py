@@ -10,6 +10,8 @@ import sys
 # module path -> registers one or more subcommands
 COMMAND_MODULES = [
     "services.cli_model",
+    "bench.cli_bench",
+    "bench.cli_plan",
 ]
 
 

@@ -1,0 +1,54 @@
+"""The engine's own knobs: a frozen dataclass that refuses bad values.
+(The user-facing pydantic config in services/config.py maps onto this.)"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64              # running requests at most
+    max_num_batched_tokens: int = 1024  # tokens per step (decode + prefill chunks)
+    prefill_chunk_size: int = 512       # prompt tokens of one request per step
+    kv_watermark_high: float = 0.97     # stop admitting above this KV usage ...
+    kv_watermark_low: float = 0.90      # ... until usage falls below this
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < self.max_num_seqs and self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if not 1 <= self.prefill_chunk_size:
+            raise ValueError(f"prefill_chunk_size must be >= 1, got {self.prefill_chunk_size}")
+        if not 0 < self.kv_watermark_low <= self.kv_watermark_high <= 1:
+            raise ValueError(
+                f"need 0 < kv_watermark_low ({self.kv_watermark_low}) <= kv_watermark_high "
+                f"({self.kv_watermark_high}) <= 1")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None            # None -> the bundled SmolLM2-135M-Instruct GGUF
+    dtype: str = "bfloat16"
+    device: str = "cpu"
+    block_size: int = 16
+    kv_cache_bytes: int = 512 * 2**20   # memory for the KV pool
+    num_kv_blocks: int | None = None    # overrides kv_cache_bytes when set
+    max_model_len: int | None = None    # None -> the model's context
+    enable_prefix_caching: bool = True
+    lease_ttl_s: float = 30.0           # prefill-only blocks stay pinned this long at most
+    num_threads: int | None = None      # torch intra-op threads; None leaves torch's default
+    scheduler: SchedulerConfig = SchedulerConfig()
+
+    def __post_init__(self) -> None:
+        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
+            raise ValueError(f"block_size must be a power of two up to 128, got {self.block_size}")
+        if self.kv_cache_bytes < 1:
+            raise ValueError(f"kv_cache_bytes must be > 0, got {self.kv_cache_bytes}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.lease_ttl_s <= 0:
+            raise ValueError(f"lease_ttl_s must be > 0, got {self.lease_ttl_s}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")

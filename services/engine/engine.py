@@ -1,0 +1,233 @@
+"""The synchronous engine: ``add_request`` -> ``step`` (schedule, run,
+post-process) -> ``RequestOutput``s; ``abort`` at any time.  Also the two
+disaggregation hooks: prefill-only requests whose blocks stay leased, and
+requests whose prompt K/V is written from outside."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from prefix_store.hashing import model_fingerprint
+from services.engine.config import EngineConfig
+from services.engine.detokenizer import IncrementalDetokenizer
+from services.engine.errors import InvalidRequestError, RequestTooLongError, UnknownRequestError
+from services.engine.kv_cache import KVCache, KVCacheSpec, KVEventCallback
+from services.engine.lease import LeaseTable
+from services.engine.model.loader import LoadedModel, load_model
+from services.engine.outputs import EngineStats, ExternalKVAllocation, PrefillResult, RequestOutput
+from services.engine.request import FinishReason, Request, RequestStatus
+from services.engine.runner import ModelRunner
+from services.engine.sampling_params import SamplingParams
+from services.engine.scheduler import Scheduler
+
+
+def kv_spec_for(config: EngineConfig, loaded: LoadedModel) -> KVCacheSpec:
+    mc = loaded.config
+    dtype = next(loaded.model.parameters()).dtype
+    probe = KVCacheSpec(1, config.block_size, mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype)
+    num_blocks = config.num_kv_blocks or config.kv_cache_bytes // probe.block_bytes
+    return KVCacheSpec(num_blocks, config.block_size, mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype)
+
+
+class Engine:
+    def __init__(self, config: EngineConfig = EngineConfig(), loaded: LoadedModel | None = None,
+                 on_kv_event: KVEventCallback | None = None):
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.config = config
+        self.loaded = loaded or load_model(config.model, config.dtype, config.device)
+        self.tokenizer = self.loaded.tokenizer
+        mc = self.loaded.config
+        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        self.kv_spec = kv_spec_for(config, self.loaded)
+        self.hash_seed = model_fingerprint(self.loaded.weights_id, self.kv_spec.dtype, config.block_size)
+        self.kv = KVCache(self.kv_spec, config.device, on_kv_event, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.hash_seed)
+        self.runner = ModelRunner(self.loaded.model, self.kv, config.device)
+        self.leases = LeaseTable(self.kv.free, config.lease_ttl_s)
+        self.requests: dict[str, Request] = {}
+        self.awaiting_kv: dict[str, Request] = {}
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self.num_steps = 0
+
+    # ---- intake --------------------------------------------------------
+    def _make_request(self, request_id: str, prompt: str | Sequence[int],
+                      params: SamplingParams, prefill_only: bool = False) -> Request:
+        if request_id in self.requests or request_id in self.awaiting_kv:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use; pick a unique id")
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self.validate(ids, params)
+        return Request(request_id, ids, params, prefill_only=prefill_only)
+
+    def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        """Raises a typed error naming the fix if the request can never run."""
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise InvalidRequestError("prompt is empty: send at least one token")
+        vocab = self.loaded.config.vocab_size
+        bad = next((t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(f"prompt token id {bad!r} is outside this model's vocabulary [0, {vocab})")
+        if n >= self.max_model_len:
+            raise RequestTooLongError(
+                f"prompt has {n} tokens; this model's context is {self.max_model_len}: shorten it")
+        if n + params.max_tokens > self.max_model_len:
+            raise RequestTooLongError(
+                f"prompt has {n} tokens and max_tokens is {params.max_tokens}, together {n + params.max_tokens}; "
+                f"this model's context is {self.max_model_len}: lower max_tokens to at most {self.max_model_len - n}")
+        blocks = -(-(n + params.max_tokens) // self.kv_spec.block_size)
+        if blocks > self.kv_spec.num_blocks:
+            raise RequestTooLongError(
+                f"prompt + max_tokens need {blocks} KV blocks but the pool has {self.kv_spec.num_blocks}: "
+                "lower max_tokens, shorten the prompt, or raise kv_cache_bytes")
+
+    def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
+                    prefill_only: bool = False) -> Request:
+        req = self._make_request(request_id, prompt, params, prefill_only)
+        self.requests[request_id] = req
+        self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop)
+        self.scheduler.add(req)
+        return req
+
+    # ---- disaggregation: K/V written from outside ------------------------
+    def reserve_external(self, request_id: str, prompt_token_ids: Sequence[int],
+                         params: SamplingParams) -> ExternalKVAllocation | None:
+        """Allocates blocks for a prompt whose K/V someone else computed.
+        None if the pool cannot hold it now (retry later)."""
+        req = self._make_request(request_id, prompt_token_ids, params)
+        sched, bs = self.scheduler, self.kv_spec.block_size
+        match = self.kv.match_prefix(sched.update_hashes(req))
+        need = -(-req.num_prompt_tokens // bs) - match.num_blocks
+        if need > self.kv.num_free_blocks - match.num_evictable:
+            return None
+        self.kv.acquire(match.block_ids)
+        req.block_ids = list(match.block_ids) + self.kv.allocate(need)
+        req.num_cached_tokens = match.num_blocks * bs
+        req.status = RequestStatus.WAITING_FOR_KV
+        self.awaiting_kv[request_id] = req
+        return ExternalKVAllocation(request_id, tuple(req.block_ids), match.num_blocks)
+
+    def commit_external(self, request_id: str, first_token_id: int) -> Request:
+        """The reserved blocks now hold the prompt's K/V: decode from
+        ``first_token_id`` (already sent to the client by the prefill side)."""
+        req = self.awaiting_kv.pop(request_id, None)
+        if req is None:
+            raise UnknownRequestError(f"no reserved request {request_id!r}: call reserve_external first")
+        req.num_computed_tokens = req.num_prompt_tokens
+        self.scheduler.commit_computed_blocks(req)
+        self.requests[request_id] = req
+        detok = IncrementalDetokenizer(self.tokenizer, req.params.stop)
+        self._detok[request_id] = detok
+        req.output_token_ids.append(first_token_id)
+        detok.add(first_token_id)
+        req.status = RequestStatus.RUNNING
+        reason = self._stop_reason(req, first_token_id, detok)
+        if reason is not None:
+            self._finish(req, reason)
+        else:
+            self.scheduler.running.append(req)
+        return req
+
+    # ---- leases (prefill side) --------------------------------------------
+    def release_lease(self, request_id: str) -> bool:
+        return self.leases.release(request_id)
+
+    # ---- control ----------------------------------------------------------
+    def abort(self, request_id: str) -> bool:
+        req = self.awaiting_kv.pop(request_id, None) or self.requests.get(request_id)
+        if req is None:
+            return self.leases.release(request_id)
+        if not req.is_finished:
+            self.scheduler.remove(req)
+            req.status, req.finish_reason = RequestStatus.FINISHED, FinishReason.ABORT
+        self._forget(request_id)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    # ---- one step ----------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        self.leases.expire()
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        self.num_steps += 1
+        results = self.runner.execute(out)
+        got = self.scheduler.update(out, {rid: tok for rid, (tok, _) in results.items()})
+        return [self._postprocess(req) for req in got]
+
+    def _stop_reason(self, req: Request, token: int, detok: IncrementalDetokenizer) -> FinishReason | None:
+        p = req.params
+        if (not p.ignore_eos and token in self.tokenizer.eos_token_ids) or token in p.stop_token_ids:
+            return FinishReason.STOP
+        if detok.stopped:
+            return FinishReason.STOP
+        if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _postprocess(self, req: Request) -> RequestOutput:
+        token = req.output_token_ids[-1]
+        detok = self._detok[req.request_id]
+        is_eos = token in self.tokenizer.eos_token_ids and not req.params.ignore_eos
+        delta = "" if is_eos else detok.add(token)
+        reason = self._stop_reason(req, token, detok)
+        out = RequestOutput(req.request_id, [token], delta, num_prompt_tokens=req.num_prompt_tokens,
+                            num_cached_tokens=req.num_cached_tokens, num_output_tokens=len(req.output_token_ids))
+        if reason is None and req.prefill_only:
+            blocks = self.scheduler.finish(req, FinishReason.PREFILLED, keep_blocks=True)
+            self.leases.pin(req.request_id, blocks)
+            out.prefill = PrefillResult(token, tuple(blocks), req.num_prompt_tokens, req.num_cached_tokens)
+            reason = FinishReason.PREFILLED
+        elif reason is not None:
+            self._finish(req, reason)
+            out.text_delta += detok.finish()
+        if reason is not None:
+            out.finished, out.finish_reason = True, reason
+            self._forget(req.request_id)
+        return out
+
+    def _finish(self, req: Request, reason: FinishReason) -> None:
+        self.scheduler.finish(req, reason)
+
+    def _forget(self, request_id: str) -> None:
+        self.requests.pop(request_id, None)
+        self._detok.pop(request_id, None)
+        self.runner.sampler.forget(request_id)
+
+    # ---- views ---------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        s = self.scheduler
+        return EngineStats(
+            num_running=len(s.running), num_waiting=len(s.waiting), num_awaiting_kv=len(self.awaiting_kv),
+            kv_blocks_total=self.kv.num_total_blocks, kv_blocks_free=self.kv.num_free_blocks,
+            kv_blocks_cached=self.kv.num_cached_blocks, leased_blocks=self.leases.num_pinned_blocks,
+            prompt_tokens_computed=s.num_prompt_tokens_computed, prompt_tokens_cached=s.num_prompt_tokens_cached,
+            num_preemptions=s.num_preemptions, num_steps=self.num_steps)
+
+    def check_integrity(self) -> None:
+        self.kv.check_integrity()
+        for req in list(self.scheduler.running) + list(self.scheduler.waiting) + list(self.awaiting_kv.values()):
+            req.check_invariants(self.kv_spec.block_size)
+
+    # ---- offline ---------------------------------------------------------------
+    def generate(self, prompts: Sequence[str | Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
+                 ) -> list[RequestOutput]:
+        """Runs prompts to completion; one merged output per prompt, in order."""
+        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        ids = [f"generate-{self.num_steps}-{i}" for i in range(len(prompts))]
+        merged = {rid: RequestOutput(rid) for rid in ids}
+        for rid, prompt, p in zip(ids, prompts, plist):
+            self.add_request(rid, prompt, p)
+        while self.has_unfinished():
+            for o in self.step():
+                m = merged[o.request_id]
+                m.new_token_ids += o.new_token_ids
+                m.text_delta += o.text_delta
+                m.finished, m.finish_reason = o.finished, o.finish_reason
+                m.num_prompt_tokens, m.num_cached_tokens = o.num_prompt_tokens, o.num_cached_tokens
+                m.num_output_tokens = o.num_output_tokens
+        return [merged[rid] for rid in ids]

@@ -1,0 +1,21 @@
+"""Errors a caller can hit; each message says what to do next."""
+
+
+class EngineError(Exception):
+    """Base of the engine's typed errors."""
+
+
+class InvalidRequestError(EngineError, ValueError):
+    """The request can never be served as given (HTTP 400)."""
+
+
+class RequestTooLongError(InvalidRequestError):
+    """Prompt plus max_tokens exceed the context or the KV pool."""
+
+
+class UnknownRequestError(EngineError, KeyError):
+    """No such request (finished, aborted, or never added)."""
+
+
+class EngineDeadError(EngineError, RuntimeError):
+    """The engine loop died; the replica should be restarted."""

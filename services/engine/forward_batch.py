@@ -1,0 +1,36 @@
+"""What one forward pass computes, passed explicitly to the model.
+
+Tokens of all scheduled sequences are laid out back to back, decode
+sequences first (one token each), then prefill chunks::
+
+    input_ids: [ d0 d1 .. d(D-1) | p0 p0 p0 .. | p1 p1 .. | ... ]
+                 decode part        prefill part (ragged, query_start_loc)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor        # [T] int64
+    positions: torch.Tensor        # [T] int64
+    slot_mapping: torch.Tensor     # [T] int64, where each token's K/V goes
+    num_decode_tokens: int         # D: the first D tokens are decode tokens
+    decode_block_tables: torch.Tensor     # [D, max_blocks] int32
+    decode_context_lens: torch.Tensor     # [D] int32 (incl. the new token)
+    prefill_block_tables: torch.Tensor    # [P, max_blocks] int32
+    prefill_query_start_loc: torch.Tensor  # [P+1] int32, offsets into the prefill part
+    prefill_context_lens: torch.Tensor    # [P] int32 (incl. the new chunk)
+    logits_indices: torch.Tensor   # [N] int64: rows whose next-token logits we need
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_prefill_seqs(self) -> int:
+        return int(self.prefill_context_lens.shape[0])

@@ -1,0 +1,208 @@
+"""Paged KV pool, block manager with ref counts, and the local prefix cache.
+
+Pool layout (block-major, one contiguous region per block, see kernels/)::
+
+    kv_pool[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
+
+Every block is in exactly one of three states::
+
+    in use      ref_count > 0 (held by requests or leases; may be cached)
+    evictable   ref_count == 0, holds a cached full block (hash -> block)
+    free        ref_count == 0, holds nothing worth keeping
+
+Allocation takes free blocks first, then evicts the least recently released
+evictable block (its hash leaves the cache: an ``evicted`` event).  Blocks
+released by one request go to the evictable list tail-first, so a
+sequence's last blocks (least likely shared) are evicted before its first.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+KVEventCallback = Callable[[str, list[int]], None]  # ("stored" | "evicted", block hashes)
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    num_blocks: int
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    def __post_init__(self) -> None:
+        if self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}: raise kv_cache_bytes")
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+
+    @property
+    def block_bytes(self) -> int:
+        elem = torch.empty(0, dtype=self.dtype).element_size()
+        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.num_blocks, self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
+
+
+@dataclass(frozen=True)
+class PrefixMatch:
+    """Leading cached blocks of a prompt (not yet referenced)."""
+    block_ids: tuple[int, ...]
+    num_evictable: int  # how many of them currently sit in the evictable list
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_ids)
+
+
+class KVCache:
+    def __init__(self, spec: KVCacheSpec, device: str | torch.device = "cpu",
+                 on_event: KVEventCallback | None = None, enable_prefix_caching: bool = True):
+        self.spec = spec
+        self.kv_pool = torch.zeros(spec.shape, dtype=spec.dtype, device=device)
+        self.enable_prefix_caching = enable_prefix_caching
+        self.on_event = on_event
+        self._ref = [0] * spec.num_blocks
+        self._hash_of: list[int | None] = [None] * spec.num_blocks
+        self._cached: dict[int, int] = {}  # block hash -> block id
+        self._free: deque[int] = deque(range(spec.num_blocks))
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # oldest first
+        self.num_hit_queries = 0
+        self.num_evictions = 0
+
+    # ---- sizes -------------------------------------------------------
+    @property
+    def num_total_blocks(self) -> int:
+        return self.spec.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_total_blocks
+
+    def ref_count(self, block_id: int) -> int:
+        return self._ref[block_id]
+
+    # ---- prefix cache ------------------------------------------------
+    def match_prefix(self, block_hashes: Sequence[int]) -> PrefixMatch:
+        ids: list[int] = []
+        if self.enable_prefix_caching:
+            for h in block_hashes:
+                b = self._cached.get(h)
+                if b is None:
+                    break
+                ids.append(b)
+        return PrefixMatch(tuple(ids), sum(1 for b in ids if self._ref[b] == 0))
+
+    def acquire(self, block_ids: Sequence[int]) -> None:
+        """Takes a reference on already-cached blocks (a prefix hit)."""
+        for b in block_ids:
+            if self._ref[b] == 0:
+                if self._hash_of[b] is None:
+                    raise ValueError(f"block {b} is free and holds nothing; allocate() it instead")
+                del self._evictable[b]
+            self._ref[b] += 1
+
+    def commit(self, block_ids: Sequence[int], block_hashes: Sequence[int]) -> None:
+        """Registers full, computed blocks under their hashes (``stored``).
+        A hash that is already cached in another block stays with that one."""
+        if not self.enable_prefix_caching:
+            return
+        stored = []
+        for b, h in zip(block_ids, block_hashes):
+            if self._hash_of[b] is not None or h in self._cached:
+                continue
+            self._hash_of[b] = h
+            self._cached[h] = b
+            stored.append(h)
+        if stored and self.on_event:
+            self.on_event("stored", stored)
+
+    def cached_hashes(self) -> list[int]:
+        """Every hash held now (for republishing to a global index)."""
+        return list(self._cached)
+
+    # ---- allocation --------------------------------------------------
+    def can_allocate(self, n: int) -> bool:
+        return n <= self.num_free_blocks
+
+    def allocate(self, n: int) -> list[int] | None:
+        """``n`` fresh blocks (ref 1), or None (and no change) if not enough."""
+        if n > self.num_free_blocks:
+            return None
+        out, evicted = [], []
+        for _ in range(n):
+            if self._free:
+                b = self._free.popleft()
+            else:
+                b, _ = self._evictable.popitem(last=False)
+                h = self._hash_of[b]
+                del self._cached[h]
+                self._hash_of[b] = None
+                evicted.append(h)
+            self._ref[b] = 1
+            out.append(b)
+        if evicted:
+            self.num_evictions += len(evicted)
+            if self.on_event:
+                self.on_event("evicted", evicted)
+        return out
+
+    def free(self, block_ids: Sequence[int]) -> None:
+        """Drops one reference on each block, last block first."""
+        for b in reversed(block_ids):
+            if self._ref[b] <= 0:
+                raise ValueError(f"block {b} freed more often than it was taken")
+            self._ref[b] -= 1
+            if self._ref[b] == 0:
+                if self._hash_of[b] is not None:
+                    self._evictable[b] = None
+                else:
+                    self._free.append(b)
+
+    def reset_prefix_cache(self) -> int:
+        """Forgets every unreferenced cached block; returns how many."""
+        dropped = [self._hash_of[b] for b in self._evictable]
+        for b in list(self._evictable):
+            del self._cached[self._hash_of[b]]
+            self._hash_of[b] = None
+            self._free.append(b)
+        self._evictable.clear()
+        if dropped and self.on_event:
+            self.on_event("evicted", dropped)
+        return len(dropped)
+
+    # ---- checks ------------------------------------------------------
+    def check_integrity(self) -> None:
+        """Asserts the three block states partition the pool consistently."""
+        n = self.num_total_blocks
+        free, evictable = set(self._free), set(self._evictable)
+        assert len(free) == len(self._free), "duplicate block in the free list"
+        assert not free & evictable, "block both free and evictable"
+        for b in range(n):
+            ref, h = self._ref[b], self._hash_of[b]
+            assert ref >= 0, f"block {b} has ref {ref}"
+            if ref > 0:
+                assert b not in free and b not in evictable, f"in-use block {b} is listed free"
+            elif h is None:
+                assert b in free, f"block {b} (ref 0, uncached) is lost"
+            else:
+                assert b in evictable, f"block {b} (ref 0, cached) is not evictable"
+            if h is not None:
+                assert self._cached.get(h) == b, f"block {b} hash {h} not in the cache map"
+        assert len(self._cached) == sum(h is not None for h in self._hash_of)

@@ -1,0 +1,125 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2, SmolLM2): RMSNorm, RoPE, GQA,
+SwiGLU, tied or untied embeddings.  Projections are fused (qkv, gate_up) so a
+layer is a handful of large matmuls; attention reads and writes the paged KV
+pool through ``kernels.ops``."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels import ops
+from kernels.rope import rope_cos_sin
+from services.engine.forward_batch import ForwardBatch
+from services.engine.model.config import ModelConfig
+from services.engine.model.rope_scaling import rope_inv_freq
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, index: int):
+        super().__init__()
+        self.cfg, self.index = cfg, index
+        h = cfg.hidden_size
+        self.qkv_proj = nn.Linear(h, cfg.q_size + 2 * cfg.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(cfg.q_size, h, bias=False)
+        self.gate_up_proj = nn.Linear(h, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, h, bias=False)
+        self.input_layernorm = nn.Parameter(torch.ones(h))
+        self.post_attention_layernorm = nn.Parameter(torch.ones(h))
+        self.scale = cfg.head_dim ** -0.5
+
+    def attention(self, x: torch.Tensor, batch: ForwardBatch, kv_pool: torch.Tensor,
+                  cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        cfg = self.cfg
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        q = q.reshape(-1, cfg.num_heads, cfg.head_dim)
+        k = k.reshape(-1, cfg.num_kv_heads, cfg.head_dim)
+        v = v.reshape(-1, cfg.num_kv_heads, cfg.head_dim)
+        q, k = ops.apply_rope(q.contiguous(), k.contiguous(), batch.positions, cos, sin)
+        ops.write_kv(kv_pool, self.index, k, v, batch.slot_mapping)
+        d = batch.num_decode_tokens
+        parts = []
+        if d:
+            parts.append(ops.paged_decode_attention(
+                q[:d], kv_pool, self.index, batch.decode_block_tables, batch.decode_context_lens, self.scale))
+        if batch.num_tokens > d:
+            parts.append(ops.prefill_attention(
+                q[d:], kv_pool, self.index, batch.prefill_block_tables,
+                batch.prefill_query_start_loc, batch.prefill_context_lens, self.scale))
+        out = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return self.o_proj(out.reshape(-1, cfg.q_size))
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.register_buffer("rope_cos", torch.empty(0), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(0), persistent=False)
+        self.reset_rope()
+
+    def reset_rope(self) -> None:
+        """(Re)builds the fp32 cos/sin caches; call after moving or casting the model."""
+        cfg = self.cfg
+        if self.embed_tokens.weight.device.type == "meta":
+            return  # built for real after to_empty()
+        inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        cos, sin = rope_cos_sin(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, inv_freq)
+        device = self.embed_tokens.weight.device
+        self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, kv_pool: torch.Tensor) -> torch.Tensor:
+        """Returns fp32 logits [len(batch.logits_indices), vocab]."""
+        eps = self.cfg.rms_norm_eps
+        hidden = self.embed_tokens(batch.input_ids)
+        residual = hidden
+        x = ops.rmsnorm(hidden, self.layers[0].input_layernorm, eps)
+        for i, layer in enumerate(self.layers):
+            if i > 0:
+                x, residual = ops.fused_add_rmsnorm(x, residual, layer.input_layernorm, eps)
+            attn = layer.attention(x, batch, kv_pool, self.rope_cos, self.rope_sin)
+            x, residual = ops.fused_add_rmsnorm(attn, residual, layer.post_attention_layernorm, eps)
+            x = layer.mlp(x)
+        residual = residual.index_select(0, batch.logits_indices)
+        x = x.index_select(0, batch.logits_indices)
+        x, _ = ops.fused_add_rmsnorm(x, residual, self.norm, eps)
+        return F.linear(x, self.lm_head_weight).float()
+
+    def load_hf_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Loads weights named as in Hugging Face checkpoints, fusing q/k/v and
+        gate/up.  Raises ``KeyError`` naming any missing tensor."""
+        def take(name: str) -> torch.Tensor:
+            if name not in state:
+                raise KeyError(f"checkpoint lacks tensor {name!r}")
+            return state[name]
+
+        with torch.no_grad():
+            self.embed_tokens.weight.copy_(take("model.embed_tokens.weight"))
+            self.norm.copy_(take("model.norm.weight"))
+            if self.lm_head is not None:
+                self.lm_head.weight.copy_(state.get("lm_head.weight", state["model.embed_tokens.weight"]))
+            for i, layer in enumerate(self.layers):
+                p = f"model.layers.{i}."
+                layer.qkv_proj.weight.copy_(torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]))
+                if layer.qkv_proj.bias is not None:
+                    layer.qkv_proj.bias.copy_(torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"]))
+                layer.o_proj.weight.copy_(take(p + "self_attn.o_proj.weight"))
+                layer.gate_up_proj.weight.copy_(torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]))
+                layer.down_proj.weight.copy_(take(p + "mlp.down_proj.weight"))
+                layer.input_layernorm.copy_(take(p + "input_layernorm.weight"))
+                layer.post_attention_layernorm.copy_(take(p + "post_attention_layernorm.weight"))

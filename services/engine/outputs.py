@@ -1,0 +1,63 @@
+"""What the engine hands back per request and step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from services.engine.request import FinishReason
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    """A prefill-only request's hand-off: its blocks stay pinned under the
+    lease ``lease_id`` (== request id) until released or expired."""
+    first_token_id: int
+    block_ids: tuple[int, ...]
+    num_tokens: int          # prompt tokens whose K/V the blocks hold
+    num_cached_tokens: int   # of those, found in the prefix cache
+
+
+@dataclass(frozen=True)
+class ExternalKVAllocation:
+    """Blocks reserved for a prompt whose K/V arrives from outside.
+    ``block_ids[:num_cached_blocks]`` already hold it (local prefix hit);
+    the caller fills the rest, then commits."""
+    request_id: str
+    block_ids: tuple[int, ...]
+    num_cached_blocks: int
+
+    @property
+    def missing_block_ids(self) -> tuple[int, ...]:
+        return self.block_ids[self.num_cached_blocks:]
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int] = field(default_factory=list)
+    text_delta: str = ""
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0
+    prefill: PrefillResult | None = None
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_awaiting_kv: int
+    kv_blocks_total: int
+    kv_blocks_free: int
+    kv_blocks_cached: int
+    leased_blocks: int
+    prompt_tokens_computed: int
+    prompt_tokens_cached: int
+    num_preemptions: int
+    num_steps: int
+
+    @property
+    def kv_usage(self) -> float:
+        return 1 - self.kv_blocks_free / self.kv_blocks_total

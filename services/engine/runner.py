@@ -1,0 +1,92 @@
+"""Turns a scheduled step into one batched forward and samples its tokens."""
+
+from __future__ import annotations
+
+import torch
+
+from services.engine.forward_batch import ForwardBatch
+from services.engine.kv_cache import KVCache
+from services.engine.model.llama import LlamaModel
+from services.engine.request import Request
+from services.engine.sampler import Sampler
+from services.engine.scheduler import ScheduledRequest, SchedulerOutput
+
+
+def _token_at(req: Request, pos: int) -> int:
+    n = req.num_prompt_tokens
+    return req.prompt_token_ids[pos] if pos < n else req.output_token_ids[pos - n]
+
+
+def _tokens(req: Request, start: int, end: int) -> list[int]:
+    n = req.num_prompt_tokens
+    if end <= n:
+        return req.prompt_token_ids[start:end]
+    return (req.prompt_token_ids + req.output_token_ids)[start:end]
+
+
+def _table(rows: list[list[int]]) -> torch.Tensor:
+    width = max((len(r) for r in rows), default=0)
+    return torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int32).reshape(len(rows), width)
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, kv: KVCache, device: str | torch.device = "cpu"):
+        self.model = model
+        self.kv = kv
+        self.device = torch.device(device)
+        self.block_size = kv.spec.block_size
+        self.sampler = Sampler()
+
+    def build_batch(self, out: SchedulerOutput) -> tuple[ForwardBatch, list[Request]]:
+        """The step's ForwardBatch and, in row order, the requests to sample."""
+        bs = self.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        logits_rows: list[int] = []
+        sampled: list[Request] = []
+
+        def place(s: ScheduledRequest) -> None:
+            r, start = s.request, s.request.num_computed_tokens
+            end = start + s.num_new_tokens
+            ids.extend(_tokens(r, start, end) if s.num_new_tokens > 1 else [_token_at(r, start)])
+            pos.extend(range(start, end))
+            table = r.block_ids
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            if s.samples:
+                logits_rows.append(len(ids) - 1)
+                sampled.append(r)
+
+        for s in out.decodes:
+            place(s)
+        q_starts = [0]
+        for s in out.prefills:
+            place(s)
+            q_starts.append(q_starts[-1] + s.num_new_tokens)
+        dev = self.device
+
+        def t(x, dtype):
+            return torch.tensor(x, dtype=dtype, device=dev)
+
+        batch = ForwardBatch(
+            input_ids=t(ids, torch.int64),
+            positions=t(pos, torch.int64),
+            slot_mapping=t(slots, torch.int64),
+            num_decode_tokens=len(out.decodes),
+            decode_block_tables=_table([s.request.block_ids for s in out.decodes]).to(dev),
+            decode_context_lens=t([s.request.num_computed_tokens + 1 for s in out.decodes], torch.int32),
+            prefill_block_tables=_table([s.request.block_ids for s in out.prefills]).to(dev),
+            prefill_query_start_loc=t(q_starts, torch.int32),
+            prefill_context_lens=t([s.request.num_computed_tokens + s.num_new_tokens for s in out.prefills], torch.int32),
+            logits_indices=t(logits_rows, torch.int64),
+        )
+        return batch, sampled
+
+    def execute(self, out: SchedulerOutput) -> dict[str, tuple[int, torch.Tensor]]:
+        """Runs the step; returns request id -> (sampled token, its logits row)."""
+        batch, to_sample = self.build_batch(out)
+        logits = self.model(batch, self.kv.kv_pool)
+        if not to_sample:
+            return {}
+        tokens = self.sampler.sample(logits, [r.request_id for r in to_sample], [r.params for r in to_sample])
+        return {r.request_id: (tok, logits[i]) for i, (r, tok) in enumerate(zip(to_sample, tokens))}

@@ -1,0 +1,230 @@
+"""Iteration-level continuous batching with chunked prefill.
+
+Each ``schedule()`` spends a token budget:
+
+1. running requests, oldest first: a decode token, or the next prefill chunk
+   (at most ``prefill_chunk_size``).  If the pool cannot hold a request's new
+   tokens, the *newest* running request is preempted by recompute (blocks
+   freed, full ones stay in the prefix cache, back to the waiting queue head)
+   until it can -- or the request itself was the newest.
+2. waiting requests, first come first served, while seats, budget and the
+   KV watermarks allow; leading blocks found in the prefix cache are taken
+   by reference and skipped by compute.  Nothing is admitted in a step that
+   preempted.
+
+The scheduler never runs the model; ``update()`` applies the step's result.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from prefix_store.hashing import hash_prompt_blocks
+from services.engine.config import SchedulerConfig
+from services.engine.kv_cache import KVCache
+from services.engine.request import FinishReason, Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step's last token yields a new token (prompt done)."""
+        r = self.request
+        return r.num_computed_tokens + self.num_new_tokens == r.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    decodes: list[ScheduledRequest] = field(default_factory=list)   # one token each
+    prefills: list[ScheduledRequest] = field(default_factory=list)  # chunks
+    preempted: list[Request] = field(default_factory=list)
+
+    def add(self, entry: ScheduledRequest) -> None:
+        # Any one-token step (a decode, or a prompt's last token after a
+        # cache hit) has the decode shape: one query over paged KV.
+        (self.decodes if entry.num_new_tokens == 1 else self.prefills).append(entry)
+
+    @property
+    def scheduled(self) -> list[ScheduledRequest]:
+        return self.decodes + self.prefills
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.decodes and not self.prefills
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCache, hash_seed: int):
+        self.config = config
+        self.kv = kv
+        self.block_size = kv.spec.block_size
+        self.hash_seed = hash_seed
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._admission_paused = False
+        self.num_preemptions = 0
+        self.num_prompt_tokens_computed = 0
+        self.num_prompt_tokens_cached = 0
+
+    # ---- hashing -----------------------------------------------------
+    def update_hashes(self, req: Request) -> list[int]:
+        """Extends ``req.block_hashes`` to every full block of its tokens."""
+        n_full = req.num_tokens // self.block_size
+        if len(req.block_hashes) < n_full:
+            start = len(req.block_hashes)
+            parent = req.block_hashes[-1] if start else None
+            tokens = req.all_token_ids[: n_full * self.block_size]
+            req.block_hashes.extend(hash_prompt_blocks(self.hash_seed, tokens, self.block_size, start, parent))
+        return req.block_hashes
+
+    def commit_computed_blocks(self, req: Request) -> None:
+        """Puts the request's newly full, computed blocks into the prefix cache."""
+        n_full = req.num_computed_tokens // self.block_size
+        hashes = self.update_hashes(req)[:n_full]
+        self.kv.commit(req.block_ids[:n_full], hashes)
+
+    # ---- queue -------------------------------------------------------
+    def add(self, req: Request) -> None:
+        req.status = RequestStatus.WAITING
+        self.waiting.append(req)
+
+    def remove(self, req: Request) -> None:
+        """Takes an unfinished request out of the queues and frees its blocks."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.free_blocks(req)
+
+    def free_blocks(self, req: Request) -> None:
+        if req.block_ids:
+            self.kv.free(req.block_ids)
+        req.block_ids = []
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # ---- one step ----------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if req.num_computed_tokens < req.num_prompt_tokens:
+                num_new = min(num_new, self.config.prefill_chunk_size)
+            if not self._grow(req, num_new, out):
+                break  # req itself was preempted
+            out.add(ScheduledRequest(req, num_new))
+            budget -= num_new
+            i += 1
+        if not out.preempted:
+            self._admit(out, budget)
+        return out
+
+    def _grow(self, req: Request, num_new: int, out: SchedulerOutput) -> bool:
+        """Allocates blocks for ``num_new`` more tokens, preempting the newest
+        running requests as needed.  False if ``req`` itself got preempted."""
+        need = _cdiv(req.num_computed_tokens + num_new, self.block_size) - len(req.block_ids)
+        while need > 0 and not self.kv.can_allocate(need):
+            victim = self.running.pop()
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if victim is req:
+                return False
+        if need > 0:
+            req.block_ids.extend(self.kv.allocate(need))
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        self.free_blocks(req)
+        req.num_computed_tokens = 0
+        req.num_cached_tokens = 0
+        req.num_preemptions += 1
+        req.status = RequestStatus.WAITING
+        self.waiting.appendleft(req)
+        self.num_preemptions += 1
+        self._admission_paused = True
+
+    def _admission_open(self) -> bool:
+        usage = self.kv.usage
+        if self._admission_paused and usage < self.config.kv_watermark_low:
+            self._admission_paused = False
+        return not self._admission_paused
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        cfg, bs = self.config, self.block_size
+        while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
+            if self.running and not self._admission_open():
+                return
+            req = self.waiting[0]
+            # Keep at least one token to compute: its logits give the next token.
+            hashes = self.update_hashes(req)[: (req.num_tokens - 1) // bs]
+            match = self.kv.match_prefix(hashes)
+            cached = match.num_blocks * bs
+            num_new = min(req.num_tokens - cached, budget)
+            if cached + num_new < req.num_prompt_tokens:
+                num_new = min(num_new, cfg.prefill_chunk_size)
+            need = _cdiv(cached + num_new, bs) - match.num_blocks
+            free_after = self.kv.num_free_blocks - match.num_evictable - need
+            if free_after < 0:
+                return
+            if self.running and 1 - free_after / self.kv.num_total_blocks > cfg.kv_watermark_high:
+                self._admission_paused = True
+                return
+            self.waiting.popleft()
+            self.kv.acquire(match.block_ids)
+            req.block_ids = list(match.block_ids) + self.kv.allocate(need)
+            req.num_computed_tokens = req.num_cached_tokens = cached
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            self.num_prompt_tokens_cached += cached
+            out.add(ScheduledRequest(req, num_new))
+            budget -= num_new
+
+    # ---- after the forward ---------------------------------------------
+    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Advances counters, appends sampled tokens, caches full blocks.
+        Returns requests that got a new token this step."""
+        got_token = []
+        for s in out.scheduled:
+            req = s.request
+            if req.num_computed_tokens < req.num_prompt_tokens:
+                self.num_prompt_tokens_computed += min(s.num_new_tokens, req.num_prompt_tokens - req.num_computed_tokens)
+            req.num_computed_tokens += s.num_new_tokens
+            self.commit_computed_blocks(req)
+            if req.request_id in sampled:
+                req.output_token_ids.append(sampled[req.request_id])
+                got_token.append(req)
+        return got_token
+
+    def finish(self, req: Request, reason: FinishReason, keep_blocks: bool = False) -> list[int]:
+        """Ends a request; frees its blocks unless ``keep_blocks`` (then the
+        caller owns them, e.g. under a lease).  Returns the block ids."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        blocks = req.block_ids
+        if keep_blocks:
+            req.block_ids = []
+        else:
+            self.free_blocks(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        return blocks
