@@ -77,4 +77,4 @@ class Request:
     def check_invariants(self, block_size: int) -> None:
         assert 0 <= self.num_cached_tokens <= self.num_computed_tokens <= self.num_tokens, self
         assert len(self.block_ids) * block_size >= self.num_computed_tokens, self
-        assert len(self.block_hashes) <= len(self.block_ids) or self.status is RequestStatus.WAITING, self
+        assert len(self.block_hashes) <= self.num_tokens // block_size, self

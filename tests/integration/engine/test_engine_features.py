@@ -1,0 +1,159 @@
+"""Prefix reuse, the disaggregation hooks, sampling controls, bad input and
+the async front, on the real model."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from kernels.block_copy import gather_blocks_ref, scatter_blocks_ref
+from services.engine.async_engine import AsyncEngine
+from services.engine.errors import InvalidRequestError, RequestTooLongError
+from services.engine.request import FinishReason
+from services.engine.sampling_params import SamplingParams, greedy
+from tests.integration.engine.conftest import document, make_engine
+
+
+def _no_leak(engine):
+    engine.check_integrity()
+    assert engine.kv.num_free_blocks == engine.kv.num_total_blocks
+
+
+def test_shared_512_token_prefix_computes_only_the_suffix(smol_fp32):
+    tok = smol_fp32.tokenizer
+    prefix = tok.encode(document(60))[:512]
+    first, second = prefix + tok.encode(" Question one:"), prefix + tok.encode(" A different ending here:")
+    engine = make_engine(smol_fp32)
+    engine.generate([first], greedy(8))
+    computed_before = engine.stats().prompt_tokens_computed
+    out = engine.generate([second], greedy(16))[0]
+    computed = engine.stats().prompt_tokens_computed - computed_before
+    assert out.num_cached_tokens == 512
+    assert computed == len(second) - 512
+    fresh = make_engine(smol_fp32).generate([second], greedy(16))[0]
+    assert out.new_token_ids == fresh.new_token_ids
+    _no_leak(engine)
+
+
+def test_prefill_only_then_external_kv_decode_equals_one_engine(smol_fp32):
+    tok = smol_fp32.tokenizer
+    prompt = tok.apply_chat_template([{"role": "user", "content": "Tell me about " + document(5)}])
+    params = greedy(24, ignore_eos=True)
+    whole = make_engine(smol_fp32).generate([prompt], params)[0].new_token_ids
+
+    prefill, decode = make_engine(smol_fp32), make_engine(smol_fp32)
+    decode.generate([prompt[:40] + [7, 8, 9]], greedy(2))  # decode side already holds 2 leading blocks
+    prefill.add_request("r", prompt, params, prefill_only=True)
+    outs = []
+    while prefill.has_unfinished():
+        outs += prefill.step()
+    (done,) = [o for o in outs if o.finished]
+    assert done.finish_reason is FinishReason.PREFILLED and done.prefill.num_tokens == len(prompt)
+    assert prefill.leases.num_pinned_blocks == len(done.prefill.block_ids)
+
+    alloc = decode.reserve_external("r", prompt, params)
+    assert alloc.num_cached_blocks == 2
+    remote = done.prefill.block_ids[alloc.num_cached_blocks:]
+    import torch
+    buf = gather_blocks_ref(prefill.kv.kv_pool, torch.tensor(remote))
+    scatter_blocks_ref(decode.kv.kv_pool, torch.tensor(alloc.missing_block_ids), buf)
+    assert prefill.release_lease("r")
+    _no_leak(prefill)
+    decode.commit_external("r", done.prefill.first_token_id)
+    tokens = [done.prefill.first_token_id]
+    while decode.has_unfinished():
+        tokens += [t for o in decode.step() for t in o.new_token_ids]
+    assert tokens == whole
+    _no_leak(decode)
+
+
+def test_expired_lease_frees_blocks(smol_bf16):
+    engine = make_engine(smol_bf16)
+    engine.leases.default_ttl_s = 0.01
+    engine.add_request("x", [1, 2, 3, 4, 5] * 10, greedy(4), prefill_only=True)
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.leases.num_pinned_blocks > 0
+    import time
+    time.sleep(0.02)
+    engine.step()
+    assert engine.leases.num_expired == 1
+    _no_leak(engine)
+
+
+def test_seeded_sampling_is_reproducible_and_top_k_1_is_greedy(smol_bf16):
+    engine = make_engine(smol_bf16)
+    prompt = smol_bf16.tokenizer.encode("The weather today is")
+    p = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=1234, ignore_eos=True)
+    a, b = engine.generate([prompt, prompt], [p, p])
+    assert a.new_token_ids == b.new_token_ids
+    k1 = engine.generate([prompt], SamplingParams(max_tokens=12, temperature=1.0, top_k=1, ignore_eos=True))[0]
+    assert k1.new_token_ids == engine.generate([prompt], greedy(12, ignore_eos=True))[0].new_token_ids
+    _no_leak(engine)
+
+
+def test_stop_strings_and_stop_token_ids(smol_bf16):
+    engine = make_engine(smol_bf16)
+    prompt = smol_bf16.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+    full = engine.generate([prompt], greedy(20))[0]
+    assert "Paris" in full.text_delta
+    stopped = engine.generate([prompt], greedy(20, stop=("Paris",)))[0]
+    assert stopped.finish_reason is FinishReason.STOP and stopped.text_delta == full.text_delta.split("Paris")[0]
+    by_id = engine.generate([prompt], greedy(20, stop_token_ids=(full.new_token_ids[2],)))[0]
+    assert by_id.new_token_ids == full.new_token_ids[:3] and by_id.finish_reason is FinishReason.STOP
+    assert engine.generate([prompt], greedy(2))[0].finish_reason is FinishReason.LENGTH
+    _no_leak(engine)
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda e: e.add_request("a", [], greedy(4)), "prompt is empty"),
+    (lambda e: e.add_request("a", [1] * 9000, greedy(4)), "context is 8192"),
+    (lambda e: e.add_request("a", [1] * 8000, greedy(500)), "lower max_tokens to at most 192"),
+    (lambda e: e.add_request("a", [1, 2], greedy(100_000)), "context is 8192"),
+    (lambda e: e.add_request("a", [1, 10**9], greedy(4)), "outside this model's vocabulary"),
+    (lambda e: SamplingParams(max_tokens=0), "max_tokens must be an integer >= 1"),
+    (lambda e: SamplingParams(temperature=-1), "temperature must be >= 0"),
+    (lambda e: SamplingParams(top_p=0), r"top_p must be in \(0, 1\]"),
+    (lambda e: SamplingParams(top_p=1.5), r"top_p must be in \(0, 1\]"),
+    (lambda e: SamplingParams(stop=[1, 2]), "stop must be a string or a list of strings"),
+])
+def test_bad_input_is_a_typed_error_naming_the_fix(smol_bf16, make, match):
+    engine = make_engine(smol_bf16)
+    with pytest.raises(InvalidRequestError, match=match):
+        make(engine)
+    _no_leak(engine)
+
+
+def test_request_larger_than_pool_is_refused_at_admission(smol_bf16):
+    engine = make_engine(smol_bf16, num_kv_blocks=8)
+    with pytest.raises(RequestTooLongError, match="raise kv_cache_bytes"):
+        engine.add_request("a", [1] * 100, greedy(64))
+
+
+async def test_async_engine_streams_and_consumer_leaving_aborts(smol_bf16):
+    engine = make_engine(smol_bf16)
+    aeng = AsyncEngine(engine)
+    try:
+        prompt = smol_bf16.tokenizer.encode("Count with me: one, two, three,")
+
+        async def collect(rid, n):
+            toks = []
+            async for out in aeng.generate(rid, prompt, greedy(n, ignore_eos=True)):
+                toks += out.new_token_ids
+            return toks
+
+        a, b = await asyncio.gather(collect("a", 10), collect("b", 6))
+        assert len(a) == 10 and a[:6] == b
+        stream = aeng.generate("c", prompt, greedy(200, ignore_eos=True))
+        async for _ in stream:
+            break
+        await stream.aclose()
+        await aeng.run(lambda e: None)  # a round trip through the engine thread
+        assert await aeng.run(lambda e: (e.has_unfinished(), e.kv.num_free_blocks == e.kv.num_total_blocks)) == (False, True)
+        with pytest.raises(InvalidRequestError):
+            async for _ in aeng.generate("d", [], greedy(3)):
+                pass
+    finally:
+        await aeng.shutdown()
+    _no_leak(engine)

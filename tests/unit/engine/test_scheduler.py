@@ -1,0 +1,131 @@
+"""Scheduler decisions on a tiny pool, no model: exact chunks, block ids,
+preemption order and prefix-cache skips."""
+
+import torch
+
+from services.engine.config import SchedulerConfig
+from services.engine.kv_cache import KVCache, KVCacheSpec
+from services.engine.request import FinishReason, Request, RequestStatus
+from services.engine.sampling_params import greedy
+from services.engine.scheduler import Scheduler
+
+BS = 4
+
+
+def make_scheduler(num_blocks=8, **cfg):
+    kv = KVCache(KVCacheSpec(num_blocks, BS, 1, 1, 2, torch.float32))
+    return Scheduler(SchedulerConfig(**cfg), kv, hash_seed=42)
+
+
+def make_request(rid, n_prompt, max_tokens=8, first=0):
+    return Request(rid, list(range(first, first + n_prompt)), greedy(max_tokens))
+
+
+def step(s, token=7):
+    """One scheduled step with a fake model that always samples ``token``."""
+    out = s.schedule()
+    sampled = {e.request.request_id: token for e in out.scheduled if e.samples}
+    s.update(out, sampled)
+    for req in list(s.running):
+        req.check_invariants(BS)
+    s.kv.check_integrity()
+    return out
+
+
+def test_chunked_prefill_then_decode_within_budget():
+    s = make_scheduler(num_blocks=16, max_num_batched_tokens=8, prefill_chunk_size=5)
+    a = make_request("a", 12)
+    s.add(a)
+    out = step(s)
+    assert [(e.request.request_id, e.num_new_tokens) for e in out.prefills] == [("a", 5)]
+    assert a.block_ids == [0, 1] and a.num_computed_tokens == 5 and not a.output_token_ids
+    step(s)  # 5 more
+    out = step(s)  # last 2 prompt tokens, samples the first output token
+    assert out.prefills[0].num_new_tokens == 2 and a.output_token_ids == [7]
+    out = step(s)
+    assert [e.num_new_tokens for e in out.decodes] == [1] and a.num_computed_tokens == 13
+
+
+def test_budget_is_shared_decode_first():
+    s = make_scheduler(num_blocks=16, max_num_batched_tokens=6, prefill_chunk_size=16)
+    a, b = make_request("a", 3), make_request("b", 10, first=100)
+    s.add(a)
+    step(s)  # a prefilled (3 tokens)
+    s.add(b)
+    out = step(s)
+    assert [e.request.request_id for e in out.decodes] == ["a"]
+    assert [(e.request.request_id, e.num_new_tokens) for e in out.prefills] == [("b", 5)]
+
+
+def test_preempts_newest_by_recompute_and_keeps_its_full_blocks_cached():
+    s = make_scheduler(num_blocks=4, max_num_batched_tokens=32, kv_watermark_high=1.0, kv_watermark_low=1.0)
+    a, b = make_request("a", 7, max_tokens=10), make_request("b", 6, max_tokens=10, first=50)
+    s.add(a)
+    s.add(b)
+    step(s)
+    assert a.block_ids == [0, 1] and b.block_ids == [2, 3]
+    step(s)  # a: 8 tokens fit in 2 blocks; b: 7 tokens fit
+    out = step(s)  # a needs a 3rd block -> b (newest) preempted
+    assert out.preempted == [b] and b.status is RequestStatus.WAITING and b.num_computed_tokens == 0
+    assert a.block_ids == [0, 1, 3] and s.waiting[0] is b
+    assert s.num_preemptions == 1
+    # b's first full block (tokens 50..53) stayed in the prefix cache as block 2.
+    assert s.kv.match_prefix(b.block_hashes[:1]).block_ids == (2,)
+
+
+def test_waiting_request_reuses_cached_prefix_and_skips_compute():
+    s = make_scheduler(num_blocks=16)
+    a = make_request("a", 10, max_tokens=1)
+    s.add(a)
+    step(s)
+    s.finish(a, FinishReason.LENGTH)
+    b = Request("b", list(range(10)) + [99, 98], greedy(4))
+    s.add(b)
+    out = step(s)
+    # 2 full blocks (8 tokens) hit; only 4 suffix tokens are computed.
+    assert b.num_cached_tokens == 8 and out.prefills[0].num_new_tokens == 4
+    assert b.block_ids[:2] == a.block_ids[:0] + [0, 1]
+
+
+def test_full_hit_still_computes_the_last_token():
+    s = make_scheduler(num_blocks=16)
+    a = make_request("a", 8, max_tokens=1)
+    s.add(a)
+    step(s)
+    s.finish(a, FinishReason.LENGTH)
+    b = make_request("b", 8)
+    s.add(b)
+    out = step(s)
+    assert b.num_cached_tokens == 4 and [e.num_new_tokens for e in out.prefills] == [4]
+
+
+def test_max_num_seqs_caps_running():
+    s = make_scheduler(num_blocks=10, max_num_seqs=2)
+    for i in range(3):
+        s.add(make_request(str(i), 4, first=10 * i))
+    step(s)
+    assert [r.request_id for r in s.running] == ["0", "1"] and len(s.waiting) == 1
+
+
+def test_high_watermark_pauses_admission_until_usage_below_low():
+    s = make_scheduler(num_blocks=10, kv_watermark_high=0.5, kv_watermark_low=0.35)
+    reqs = [make_request(str(i), 8, max_tokens=1, first=10 * i) for i in range(3)]
+    for r in reqs:
+        s.add(r)
+    step(s)
+    # 2 blocks each: usage 0.2, 0.4, then 0.6 > 0.5 -> the third waits.
+    assert [r.request_id for r in s.running] == ["0", "1"] and s.waiting[0] is reqs[2]
+    s.finish(reqs[0], FinishReason.LENGTH)   # usage 0.3 (b grew a block) < 0.35: reopens
+    step(s)
+    assert reqs[2] in s.running
+
+
+def test_finish_keep_blocks_hands_them_over():
+    s = make_scheduler()
+    a = make_request("a", 5)
+    s.add(a)
+    step(s)
+    blocks = s.finish(a, FinishReason.PREFILLED, keep_blocks=True)
+    assert blocks == [0, 1] and s.kv.num_free_blocks == 6
+    s.kv.free(blocks)
+    assert s.kv.num_free_blocks == 8
