@@ -1,0 +1,118 @@
+"""Prefill attention over a cached prefix in Triton (ragged batch, paged KV).
+
+One program owns (query tile m, sequence s, query head h): ``BLOCK_M`` of
+the sequence's new tokens against every key they may see, ``BLOCK_N`` keys
+at a time, with an online softmax.  Query row i (0-based inside the chunk)
+sits at position ``prefix + i`` and sees keys ``0 .. prefix + i``::
+
+    keys of s:  [ cached prefix (prefix = ctx - q_len) | new chunk (q_len) ]
+    tile m:                                             [rows m*BM .. m*BM+BM)
+    keys read:  0 .. prefix + min((m+1)*BM, q_len)      (causal upper bound)
+
+Rows past ``q_len`` are clamped to the last real row (so no row is ever all
+-inf) and never stored.  Launch grid (cdiv(max_q_len, BLOCK_M), S, heads).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.triton_common import check_device, dot_f32, interpreting, next_pow2
+
+BLOCK_M = 64
+BLOCK_N = 64
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, kv_ptr, bt_ptr, qsl_ptr, ctx_ptr, out_ptr,
+    qk_scale_log2, layer_offset,
+    stride_qt, stride_qh, stride_kvb, stride_kvkv, stride_kvt, stride_kvh,
+    stride_bts, stride_ot, stride_oh,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    seq = tl.program_id(1)
+    head = tl.program_id(2)
+    q_start = tl.load(qsl_ptr + seq)
+    q_len = tl.load(qsl_ptr + seq + 1) - q_start
+    prefix = tl.load(ctx_ptr + seq) - q_len
+    offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < q_len
+    q_pos = prefix + tl.minimum(offs_m, q_len - 1)
+    # An empty tile (past q_len) reads no keys and stores nothing.
+    kv_end = tl.where(tile * BLOCK_M < q_len, prefix + tl.minimum((tile + 1) * BLOCK_M, q_len), 0)
+
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    rows = (q_start + offs_m).to(tl.int64)
+    q = tl.load(q_ptr + rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+                mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+
+    kv_base = kv_ptr + layer_offset + (head // GROUP) * stride_kvh
+    bt_row = bt_ptr + seq.to(tl.int64) * stride_bts
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for n0 in range(0, kv_end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < kv_end
+        block = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+        ptrs = kv_base + (block * stride_kvb + (offs_n % BLOCK_SIZE) * stride_kvt)[:, None] + offs_d[None, :]
+        tile_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(ptrs, mask=tile_mask, other=0.0).to(q.dtype)
+        s = dot_f32(q, tl.trans(k), UPCAST_DOT) * qk_scale_log2
+        s = tl.where(offs_n[None, :] <= q_pos[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(ptrs + stride_kvkv, mask=tile_mask, other=0.0).to(q.dtype)
+        acc = acc * alpha[:, None] + dot_f32(p.to(q.dtype), v, UPCAST_DOT)
+        m_i = m_new
+
+    o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    o_ptrs = out_ptr + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :]
+    tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+
+
+def prefill_attention_triton(
+    q: torch.Tensor,
+    kv_pool: torch.Tensor,
+    layer: int,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    max_query_len: int | None = None,
+) -> torch.Tensor:
+    """Same contract as :func:`kernels.prefill_attention.prefill_attention_ref`.
+    ``max_query_len`` sizes the grid; when omitted it is read from
+    ``query_start_loc`` (one device sync).  Needs unit stride on head_dim."""
+    check_device(q, kv_pool, block_tables, query_start_loc, context_lens)
+    num_tokens, heads, head_dim = q.shape
+    block_size, kv_heads = kv_pool.shape[3], kv_pool.shape[4]
+    if heads % kv_heads:
+        raise ValueError(f"{heads} query heads are not a multiple of {kv_heads} kv heads")
+    if q.stride(-1) != 1 or kv_pool.stride(-1) != 1:
+        raise ValueError("prefill_attention_triton needs unit stride on head_dim")
+    out = torch.empty_like(q)
+    num_seqs = context_lens.shape[0]
+    if max_query_len is None:
+        max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max()) if num_seqs else 0
+    if num_tokens == 0 or max_query_len == 0:
+        return out
+    grid = (triton.cdiv(max_query_len, BLOCK_M), num_seqs, heads)
+    _prefill_kernel[grid](
+        q, kv_pool, block_tables, query_start_loc, context_lens, out,
+        scale * 1.4426950408889634, layer * kv_pool.stride(1),
+        q.stride(0), q.stride(1), kv_pool.stride(0), kv_pool.stride(2), kv_pool.stride(3), kv_pool.stride(4),
+        block_tables.stride(0), out.stride(0), out.stride(1),
+        GROUP=heads // kv_heads, HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim, 16),
+        BLOCK_SIZE=block_size, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, UPCAST_DOT=interpreting(),
+    )
+    return out
