@@ -1,9 +1,13 @@
-"""Decode attention: one query token per sequence over its paged KV."""
+"""Decode attention: one query token per sequence over its paged KV.
+
+CPU path: K and V of this layer gathered from the sequences' blocks (one
+copy each, already in [B, tokens, kv_heads, d] order), then per KV head two
+batched matmuls over the query heads that share it (GQA without repeating
+K/V).  Scores and softmax in fp32 whatever the KV dtype."""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 
 def paged_decode_attention_ref(
@@ -15,20 +19,23 @@ def paged_decode_attention_ref(
     scale: float,
 ) -> torch.Tensor:
     """``q``: [B, heads, head_dim]; ``block_tables``: [B, max_blocks] int32
-    (entries past a sequence's last block are ignored); ``context_lens``: [B]
-    int32, counting the current token, whose K/V is already in the pool.
-    Returns [B, heads, head_dim] in ``q``'s dtype.  Any heads/kv_heads ratio."""
+    (entries past a sequence's last block must be valid block ids, e.g. 0;
+    they are masked out); ``context_lens``: [B] int32, counting the current
+    token, whose K/V is already in the pool.  Returns [B, heads, head_dim] in
+    ``q``'s dtype.  Any heads/kv_heads ratio."""
     batch, heads, head_dim = q.shape
-    _, _, _, block_size, kv_heads, _ = kv_pool.shape
-    max_blocks = block_tables.shape[1]
-    kv = kv_pool[block_tables.long(), layer]  # [B, nb, 2, bs, kvh, d]
-    kv = kv.transpose(1, 2).reshape(batch, 2, max_blocks * block_size, kv_heads, head_dim)
-    k = kv[:, 0].transpose(1, 2)  # [B, kvh, N, d]
-    v = kv[:, 1].transpose(1, 2)
-    positions = torch.arange(max_blocks * block_size, device=q.device)
-    mask = (positions[None, :] < context_lens[:, None].to(positions.dtype))[:, None, None, :]
-    out = F.scaled_dot_product_attention(
-        q.unsqueeze(2), k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale,
-        enable_gqa=heads != kv_heads,
-    )
-    return out.squeeze(2)
+    block_size, kv_heads = kv_pool.shape[3], kv_pool.shape[4]
+    group = heads // kv_heads
+    n = block_tables.shape[1] * block_size
+    idx = block_tables.long()
+    k = kv_pool[:, layer, 0][idx].view(batch, n, kv_heads, head_dim)
+    v = kv_pool[:, layer, 1][idx].view(batch, n, kv_heads, head_dim)
+    pad = torch.arange(n, device=q.device)[None, None, :] >= context_lens.to(torch.int64)[:, None, None]
+    qg = q.reshape(batch, kv_heads, group, head_dim).float()
+    out = torch.empty(batch, kv_heads, group, head_dim, dtype=q.dtype, device=q.device)
+    for h in range(kv_heads):
+        scores = torch.bmm(qg[:, h], k[:, :, h, :].float().transpose(1, 2))  # [B, g, N]
+        scores.mul_(scale).masked_fill_(pad, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[:, h] = torch.bmm(probs.to(v.dtype), v[:, :, h, :]).to(q.dtype)
+    return out.view(batch, heads, head_dim)
