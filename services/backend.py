@@ -1,0 +1,72 @@
+"""The seam between the OpenAI-compatible HTTP layer and whatever serves
+tokens behind it (the disaggregated cluster, a colocated pool, or a fake in
+unit tests).  The HTTP layer tokenizes and validates; the backend only
+streams tokens and raises the typed errors below."""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from services.engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    block_hashes: tuple[int, ...] = ()     # chained hashes of the prompt's full blocks (routing)
+    trace_context: dict[str, str] = field(default_factory=dict)  # W3C carrier
+
+
+@dataclass(frozen=True)
+class StreamChunk:
+    """Tokens produced since the previous chunk, and their text."""
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None      # "stop" | "length" on the last chunk
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+class BackendError(Exception):
+    """Base of errors a backend raises; ``status`` is the HTTP status to answer."""
+    status = 500
+    code = "internal_error"
+    type = "server_error"
+
+
+class BackendOverloaded(BackendError):
+    status, code, type = 429, "overloaded", "rate_limit_error"
+
+    def __init__(self, message: str, retry_after_s: float = 1.0):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class BackendUnavailable(BackendError):
+    status, code, type = 503, "no_replica", "server_error"
+
+
+class BackendInvalidRequest(BackendError):
+    status, code, type = 400, "invalid_request", "invalid_request_error"
+
+
+class BackendFailure(BackendError):
+    """A replica failed mid-request (a stream ends with an error event)."""
+    status, code, type = 502, "replica_failed", "server_error"
+
+
+class Backend(abc.ABC):
+    model_name: str
+    max_model_len: int
+
+    @abc.abstractmethod
+    def generate(self, request: GenerateRequest) -> AsyncIterator[StreamChunk]:
+        """Streams chunks; cancelling the iteration aborts the request and
+        frees its KV everywhere."""
+
+    async def health(self) -> dict:
+        return {"status": "ok"}
