@@ -1,0 +1,178 @@
+"""The Ray Serve request router for the prefill and decode pools.
+
+Per request (all on the router's event loop, nothing blocks it):
+
+    header  = find_routing_header(args, kwargs)          block hashes from the gateway
+    matches = await index.lookup(header.block_hashes)    one Redis round trip, bounded
+    loads   = in-flight tracked here + replica.routing_stats (rate, free KV)
+    ranked  = policy.choose(snapshot).ranked             pure function
+    return [[r] for r in ranked]                         Serve falls through when full
+
+Configure a deployment with ``request_router_config(pool=..., index_url=...)``
+(or ``RequestRouterConfig(request_router_class=PrefixAwareRequestRouter,
+request_router_kwargs=...)``); the kwargs are ``initialize_state``'s.
+Replicas report ``ReplicaStats`` from ``record_routing_stats`` and their
+index worker name there or from ``record_replica_metadata``.
+"""
+
+from __future__ import annotations
+
+import logging
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+from ray.serve.config import RequestRouterConfig
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from prefix_store.index import LookupResult, PrefixIndex, make_index
+from router.inflight import InFlightTracker
+from router.policy import RoutingPolicy, make_policy
+from router.replica_stats import WORKER_NAME_KEY, ReplicaStats
+from router.routing_header import RoutingHeader, find_routing_header
+from router.snapshot import ReplicaLoad, RequestShape, RoutingDecision, RoutingSnapshot
+
+log = logging.getLogger(__name__)
+DEFAULT_POLICY = {"prefill": "cache_aware", "decode": "decode_by_kv"}
+
+
+@dataclass
+class RouterCounters:
+    decisions: int = 0
+    without_header: int = 0
+    lookups: int = 0
+    degraded_lookups: int = 0
+    cache_routed: int = 0        # chosen replica holds >= 1 block of the prompt
+
+
+class PrefixAwareRequestRouter(RequestRouter):
+    def initialize_state(
+        self, pool: str = "prefill", policy: str | None = None, policy_options: dict | None = None,
+        index_url: str | None = None, cluster: str = "local", model: str = "default",
+        lookup_timeout_s: float = 0.05, default_prefill_tokens_per_s: float = 2000.0,
+        default_free_kv_blocks: int = 0, inflight_ttl_s: float = 600.0,
+        index: PrefixIndex | None = None, **_: Any,
+    ) -> None:
+        """``index_url``: ``redis://host:port`` (None: route by load only).  ``index``:
+        an index object instead of a URL, for in-process use and tests."""
+        if pool not in DEFAULT_POLICY:
+            raise ValueError(f"router pool {pool!r} is unknown: use 'prefill' or 'decode'")
+        self.pool = pool
+        self.policy: RoutingPolicy = make_policy(policy or DEFAULT_POLICY[pool], **(policy_options or {}))
+        self._index_url = index_url
+        self._index_options = {"cluster": cluster, "model": model}
+        self._lookup_timeout_s = lookup_timeout_s
+        self._index: PrefixIndex | None = index
+        self.default_prefill_tokens_per_s = default_prefill_tokens_per_s
+        self.default_free_kv_blocks = default_free_kv_blocks
+        self.inflight = InFlightTracker(ttl_s=inflight_ttl_s)
+        self.counters = RouterCounters()
+        self.last_decision: RoutingDecision | None = None
+
+    # -- Serve hooks -----------------------------------------------------------
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        if pending_request is not None:
+            # Back off between rounds when every ranked replica is full.
+            pending_request.routing_context.should_backoff = True
+        if not candidate_replicas:
+            return []
+        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        header = None
+        if pending_request is not None:
+            header = find_routing_header(pending_request.args, pending_request.kwargs)
+        if header is None:
+            self.counters.without_header += 1
+        lookup = await self._lookup(header)
+        request_id = pending_request.metadata.internal_request_id if pending_request is not None else ""
+        snapshot = self._snapshot(by_id, header, lookup, request_id)
+        decision = self.policy.choose(snapshot)
+        self.counters.decisions += 1
+        if snapshot.request.cached_tokens(decision.replica_id):
+            self.counters.cache_routed += 1
+        self.last_decision = decision
+        if pending_request is not None:
+            self.inflight.assign(pending_request.metadata.internal_request_id, decision.replica_id,
+                                 snapshot.request.uncached_tokens(decision.replica_id)
+                                 if self.pool == "prefill" else 0)
+        return [[by_id[rid]] for rid in decision.ranked]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
+        self.inflight.moved(pending_request.metadata.internal_request_id, replica_id.unique_id)
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        self.inflight.complete(internal_request_id)
+
+    # -- pieces ----------------------------------------------------------------
+    async def _lookup(self, header: RoutingHeader | None) -> LookupResult | None:
+        if header is None or not header.block_hashes or not self.policy.uses_prefix_index \
+                or not (self._index_url or self._index):
+            return None
+        if self._index is None:  # created on the router's own loop
+            self._index = make_index(self._index_url, lookup_timeout_s=self._lookup_timeout_s,
+                                     **self._index_options)
+        self.counters.lookups += 1
+        try:
+            result = await self._index.lookup(header.block_hashes)
+        except Exception as err:  # the index promises not to raise; never fail a request anyway
+            log.exception("prefix index lookup raised; routing by load only")
+            result = LookupResult.unavailable(len(header.block_hashes), repr(err))
+        if result.degraded:
+            self.counters.degraded_lookups += 1
+        return result
+
+    def worker_name(self, replica: RunningReplica) -> str:
+        return (ReplicaStats.from_routing_stats(replica.routing_stats).worker_name
+                or replica.replica_metadata.get(WORKER_NAME_KEY)
+                or replica.replica_id.unique_id)
+
+    def _snapshot(self, by_id: dict[str, RunningReplica], header: RoutingHeader | None,
+                  lookup: LookupResult | None, request_id: str = "") -> RoutingSnapshot:
+        loads, matched = [], {}
+        for rid, replica in by_id.items():
+            stats = ReplicaStats.from_routing_stats(replica.routing_stats)
+            tokens, count = self.inflight.load(rid)
+            loads.append(ReplicaLoad(
+                rid,
+                queued_prefill_tokens=max(tokens, stats.queued_prefill_tokens),
+                running_requests=max(count, stats.running_requests),
+                free_kv_blocks=(stats.free_kv_blocks if stats.free_kv_blocks is not None
+                                else self.default_free_kv_blocks),
+                prefill_tokens_per_s=stats.prefill_tokens_per_s or self.default_prefill_tokens_per_s))
+            if lookup is not None and header is not None:
+                blocks = lookup.matched_blocks.get(self.worker_name(replica), 0)
+                if blocks:
+                    matched[rid] = blocks * header.block_size
+        # No prefix to keep together: spread ties by request instead of piling on one replica.
+        affinity_key = header.affinity_key if header is not None and header.block_hashes \
+            else zlib.crc32(request_id.encode())
+        request = (RequestShape(0, affinity_key=affinity_key) if header is None else RequestShape(
+            header.num_prompt_tokens, matched, num_output_tokens=header.max_new_tokens,
+            block_size=header.block_size, affinity_key=affinity_key))
+        return RoutingSnapshot(tuple(loads), request)
+
+
+class PrefillRequestRouter(PrefixAwareRequestRouter):
+    """``PrefixAwareRequestRouter`` with pool="prefill" (cache_aware by default)."""
+
+    def initialize_state(self, **kwargs: Any) -> None:
+        super().initialize_state(**{"pool": "prefill", **kwargs})
+
+
+class DecodeRequestRouter(PrefixAwareRequestRouter):
+    """``PrefixAwareRequestRouter`` with pool="decode" (decode_by_kv by default)."""
+
+    def initialize_state(self, **kwargs: Any) -> None:
+        super().initialize_state(**{"pool": "decode", **kwargs})
+
+
+def request_router_config(pool: str, *, index_url: str | None = None, stats_period_s: float = 1.0,
+                          **router_kwargs: Any) -> RequestRouterConfig:
+    """The ``RequestRouterConfig`` for one pool's deployment."""
+    cls = {"prefill": PrefillRequestRouter, "decode": DecodeRequestRouter}.get(pool)
+    if cls is None:
+        raise ValueError(f"router pool {pool!r} is unknown: use 'prefill' or 'decode'")
+    return RequestRouterConfig(request_router_class=cls,
+                               request_router_kwargs={"index_url": index_url, **router_kwargs},
+                               request_routing_stats_period_s=stats_period_s)

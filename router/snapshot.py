@@ -1,0 +1,83 @@
+"""What a routing decision sees, and what it returns.
+
+A policy is a pure function ``RoutingSnapshot -> RoutingDecision``: the Serve
+router (or the simulator in bench/router.py) gathers loads and prefix matches
+first, then asks the policy.  Nothing here does I/O.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ReplicaLoad:
+    replica_id: str
+    queued_prefill_tokens: int = 0      # prompt tokens waiting for or in prefill
+    running_requests: int = 0           # requests in flight on this replica
+    free_kv_blocks: int = 0
+    prefill_tokens_per_s: float = 1.0   # measured prefill throughput
+
+    def __post_init__(self) -> None:
+        if self.prefill_tokens_per_s <= 0:
+            raise ValueError(f"replica {self.replica_id}: prefill_tokens_per_s must be > 0, "
+                             f"got {self.prefill_tokens_per_s}; report a measured rate or a default")
+
+    @property
+    def drain_s(self) -> float:
+        """Seconds until the queued prefill work is done."""
+        return self.queued_prefill_tokens / self.prefill_tokens_per_s
+
+
+@dataclass(frozen=True)
+class RequestShape:
+    num_prompt_tokens: int
+    matched_tokens: Mapping[str, int] = field(default_factory=dict)  # replica id -> cached prefix
+    num_output_tokens: int = 0          # decode: tokens it may still generate
+    block_size: int = 16
+    affinity_key: int = 0               # e.g. first block hash: stable tie-break per prefix
+
+    def cached_tokens(self, replica_id: str) -> int:
+        return max(0, min(self.matched_tokens.get(replica_id, 0), self.num_prompt_tokens))
+
+    def uncached_tokens(self, replica_id: str) -> int:
+        return self.num_prompt_tokens - self.cached_tokens(replica_id)
+
+
+@dataclass(frozen=True)
+class RoutingSnapshot:
+    replicas: tuple[ReplicaLoad, ...]
+    request: RequestShape
+
+    def __post_init__(self) -> None:
+        if not self.replicas:
+            raise ValueError("routing snapshot has no replicas: wait for the pool to come up")
+
+
+@dataclass(frozen=True)
+class RoutingDecision:
+    replica_id: str
+    reason: str
+    estimated_ttft_s: float | None
+    ranked: tuple[str, ...]             # full preference order, chosen first
+
+
+def estimated_ttft_s(replica: ReplicaLoad, request: RequestShape) -> float:
+    """(queued prefill tokens + uncached prompt tokens) / prefill rate."""
+    return (replica.queued_prefill_tokens + request.uncached_tokens(replica.replica_id)) \
+        / replica.prefill_tokens_per_s
+
+
+def affinity_rank(affinity_key: int, replica_id: str) -> int:
+    """Rendezvous-hash rank: a stable, spread-out tie-break per prefix, so equal
+    candidates send one prefix to one replica (even with no index) and
+    different prefixes to different replicas."""
+    digest = hashlib.blake2b(f"{affinity_key}:{replica_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+def blocks_needed(num_tokens: int, block_size: int) -> int:
+    return math.ceil(num_tokens / block_size)
