@@ -10,6 +10,7 @@ import sys
 # module path -> registers one or more subcommands
 COMMAND_MODULES = [
     "services.cli_model",
+    "services.cli_up",
     "bench.cli_bench",
     "bench.cli_plan",
 ]

@@ -9,13 +9,12 @@ from collections.abc import Sequence
 
 import torch
 
-from prefix_store.hashing import model_fingerprint
 from services.engine.config import EngineConfig
 from services.engine.detokenizer import IncrementalDetokenizer
 from services.engine.errors import InvalidRequestError, RequestTooLongError, UnknownRequestError
 from services.engine.kv_cache import KVCache, KVCacheSpec, KVEventCallback
 from services.engine.lease import LeaseTable
-from services.engine.model.loader import LoadedModel, load_model
+from services.engine.model.loader import LoadedModel, block_hash_seed, load_model
 from services.engine.outputs import EngineStats, ExternalKVAllocation, PrefillResult, RequestOutput
 from services.engine.request import FinishReason, Request, RequestStatus
 from services.engine.runner import ModelRunner
@@ -42,7 +41,7 @@ class Engine:
         mc = self.loaded.config
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         self.kv_spec = kv_spec_for(config, self.loaded)
-        self.hash_seed = model_fingerprint(self.loaded.weights_id, self.kv_spec.dtype, config.block_size)
+        self.hash_seed = block_hash_seed(self.loaded.weights_id, self.kv_spec.dtype, config.block_size)
         self.kv = KVCache(self.kv_spec, config.device, on_kv_event, config.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.hash_seed)
         self.runner = ModelRunner(self.loaded.model, self.kv, config.device)

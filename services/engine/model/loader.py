@@ -38,7 +38,7 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def _weights_id(path: Path) -> str:
+def weights_id(path: Path) -> str:
     files = [path] if path.is_file() else sorted(path.glob("*.safetensors"))
     h = hashlib.blake2b(digest_size=8)
     for f in files:
@@ -80,4 +80,12 @@ def load_model(model: str | None = None, dtype: str | torch.dtype = "bfloat16",
     net.load_hf_state(state)
     net.eval().requires_grad_(False)
     tokenizer = Tokenizer.from_path(path, cfg)
-    return LoadedModel(cfg, net, tokenizer, path, path.stem if path.is_file() else path.name, _weights_id(path))
+    return LoadedModel(cfg, net, tokenizer, path, path.stem if path.is_file() else path.name, weights_id(path))
+
+
+def block_hash_seed(weights: str, kv_dtype: torch.dtype, block_size: int) -> int:
+    """The seed of every block-hash chain for these weights, KV dtype and
+    block size: engine, gateway and index must agree on it."""
+    from prefix_store.hashing import model_fingerprint
+
+    return model_fingerprint(weights, kv_dtype, block_size)

@@ -1,0 +1,64 @@
+"""Builds the Serve application from one ClusterConfig: small builder
+functions, each returning a bound deployment."""
+
+from __future__ import annotations
+
+from ray.serve import Application
+from ray.serve.deployment import Deployment
+
+from router.serve_router import request_router_config
+from services.config import ClusterConfig, PoolConfig
+
+
+def _pool_options(config: ClusterConfig, pool: PoolConfig, router_pool: str | None) -> dict:
+    opts: dict = {
+        "ray_actor_options": {"num_cpus": pool.num_cpus},
+        "max_ongoing_requests": pool.max_ongoing_requests,
+        "max_queued_requests": pool.max_queue,
+        "health_check_period_s": 2.0,
+        "health_check_timeout_s": 30.0,
+        "graceful_shutdown_timeout_s": 20.0,
+    }
+    if pool.autoscaling:
+        opts["autoscaling_config"] = pool.autoscaling
+    else:
+        opts["num_replicas"] = pool.num_replicas
+    if router_pool:
+        opts["request_router_config"] = request_router_config(
+            router_pool, index_url=config.index_url, cluster=config.cluster_name,
+            model=config.served_model_name, lookup_timeout_s=config.router.lookup_timeout_s,
+            policy=config.router.prefill_policy if router_pool == "prefill" else config.router.decode_policy)
+    return opts
+
+
+def build_prefill(config: ClusterConfig) -> Application:
+    from services.prefill import PrefillDeployment
+    return PrefillDeployment.options(**_pool_options(config, config.prefill, "prefill")).bind(config.model_dump())
+
+
+def build_decode(config: ClusterConfig) -> Application:
+    from services.decode import DecodeDeployment
+    return DecodeDeployment.options(**_pool_options(config, config.decode, "decode")).bind(config.model_dump())
+
+
+def build_colocated(config: ClusterConfig) -> Application:
+    from services.colocated import ColocatedDeployment
+    return ColocatedDeployment.options(**_pool_options(config, config.colocated, "prefill")).bind(config.model_dump())
+
+
+def build_app(config: ClusterConfig) -> Application:
+    """The whole cluster: gateway ingress plus its pools."""
+    from services.gateway import GatewayDeployment
+
+    gateway: Deployment = GatewayDeployment.options(ray_actor_options={"num_cpus": 0.25})
+    if config.mode == "colocated":
+        return gateway.bind(config.model_dump(), colocated=build_colocated(config))
+    return gateway.bind(config.model_dump(), prefill=build_prefill(config), decode=build_decode(config))
+
+
+def app_builder(args: dict) -> Application:
+    """`serve run services.app:app_builder config=deploy/local.yaml` entry."""
+    path = args.get("config")
+    config = ClusterConfig.from_yaml(path) if path else ClusterConfig.model_validate(
+        {k: v for k, v in args.items() if k != "config"})
+    return build_app(config)

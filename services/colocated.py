@@ -1,0 +1,47 @@
+"""ColocatedServer: one engine doing both phases (small deployments, and the
+A/B baseline for disaggregation).  Same engine, same stream format."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from ray import serve
+
+from services.backend import BackendInvalidRequest
+from services.config import ClusterConfig
+from services.engine.errors import InvalidRequestError
+from services.messages import PrefillRequest, TokenDelta
+from services.prefill import _replica_name
+from services.worker import Worker
+
+
+class ColocatedServer:
+    def __init__(self, config: dict):
+        self.cfg = ClusterConfig.model_validate(config)
+        self.worker = Worker(self.cfg, self.cfg.colocated, "colocated", _replica_name("colocated"),
+                             with_transfer=False)
+
+    async def generate(self, request: PrefillRequest, routing: dict | None = None) -> AsyncIterator[TokenDelta]:
+        w = self.worker
+        await w.start()
+        w.admit()
+        w.in_flight += 1
+        try:
+            async for out in w.aengine.generate(request.request_id, request.prompt_token_ids, request.params):
+                yield TokenDelta(out.new_token_ids, out.text_delta,
+                                 out.finish_reason.value if out.finished else None,
+                                 num_prompt_tokens=out.num_prompt_tokens, num_cached_tokens=out.num_cached_tokens)
+        except InvalidRequestError as exc:
+            raise BackendInvalidRequest(str(exc)) from exc
+        finally:
+            w.in_flight -= 1
+
+    async def status(self) -> dict:
+        await self.worker.start()
+        return self.worker.status()
+
+    def record_routing_stats(self) -> dict:
+        return self.worker.routing_stats()
+
+
+ColocatedDeployment = serve.deployment(ColocatedServer, name="colocated")

@@ -1,0 +1,53 @@
+"""The OpenAI-compatible ingress deployment ("gateway"): tokenizes, hashes
+the prompt's blocks for the router, and streams from the cluster backend.
+The HTTP routes themselves live in services/openai/."""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI
+from ray import serve
+
+from services.cluster_backend import ClusterBackend
+from services.config import ClusterConfig
+from services.engine.model.config import ModelConfig
+from services.engine.model.default import resolve_model_path
+from services.engine.model.loader import block_hash_seed, parse_dtype, weights_id
+from services.engine.tokenizer import Tokenizer
+from services.openai.routes import create_app
+from services.openai.settings import OpenAISettings
+
+log = logging.getLogger("pdcluster.gateway")
+app: FastAPI = create_app()
+
+
+def _model_config(path) -> ModelConfig:
+    import json
+
+    if path.is_file():
+        import gguf
+
+        from services.engine.model.gguf_loader import read_gguf_config
+        return read_gguf_config(gguf.GGUFReader(str(path)))
+    return ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+
+
+@serve.ingress(app)
+class Gateway:
+    def __init__(self, config: dict, **handles):
+        cfg = ClusterConfig.model_validate(config)
+        path = resolve_model_path(cfg.model)
+        mc = _model_config(path)
+        max_len = min(cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        app.state.tokenizer = Tokenizer.from_path(path, mc)
+        app.state.openai_settings = OpenAISettings(
+            served_model_names=(cfg.served_model_name,),
+            block_hash_seed=block_hash_seed(weights_id(path), parse_dtype(cfg.dtype), cfg.block_size),
+            block_size=cfg.block_size, max_body_bytes=cfg.max_body_bytes)
+        app.state.backend = ClusterBackend(handles, mode=cfg.mode, model_name=cfg.served_model_name,
+                                           max_model_len=max_len, block_size=cfg.block_size)
+        log.info("gateway ready: mode=%s model=%s", cfg.mode, cfg.served_model_name)
+
+
+GatewayDeployment = serve.deployment(Gateway, name="gateway")

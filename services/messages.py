@@ -1,0 +1,51 @@
+"""What crosses process boundaries between gateway, prefill and decode
+replicas (pickled by Ray; plain dataclasses, no behaviour)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from services.engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class PrefillRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    trace_context: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PrefillResponse:
+    request_id: str
+    first_token_id: int
+    text: str                      # the first token's text delta
+    finish_reason: str | None      # set when the first token already ends the request
+    block_ids: tuple[int, ...]     # pinned under lease ``request_id`` unless finished
+    num_tokens: int                # prompt tokens whose K/V the blocks hold
+    num_cached_tokens: int         # of those, prefix-cache hits on the prefill replica
+    peer: bytes                    # the prefill replica's transfer descriptor
+    worker_name: str
+    prefill_s: float
+
+
+@dataclass(frozen=True)
+class DecodeRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prefill: PrefillResponse
+    trace_context: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class TokenDelta:
+    """One streamed piece from a decode (or colocated) replica."""
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    blocks_pulled: int = 0
+    blocks_reused: int = 0

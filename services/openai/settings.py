@@ -1,0 +1,38 @@
+"""What the host (the gateway deployment) tells the HTTP layer about the
+model it serves.  Set as ``app.state.openai_settings``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class OpenAISettings:
+    """``block_hash_seed`` and ``block_size`` must be the engine's own
+    (``Engine.hash_seed``, ``EngineConfig.block_size``), or the router's
+    prefix lookups never hit."""
+    served_model_names: tuple[str, ...]
+    block_hash_seed: int
+    block_size: int = 16
+    max_body_bytes: int = 1 * 2**20
+    default_completion_max_tokens: int = 16       # OpenAI's default for /v1/completions
+    default_chat_max_tokens: int | None = None    # None: whatever context the prompt leaves
+    owned_by: str = "pdcluster"
+
+    def __post_init__(self) -> None:
+        names = self.served_model_names
+        if isinstance(names, str):
+            object.__setattr__(self, "served_model_names", names := (names,))
+        if not names or not all(isinstance(n, str) and n for n in names):
+            raise ValueError(f"served_model_names must be one or more non-empty names, got {names!r}")
+        object.__setattr__(self, "served_model_names", tuple(names))
+        if not 0 <= self.block_hash_seed < 2**64:
+            raise ValueError(f"block_hash_seed must be an unsigned 64-bit int (Engine.hash_seed), got {self.block_hash_seed}")
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1 (the engine's block size), got {self.block_size}")
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+        if self.default_completion_max_tokens < 1:
+            raise ValueError("default_completion_max_tokens must be >= 1")
+        if self.default_chat_max_tokens is not None and self.default_chat_max_tokens < 1:
+            raise ValueError("default_chat_max_tokens must be >= 1, or None for the rest of the context")

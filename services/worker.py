@@ -1,0 +1,128 @@
+"""What every engine replica runs besides the engine: the async engine, the
+KV-transfer backend over its pool, the KV-event publisher to the global
+prefix index, admission limits and the stats the router reads.
+
+No Serve decorators here: prefill.py, decode.py and colocated.py wrap it."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+from prefix_store.index import make_index
+from prefix_store.publisher import KVEventPublisher
+from prefix_store.worker_id import WorkerId
+from router.replica_stats import ReplicaStats
+from services.backend import BackendOverloaded
+from services.config import ClusterConfig, PoolConfig
+from services.engine.async_engine import AsyncEngine
+from services.engine.engine import Engine
+from transfer import KVLayout, create_backend
+
+log = logging.getLogger("pdcluster.worker")
+_NOTIF_POLL_S = 0.005
+
+
+@dataclass
+class WorkerCounters:
+    requests: int = 0
+    rejected_overload: int = 0
+    prompt_tokens: int = 0
+    prompt_tokens_cached: int = 0
+    blocks_pulled: int = 0
+    blocks_reused_locally: int = 0
+    bytes_pulled: int = 0
+    transfer_seconds: float = 0.0
+    leases_released: int = 0
+
+
+class Worker:
+    def __init__(self, config: ClusterConfig, pool: PoolConfig, role: str, name: str | None = None,
+                 with_transfer: bool = True):
+        os.environ.setdefault("UCX_NET_DEVICES", "lo")
+        self.config, self.pool, self.role = config, pool, role
+        self.name = name or f"{role}-{os.getpid()}"
+        self.worker_id = WorkerId.new(self.name)
+        index_url = config.index_url or os.environ.get("REDIS_URL") or None
+        self.index = make_index(index_url, cluster=config.cluster_name, model=config.served_model_name)
+        self.publisher = KVEventPublisher(self.index, self.worker_id, info={"role": role})
+        self.engine = Engine(config.engine_config(pool), on_kv_event=self.publisher.on_event)
+        self.aengine = AsyncEngine(self.engine)
+        self.transfer = None
+        if with_transfer:
+            self.transfer = create_backend(config.transfer_backend, peer_id=self.name.replace(":", "-"),
+                                           timeout_s=config.transfer_timeout_s)
+            kv = self.engine.kv.kv_pool
+            self.transfer.register_pool(kv, KVLayout.of_pool(kv, self.engine.hash_seed))
+        self.counters = WorkerCounters()
+        self.in_flight = 0
+        self._prefill_rate_tps = 0.0
+        self._tasks: list[asyncio.Task] = []
+        self._started = False
+
+    async def start(self) -> None:
+        """Background tasks need the replica's event loop: call from an async method."""
+        if self._started:
+            return
+        self._started = True
+        await self.publisher.start()
+        if self.transfer is not None:
+            self._tasks.append(asyncio.create_task(self._release_on_notification()))
+
+    async def _release_on_notification(self) -> None:
+        while True:
+            try:
+                for n in await asyncio.to_thread(self.transfer.poll_notifications):
+                    if await self.aengine.release_lease(n.lease_id):
+                        self.counters.leases_released += 1
+            except Exception:  # noqa: BLE001 - keep releasing whatever happens
+                log.exception("polling transfer notifications failed")
+            await asyncio.sleep(_NOTIF_POLL_S)
+
+    # ---- admission -------------------------------------------------------
+    def admit(self) -> None:
+        """Raises BackendOverloaded (-> 429) beyond the replica's bounded queue."""
+        stats = self.aengine.stats
+        if stats.num_waiting + stats.num_awaiting_kv >= self.pool.max_queue:
+            self.counters.rejected_overload += 1
+            raise BackendOverloaded(
+                f"{self.role} replica {self.name} has {stats.num_waiting} queued requests "
+                f"(limit {self.pool.max_queue}); retry shortly", retry_after_s=1.0)
+        self.counters.requests += 1
+
+    def note_prefill(self, num_tokens: int, seconds: float) -> None:
+        if seconds > 0 and num_tokens > 0:
+            rate = num_tokens / seconds
+            self._prefill_rate_tps = rate if not self._prefill_rate_tps else 0.8 * self._prefill_rate_tps + 0.2 * rate
+
+    # ---- views -------------------------------------------------------------
+    def routing_stats(self) -> dict:
+        s = self.aengine.stats
+        return ReplicaStats(worker_name=self.name, prefill_tokens_per_s=self._prefill_rate_tps or None,
+                            free_kv_blocks=s.kv_blocks_free, running_requests=s.num_running,
+                            queued_prefill_tokens=0).to_routing_stats()
+
+    def status(self) -> dict:
+        s = self.aengine.stats
+        return {
+            "name": self.name, "role": self.role, "pid": os.getpid(),
+            "running": s.num_running, "waiting": s.num_waiting, "awaiting_kv": s.num_awaiting_kv,
+            "kv_blocks_total": s.kv_blocks_total, "kv_blocks_free": s.kv_blocks_free,
+            "kv_blocks_cached": s.kv_blocks_cached, "leased_blocks": s.leased_blocks,
+            "prompt_tokens_computed": s.prompt_tokens_computed, "prompt_tokens_cached": s.prompt_tokens_cached,
+            "preemptions": s.num_preemptions, "in_flight": self.in_flight,
+            "counters": self.counters.__dict__.copy(),
+            "transfer_backend": self.transfer.name if self.transfer else None,
+            "time": time.time(),
+        }
+
+    async def shutdown(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await self.publisher.stop()
+        await self.aengine.shutdown()
+        if self.transfer is not None:
+            self.transfer.close()
