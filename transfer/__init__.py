@@ -1,0 +1,25 @@
+"""KV block transfer between replicas: a NIXL backend and a portable socket
+fallback behind one interface (see transfer.base for the call sequence).
+
+    backend = create_backend(config_name)            # "auto" | "nixl" | "fallback"
+    kv_pool = allocate_kv_pool(num_blocks, layout)   # optional: huge pages double same-host NIXL bandwidth
+    backend.register_pool(kv_pool, KVLayout.of_pool(kv_pool, model_fingerprint))
+    descriptor = backend.describe()                  # owner: hand out once
+    stats = backend.pull(descriptor, remote_ids, local_ids, notif=lease_id)  # puller
+    for n in backend.poll_notifications(): lease_table.release(n.lease_id)  # owner
+"""
+
+from transfer.base import TransferBackend, TransferStats
+from transfer.errors import BackendUnavailableError, LayoutMismatchError, TransferError
+from transfer.layout import KVLayout, check_compatible
+from transfer.peer import Notification, PeerDescriptor
+from transfer.pool_alloc import allocate_kv_pool
+from transfer.registry import backend_class, backend_names, create_backend, register_backend
+from transfer.runs import BlockRun, coalesce_block_runs
+
+__all__ = [
+    "BackendUnavailableError", "BlockRun", "KVLayout", "LayoutMismatchError", "Notification", "PeerDescriptor",
+    "TransferBackend", "TransferError", "TransferStats", "allocate_kv_pool", "backend_class", "backend_names",
+    "check_compatible",
+    "coalesce_block_runs", "create_backend", "register_backend",
+]

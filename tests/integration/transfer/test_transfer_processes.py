@@ -1,0 +1,205 @@
+"""KV transfer between real OS processes, each holding its own pool, through
+both backends: byte identity, concurrent pullers, leases, handshakes, and
+owners that stall or die mid-pull."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import pytest
+import torch
+
+from transfer import KVLayout, LayoutMismatchError, TransferError, create_backend
+from transfer_peer_proc import LAYOUT, SPAWN, FreeList, OwnerProcess, make_pool, pull_jobs, puller_main, same_bytes
+
+pytestmark = pytest.mark.integration
+BACKENDS = ["nixl", "fallback"]
+OWNER_BLOCKS = 1024  # 1 KiB blocks: a 1 MiB pool
+
+
+@pytest.fixture(scope="module")
+def owners():
+    procs = {name: OwnerProcess(name, OWNER_BLOCKS) for name in BACKENDS}  # start both, then wait
+    try:
+        yield {name: proc.wait_ready() for name, proc in procs.items()}
+    finally:
+        for proc in procs.values():
+            proc.stop()
+
+
+@pytest.fixture
+def puller(request):
+    backend = create_backend(request.param, peer_id="decode-0", timeout_s=5.0)
+    pool = torch.zeros(OWNER_BLOCKS, *LAYOUT.block_shape, dtype=LAYOUT.torch_dtype)
+    backend.register_pool(pool, LAYOUT)
+    yield backend, pool
+    backend.close()
+
+
+def random_jobs(rng: random.Random, n: int) -> list[tuple[list[int], list[int]]]:
+    """Single blocks, long consecutive runs, scattered ids and mixes of them."""
+    jobs = []
+    for i in range(n):
+        kind = i % 4
+        if kind == 0:
+            remote, local = [rng.randrange(OWNER_BLOCKS)], [rng.randrange(OWNER_BLOCKS)]
+        elif kind == 1:
+            length = rng.randint(64, 512)
+            r0, l0 = rng.randrange(OWNER_BLOCKS - length), rng.randrange(OWNER_BLOCKS - length)
+            remote, local = list(range(r0, r0 + length)), list(range(l0, l0 + length))
+        elif kind == 2:
+            k = rng.randint(2, 200)
+            remote, local = rng.sample(range(OWNER_BLOCKS), k), rng.sample(range(OWNER_BLOCKS), k)
+        else:
+            remote = [b for s in rng.sample(range(0, OWNER_BLOCKS, 16), 6) for b in range(s, s + rng.randint(1, 16))]
+            local = rng.sample(range(OWNER_BLOCKS), len(remote))
+        jobs.append((remote, local))
+    return jobs
+
+
+@pytest.mark.parametrize("puller", BACKENDS, indirect=True)
+def test_random_block_lists_arrive_byte_identical(owners, puller):
+    backend, pool = puller
+    owner = owners[backend.name]
+    reference = make_pool(OWNER_BLOCKS, owner.seed)
+    for remote, local in random_jobs(random.Random(11), 40):
+        stats = backend.pull(owner.descriptor, remote, local)
+        assert same_bytes(pool[local], reference[remote]), (len(remote), stats)
+    assert backend.num_handshakes == 1
+
+
+@pytest.mark.parametrize("puller", BACKENDS, indirect=True)
+def test_two_decoders_pull_from_one_owner_at_once(owners, puller):
+    backend, pool = puller
+    owner = owners[backend.name]
+    jobs = random_jobs(random.Random(5), 24)
+    conn, child = SPAWN.Pipe()
+    start = SPAWN.Event()
+    other = SPAWN.Process(target=puller_main, daemon=True,
+                          args=(child, backend.name, owner.descriptor, owner.seed, OWNER_BLOCKS, jobs, start, 0.6))
+    other.start()
+    try:
+        assert conn.poll(60) and conn.recv() == "ready"
+        start.set()
+        mine = pull_jobs(backend, pool, make_pool(OWNER_BLOCKS, owner.seed), owner.descriptor, jobs, 0.6)
+        assert conn.poll(30)
+        tag, *theirs = conn.recv()
+    finally:
+        other.join(10)
+        if other.is_alive():
+            other.kill()
+    assert mine[1] and theirs[1], "a concurrent pull delivered wrong bytes"
+    assert min(mine[3], theirs[3]) > max(mine[2], theirs[2]), "the two decoders never pulled at the same time"
+
+
+@pytest.mark.parametrize("puller", BACKENDS, indirect=True)
+def test_owner_leases_are_released_by_notification_or_expiry(owners, puller):
+    backend, pool = puller
+    owner = owners[backend.name]
+    total = owner.call("free_count")
+    pulled = owner.call("pin", "lease-pulled", 8, 30.0)
+    owner.call("pin", "lease-abandoned", 5, 0.5)  # its puller "died": nobody will notify
+    assert owner.call("free_count") == total - 13
+    backend.pull(owner.descriptor, pulled, list(range(8)), notif="lease-pulled")
+    wait_until(lambda: owner.call("free_count") == total - 5, 5.0, "the notified lease was not released")
+    wait_until(lambda: owner.call("free_count") == total, 5.0, "the abandoned lease did not expire")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_layout_mismatch_is_refused_with_both_sides_named(owners, backend):
+    other = KVLayout(num_layers=2, num_kv_heads=1, head_dim=32, dtype="bfloat16", block_size=4, model_fingerprint=8)
+    with create_backend(backend, peer_id="decode-9") as puller:
+        puller.register_pool(make_pool(4, 0, other), other)
+        with pytest.raises(LayoutMismatchError) as e:
+            puller.pull(owners[backend].descriptor, [0], [0])
+    message = str(e.value)
+    assert "decode-9" in message and "prefill-0" in message
+    assert "num_kv_heads: 1 here vs 2 on prefill-0" in message
+    assert "model_fingerprint: 0x0000000000000008 here vs 0x0000000000000007 on prefill-0" in message
+
+
+@pytest.mark.parametrize("puller", BACKENDS, indirect=True)
+def test_restarted_owner_is_rehandshaken(owners, puller):
+    backend, pool = puller
+    owner = owners[backend.name]
+    stale = owner.descriptor
+    backend.pull(stale, [1], [1])
+    owner.restart(seed=owner.seed + 100)
+    backend.pull(owner.descriptor, list(range(64)), list(range(64)))
+    assert same_bytes(pool[:64], make_pool(OWNER_BLOCKS, owner.seed)[:64])
+    assert backend.num_handshakes == 2
+    with pytest.raises(TransferError):
+        backend.pull(stale, [1], [1])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_killing_the_owner_mid_pull_raises_within_the_timeout(backend):
+    owner = OwnerProcess(backend, num_blocks=4096).wait_ready()  # 4 MiB: each pull takes milliseconds
+    timeout_s = 2.0
+    try:
+        with create_backend(backend, peer_id="decode-0", timeout_s=timeout_s) as puller:
+            puller.register_pool(torch.zeros(4096, *LAYOUT.block_shape, dtype=LAYOUT.torch_dtype), LAYOUT)
+            free, remote = FreeList(4096), list(range(4096))
+            killed_at: list[float] = []
+            killer = threading.Timer(0.3, lambda: (killed_at.append(time.monotonic()), owner.kill()))
+            killer.start()
+            pulls, began = 0, time.monotonic()
+            with pytest.raises(TransferError):
+                while time.monotonic() - began < 10:
+                    local = free.take(4096)
+                    try:
+                        puller.pull(owner.descriptor, remote, local)
+                    finally:
+                        free.give_back(local)  # the decode side frees its blocks on failure, too
+                    pulls += 1
+            failed_at = time.monotonic()
+            killer.join()
+            assert pulls > 0 and killed_at, "the owner was not killed while pulls were running"
+            assert failed_at - killed_at[0] < timeout_s
+            assert free.count == 4096
+            t0 = time.monotonic()
+            with pytest.raises(TransferError):
+                puller.pull(owner.descriptor, [0], [0])  # a dead peer keeps failing, fast
+            assert time.monotonic() - t0 < timeout_s
+    finally:
+        owner.stop()
+
+
+@pytest.mark.parametrize("backend, env, stalls", [
+    ("fallback", {}, True),
+    ("nixl", {}, False),  # same-host READ (UCX cma) needs nothing from the owner
+    ("nixl", {"UCX_TLS": "tcp"}, True),  # a transport that does: the timeout must fire
+], ids=["fallback", "nixl-cma", "nixl-tcp"])
+def test_a_stalled_owner_times_out_or_is_not_needed(backend, env, stalls, monkeypatch):
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)  # read when this process's NIXL agent is created
+    owner = OwnerProcess(backend, num_blocks=64, env=env).wait_ready()
+    try:
+        with create_backend(backend, peer_id="decode-0", timeout_s=1.0) as puller:
+            pool = torch.zeros(64, *LAYOUT.block_shape, dtype=LAYOUT.torch_dtype)
+            puller.register_pool(pool, LAYOUT)
+            puller.pull(owner.descriptor, [0], [0])
+            owner.pause()
+            t0 = time.monotonic()
+            if stalls:
+                with pytest.raises(TransferError, match="timed out after 1 s"):
+                    puller.pull(owner.descriptor, list(range(64)), list(range(64)))
+                assert 1.0 <= time.monotonic() - t0 < 2.0
+            else:
+                puller.pull(owner.descriptor, list(range(64)), list(range(64)))
+                assert time.monotonic() - t0 < 1.0
+            owner.resume()
+            puller.pull(owner.descriptor, list(range(64)), list(range(64)))  # recovers once the owner does
+            assert same_bytes(pool, make_pool(64, owner.seed))
+    finally:
+        owner.stop()
+
+
+def wait_until(predicate, timeout_s: float, message: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(message)
+        time.sleep(0.02)

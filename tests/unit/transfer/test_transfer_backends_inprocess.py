@@ -1,0 +1,162 @@
+"""Both backends, owner and puller in one process: byte identity, stats,
+notifications, validation, handshakes and their refusals.  The same
+scenarios across real processes live in tests/integration/transfer."""
+
+import random
+import time
+
+import pytest
+import torch
+
+from services.engine.lease import LeaseTable
+from transfer import KVLayout, LayoutMismatchError, TransferError, create_backend
+from transfer.peer import PeerDescriptor
+
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, dtype="bfloat16", block_size=4, model_fingerprint=7)
+BACKENDS = ["nixl", "fallback"]
+
+
+def make_pool(num_blocks, seed, layout=LAYOUT):
+    g = torch.Generator().manual_seed(seed)
+    raw = torch.randint(0, 256, (num_blocks * layout.block_bytes,), dtype=torch.uint8, generator=g)
+    return raw.view(layout.torch_dtype).view(num_blocks, *layout.block_shape)
+
+
+def same_bytes(a, b):
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+@pytest.fixture(params=BACKENDS)
+def pair(request):
+    owner = create_backend(request.param, peer_id="prefill-0")
+    puller = create_backend(request.param, peer_id="decode-0", timeout_s=5.0)
+    owner_pool, puller_pool = make_pool(64, 1), make_pool(48, 2)
+    owner.register_pool(owner_pool, LAYOUT)
+    puller.register_pool(puller_pool, LAYOUT)
+    yield owner, puller, owner_pool, puller_pool
+    puller.close()
+    owner.close()
+
+
+def block_lists(rng, owner_blocks, puller_blocks):
+    yield [5], [0]
+    yield list(range(10, 42)), list(range(16, 48))
+    yield rng.sample(range(owner_blocks), 20), rng.sample(range(puller_blocks), 20)
+    runs = list(range(0, 8)) + [40] + list(range(50, 53))
+    yield runs, list(range(30, 42))
+
+
+def test_block_lists_arrive_byte_identical(pair):
+    owner, puller, owner_pool, puller_pool = pair
+    descriptor = owner.describe()
+    for remote, local in block_lists(random.Random(0), 64, 48):
+        stats = puller.pull(descriptor, remote, local)
+        assert same_bytes(puller_pool[local], owner_pool[remote])
+        assert stats.num_blocks == len(remote) and stats.num_bytes == len(remote) * LAYOUT.block_bytes
+    assert puller.num_handshakes == 1  # metadata is fetched once per peer
+
+
+def test_descriptor_counts_follow_coalescing(pair):
+    owner, puller, _, _ = pair
+    d = owner.descriptor()
+    assert puller.pull(d, list(range(0, 32)), list(range(0, 32))).num_descriptors == 1
+    assert puller.pull(d, [0, 1, 2, 10, 11], [5, 6, 7, 20, 22]).num_descriptors == 3
+
+
+def test_notifications_carry_lease_ids_even_for_empty_pulls(pair):
+    owner, puller, _, _ = pair
+    d = owner.describe()
+    puller.pull(d, [1, 2], [3, 4], notif="lease-a")
+    puller.pull(d, [], [], notif="lease-b")  # decode side already had every block cached
+    puller.pull(d, [3], [5])  # no lease: no notification
+    got = wait_for_notifications(owner, 2)
+    assert [(n.from_peer, n.lease_id) for n in got] == [("decode-0", "lease-a"), ("decode-0", "lease-b")]
+
+
+def test_notification_releases_the_lease_and_expiry_frees_the_rest(pair):
+    owner, puller, _, _ = pair
+    free_blocks = set(range(64))
+    leases = LeaseTable(free_blocks.update, default_ttl_s=30.0)
+    for lease_id, blocks in [("pulled", [1, 2, 3]), ("abandoned", [7, 8])]:
+        free_blocks.difference_update(blocks)
+        leases.pin(lease_id, blocks, ttl_s=30.0 if lease_id == "pulled" else 0.2)
+    assert len(free_blocks) == 59
+    puller.pull(owner.describe(), [1, 2, 3], [0, 1, 2], notif="pulled")
+    for n in wait_for_notifications(owner, 1):
+        assert leases.release(n.lease_id)
+    assert len(free_blocks) == 62
+    assert leases.expire(now=leases.get("abandoned").expires_at) == ["abandoned"]
+    assert len(free_blocks) == 64 and len(leases) == 0
+
+
+def test_bad_block_ids_are_caller_errors_and_move_nothing(pair):
+    owner, puller, _, puller_pool = pair
+    before = puller_pool.clone()
+    with pytest.raises(ValueError, match="remote block id 64 is outside"):
+        puller.pull(owner.describe(), [64], [0])
+    with pytest.raises(ValueError, match="local block 1 appears twice"):
+        puller.pull(owner.describe(), [0, 1], [1, 1])
+    assert same_bytes(before, puller_pool)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_layout_mismatch_is_refused_naming_both_sides(backend):
+    other = KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, dtype="bfloat16", block_size=4,
+                     model_fingerprint=7)
+    with create_backend(backend, peer_id="prefill-0") as owner, \
+            create_backend(backend, peer_id="decode-0") as puller:
+        owner.register_pool(make_pool(8, 1), LAYOUT)
+        puller.register_pool(make_pool(8, 2, other), other)
+        with pytest.raises(LayoutMismatchError, match="head_dim: 32 here vs 16 on prefill-0"):
+            puller.pull(owner.describe(), [0], [0])
+
+
+def test_a_descriptor_of_the_other_backend_is_refused():
+    with create_backend("fallback", peer_id="prefill-0") as owner, \
+            create_backend("nixl", peer_id="decode-0") as puller:
+        owner.register_pool(make_pool(8, 1), LAYOUT)
+        puller.register_pool(make_pool(8, 2), LAYOUT)
+        with pytest.raises(TransferError, match="over the 'fallback' transfer backend but this side .* 'nixl'"):
+            puller.pull(owner.describe(), [0], [0])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_restarted_peer_is_rehandshaken_and_its_stale_descriptor_refused(backend):
+    with create_backend(backend, peer_id="decode-0", timeout_s=2.0) as puller:
+        puller_pool = make_pool(8, 0)
+        puller.register_pool(puller_pool, LAYOUT)
+        first = create_backend(backend, peer_id="prefill-0")
+        first.register_pool(make_pool(8, 1), LAYOUT)
+        stale = first.describe()
+        puller.pull(stale, [0], [0])
+        first.close()
+        with create_backend(backend, peer_id="prefill-0") as second:
+            second_pool = make_pool(8, 2)
+            second.register_pool(second_pool, LAYOUT)
+            fresh = PeerDescriptor.decode(second.describe())
+            assert fresh.epoch != PeerDescriptor.decode(stale).epoch
+            puller.pull(fresh, [3], [3])
+            assert same_bytes(puller_pool[3], second_pool[3]) and puller.num_handshakes == 2
+            with pytest.raises(TransferError):
+                puller.pull(stale, [4], [4])
+
+
+def test_lifecycle_misuse_is_reported():
+    backend = create_backend("fallback", peer_id="x")
+    with pytest.raises(RuntimeError, match="register_pool"):
+        backend.describe()
+    backend.register_pool(make_pool(4, 0), LAYOUT)
+    with pytest.raises(RuntimeError, match="already serves a pool"):
+        backend.register_pool(make_pool(4, 0), LAYOUT)
+    descriptor = backend.describe()
+    backend.close()
+    with pytest.raises(TransferError, match="closed"):
+        backend.pull(descriptor, [0], [0])
+
+
+def wait_for_notifications(owner, count, timeout_s=5.0):
+    got, deadline = [], time.monotonic() + timeout_s
+    while len(got) < count and time.monotonic() < deadline:
+        got += owner.poll_notifications()
+        time.sleep(0.002)
+    return got

@@ -1,0 +1,269 @@
+"""The transfer seam: one ABC every backend implements.
+
+    owner (prefill)                            puller (decode)
+    ---------------                            ---------------
+    register_pool(kv_pool, layout)             register_pool(kv_pool, layout)
+    describe() -> bytes  ---- out of band ---> pull(descriptor, remote_ids, local_ids,
+                                                    notif=lease_id) -> TransferStats
+    poll_notifications() <--- lease_id ------  (sent once the bytes have landed)
+      -> LeaseTable.release(lease_id)
+
+The base class owns what every backend shares: validating block ids,
+coalescing runs, the per-peer handshake cache (layout check, re-handshake on a
+new epoch), deadlines, stats and notification decoding.  A backend supplies
+the transport through the ``_``-prefixed hooks."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import secrets
+import socket
+import threading
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from transfer.deadline import Deadline
+from transfer.errors import TransferError
+from transfer.layout import KVLayout, check_compatible, check_pool
+from transfer.peer import (Notification, PeerDescriptor, agent_name, check_peer_id,
+                           decode_notification, encode_notification)
+from transfer.runs import BlockRun, as_block_ids, check_block_ids, coalesce_block_runs
+
+log = logging.getLogger("pdcluster.transfer")
+
+
+@dataclass(frozen=True)
+class TransferStats:
+    backend: str
+    peer_id: str
+    num_blocks: int
+    num_bytes: int
+    seconds: float
+    num_descriptors: int  # after coalescing runs of consecutive blocks
+
+    @property
+    def gbytes_per_s(self) -> float:
+        return self.num_bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+@dataclass
+class _CachedPeer:
+    epoch: int
+    conn: Any  # whatever the backend's _connect returned
+
+
+class TransferBackend(ABC):
+    """Moves whole KV blocks from a peer's pool into this side's pool.
+
+    Capability flags (class attributes, so the serving layer can read them
+    before creating anything):
+
+    ``one_sided``       a pull completes without the owner's CPU taking part
+                        (RDMA, same-host CMA); a stalled owner does not stall it.
+    ``device_memory``   accelerator pools move without staging through host memory.
+    ``needs_listener``  the owner opens a TCP port (127.0.0.1 unless configured).
+
+    pull, describe and poll_notifications may be called from several threads.
+    pull blocks the calling thread (run it in an executor from async code) and
+    never takes longer than its timeout plus one transport call."""
+
+    name: ClassVar[str]
+    one_sided: ClassVar[bool]
+    device_memory: ClassVar[bool]
+    needs_listener: ClassVar[bool]
+
+    def __init__(self, peer_id: str | None = None, timeout_s: float = 10.0) -> None:
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self.peer_id = check_peer_id(peer_id or default_peer_id())
+        self.epoch = secrets.randbits(63) | 1  # new on every start: pullers re-handshake
+        self.timeout_s = timeout_s
+        self.num_handshakes = 0
+        self._pool: torch.Tensor | None = None
+        self._layout: KVLayout | None = None
+        self._peers: dict[str, _CachedPeer] = {}
+        self._peer_locks: dict[str, threading.Lock] = {}
+        self._peers_lock = threading.Lock()
+        self._closed = False
+
+    @property
+    def agent_name(self) -> str:
+        return agent_name(self.peer_id, self.epoch)
+
+    # ---- public API -------------------------------------------------------
+
+    def register_pool(self, kv_pool: torch.Tensor, layout: KVLayout) -> None:
+        if self._pool is not None:
+            raise RuntimeError(f"{self.name} backend {self.peer_id} already serves a pool; create one backend per pool")
+        check_pool(kv_pool, layout)
+        self._register(kv_pool, layout)
+        self._pool, self._layout = kv_pool, layout
+
+    def descriptor(self) -> PeerDescriptor:
+        pool, layout = self._require_pool()
+        return PeerDescriptor(backend=self.name, peer_id=self.peer_id, epoch=self.epoch, layout=layout,
+                              num_blocks=pool.shape[0], **self._describe_fields())
+
+    def describe(self) -> bytes:
+        """The msgpack descriptor a puller needs; hand it over out of band once."""
+        return self.descriptor().encode()
+
+    def pull(self, peer: PeerDescriptor | bytes, remote_block_ids: Any, local_block_ids: Any,
+             notif: str | None = None, timeout_s: float | None = None) -> TransferStats:
+        """Copies remote block ``remote_block_ids[i]`` into local block
+        ``local_block_ids[i]`` and returns once every byte has landed; then, if
+        ``notif`` (a lease id) is given, tells the owner so it can release them.
+
+        Raises TransferError (LayoutMismatchError at a first handshake) when the
+        pull cannot complete within ``timeout_s``; the local blocks then hold
+        garbage and go back to the pool.  ValueError means a caller bug (ids out
+        of range, a local block named twice)."""
+        pool, _ = self._require_pool()
+        desc = peer if isinstance(peer, PeerDescriptor) else PeerDescriptor.decode(peer)
+        remote_ids, local_ids = as_block_ids(remote_block_ids), as_block_ids(local_block_ids)
+        check_block_ids(remote_ids, local_ids, desc.num_blocks, pool.shape[0])
+        payload = encode_notification(notif) if notif is not None else b""
+        runs = coalesce_block_runs(remote_ids, local_ids)
+        deadline = Deadline(timeout_s or self.timeout_s, f"pull of {len(remote_ids)} blocks "
+                            f"from {desc.peer_id} over {self.name}")
+        started = time.perf_counter()
+        conn = self._connection(desc, deadline)
+        try:
+            if runs:
+                self._read_runs(conn, desc, runs, payload, deadline)
+            elif payload:
+                self._notify(conn, desc, payload, deadline)
+        except (TransferError, OSError) as e:
+            self._forget(desc, conn)
+            log.warning("kv transfer failed: peer=%s backend=%s blocks=%d error=%s",
+                        desc.peer_id, self.name, len(remote_ids), e)
+            if isinstance(e, TransferError):
+                raise
+            raise TransferError(f"{deadline.what} failed: {e}; free the local blocks and retry") from e
+        seconds = time.perf_counter() - started
+        return TransferStats(self.name, desc.peer_id, len(remote_ids), len(remote_ids) * desc.block_bytes,
+                             seconds, len(runs))
+
+    def poll_notifications(self) -> list[Notification]:
+        """Lease ids pullers have finished with since the last call (never blocks)."""
+        out = []
+        for sender, payload in self._raw_notifications():
+            try:
+                out.append(decode_notification(sender, payload))
+            except TransferError as e:
+                log.warning("ignoring malformed transfer notification: from=%s error=%s", sender, e)
+        return out
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        with self._peers_lock:
+            peers, self._peers = list(self._peers.values()), {}
+        for cached in peers:
+            self._disconnect(cached.conn)
+        self._close()
+
+    def __enter__(self) -> TransferBackend:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- peer cache -------------------------------------------------------
+
+    def _connection(self, desc: PeerDescriptor, deadline: Deadline) -> Any:
+        with self._peers_lock:
+            lock = self._peer_locks.setdefault(desc.peer_id, threading.Lock())
+        if not lock.acquire(timeout=max(deadline.remaining_s(), 0.0)):
+            raise deadline.timeout_error()
+        try:
+            cached = self._peers.get(desc.peer_id)
+            if cached is not None and cached.epoch == desc.epoch:
+                return cached.conn
+            if cached is not None:
+                log.info("kv transfer peer restarted: peer=%s epoch=%x->%x; re-handshaking",
+                         desc.peer_id, cached.epoch, desc.epoch)
+                self._forget(desc, cached.conn)
+            conn = self._handshake(desc, deadline)
+            with self._peers_lock:
+                self._peers[desc.peer_id] = _CachedPeer(desc.epoch, conn)
+            return conn
+        finally:
+            lock.release()
+
+    def _handshake(self, desc: PeerDescriptor, deadline: Deadline) -> Any:
+        if self._closed:
+            raise TransferError(f"{self.name} backend {self.peer_id} is closed; create a new one")
+        if desc.backend != self.name:
+            raise TransferError(
+                f"peer {desc.peer_id} serves its pool over the {desc.backend!r} transfer backend but this side "
+                f"({self.peer_id}) uses {self.name!r}; configure the same transfer backend on every replica")
+        _, layout = self._require_pool()
+        check_compatible(layout, desc.layout, self.peer_id, desc.peer_id)
+        try:
+            conn = self._connect(desc, deadline)
+        except OSError as e:
+            raise TransferError(f"cannot reach peer {desc.peer_id} ({e}); is it running?") from e
+        self.num_handshakes += 1
+        log.info("kv transfer handshake: peer=%s epoch=%x backend=%s", desc.peer_id, desc.epoch, self.name)
+        return conn
+
+    def _forget(self, desc: PeerDescriptor, conn: Any) -> None:
+        with self._peers_lock:
+            cached = self._peers.get(desc.peer_id)
+            if cached is not None and cached.conn is conn:
+                del self._peers[desc.peer_id]
+            else:
+                cached = None
+        if cached is not None:
+            self._disconnect(conn)
+
+    def _require_pool(self) -> tuple[torch.Tensor, KVLayout]:
+        if self._closed:
+            raise TransferError(f"{self.name} backend {self.peer_id} is closed; create a new one")
+        if self._pool is None or self._layout is None:
+            raise RuntimeError("call register_pool(kv_pool, layout) before describe() or pull()")
+        return self._pool, self._layout
+
+    # ---- backend hooks ----------------------------------------------------
+
+    @abstractmethod
+    def _register(self, kv_pool: torch.Tensor, layout: KVLayout) -> None: ...
+
+    @abstractmethod
+    def _describe_fields(self) -> dict[str, Any]:
+        """PeerDescriptor fields beyond the common ones (endpoint, pool_addr, ...)."""
+
+    @abstractmethod
+    def _connect(self, desc: PeerDescriptor, deadline: Deadline) -> Any:
+        """Handshake with a peer; the result is cached until the epoch changes or a pull fails."""
+
+    @abstractmethod
+    def _disconnect(self, conn: Any) -> None: ...
+
+    @abstractmethod
+    def _read_runs(self, conn: Any, desc: PeerDescriptor, runs: list[BlockRun], notif_payload: bytes,
+                   deadline: Deadline) -> None:
+        """Copies the runs; sends ``notif_payload`` (if any) only after every byte landed."""
+
+    @abstractmethod
+    def _notify(self, conn: Any, desc: PeerDescriptor, notif_payload: bytes, deadline: Deadline) -> None: ...
+
+    @abstractmethod
+    def _raw_notifications(self) -> list[tuple[str, bytes]]:
+        """(sender peer_id, payload) received since the last call."""
+
+    @abstractmethod
+    def _close(self) -> None: ...
+
+
+def default_peer_id() -> str:
+    host = re.sub(r"[^A-Za-z0-9_.-]", "-", socket.gethostname())[:100] or "host"
+    return f"{host}-{os.getpid()}"

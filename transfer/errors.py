@@ -1,0 +1,23 @@
+"""Errors of the transfer layer.  Every message says which peer, what went
+wrong and what to do next; the serving layer logs them as they are."""
+
+from __future__ import annotations
+
+
+class TransferError(RuntimeError):
+    """A pull did not complete: the peer died, stalled past the timeout, sent
+    something malformed or refused us.  The local blocks named in the pull hold
+    garbage and must go back to the pool; the remote side's lease will expire."""
+
+
+class LayoutMismatchError(TransferError):
+    """The two pools do not hold the same kind of KV blocks (model, dtype,
+    geometry); refused at handshake, before any byte moves."""
+
+
+class BackendUnavailableError(TransferError):
+    """A backend cannot run here (library missing, no usable transport)."""
+
+
+class ConnectionClosedError(TransferError):
+    """The other side closed a socket mid-message (it died, or gave up)."""
