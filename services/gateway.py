@@ -19,7 +19,7 @@ from services.openai.routes import create_app
 from services.openai.settings import OpenAISettings
 
 log = logging.getLogger("pdcluster.gateway")
-app: FastAPI = create_app()
+app: FastAPI = create_app(request_id_header=False)  # Serve's proxy sets x-request-id
 
 
 def _model_config(path) -> ModelConfig:

@@ -1,0 +1,174 @@
+"""Request models for /v1/completions and /v1/chat/completions, and their
+conversion to the engine's ``SamplingParams``.
+
+Strict on purpose: wrong JSON types are a 400 (no string-to-number
+coercion), unknown fields are a 400 naming the field, and OpenAI features
+this server does not implement are a 400 saying so -- never silently
+ignored."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from services.engine.errors import InvalidRequestError
+from services.engine.sampling_params import SamplingParams
+from services.openai.errors import OpenAIError, invalid_request
+
+_INT64 = {"ge": -(2**63), "le": 2**64 - 1}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Strict):
+    """Fields the two endpoints share."""
+    model: str | None = None           # None: the (first) served model
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = Field(None, **_INT64)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None            # accepted for compatibility; not used
+    # Accepted only at values that mean "off" (checked in reject_unsupported):
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    # vLLM extensions
+    ignore_eos: bool = False
+    top_k: int | None = None           # 0 or -1: off
+    stop_token_ids: list[int] | None = None
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[int]
+    suffix: str | None = None
+    echo: bool = False
+    best_of: int | None = None
+    logprobs: int | None = None
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def template_dict(self) -> dict[str, str]:
+        """What the chat template sees: text parts joined by newlines."""
+        text = self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
+        return {"role": self.role, "content": text}
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    # Accepted only at values that mean "off":
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+
+AnyRequest = CompletionRequest | ChatCompletionRequest
+
+
+def _unsupported(param: str, what: str, fix: str = "remove it from the request") -> OpenAIError:
+    message = f"{what} is not supported by this server; {fix}"
+    return invalid_request(message, param=param, code="unsupported_parameter")
+
+
+def reject_unsupported(req: AnyRequest) -> None:
+    """Raise a 400 for any OpenAI feature asked for that this server does not implement."""
+    if req.n < 1:
+        raise invalid_request(f"n must be 1 (one choice per request), got {req.n}", param="n", code="invalid_value")
+    if req.n > 1:
+        raise _unsupported("n", f"n={req.n} (several choices per request)", f"send {req.n} separate requests instead")
+    if req.presence_penalty != 0 or req.frequency_penalty != 0:
+        param = "presence_penalty" if req.presence_penalty != 0 else "frequency_penalty"
+        raise _unsupported(param, f"{param} other than 0")
+    if req.logit_bias:
+        raise _unsupported("logit_bias", "logit_bias")
+    if req.stream_options is not None and not req.stream:
+        raise invalid_request("stream_options is only allowed with stream: true", param="stream_options")
+    if req.stop is not None and any(s == "" for s in ([req.stop] if isinstance(req.stop, str) else req.stop)):
+        raise invalid_request("stop strings must be non-empty", param="stop", code="invalid_value")
+    if isinstance(req, CompletionRequest):
+        _reject_unsupported_completion(req)
+    else:
+        _reject_unsupported_chat(req)
+
+
+def _reject_unsupported_completion(req: CompletionRequest) -> None:
+    if req.best_of not in (None, 1):
+        raise _unsupported("best_of", f"best_of={req.best_of}")
+    if req.logprobs is not None:
+        raise _unsupported("logprobs", "logprobs")
+    if req.echo:
+        raise _unsupported("echo", "echo")
+    if req.suffix is not None:
+        raise _unsupported("suffix", "suffix (fill-in-the-middle)")
+
+
+def _reject_unsupported_chat(req: ChatCompletionRequest) -> None:
+    if req.logprobs or req.top_logprobs:
+        raise _unsupported("logprobs" if req.logprobs else "top_logprobs", "logprobs")
+    if req.tools or req.functions:
+        param = "tools" if req.tools else "functions"
+        raise _unsupported(param, "tool / function calling")
+    for param, choice in (("tool_choice", req.tool_choice), ("function_call", req.function_call)):
+        if choice not in (None, "none", "auto"):
+            raise _unsupported(param, "tool / function calling")
+    if req.response_format is not None and req.response_format.get("type") != "text":
+        raise _unsupported("response_format", f"response_format {req.response_format.get('type')!r} (only 'text')")
+    if not req.messages:
+        raise invalid_request("messages is empty: send at least one message", param="messages")
+
+
+def requested_max_tokens(req: AnyRequest) -> tuple[int | None, str]:
+    """The client's output cap (None if unset) and the parameter it came from."""
+    if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
+        return req.max_completion_tokens, "max_completion_tokens"
+    return req.max_tokens, "max_tokens"
+
+
+_PARAMS_NAMED_IN_ERRORS = ("max_tokens", "temperature", "top_p", "top_k", "stop", "stop_token_ids")
+
+
+def to_sampling_params(req: AnyRequest, max_tokens: int, max_tokens_param: str = "max_tokens") -> SamplingParams:
+    """``SamplingParams`` for ``req``; its validation errors become a 400 naming the field."""
+    top_k = req.top_k if req.top_k not in (None, -1) else 0
+    kwargs: dict[str, Any] = {"max_tokens": max_tokens, "top_k": top_k, "seed": req.seed,
+                              "ignore_eos": req.ignore_eos,
+                              "stop": () if req.stop is None else req.stop,
+                              "stop_token_ids": tuple(req.stop_token_ids or ())}
+    if req.temperature is not None:
+        kwargs["temperature"] = req.temperature
+    if req.top_p is not None:
+        kwargs["top_p"] = req.top_p
+    try:
+        return SamplingParams(**kwargs)
+    except InvalidRequestError as exc:
+        # SamplingParams starts every message with the field's name.
+        message, field = str(exc), str(exc).split(" ", 1)[0]
+        param = field if field in _PARAMS_NAMED_IN_ERRORS else None
+        if param == "max_tokens" and max_tokens_param != "max_tokens":
+            param, message = max_tokens_param, message.replace("max_tokens", max_tokens_param, 1)
+        raise invalid_request(message, param=param, code="invalid_value") from exc

@@ -1,0 +1,73 @@
+"""Fixtures for the OpenAI HTTP layer: the real SmolLM2 tokenizer (from the
+GGUF, no weights), a FakeBackend, the app over httpx's ASGI transport, and
+the same app served by uvicorn on 127.0.0.1 for the official client."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+
+import httpx
+import pytest
+import uvicorn
+from openai_fakes import FakeBackend, make_app
+
+from services.engine.tokenizer import Tokenizer
+
+
+@pytest.fixture(scope="session")
+def tokenizer() -> Tokenizer:
+    from transformers import AutoTokenizer
+
+    from services.engine.model.default import default_model_path
+
+    path = default_model_path()
+    return Tokenizer(AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name), eos_token_ids=())
+
+
+@pytest.fixture
+def backend() -> FakeBackend:
+    return FakeBackend()
+
+
+@pytest.fixture
+async def client(backend: FakeBackend, tokenizer: Tokenizer) -> AsyncIterator[httpx.AsyncClient]:
+    transport = httpx.ASGITransport(app=make_app(backend, tokenizer))
+    async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as c:
+        yield c
+
+
+@dataclass
+class LiveServer:
+    base_url: str
+    backend: FakeBackend
+
+
+@pytest.fixture(scope="module")
+def _live_server(tokenizer: Tokenizer) -> Iterator[LiveServer]:
+    backend = FakeBackend()
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(make_app(backend, tokenizer), log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start within 10 s"
+        time.sleep(0.02)
+    try:
+        yield LiveServer(f"http://127.0.0.1:{port}", backend)
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        sock.close()
+
+
+@pytest.fixture
+def live(_live_server: LiveServer) -> LiveServer:
+    _live_server.backend.reset()
+    return _live_server
