@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from ray import serve
 
 from services.cluster_backend import ClusterBackend
@@ -15,11 +15,21 @@ from services.engine.model.config import ModelConfig
 from services.engine.model.default import resolve_model_path
 from services.engine.model.loader import block_hash_seed, parse_dtype, weights_id
 from services.engine.tokenizer import Tokenizer
-from services.openai.routes import create_app
+from services.openai.routes import configure_app, create_app
 from services.openai.settings import OpenAISettings
 
 log = logging.getLogger("pdcluster.gateway")
 app: FastAPI = create_app(request_id_header=False)  # Serve's proxy sets x-request-id
+# Serve runs a deserialized copy of ``app`` in the replica, so __init__ cannot
+# reach its ``state``; it fills this holder and the middleware attaches it.
+_HOST: dict = {}
+
+
+@app.middleware("http")
+async def _attach_host(request: Request, call_next):
+    if _HOST and getattr(request.app.state, "backend", None) is None:
+        configure_app(request.app, _HOST["backend"], _HOST["tokenizer"], _HOST["settings"])
+    return await call_next(request)
 
 
 def _model_config(path) -> ModelConfig:
@@ -40,13 +50,14 @@ class Gateway:
         path = resolve_model_path(cfg.model)
         mc = _model_config(path)
         max_len = min(cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
-        app.state.tokenizer = Tokenizer.from_path(path, mc)
-        app.state.openai_settings = OpenAISettings(
+        tokenizer = Tokenizer.from_path(path, mc)
+        settings = OpenAISettings(
             served_model_names=(cfg.served_model_name,),
             block_hash_seed=block_hash_seed(weights_id(path), parse_dtype(cfg.dtype), cfg.block_size),
             block_size=cfg.block_size, max_body_bytes=cfg.max_body_bytes)
-        app.state.backend = ClusterBackend(handles, mode=cfg.mode, model_name=cfg.served_model_name,
-                                           max_model_len=max_len, block_size=cfg.block_size)
+        backend = ClusterBackend(handles, mode=cfg.mode, model_name=cfg.served_model_name,
+                                 max_model_len=max_len, block_size=cfg.block_size)
+        _HOST.update(backend=backend, tokenizer=tokenizer, settings=settings)
         log.info("gateway ready: mode=%s model=%s", cfg.mode, cfg.served_model_name)
 
 
