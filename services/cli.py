@@ -11,6 +11,7 @@ import sys
 COMMAND_MODULES = [
     "services.cli_model",
     "services.cli_up",
+    "services.cli_status",
     "bench.cli_bench",
     "bench.cli_plan",
 ]

@@ -87,7 +87,18 @@ class LocalCluster:
     def _write_state(self, url: str) -> None:
         STATE_FILE.parent.mkdir(parents=True, exist_ok=True)
         STATE_FILE.write_text(json.dumps({"pid": os.getpid(), "redis_url": url, "port": self.config.port,
-                                          "mode": self.config.mode}))
+                                          "mode": self.config.mode, "cluster": self.config.cluster_name,
+                                          "config": self.config.model_dump()}))
+
+    def scale(self, pool: str, replicas: int) -> None:
+        """Changes one pool's replica count in place (other pools untouched)."""
+        from ray import serve
+
+        from services.app import build_app
+
+        updated = getattr(self.config, pool).model_copy(update={"num_replicas": replicas, "autoscaling": None})
+        self.config = self.config.model_copy(update={pool: updated})
+        serve.run(build_app(self.config), name=APP_NAME, route_prefix="/", blocking=False)
 
     def stop(self) -> None:
         import ray

@@ -16,14 +16,14 @@ from services.worker import Worker
 
 
 class ColocatedServer:
-    def __init__(self, config: dict):
+    async def __init__(self, config: dict):
         self.cfg = ClusterConfig.model_validate(config)
         self.worker = Worker(self.cfg, self.cfg.colocated, "colocated", _replica_name("colocated"),
                              with_transfer=False)
+        await self.worker.start()
 
     async def generate(self, request: PrefillRequest, routing: dict | None = None) -> AsyncIterator[TokenDelta]:
         w = self.worker
-        await w.start()
         w.admit()
         w.in_flight += 1
         try:
@@ -37,11 +37,13 @@ class ColocatedServer:
             w.in_flight -= 1
 
     async def status(self) -> dict:
-        await self.worker.start()
         return self.worker.status()
 
     def record_routing_stats(self) -> dict:
         return self.worker.routing_stats()
+
+    async def __del__(self):
+        await self.worker.shutdown()
 
 
 ColocatedDeployment = serve.deployment(ColocatedServer, name="colocated")

@@ -21,9 +21,10 @@ _RESERVE_RETRY_S = 0.02
 
 
 class DecodeServer:
-    def __init__(self, config: dict):
+    async def __init__(self, config: dict):
         self.cfg = ClusterConfig.model_validate(config)
         self.worker = Worker(self.cfg, self.cfg.decode, "decode", _replica_name("decode"))
+        await self.worker.start()
 
     async def _reserve(self, req: DecodeRequest):
         """Blocks for the prompt; waits briefly when the pool is full."""
@@ -57,7 +58,6 @@ class DecodeServer:
 
     async def generate(self, req: DecodeRequest, routing: dict | None = None) -> AsyncIterator[TokenDelta]:
         w = self.worker
-        await w.start()
         w.admit()
         w.in_flight += 1
         try:
@@ -76,11 +76,13 @@ class DecodeServer:
             w.in_flight -= 1
 
     async def status(self) -> dict:
-        await self.worker.start()
         return self.worker.status()
 
     def record_routing_stats(self) -> dict:
         return self.worker.routing_stats()
+
+    async def __del__(self):
+        await self.worker.shutdown()
 
 
 DecodeDeployment = serve.deployment(DecodeServer, name="decode")

@@ -23,13 +23,13 @@ def _replica_name(role: str) -> str:
 
 
 class PrefillServer:
-    def __init__(self, config: dict):
+    async def __init__(self, config: dict):
         self.cfg = ClusterConfig.model_validate(config)
         self.worker = Worker(self.cfg, self.cfg.prefill, "prefill", _replica_name("prefill"))
+        await self.worker.start()
 
     async def prefill(self, request: PrefillRequest, routing: dict | None = None) -> PrefillResponse:
         w = self.worker
-        await w.start()
         w.admit()
         w.in_flight += 1
         started = time.perf_counter()
@@ -59,7 +59,6 @@ class PrefillServer:
         return await self.worker.aengine.release_lease(request_id)
 
     async def status(self) -> dict:
-        await self.worker.start()
         return self.worker.status()
 
     def record_routing_stats(self) -> dict:

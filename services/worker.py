@@ -18,6 +18,7 @@ from prefix_store.worker_id import WorkerId
 from router.replica_stats import ReplicaStats
 from services.backend import BackendOverloaded
 from services.config import ClusterConfig, PoolConfig
+from services.status_board import publish_forever
 from services.engine.async_engine import AsyncEngine
 from services.engine.engine import Engine
 from transfer import KVLayout, create_backend
@@ -47,6 +48,7 @@ class Worker:
         self.name = name or f"{role}-{os.getpid()}"
         self.worker_id = WorkerId.new(self.name)
         index_url = config.index_url or os.environ.get("REDIS_URL") or None
+        self.index_url = index_url
         self.index = make_index(index_url, cluster=config.cluster_name, model=config.served_model_name)
         self.publisher = KVEventPublisher(self.index, self.worker_id, info={"role": role})
         self.engine = Engine(config.engine_config(pool), on_kv_event=self.publisher.on_event)
@@ -69,6 +71,9 @@ class Worker:
             return
         self._started = True
         await self.publisher.start()
+        if self.index_url and self.index_url.startswith("redis"):
+            self._tasks.append(asyncio.create_task(
+                publish_forever(self.index_url, self.config.cluster_name, self.name, self.status)))
         if self.transfer is not None:
             self._tasks.append(asyncio.create_task(self._release_on_notification()))
 
@@ -119,7 +124,16 @@ class Worker:
             "time": time.time(),
         }
 
+    async def drain_leases(self) -> None:
+        """Waits (at most one lease TTL) until decode replicas have pulled every
+        pinned block, so scaling a prefill pool down never strands a hand-off."""
+        deadline = time.monotonic() + self.config.lease_ttl_s
+        while time.monotonic() < deadline and await self.aengine.run(lambda e: len(e.leases)):
+            await asyncio.sleep(0.05)
+
     async def shutdown(self) -> None:
+        if self.transfer is not None:
+            await self.drain_leases()
         for t in self._tasks:
             t.cancel()
         await self.publisher.stop()

@@ -7,25 +7,25 @@ import time
 import httpx
 import pytest
 
-from tests.integration.cluster.conftest import pool_status
+from tests.integration.cluster.conftest import board
 
 pytestmark = pytest.mark.integration
 MODEL = "SmolLM2-135M-Instruct"
 
 
-def wait_no_leaks(pools=("prefill", "decode"), timeout_s: float = 30.0) -> dict:
-    """Every pool's free KV blocks back to total (leases released, aborts done)."""
+def wait_no_leaks(cluster, timeout_s: float = 30.0) -> list[dict]:
+    """Every replica's free KV blocks back to total (leases released, aborts done)."""
     deadline = time.monotonic() + timeout_s
     while True:
-        stats = {p: pool_status(p) for p in pools}
-        if all(s["kv_blocks_free"] == s["kv_blocks_total"] and s["running"] == 0 for s in stats.values()):
+        time.sleep(0.6)  # > one status period, so the board is fresh
+        stats = board(cluster)
+        if stats and all(s["kv_blocks_free"] == s["kv_blocks_total"] and s["running"] == 0 for s in stats):
             return stats
         if time.monotonic() > deadline:
             raise AssertionError(f"KV blocks still held: {stats}")
-        time.sleep(0.2)
 
 
-def test_chat_matches_the_offline_engine_and_counts_usage(client):
+def test_chat_matches_the_offline_engine_and_counts_usage(cluster, client):
     from services.engine.config import EngineConfig
     from services.engine.engine import Engine
     from services.engine.sampling_params import greedy
@@ -39,10 +39,10 @@ def test_chat_matches_the_offline_engine_and_counts_usage(client):
     assert resp.usage.prompt_tokens == len(prompt)
     assert resp.usage.completion_tokens == len(offline.new_token_ids)
     assert resp.choices[0].finish_reason == ("stop" if offline.finish_reason.value == "stop" else "length")
-    wait_no_leaks()
+    wait_no_leaks(cluster)
 
 
-def test_streaming_completion_with_usage(client):
+def test_streaming_completion_with_usage(cluster, client):
     stream = client.completions.create(model=MODEL, prompt="Once upon a time,", max_tokens=12, temperature=0,
                                        stream=True, stream_options={"include_usage": True},
                                        extra_body={"ignore_eos": True})
@@ -54,10 +54,10 @@ def test_streaming_completion_with_usage(client):
     full = client.completions.create(model=MODEL, prompt="Once upon a time,", max_tokens=12, temperature=0,
                                      extra_body={"ignore_eos": True})
     assert full.choices[0].text == text
-    wait_no_leaks()
+    wait_no_leaks(cluster)
 
 
-def test_abort_mid_stream_frees_blocks_everywhere(base_url):
+def test_abort_mid_stream_frees_blocks_everywhere(cluster, base_url):
     body = {"model": MODEL, "prompt": "Count to one thousand: 1, 2, 3,", "max_tokens": 400, "stream": True,
             "ignore_eos": True}
     with httpx.Client(timeout=60) as http:
@@ -66,9 +66,8 @@ def test_abort_mid_stream_frees_blocks_everywhere(base_url):
             for i, _ in enumerate(r.iter_lines()):
                 if i > 6:
                     break
-    wait_no_leaks()
-    stats = pool_status("decode")
-    assert stats["counters"]["blocks_pulled"] > 0
+    stats = wait_no_leaks(cluster)
+    assert sum(s["counters"]["blocks_pulled"] for s in stats if s["role"] == "decode") > 0
 
 
 @pytest.mark.parametrize("body, status", [

@@ -1,0 +1,72 @@
+"""`pdcluster status` and `pdcluster scale POOL N` against a running `pdcluster up`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from services.cluster_runtime import STATE_FILE
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("status", help="pools, replicas, queue depths and KV usage of the running cluster")
+    p.add_argument("--json", action="store_true", help="print raw JSON")
+    p.set_defaults(func=run_status)
+    s = sub.add_parser("scale", help="change a pool's replica count while serving")
+    s.add_argument("pool", choices=["prefill", "decode", "colocated"])
+    s.add_argument("replicas", type=int)
+    s.set_defaults(func=run_scale)
+
+
+def _state() -> dict:
+    if not STATE_FILE.exists():
+        raise SystemExit(f"no running cluster found ({STATE_FILE} is missing): start one with `pdcluster up`")
+    return json.loads(STATE_FILE.read_text())
+
+
+def format_board(board: list[dict]) -> list[str]:
+    """One line per replica: role, name, running/waiting, KV used/total, hits."""
+    lines = [f"{'pool':<10} {'replica':<34} {'run':>4} {'wait':>4} {'kv used/total':>14} {'leased':>6} "
+             f"{'prompt hit/computed':>20}"]
+    for s in board:
+        used = s["kv_blocks_total"] - s["kv_blocks_free"]
+        lines.append(f"{s['role']:<10} {s['name'][-34:]:<34} {s['running']:>4} {s['waiting']:>4} "
+                     f"{used:>6}/{s['kv_blocks_total']:<7} {s['leased_blocks']:>6} "
+                     f"{s['prompt_tokens_cached']:>9}/{s['prompt_tokens_computed']:<10}")
+    return lines
+
+
+def run_status(args: argparse.Namespace) -> int:
+    from services.status_board import read_board
+
+    state = _state()
+    board = read_board(state["redis_url"], state.get("cluster", "local"))
+    if args.json:
+        print(json.dumps(board, indent=2))
+        return 0
+    print(f"cluster: {state['mode']} on 127.0.0.1:{state['port']} (pid {state['pid']})")
+    print("\n".join(format_board(board)) if board else "no replica has reported yet")
+    return 0
+
+
+def run_scale(args: argparse.Namespace) -> int:
+    import ray
+    from ray import serve
+
+    from services.app import build_app
+    from services.cluster_runtime import APP_NAME, loopback_env
+    from services.config import ClusterConfig
+
+    if args.replicas < 0:
+        raise SystemExit("replicas must be >= 0")
+    state = _state()
+    config = ClusterConfig.model_validate(state["config"])
+    pool = getattr(config, args.pool).model_copy(update={"num_replicas": args.replicas, "autoscaling": None})
+    config = config.model_copy(update={args.pool: pool})
+    loopback_env()
+    ray.init(address="auto", log_to_driver=False)
+    serve.run(build_app(config), name=APP_NAME, route_prefix="/", blocking=False)
+    state["config"] = config.model_dump()
+    STATE_FILE.write_text(json.dumps(state))
+    print(f"{args.pool}: {args.replicas} replicas requested; in-flight requests finish on the old ones")
+    return 0

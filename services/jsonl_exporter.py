@@ -1,0 +1,118 @@
+"""A span exporter that appends one JSON object per finished span to a file,
+so `pdcluster trace` can draw a waterfall with no collector running.
+
+Several processes (gateway, prefill and decode replicas) append to the same
+file.  Each line goes out in a single ``write()`` on an ``O_APPEND`` file
+descriptor: on a local filesystem the kernel serialises appends per inode, so
+lines from different processes never interleave (NFS gives no such promise).
+``os.write`` is unbuffered, so there is nothing to flush.
+
+One line:
+
+    {"trace_id": "<32 hex>", "span_id": "<16 hex>", "parent_span_id": "<16 hex>" | null,
+     "name": "prefill.compute", "kind": "INTERNAL", "start_ns": 1.7e18, "end_ns": ...,
+     "attributes": {...}, "status": "UNSET" | "OK" | "ERROR", "status_message": str | null,
+     "events": [{"name", "time_ns", "attributes"}], "service": "pdcluster-prefill", "pid": 1234}
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+
+log = logging.getLogger("pdcluster.telemetry")
+
+AttributeFilter = Callable[[Mapping[str, Any]], dict[str, Any]]
+
+
+def span_to_dict(span: ReadableSpan, attribute_filter: AttributeFilter | None = None) -> dict[str, Any]:
+    ctx, parent = span.context, span.parent
+    attrs = dict(span.attributes or {})
+    if attribute_filter is not None:
+        attrs = attribute_filter(attrs)
+    return {
+        "trace_id": format(ctx.trace_id, "032x"),
+        "span_id": format(ctx.span_id, "016x"),
+        "parent_span_id": format(parent.span_id, "016x") if parent is not None else None,
+        "name": span.name,
+        "kind": span.kind.name,
+        "start_ns": span.start_time,
+        "end_ns": span.end_time,
+        "attributes": attrs,
+        "status": span.status.status_code.name,
+        "status_message": span.status.description,
+        "events": [{"name": e.name, "time_ns": e.timestamp, "attributes": dict(e.attributes or {})}
+                   for e in span.events],
+        "service": span.resource.attributes.get("service.name"),
+        "pid": os.getpid(),
+    }
+
+
+class JsonlSpanExporter(SpanExporter):
+    """Appends spans to ``path`` (created with its parent directories)."""
+
+    def __init__(self, path: str | Path, attribute_filter: AttributeFilter | None = None):
+        self.path = Path(path)
+        self.attribute_filter = attribute_filter
+        self._fd: int | None = None
+        self._lock = threading.Lock()   # export() and shutdown() may race at exit
+        self._warned = False
+
+    def _open(self) -> int:
+        if self._fd is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        return self._fd
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        try:
+            lines = [(json.dumps(span_to_dict(s, self.attribute_filter), separators=(",", ":"),
+                                 default=str) + "\n").encode() for s in spans]
+            with self._lock:
+                fd = self._open()
+                for line in lines:
+                    os.write(fd, line)  # one write per line: never interleaved with other writers
+            return SpanExportResult.SUCCESS
+        except (OSError, TypeError, ValueError) as exc:
+            if not self._warned:  # once: a full disk must not flood the logs
+                log.warning("cannot append spans to %s: %s; tracing continues without this file",
+                            self.path, exc)
+                self._warned = True
+            return SpanExportResult.FAILURE
+
+    def shutdown(self) -> None:
+        with self._lock:
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return True  # unbuffered writes
+
+
+def read_spans(path: str | Path) -> tuple[list[dict[str, Any]], int]:
+    """All spans in a JSONL file and the number of unreadable lines (a crash
+    mid-write leaves at most a torn last line)."""
+    spans, bad = [], 0
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except ValueError:
+                bad += 1
+                continue
+            if isinstance(obj, dict) and "trace_id" in obj and "span_id" in obj:
+                spans.append(obj)
+            else:
+                bad += 1
+    return spans, bad

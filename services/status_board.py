@@ -1,0 +1,48 @@
+"""Per-replica status in Redis, for `pdcluster status` and tests: every
+worker writes its status JSON under a key with a short TTL, so a dead
+replica disappears from the board by itself."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Callable
+
+log = logging.getLogger("pdcluster.status")
+_TTL_S = 5
+_PERIOD_S = 0.5
+
+
+def _key(cluster: str, worker: str = "*") -> str:
+    return f"pdc:status:{cluster}:{worker}"
+
+
+async def publish_forever(redis_url: str, cluster: str, worker: str, status: Callable[[], dict]) -> None:
+    """Background task of a worker; survives Redis outages."""
+    import redis.asyncio as aioredis
+
+    client = aioredis.from_url(redis_url, socket_timeout=1.0, socket_connect_timeout=1.0)
+    try:
+        while True:
+            try:
+                await client.set(_key(cluster, worker), json.dumps(status()), ex=_TTL_S)
+            except Exception as exc:  # noqa: BLE001 - status is best effort
+                log.debug("status publish failed: %s", exc)
+            await asyncio.sleep(_PERIOD_S)
+    finally:
+        await client.aclose()
+
+
+def read_board(redis_url: str, cluster: str) -> list[dict]:
+    """Every live worker's latest status, sorted by role then name."""
+    import redis
+
+    client = redis.Redis.from_url(redis_url, socket_timeout=2.0)
+    try:
+        keys = sorted(client.scan_iter(_key(cluster)))
+        values = client.mget(keys) if keys else []
+    finally:
+        client.close()
+    out = [json.loads(v) for v in values if v]
+    return sorted(out, key=lambda s: (s.get("role", ""), s.get("name", "")))

@@ -1,0 +1,151 @@
+"""Cache-aware routing across 2 prefill replicas, overload, scaling while
+serving, and replicas dying mid-request."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.integration.cluster.conftest import board, replica_actor
+from tests.integration.cluster.test_cluster_api import MODEL, wait_no_leaks
+
+pytestmark = pytest.mark.integration
+SYSTEM = " ".join(f"Rule {i}: answer politely, briefly and only about topic number {i}." for i in range(30))
+
+
+def chat(base_url, question: str, max_tokens: int = 8, timeout: float = 120) -> httpx.Response:
+    body = {"model": MODEL, "max_tokens": max_tokens, "temperature": 0,
+            "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]}
+    return httpx.post(base_url + "/v1/chat/completions", json=body, timeout=timeout)
+
+
+def _by_role(stats, role):
+    return [s for s in stats if s["role"] == role]
+
+
+def test_shared_system_prompt_lands_on_one_prefill_replica_and_decode_reuses_blocks(cluster, base_url):
+    before = {s["name"]: s for s in wait_no_leaks(cluster)}
+    questions = ["What is rule 3?", "Summarise rule 7.", "Which rule is about topic 12?", "Is rule 1 polite?"]
+    for q in questions:
+        r = chat(base_url, q)
+        assert r.status_code == 200, r.text
+        time.sleep(0.1)  # lets the replica's KV events reach the index
+    after = wait_no_leaks(cluster)
+    prompt_hits = {s["name"]: s["prompt_tokens_cached"] - before[s["name"]]["prompt_tokens_cached"]
+                   for s in _by_role(after, "prefill")}
+    served = {s["name"]: s["counters"]["requests"] - before[s["name"]]["counters"]["requests"]
+              for s in _by_role(after, "prefill")}
+    hot = max(prompt_hits, key=prompt_hits.get)
+    # Every request after the first reused the system prompt on the same replica.
+    assert served[hot] == len(questions), served
+    assert prompt_hits[hot] >= (len(questions) - 1) * 300, prompt_hits
+    (dec_after,) = _by_role(after, "decode")
+    reused = dec_after["counters"]["blocks_reused_locally"] - before[dec_after["name"]]["counters"]["blocks_reused_locally"]
+    assert reused >= (len(questions) - 1) * 18  # the decode side pulled only what it lacked
+
+
+def test_overload_beyond_the_queue_answers_429_then_recovers(cluster, base_url):
+    long_question = "Please consider: " + " ".join(f"item {i} is fine" for i in range(150))
+
+    def one(i):
+        body = {"model": MODEL, "prompt": f"{i} " + long_question, "max_tokens": 48, "ignore_eos": True}
+        return httpx.post(base_url + "/v1/completions", json=body, timeout=300)
+
+    with concurrent.futures.ThreadPoolExecutor(48) as pool:
+        responses = list(pool.map(one, range(48)))
+    codes = [r.status_code for r in responses]
+    assert set(codes) <= {200, 429}, codes
+    limited = [r for r in responses if r.status_code == 429]
+    assert limited, "a queue of 8 per replica should overflow with 48 long prompts at once"
+    assert limited[0].headers.get("retry-after") and limited[0].json()["error"]["type"] == "rate_limit_error"
+    wait_no_leaks(cluster, timeout_s=60)
+    assert chat(base_url, "Still there?").status_code == 200
+
+
+def test_scaling_prefill_down_and_up_while_serving_loses_nothing(cluster, base_url):
+    results: list[int] = []
+    stop = threading.Event()
+
+    def traffic():
+        i = 0
+        while not stop.is_set():
+            results.append(chat(base_url, f"Question {i}: what is rule {i % 30}?").status_code)
+            i += 1
+
+    workers = [threading.Thread(target=traffic) for _ in range(2)]
+    for w in workers:
+        w.start()
+    try:
+        cluster.scale("prefill", 1)
+        _wait_replicas(cluster, "prefill", 1)
+        cluster.scale("prefill", 2)
+        _wait_replicas(cluster, "prefill", 2)
+        time.sleep(1.0)
+    finally:
+        stop.set()
+        for w in workers:
+            w.join(120)
+    assert len(results) >= 4 and set(results) == {200}, results
+    wait_no_leaks(cluster, timeout_s=60)
+
+
+def _wait_replicas(cluster, role: str, n: int, timeout_s: float = 180) -> None:
+    from ray import serve
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        st = serve.status().applications["pdcluster"].deployments[role]
+        running = st.replica_states.get("RUNNING", 0)
+        if running == n and sum(st.replica_states.values()) == n and len(_by_role(board(cluster), role)) == n:
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"{role} did not reach {n} replicas: {serve.status().applications['pdcluster'].deployments[role]}")
+
+
+@pytest.mark.slow
+def test_decode_replica_killed_mid_stream_ends_with_an_error_event(cluster, base_url):
+    import ray
+
+    body = {"model": MODEL, "prompt": "Count: 1, 2, 3,", "max_tokens": 2000, "stream": True, "ignore_eos": True}
+    lines = []
+    with httpx.Client(timeout=120) as http, http.stream("POST", base_url + "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            lines.append(line)
+            if len(lines) == 10:
+                ray.kill(replica_actor("decode"), no_restart=False)
+    tail = [ln for ln in lines if ln.startswith("data:")][-2:]
+    assert '"error"' in tail[0] and tail[1] == "data: [DONE]", tail
+    _wait_replicas(cluster, "decode", 1)
+    assert chat(base_url, "Back again?").status_code == 200
+    wait_no_leaks(cluster, timeout_s=60)
+
+
+@pytest.mark.slow
+def test_prefill_replica_killed_before_hand_off_is_retried_elsewhere(cluster, base_url):
+    import ray
+
+    long_prompt = "Read this carefully. " + " ".join(f"Fact {i}: the value of x{i} is {i * 7}." for i in range(300))
+    done: list[httpx.Response] = []
+    t = threading.Thread(target=lambda: done.append(httpx.post(
+        base_url + "/v1/completions", json={"model": MODEL, "prompt": long_prompt, "max_tokens": 8}, timeout=300)))
+    t.start()
+    deadline = time.monotonic() + 30
+    victim = None
+    while victim is None and time.monotonic() < deadline:
+        busy = [s for s in _by_role(board(cluster), "prefill") if s["running"] or s["waiting"]]
+        victim = busy[0]["name"] if busy else None
+        time.sleep(0.05)
+    assert victim, "the long prefill never showed up on the board"
+    from ray.util.state import list_actors
+    for a in list_actors(filters=[("state", "=", "ALIVE")], limit=1000):
+        if victim.split("prefill-", 1)[-1] in a.name:
+            ray.kill(ray.get_actor(a.name, namespace=a.ray_namespace), no_restart=False)
+    t.join(300)
+    assert done and done[0].status_code == 200, done and done[0].text
+    _wait_replicas(cluster, "prefill", 2)
+    wait_no_leaks(cluster, timeout_s=60)
