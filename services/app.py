@@ -50,7 +50,8 @@ def build_app(config: ClusterConfig) -> Application:
     """The whole cluster: gateway ingress plus its pools."""
     from services.gateway import GatewayDeployment
 
-    gateway: Deployment = GatewayDeployment.options(ray_actor_options={"num_cpus": 0.25})
+    # The gateway only relays; the pools enforce the real limits (429).
+    gateway: Deployment = GatewayDeployment.options(ray_actor_options={"num_cpus": 0.25}, max_ongoing_requests=4096)
     if config.mode == "colocated":
         return gateway.bind(config.model_dump(), colocated=build_colocated(config))
     return gateway.bind(config.model_dump(), prefill=build_prefill(config), decode=build_decode(config))

@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
     import os
     from pathlib import Path
 
-    from services.jsonl_exporter import read_spans
+    from services.span_exporters import read_spans
     from services.telemetry import DEFAULT_TRACE_FILE, TRACE_FILE_ENV
 
     path = Path(args.file or os.environ.get(TRACE_FILE_ENV) or DEFAULT_TRACE_FILE)
@@ -172,7 +172,9 @@ def _ordered(spans: Sequence[Span]) -> list[tuple[int, Span, bool]]:
     out: list[tuple[int, Span, bool]] = []
 
     def walk(s: Span, depth: int) -> None:
-        missing = s.get("parent_span_id") is not None and s["parent_span_id"] not in by_id
+        # The root's parent is the caller's span upstream: expected, not a gap.
+        missing = s["name"] != ROOT_NAME and s.get("parent_span_id") is not None \
+            and s["parent_span_id"] not in by_id
         out.append((depth, s, missing))
         for child in sorted(children.get(s["span_id"], []), key=lambda c: (c["start_ns"], c["end_ns"])):
             walk(child, depth + 1)
@@ -203,7 +205,7 @@ def render_waterfall(spans: Sequence[Span], *, width: int = BAR_WIDTH, all_attri
                  f"{'':<{width + 2}}  details")
     for depth, s, missing in rows:
         start, dur = s["start_ns"] - t0, s["end_ns"] - s["start_ns"]
-        left = min(int(start / scale * width), width - 1)
+        left = min(round(start / scale * width), width - 1)
         size = max(1, min(round(dur / scale * width), width - left))
         bar = "·" * left + "█" * size + "·" * (width - left - size)
         name = "  " * depth + ("? " if missing else "") + _label(s)

@@ -24,17 +24,14 @@ class ColocatedServer:
 
     async def generate(self, request: PrefillRequest, routing: dict | None = None) -> AsyncIterator[TokenDelta]:
         w = self.worker
-        w.admit()
-        w.in_flight += 1
-        try:
-            async for out in w.aengine.generate(request.request_id, request.prompt_token_ids, request.params):
-                yield TokenDelta(out.new_token_ids, out.text_delta,
-                                 out.finish_reason.value if out.finished else None,
-                                 num_prompt_tokens=out.num_prompt_tokens, num_cached_tokens=out.num_cached_tokens)
-        except InvalidRequestError as exc:
-            raise BackendInvalidRequest(str(exc)) from exc
-        finally:
-            w.in_flight -= 1
+        with w.admitted(self.cfg.scheduler.max_num_seqs + self.cfg.colocated.max_queue):
+            try:
+                async for out in w.aengine.generate(request.request_id, request.prompt_token_ids, request.params):
+                    yield TokenDelta(out.new_token_ids, out.text_delta,
+                                     out.finish_reason.value if out.finished else None,
+                                     num_prompt_tokens=out.num_prompt_tokens, num_cached_tokens=out.num_cached_tokens)
+            except InvalidRequestError as exc:
+                raise BackendInvalidRequest(str(exc)) from exc
 
     async def status(self) -> dict:
         return self.worker.status()

@@ -58,9 +58,8 @@ class DecodeServer:
 
     async def generate(self, req: DecodeRequest, routing: dict | None = None) -> AsyncIterator[TokenDelta]:
         w = self.worker
-        w.admit()
-        w.in_flight += 1
-        try:
+        # Decodes run for long: the batch's seats plus the queue.
+        with w.admitted(self.cfg.scheduler.max_num_seqs + self.cfg.decode.max_queue):
             alloc = await self._reserve(req)
             pulled = await self._pull(req, alloc)
             first = True
@@ -72,8 +71,6 @@ class DecodeServer:
                                  blocks_pulled=pulled if first else 0,
                                  blocks_reused=alloc.num_cached_blocks if first else 0)
                 first = False
-        finally:
-            w.in_flight -= 1
 
     async def status(self) -> dict:
         return self.worker.status()

@@ -1,6 +1,6 @@
 """The numbers operators watch, through ``ray.util.metrics`` so they show on
-the Ray dashboard and its Prometheus endpoint (exported as ``ray_<name>``;
-counters may gain a ``_total`` suffix there).
+the Ray dashboard and its Prometheus endpoint, as ``ray_<name>`` (counters
+``ray_<name>_total``; histograms ``_bucket``/``_count``/``_sum``), checked on Ray 2.60.
 
     name                                 kind       tag keys               recorded by
     pdcluster_ttft_seconds               histogram  pool                   gateway (client-seen), prefill, colocated
@@ -28,6 +28,7 @@ raises into a request: a failure is logged once.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import sys
 import time
@@ -153,6 +154,14 @@ def set_engine_stats(pool: str, replica: str, stats: Any) -> None:
     _set("pdcluster_kv_blocks_total", stats.kv_blocks_total, pool=pool, replica=replica)
 
 
+async def export_gauges_forever(pool: str, replica: str, stats: Callable[[], Any], period_s: float = 1.0) -> None:
+    """Sets the engine gauges every ``period_s`` (a replica background task;
+    returns at once outside Ray)."""
+    while ray_active():
+        set_engine_stats(pool, replica, stats())
+        await asyncio.sleep(period_s)
+
+
 def count_prompt_tokens(pool: str, replica: str, prompt_tokens: int, cache_hit_tokens: int) -> None:
     _inc("pdcluster_prompt_tokens", prompt_tokens, pool=pool, replica=replica)
     _inc("pdcluster_prefix_cache_hit_tokens", cache_hit_tokens, pool=pool, replica=replica)
@@ -161,6 +170,15 @@ def count_prompt_tokens(pool: str, replica: str, prompt_tokens: int, cache_hit_t
 def count_transfer(backend: str, num_bytes: int, seconds: float) -> None:
     _inc("pdcluster_kv_transfer_bytes", num_bytes, backend=backend)
     _inc("pdcluster_kv_transfer_seconds", seconds, backend=backend)
+
+
+def route_outcome(has_header: bool, index_degraded: bool, cached_tokens: int) -> str:
+    """The ``outcome`` tag of one routing decision."""
+    if not has_header:
+        return "no_header"
+    if cached_tokens > 0:
+        return "cache_hit"
+    return "index_degraded" if index_degraded else "load_only"
 
 
 def count_route(pool: str, policy: str, outcome: str) -> None:

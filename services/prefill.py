@@ -30,18 +30,16 @@ class PrefillServer:
 
     async def prefill(self, request: PrefillRequest, routing: dict | None = None) -> PrefillResponse:
         w = self.worker
-        w.admit()
-        w.in_flight += 1
         started = time.perf_counter()
-        try:
-            last = None
-            async for out in w.aengine.generate(request.request_id, request.prompt_token_ids, request.params,
-                                                prefill_only=True):
-                last = out
-        except InvalidRequestError as exc:
-            raise BackendInvalidRequest(str(exc)) from exc
-        finally:
-            w.in_flight -= 1
+        # A prefill replica's queue is everything not yet prefilled.
+        with w.admitted(self.cfg.prefill.max_queue):
+            try:
+                last = None
+                async for out in w.aengine.generate(request.request_id, request.prompt_token_ids, request.params,
+                                                    prefill_only=True):
+                    last = out
+            except InvalidRequestError as exc:
+                raise BackendInvalidRequest(str(exc)) from exc
         seconds = time.perf_counter() - started
         computed = last.num_prompt_tokens - last.num_cached_tokens
         w.note_prefill(computed, seconds)

@@ -56,9 +56,11 @@ TRACING_ENV = "PDCLUSTER_TRACING"
 DEFAULT_TRACE_FILE = Path(__file__).resolve().parents[1] / "runs" / "traces" / "spans.jsonl"
 TRACE_ID_HEADER = "x-trace-id"
 JSONL_SCHEDULE_DELAY_MS = 100  # short: `pdcluster trace --last` right after a request sees it
+JSONL_MAX_QUEUE = 8192         # spans; a burst of ~1000 requests finishing at once fits (default 2048)
 
 # Attribute keys shared by the wiring and `pdcluster trace`.
-REQUEST_ID = "request.id"
+REQUEST_ID = "request.id"             # the x-request-id the client sees
+ENGINE_ID = "request.engine_id"       # the id the replicas use, when it differs
 REPLICA = "replica"
 POOL = "pool"
 PROMPT_TOKENS = "prompt.tokens"
@@ -107,47 +109,16 @@ def drop_text(attrs: Mapping[str, Any] | None, record_text: bool | None = None) 
             if v is not None and (keep_text or not is_text_attribute(k))}
 
 
-def _build_processors(service_name: str, jsonl_path: str | Path | None) -> list:
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
-
-    from services.jsonl_exporter import JsonlSpanExporter
-
-    names = [n.strip().lower() for n in os.environ.get("OTEL_TRACES_EXPORTER", "").split(",") if n.strip()]
-    if "none" in names:
-        return []
-    processors = []
-    path = jsonl_path if jsonl_path is not None else os.environ.get(TRACE_FILE_ENV, str(DEFAULT_TRACE_FILE))
-    if str(path).strip().lower() not in ("", "off", "none"):
-        exporter = JsonlSpanExporter(path, attribute_filter=drop_text)
-        processors.append(BatchSpanProcessor(exporter, schedule_delay_millis=JSONL_SCHEDULE_DELAY_MS))
-    for name in names:
-        if name == "otlp":
-            processors.append(BatchSpanProcessor(_otlp_exporter()))
-        elif name == "console":
-            processors.append(BatchSpanProcessor(ConsoleSpanExporter(service_name=service_name)))
-        elif name != "jsonl":
-            log.warning("OTEL_TRACES_EXPORTER=%s is not supported here; use otlp, console, jsonl or none", name)
-    return processors
-
-
-def _otlp_exporter():
-    protocol = (os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
-                or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "http/protobuf").strip().lower()
-    # Endpoint, headers, timeout and TLS come from OTEL_EXPORTER_OTLP_* inside the exporter.
-    if protocol == "grpc":
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-    elif protocol == "http/protobuf":
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-    else:
-        raise ValueError(f"OTEL_EXPORTER_OTLP_PROTOCOL={protocol!r} is not supported: use http/protobuf or grpc")
-    return OTLPSpanExporter()
-
-
 def setup_tracing(service_name: str, jsonl_path: str | Path | None = None, enabled: bool = True, *,
-                  instance: str | None = None, record_text: bool | None = None) -> bool:
+                  instance: str | None = None, record_text: bool | None = None,
+                  set_global: bool = False) -> bool:
     """Configures this process's tracer once (later calls are no-ops) and
     returns whether spans are recorded.  ``service_name`` e.g.
-    "pdcluster-gateway"; ``instance`` names the replica."""
+    "pdcluster-gateway"; ``instance`` names the replica.
+
+    The provider stays private unless ``set_global``: FastAPI (0.165 here)
+    traces every request itself once a global provider exists, and its server
+    span would be a second root beside ``gateway.request``."""
     if _state.configured:
         return _state.provider is not None
     _state.configured = True
@@ -159,7 +130,10 @@ def setup_tracing(service_name: str, jsonl_path: str | Path | None = None, enabl
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
 
-    processors = _build_processors(service_name, jsonl_path)
+    from services.span_exporters import build_processors
+
+    path = jsonl_path if jsonl_path is not None else os.environ.get(TRACE_FILE_ENV, str(DEFAULT_TRACE_FILE))
+    processors = build_processors(service_name, path, drop_text, JSONL_MAX_QUEUE, JSONL_SCHEDULE_DELAY_MS)
     if not processors:
         return False
     resource = Resource.create({"service.name": service_name, "process.pid": os.getpid(),
@@ -167,8 +141,8 @@ def setup_tracing(service_name: str, jsonl_path: str | Path | None = None, enabl
     provider = TracerProvider(resource=resource)  # sampler from OTEL_TRACES_SAMPLER
     for p in processors:
         provider.add_span_processor(p)
-    if isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider):
-        trace.set_tracer_provider(provider)  # lets other instrumentation join the same traces
+    if set_global and isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider):
+        trace.set_tracer_provider(provider)
     _state.provider, _state.tracer = provider, provider.get_tracer("pdcluster")
     return True
 
@@ -228,10 +202,17 @@ def trace_id_hex(span: Span | None = None) -> str | None:
     return format(ctx.trace_id, "032x") if ctx.is_valid else None
 
 
-def mono_to_ns(monotonic_s: float) -> int:
+def mono_offset_ns() -> int:
+    """Epoch ns minus monotonic ns, now.  Read it once per request and pass it
+    to ``mono_to_ns`` so that stages which touch share one boundary exactly
+    (two readings differ by the jitter between the two clock calls)."""
+    return time.time_ns() - time.monotonic_ns()
+
+
+def mono_to_ns(monotonic_s: float, offset_ns: int | None = None) -> int:
     """A ``time.monotonic()`` reading (the engine's clock) as epoch ns, the
     clock spans use.  Only valid in the process that read it."""
-    return time.time_ns() - int((time.monotonic() - monotonic_s) * 1e9)
+    return int(monotonic_s * 1e9) + (mono_offset_ns() if offset_ns is None else offset_ns)
 
 
 # ---- spans --------------------------------------------------------------------

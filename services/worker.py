@@ -7,6 +7,7 @@ No Serve decorators here: prefill.py, decode.py and colocated.py wrap it."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
@@ -88,15 +89,23 @@ class Worker:
             await asyncio.sleep(_NOTIF_POLL_S)
 
     # ---- admission -------------------------------------------------------
-    def admit(self) -> None:
-        """Raises BackendOverloaded (-> 429) beyond the replica's bounded queue."""
-        stats = self.aengine.stats
-        if stats.num_waiting + stats.num_awaiting_kv >= self.pool.max_queue:
+    @contextlib.contextmanager
+    def admitted(self, capacity: int):
+        """Holds one of ``capacity`` request slots of this replica; beyond
+        them, BackendOverloaded (-> 429 with Retry-After).  Counted here, at
+        arrival, because the engine's own queue only sees a request after its
+        next step."""
+        if self.in_flight >= capacity:
             self.counters.rejected_overload += 1
             raise BackendOverloaded(
-                f"{self.role} replica {self.name} has {stats.num_waiting} queued requests "
-                f"(limit {self.pool.max_queue}); retry shortly", retry_after_s=1.0)
+                f"{self.role} replica {self.name} has {self.in_flight} requests in flight "
+                f"(limit {capacity}); retry shortly", retry_after_s=1.0)
         self.counters.requests += 1
+        self.in_flight += 1
+        try:
+            yield
+        finally:
+            self.in_flight -= 1
 
     def note_prefill(self, num_tokens: int, seconds: float) -> None:
         if seconds > 0 and num_tokens > 0:

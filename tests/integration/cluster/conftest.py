@@ -11,7 +11,7 @@ from services.config import ClusterConfig, PoolConfig
 
 
 def small_pool(**kw) -> PoolConfig:
-    return PoolConfig(**({"num_cpus": 1, "num_threads": 1, "kv_cache_mib": 48, "max_queue": 8} | kw))
+    return PoolConfig(**({"num_cpus": 1, "num_threads": 1, "kv_cache_mib": 96, "max_queue": 8} | kw))
 
 
 @pytest.fixture(scope="package")
@@ -47,12 +47,12 @@ def board(cluster) -> list[dict]:
     return read_board(cluster.config.index_url, cluster.config.cluster_name)
 
 
-def replica_actor(role: str):
-    """A live Serve replica actor of one pool."""
+def replica_actor(cluster, role: str, worker_name: str | None = None):
+    """A live Serve replica actor of one pool (by its status-board name)."""
     import ray
-    from ray.util.state import list_actors
+    from ray.serve._private.common import REPLICA_ID_FULL_ID_STR_PREFIX
 
-    for a in list_actors(filters=[("state", "=", "ALIVE")], limit=1000):
-        if a.class_name.endswith(f":{role}") or a.class_name.endswith(f"#{role}") or f"pdcluster:{role}" in a.class_name:
-            return ray.get_actor(a.name, namespace=a.ray_namespace)
-    raise LookupError(f"no live {role} replica")
+    names = [s["name"] for s in board(cluster) if s["role"] == role]
+    name = worker_name or names[0]
+    unique_id = name.split(f"{role}-", 1)[1]
+    return ray.get_actor(f"{REPLICA_ID_FULL_ID_STR_PREFIX}pdcluster#{role}#{unique_id}", namespace="serve")

@@ -1,5 +1,10 @@
-"""A span exporter that appends one JSON object per finished span to a file,
-so `pdcluster trace` can draw a waterfall with no collector running.
+"""Where a process's spans go: the exporters the standard ``OTEL_*`` variables
+ask for, plus the local JSONL file that `pdcluster trace` reads, so nothing
+external is needed.
+
+    OTEL_TRACES_EXPORTER      comma list of otlp | console | jsonl | none (unset: JSONL only)
+    OTEL_EXPORTER_OTLP_[TRACES_]PROTOCOL   http/protobuf (default) | grpc
+    OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT, _HEADERS, _TIMEOUT   read by the OTLP exporter itself
 
 Several processes (gateway, prefill and decode replicas) append to the same
 file.  Each line goes out in a single ``write()`` on an ``O_APPEND`` file
@@ -26,7 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from opentelemetry.sdk.trace import ReadableSpan
-from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace.export import (BatchSpanProcessor, ConsoleSpanExporter, SpanExporter,
+                                            SpanExportResult)
 
 log = logging.getLogger("pdcluster.telemetry")
 
@@ -116,3 +122,36 @@ def read_spans(path: str | Path) -> tuple[list[dict[str, Any]], int]:
             else:
                 bad += 1
     return spans, bad
+
+
+def build_processors(service_name: str, jsonl_path: str | Path, attribute_filter: AttributeFilter,
+                     jsonl_max_queue: int, jsonl_delay_ms: int) -> list[BatchSpanProcessor]:
+    """Batch processors (export off the caller's thread) for every exporter
+    asked for; ``jsonl_path`` "off", "none" or "" skips the file."""
+    names = [n.strip().lower() for n in os.environ.get("OTEL_TRACES_EXPORTER", "").split(",") if n.strip()]
+    if "none" in names:
+        return []
+    processors = []
+    if str(jsonl_path).strip().lower() not in ("", "off", "none"):
+        processors.append(BatchSpanProcessor(JsonlSpanExporter(jsonl_path, attribute_filter),
+                                             max_queue_size=jsonl_max_queue, schedule_delay_millis=jsonl_delay_ms))
+    for name in names:
+        if name == "otlp":
+            processors.append(BatchSpanProcessor(otlp_exporter()))
+        elif name == "console":
+            processors.append(BatchSpanProcessor(ConsoleSpanExporter(service_name=service_name)))
+        elif name != "jsonl":
+            log.warning("OTEL_TRACES_EXPORTER=%s is not supported here; use otlp, console, jsonl or none", name)
+    return processors
+
+
+def otlp_exporter() -> SpanExporter:
+    protocol = (os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
+                or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "http/protobuf").strip().lower()
+    if protocol == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+    elif protocol == "http/protobuf":
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    else:
+        raise ValueError(f"OTEL_EXPORTER_OTLP_PROTOCOL={protocol!r} is not supported: use http/protobuf or grpc")
+    return OTLPSpanExporter()  # endpoint, headers, TLS and timeout from OTEL_EXPORTER_OTLP_*

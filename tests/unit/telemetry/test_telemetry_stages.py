@@ -1,0 +1,106 @@
+"""services.stage_telemetry: the stage spans a replica records from engine
+outputs, and the gateway's stream wrapper."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from span_helpers import finished_spans
+
+from services import metrics, telemetry
+from services.backend import StreamChunk
+from services.engine.request import FinishReason
+from services.stage_telemetry import DecodeStages, PrefillStages, observe_gateway_stream
+
+
+@pytest.fixture
+def observed(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, Any]]:
+    calls: list[tuple[str, Any]] = []
+    for name in ("observe_ttft", "observe_tpot", "observe_e2e", "observe_queue", "count_prompt_tokens",
+                 "count_transfer"):
+        monkeypatch.setattr(metrics, name, lambda *a, _n=name: calls.append((_n, a)))
+    return calls
+
+
+def _out(tokens: list[int], scheduled_s: float | None = None, finished: FinishReason | None = None) -> Any:
+    return SimpleNamespace(new_token_ids=tokens, num_prompt_tokens=40, num_cached_tokens=32,
+                           first_scheduled_s=scheduled_s, finished=finished is not None, finish_reason=finished,
+                           prefill=None)
+
+
+def test_prefill_stages_split_queue_and_compute(span_file: Path, observed: list) -> None:
+    telemetry.setup_tracing("pdcluster-prefill", jsonl_path=span_file)
+    with telemetry.span("gateway.request") as root:
+        carrier = telemetry.inject(root)
+    stages = PrefillStages(carrier, "prefill-1", block_size=16)
+    time.sleep(0.01)
+    scheduled = time.monotonic()
+    time.sleep(0.02)
+    stages.done(_out([7], scheduled, FinishReason.PREFILLED))
+    spans = finished_spans(span_file)
+    queue, compute = spans["prefill.queue"], spans["prefill.compute"]
+    assert queue["parent_span_id"] == compute["parent_span_id"] == spans["gateway.request"]["span_id"]
+    assert queue["end_ns"] == compute["start_ns"] and 8e6 < queue["end_ns"] - queue["start_ns"] < 15e6
+    assert compute["attributes"] == {"replica": "prefill-1", "prompt.tokens": 40, "prompt.cached_tokens": 32,
+                                     "cache.hit_blocks": 2, "finish_reason": "prefilled"}
+    assert [name for name, _ in observed] == ["observe_queue", "observe_ttft", "observe_e2e",
+                                              "count_prompt_tokens"]
+
+
+def test_decode_stages_in_order(span_file: Path, observed: list) -> None:
+    telemetry.setup_tracing("pdcluster-decode", jsonl_path=span_file)
+    stages = DecodeStages({}, "decode-1", 16, "socket")
+    stages.reserved()
+    stats = SimpleNamespace(num_bytes=1 << 20, seconds=0.004, gbytes_per_s=(1 << 20) / 0.004 / 1e9)
+    stages.pulled(SimpleNamespace(num_cached_blocks=1), stats, 2)
+    scheduled = time.monotonic()
+    stages.on_output(_out([5], scheduled))
+    stages.on_output(_out([6, 7], None, FinishReason.STOP))
+    stages.finish()
+    spans = finished_spans(span_file)
+    kv, queue, gen = spans["kv.transfer"], spans["decode.queue"], spans["decode.generate"]
+    assert kv["end_ns"] <= queue["start_ns"] <= queue["end_ns"] <= gen["start_ns"] <= gen["end_ns"]
+    assert kv["attributes"]["kv.bytes"] == 1 << 20 and kv["attributes"]["kv.gbps"] == pytest.approx(0.262, abs=1e-3)
+    assert gen["attributes"]["output.tokens"] == 3 and gen["attributes"]["finish_reason"] == "stop"
+    assert ("count_transfer", ("socket", 1 << 20, 0.004)) in observed
+    assert "observe_ttft" not in [name for name, _ in observed]  # the prefill pool's number
+
+
+def test_decode_stage_failure_before_pull_is_an_error_kv_span(span_file: Path, observed: list) -> None:
+    telemetry.setup_tracing("pdcluster-decode", jsonl_path=span_file)
+    DecodeStages({}, "decode-2", 16, "socket").finish(RuntimeError("transfer failed"))
+    kv = finished_spans(span_file)["kv.transfer"]
+    assert kv["status"] == "ERROR" and "transfer failed" in kv["status_message"]
+
+
+def test_gateway_stream_times_tokens_and_closes_the_backend(span_file: Path, observed: list) -> None:
+    telemetry.setup_tracing("pdcluster-gateway", jsonl_path=span_file)
+    closed = []
+
+    async def backend():
+        try:
+            yield StreamChunk([1], "a", num_cached_tokens=16)
+            yield StreamChunk([2, 3], "bc", "stop")
+            yield StreamChunk([4], "never read")
+        finally:
+            closed.append(True)
+
+    async def consume() -> None:
+        with telemetry.span("gateway.request"):
+            chunks = observe_gateway_stream(backend(), num_prompt_tokens=20)
+            async for chunk in chunks:  # like generation.py: stop at the finish reason, then aclose
+                if chunk.finish_reason:
+                    break
+            await chunks.aclose()
+
+    asyncio.run(consume())
+    assert closed == [True]
+    root = finished_spans(span_file)["gateway.request"]
+    assert root["attributes"] == {"prompt.tokens": 20, "prompt.cached_tokens": 16, "output.tokens": 3,
+                                  "finish_reason": "stop"}
+    assert [name for name, _ in observed] == ["observe_ttft", "observe_tpot", "observe_e2e"]
