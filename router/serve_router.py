@@ -18,6 +18,7 @@ index worker name there or from ``record_replica_metadata``.
 from __future__ import annotations
 
 import logging
+import time
 import zlib
 from dataclasses import dataclass
 from typing import Any
@@ -78,6 +79,7 @@ class PrefixAwareRequestRouter(RequestRouter):
             pending_request.routing_context.should_backoff = True
         if not candidate_replicas:
             return []
+        started_ns = time.time_ns()
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         header = None
         if pending_request is not None:
@@ -89,14 +91,36 @@ class PrefixAwareRequestRouter(RequestRouter):
         snapshot = self._snapshot(by_id, header, lookup, request_id)
         decision = self.policy.choose(snapshot)
         self.counters.decisions += 1
-        if snapshot.request.cached_tokens(decision.replica_id):
+        cached = snapshot.request.cached_tokens(decision.replica_id)
+        if cached:
             self.counters.cache_routed += 1
+        self._observe(pending_request, started_ns, decision, by_id, header, lookup, cached)
         self.last_decision = decision
         if pending_request is not None:
             self.inflight.assign(pending_request.metadata.internal_request_id, decision.replica_id,
                                  snapshot.request.uncached_tokens(decision.replica_id)
                                  if self.pool == "prefill" else 0)
         return [[by_id[rid]] for rid in decision.ranked]
+
+    def _observe(self, pending_request, started_ns, decision, by_id, header, lookup, cached) -> None:
+        """The ``router.route`` span (child of the request's trace) and the
+        decision counter; never raises into routing."""
+        from services import metrics, telemetry
+
+        degraded = lookup is not None and lookup.degraded
+        try:
+            carrier = telemetry.carrier_of(pending_request.args, pending_request.kwargs) if pending_request else None
+            if carrier:
+                telemetry.record_span("router.route", started_ns, time.time_ns(), carrier, {
+                    telemetry.POOL: self.pool, telemetry.POLICY: self.policy.name,
+                    telemetry.ROUTE_REASON: decision.reason,
+                    telemetry.REPLICA: self.worker_name(by_id[decision.replica_id]),
+                    telemetry.CACHED_TOKENS: cached,
+                    telemetry.CACHE_HIT_BLOCKS: cached // header.block_size if header else 0,
+                    "router.candidates": len(by_id), "router.index_degraded": degraded})
+            metrics.count_route(self.pool, self.policy.name, metrics.route_outcome(header is not None, degraded, cached))
+        except Exception:  # noqa: BLE001 - observability must not break routing
+            log.exception("recording the routing decision failed")
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         self.inflight.moved(pending_request.metadata.internal_request_id, replica_id.unique_id)
@@ -113,13 +137,17 @@ class PrefixAwareRequestRouter(RequestRouter):
             self._index = make_index(self._index_url, lookup_timeout_s=self._lookup_timeout_s,
                                      **self._index_options)
         self.counters.lookups += 1
+        reason = "degraded"
         try:
             result = await self._index.lookup(header.block_hashes)
         except Exception as err:  # the index promises not to raise; never fail a request anyway
             log.exception("prefix index lookup raised; routing by load only")
+            reason = "raised"
             result = LookupResult.unavailable(len(header.block_hashes), repr(err))
         if result.degraded:
             self.counters.degraded_lookups += 1
+            from services import metrics
+            metrics.count_index_lookup_failure(self.pool, reason)
         return result
 
     def worker_name(self, replica: RunningReplica) -> str:

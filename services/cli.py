@@ -12,6 +12,7 @@ COMMAND_MODULES = [
     "services.cli_model",
     "services.cli_up",
     "services.cli_status",
+    "services.cli_trace",
     "bench.cli_bench",
     "bench.cli_plan",
 ]

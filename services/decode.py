@@ -14,6 +14,7 @@ from services.config import ClusterConfig
 from services.engine.errors import InvalidRequestError
 from services.messages import DecodeRequest, TokenDelta
 from services.prefill import _replica_name
+from services.stage_telemetry import DecodeStages
 from services.worker import Worker
 from transfer import TransferError
 
@@ -41,7 +42,7 @@ class DecodeServer:
                 raise BackendOverloaded(f"decode replica {self.worker.name} has no free KV blocks; retry shortly")
             await asyncio.sleep(_RESERVE_RETRY_S)
 
-    async def _pull(self, req: DecodeRequest, alloc) -> int:
+    async def _pull(self, req: DecodeRequest, alloc, stages: DecodeStages) -> int:
         w, pre = self.worker, req.prefill
         remote = list(pre.block_ids[alloc.num_cached_blocks:])
         local = list(alloc.missing_block_ids)
@@ -50,6 +51,7 @@ class DecodeServer:
         except (TransferError, OSError) as exc:
             await w.aengine.abort(req.request_id)
             raise BackendFailure(f"KV transfer from {pre.worker_name} failed: {exc}") from exc
+        stages.pulled(alloc, stats, len(remote))  # kv.transfer span: bytes, seconds, GB/s
         w.counters.blocks_pulled += len(remote)
         w.counters.blocks_reused_locally += alloc.num_cached_blocks
         w.counters.bytes_pulled += stats.num_bytes
@@ -58,19 +60,29 @@ class DecodeServer:
 
     async def generate(self, req: DecodeRequest, routing: dict | None = None) -> AsyncIterator[TokenDelta]:
         w = self.worker
-        # Decodes run for long: the batch's seats plus the queue.
-        with w.admitted(self.cfg.scheduler.max_num_seqs + self.cfg.decode.max_queue):
-            alloc = await self._reserve(req)
-            pulled = await self._pull(req, alloc)
-            first = True
-            async for out in w.aengine.decode_external(req.request_id, req.prefill.first_token_id):
-                yield TokenDelta(out.new_token_ids, out.text_delta,
-                                 out.finish_reason.value if out.finished else None,
-                                 num_prompt_tokens=out.num_prompt_tokens,
-                                 num_cached_tokens=req.prefill.num_cached_tokens,
-                                 blocks_pulled=pulled if first else 0,
-                                 blocks_reused=alloc.num_cached_blocks if first else 0)
-                first = False
+        stages = DecodeStages(req.trace_context, w.name, self.cfg.block_size, w.transfer.name)
+        error: BaseException | None = None
+        try:
+            # Decodes run for long: the batch's seats plus the queue.
+            with w.admitted(self.cfg.scheduler.max_num_seqs + self.cfg.decode.max_queue):
+                alloc = await self._reserve(req)
+                stages.reserved()
+                pulled = await self._pull(req, alloc, stages)
+                first = True
+                async for out in w.aengine.decode_external(req.request_id, req.prefill.first_token_id):
+                    stages.on_output(out)
+                    yield TokenDelta(out.new_token_ids, out.text_delta,
+                                     out.finish_reason.value if out.finished else None,
+                                     num_prompt_tokens=out.num_prompt_tokens,
+                                     num_cached_tokens=req.prefill.num_cached_tokens,
+                                     blocks_pulled=pulled if first else 0,
+                                     blocks_reused=alloc.num_cached_blocks if first else 0)
+                    first = False
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            stages.finish(error)  # decode.queue + decode.generate spans, decode metrics
 
     async def status(self) -> dict:
         return self.worker.status()

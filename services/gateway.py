@@ -9,6 +9,7 @@ import logging
 from fastapi import FastAPI, Request
 from ray import serve
 
+from services import telemetry
 from services.cluster_backend import ClusterBackend
 from services.config import ClusterConfig
 from services.engine.model.config import ModelConfig
@@ -46,6 +47,7 @@ def _model_config(path) -> ModelConfig:
 @serve.ingress(app)
 class Gateway:
     def __init__(self, config: dict, **handles):
+        telemetry.setup_tracing("pdcluster-gateway")
         cfg = ClusterConfig.model_validate(config)
         path = resolve_model_path(cfg.model)
         mc = _model_config(path)

@@ -12,6 +12,7 @@ from services.backend import BackendInvalidRequest
 from services.config import ClusterConfig
 from services.engine.errors import InvalidRequestError
 from services.messages import PrefillRequest, PrefillResponse
+from services.stage_telemetry import PrefillStages
 from services.worker import Worker
 
 
@@ -31,15 +32,21 @@ class PrefillServer:
     async def prefill(self, request: PrefillRequest, routing: dict | None = None) -> PrefillResponse:
         w = self.worker
         started = time.perf_counter()
-        # A prefill replica's queue is everything not yet prefilled.
-        with w.admitted(self.cfg.prefill.max_queue):
-            try:
-                last = None
-                async for out in w.aengine.generate(request.request_id, request.prompt_token_ids, request.params,
-                                                    prefill_only=True):
-                    last = out
-            except InvalidRequestError as exc:
-                raise BackendInvalidRequest(str(exc)) from exc
+        stages = PrefillStages(request.trace_context, w.name, self.cfg.block_size)
+        try:
+            # A prefill replica's queue is everything not yet prefilled.
+            with w.admitted(self.cfg.prefill.max_queue):
+                try:
+                    last = None
+                    async for out in w.aengine.generate(request.request_id, request.prompt_token_ids,
+                                                        request.params, prefill_only=True):
+                        last = out
+                except InvalidRequestError as exc:
+                    raise BackendInvalidRequest(str(exc)) from exc
+        except BaseException as exc:
+            stages.failed(exc)
+            raise
+        stages.done(last)  # prefill.queue + prefill.compute spans, prefill metrics
         seconds = time.perf_counter() - started
         computed = last.num_prompt_tokens - last.num_cached_tokens
         w.note_prefill(computed, seconds)

@@ -19,6 +19,7 @@ from prefix_store.worker_id import WorkerId
 from router.replica_stats import ReplicaStats
 from services.backend import BackendOverloaded
 from services.config import ClusterConfig, PoolConfig
+from services import metrics, telemetry
 from services.status_board import publish_forever
 from services.engine.async_engine import AsyncEngine
 from services.engine.engine import Engine
@@ -47,6 +48,7 @@ class Worker:
         os.environ.setdefault("UCX_NET_DEVICES", "lo")
         self.config, self.pool, self.role = config, pool, role
         self.name = name or f"{role}-{os.getpid()}"
+        telemetry.setup_tracing(f"pdcluster-{role}", instance=self.name)
         self.worker_id = WorkerId.new(self.name)
         index_url = config.index_url or os.environ.get("REDIS_URL") or None
         self.index_url = index_url
@@ -72,6 +74,8 @@ class Worker:
             return
         self._started = True
         await self.publisher.start()
+        self._tasks.append(asyncio.create_task(
+            metrics.export_gauges_forever(self.role, self.name, lambda: self.aengine.stats)))
         if self.index_url and self.index_url.startswith("redis"):
             self._tasks.append(asyncio.create_task(
                 publish_forever(self.index_url, self.config.cluster_name, self.name, self.status)))

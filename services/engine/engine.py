@@ -175,7 +175,8 @@ class Engine:
         delta = "" if is_eos else detok.add(token)
         reason = self._stop_reason(req, token, detok)
         out = RequestOutput(req.request_id, [token], delta, num_prompt_tokens=req.num_prompt_tokens,
-                            num_cached_tokens=req.num_cached_tokens, num_output_tokens=len(req.output_token_ids))
+                            num_cached_tokens=req.num_cached_tokens, num_output_tokens=len(req.output_token_ids),
+                            first_scheduled_s=req.first_scheduled_s)
         if reason is None and req.prefill_only:
             blocks = self.scheduler.finish(req, FinishReason.PREFILLED, keep_blocks=True)
             self.leases.pin(req.request_id, blocks)

@@ -42,6 +42,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
     prefill: PrefillResult | None = None
+    first_scheduled_s: float | None = None  # time.monotonic() of its first scheduled step
 
 
 @dataclass(frozen=True)

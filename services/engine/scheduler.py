@@ -17,6 +17,7 @@ The scheduler never runs the model; ``update()`` applies the step's result.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -135,6 +136,10 @@ class Scheduler:
             i += 1
         if not out.preempted:
             self._admit(out, budget)
+        now = time.monotonic()
+        for s in out.scheduled:
+            if s.request.first_scheduled_s is None:  # queue time ends at its first step
+                s.request.first_scheduled_s = now
         return out
 
     def _grow(self, req: Request, num_new: int, out: SchedulerOutput) -> bool:

@@ -23,6 +23,9 @@ from typing import Any
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from services import telemetry
+from services.openai.tracing import TracingMiddleware
+from services.stage_telemetry import observe_gateway_stream
 from services.backend import Backend, GenerateRequest
 from services.engine.tokenizer import Tokenizer
 from services.openai.errors import OpenAIError, install_error_handlers
@@ -55,6 +58,7 @@ def install_openai_api(app: FastAPI, *, request_id_header: bool = True) -> None:
     app starts.  ``request_id_header=False`` when a proxy in front already
     echoes x-request-id (Ray Serve's does)."""
     app.add_middleware(RequestIdMiddleware, echo_header=request_id_header)
+    app.add_middleware(TracingMiddleware)
     install_error_handlers(app, request_id_header=request_id_header)
     app.include_router(router)
 
@@ -135,7 +139,11 @@ async def _generate(request: Request, kind: type[CompletionRequest] | type[ChatC
     request_id: str = request.state.request_id
     # A client's own id may repeat; the backend's id must not.
     engine_id = f"{request_id}-{secrets.token_hex(4)}" if request.state.request_id_from_client else request_id
-    chunks = host.backend.generate(GenerateRequest(engine_id, prompt.token_ids, params, prompt.block_hashes))
+    telemetry.set_attrs({telemetry.REQUEST_ID: request_id, telemetry.ENGINE_ID: engine_id, "request.model": model,
+                         "request.stream": bool(req.stream), "request.max_tokens": max_tokens})
+    chunks = host.backend.generate(GenerateRequest(engine_id, prompt.token_ids, params, prompt.block_hashes,
+                                                   telemetry.inject()))
+    chunks = observe_gateway_stream(chunks, len(prompt.token_ids))  # TTFT/TPOT/E2E, finish reason on the root
     tally = Tally(prompt_tokens=len(prompt.token_ids))
     fmt: ResponseFormat = (ChatFormat(f"chatcmpl-{request_id}", int(time.time()), model) if chat
                            else CompletionFormat(f"cmpl-{request_id}", int(time.time()), model))

@@ -15,12 +15,21 @@ def small_pool(**kw) -> PoolConfig:
 
 
 @pytest.fixture(scope="package")
-def cluster():
+def trace_file(tmp_path_factory):
+    return tmp_path_factory.mktemp("traces") / "spans.jsonl"
+
+
+@pytest.fixture(scope="package")
+def cluster(trace_file):
+    import os
+
     from services.cluster_runtime import LocalCluster
 
+    # Replicas inherit the driver's environment: all spans land in one file.
+    os.environ["PDCLUSTER_TRACE_FILE"] = str(trace_file)
     config = ClusterConfig(port=free_port(), prefill=small_pool(num_replicas=2), decode=small_pool(),
                            lease_ttl_s=20.0)
-    c = LocalCluster(config, num_cpus=8, dashboard=False)
+    c = LocalCluster(config, num_cpus=8, dashboard=False, metrics_port=free_port())
     try:
         c.start(progress=lambda m: print(m, flush=True))
         yield c
