@@ -23,6 +23,9 @@ def loopback_env() -> None:
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    # Large tensors (weights, the KV pool) on 2 MiB pages: same-host KV pulls
+    # pin every page, and huge pages about double their bandwidth (transfer/pool_alloc.py).
+    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 
 @dataclass
@@ -56,7 +59,8 @@ class LocalCluster:
             kwargs = {"num_cpus": self.num_cpus, "include_dashboard": self.dashboard,
                       "dashboard_host": "127.0.0.1", "dashboard_port": DASHBOARD_PORT,
                       "runtime_env": {"env_vars": {"UCX_NET_DEVICES": "lo", "TOKENIZERS_PARALLELISM": "false",
-                                                   "HF_HUB_OFFLINE": "1", "REDIS_URL": url}},
+                                                   "HF_HUB_OFFLINE": "1", "REDIS_URL": url,
+                                                   "THP_MEM_ALLOC_ENABLE": "1"}},
                       "log_to_driver": False}
             if self.metrics_port:
                 kwargs["_metrics_export_port"] = self.metrics_port

@@ -13,10 +13,10 @@ from services.config import ClusterConfig
 from services.engine.errors import InvalidRequestError
 from services.messages import PrefillRequest, TokenDelta
 from services.prefill import _replica_name
-from services.worker import Worker
+from services.worker import Worker, WorkerEndpoints
 
 
-class ColocatedServer:
+class ColocatedServer(WorkerEndpoints):
     async def __init__(self, config: dict):
         self.cfg = ClusterConfig.model_validate(config)
         self.worker = Worker(self.cfg, self.cfg.colocated, "colocated", _replica_name("colocated"),
@@ -38,15 +38,6 @@ class ColocatedServer:
             except InvalidRequestError as exc:
                 raise BackendInvalidRequest(str(exc)) from exc
             timer.finish()
-
-    async def status(self) -> dict:
-        return self.worker.status()
-
-    def record_routing_stats(self) -> dict:
-        return self.worker.routing_stats()
-
-    async def __del__(self):
-        await self.worker.shutdown()
 
 
 ColocatedDeployment = serve.deployment(ColocatedServer, name="colocated")

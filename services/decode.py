@@ -15,13 +15,13 @@ from services.engine.errors import InvalidRequestError
 from services.messages import DecodeRequest, TokenDelta
 from services.prefill import _replica_name
 from services.stage_telemetry import DecodeStages
-from services.worker import Worker
+from services.worker import Worker, WorkerEndpoints
 from transfer import TransferError
 
 _RESERVE_RETRY_S = 0.02
 
 
-class DecodeServer:
+class DecodeServer(WorkerEndpoints):
     async def __init__(self, config: dict):
         self.cfg = ClusterConfig.model_validate(config)
         self.worker = Worker(self.cfg, self.cfg.decode, "decode", _replica_name("decode"))
@@ -83,15 +83,6 @@ class DecodeServer:
             raise
         finally:
             stages.finish(error)  # decode.queue + decode.generate spans, decode metrics
-
-    async def status(self) -> dict:
-        return self.worker.status()
-
-    def record_routing_stats(self) -> dict:
-        return self.worker.routing_stats()
-
-    async def __del__(self):
-        await self.worker.shutdown()
 
 
 DecodeDeployment = serve.deployment(DecodeServer, name="decode")

@@ -13,7 +13,7 @@ from services.config import ClusterConfig
 from services.engine.errors import InvalidRequestError
 from services.messages import PrefillRequest, PrefillResponse
 from services.stage_telemetry import PrefillStages
-from services.worker import Worker
+from services.worker import Worker, WorkerEndpoints
 
 
 def _replica_name(role: str) -> str:
@@ -23,7 +23,7 @@ def _replica_name(role: str) -> str:
         return role
 
 
-class PrefillServer:
+class PrefillServer(WorkerEndpoints):
     async def __init__(self, config: dict):
         self.cfg = ClusterConfig.model_validate(config)
         self.worker = Worker(self.cfg, self.cfg.prefill, "prefill", _replica_name("prefill"))
@@ -62,15 +62,6 @@ class PrefillServer:
     async def release(self, request_id: str) -> bool:
         """Drops a lease (the gateway's path when no pull will happen)."""
         return await self.worker.aengine.release_lease(request_id)
-
-    async def status(self) -> dict:
-        return self.worker.status()
-
-    def record_routing_stats(self) -> dict:
-        return self.worker.routing_stats()
-
-    async def __del__(self):
-        await self.worker.shutdown()
 
 
 PrefillDeployment = serve.deployment(PrefillServer, name="prefill")

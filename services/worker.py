@@ -153,3 +153,19 @@ class Worker:
         await self.aengine.shutdown()
         if self.transfer is not None:
             self.transfer.close()
+
+
+class WorkerEndpoints:
+    """What every engine deployment answers besides its own work: status for
+    operators, routing stats for the request router, and a clean shutdown
+    (Serve awaits ``__del__`` when it stops a replica)."""
+    worker: Worker
+
+    async def status(self) -> dict:
+        return self.worker.status()
+
+    def record_routing_stats(self) -> dict:
+        return self.worker.routing_stats()
+
+    async def __del__(self):
+        await self.worker.shutdown()

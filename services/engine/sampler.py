@@ -46,8 +46,8 @@ def probabilities(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     smallest set whose mass reaches top-p (always keeping the best token)."""
     x = logits.float() / p.temperature
     if p.top_k and p.top_k < x.shape[-1]:
-        kth = torch.topk(x, p.top_k).values[-1]
-        x = x.masked_fill(x < kth, float("-inf"))
+        keep = torch.topk(x, p.top_k).indices  # exactly k, even when logits tie
+        x = torch.full_like(x, float("-inf")).scatter(0, keep, x[keep])
     if p.top_p < 1.0:
         sorted_x, order = torch.sort(x, descending=True)
         cum = torch.softmax(sorted_x, dim=-1).cumsum(dim=-1)

@@ -39,7 +39,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """Temperature 0, or top-k 1 (the same choice, with argmax's tie-break)."""
+        return self.temperature == 0 or self.top_k == 1
 
 GREEDY = SamplingParams(temperature=0.0)
 

@@ -14,12 +14,24 @@ def small_pool(**kw) -> PoolConfig:
     return PoolConfig(**({"num_cpus": 1, "num_threads": 1, "kv_cache_mib": 96, "max_queue": 8} | kw))
 
 
-@pytest.fixture(scope="package")
+@pytest.fixture(scope="session")
 def trace_file(tmp_path_factory):
     return tmp_path_factory.mktemp("traces") / "spans.jsonl"
 
 
-@pytest.fixture(scope="package")
+_RUNNING: list = []
+
+
+def pytest_runtest_teardown(item, nextitem):
+    """Stops the cluster right after the last test of this directory, so Ray
+    is down before tests elsewhere start their own (a session fixture would
+    live until the very end of the run)."""
+    here = item.path.parent
+    if _RUNNING and (nextitem is None or nextitem.path.parent != here):
+        _RUNNING.pop().stop()
+
+
+@pytest.fixture(scope="session")
 def cluster(trace_file):
     import os
 
@@ -32,17 +44,20 @@ def cluster(trace_file):
     c = LocalCluster(config, num_cpus=8, dashboard=False, metrics_port=free_port())
     try:
         c.start(progress=lambda m: print(m, flush=True))
+        _RUNNING.append(c)
         yield c
     finally:
-        c.stop()
+        if c in _RUNNING:
+            _RUNNING.remove(c)
+            c.stop()
 
 
-@pytest.fixture(scope="package")
+@pytest.fixture(scope="session")
 def base_url(cluster) -> str:
     return f"http://127.0.0.1:{cluster.config.port}"
 
 
-@pytest.fixture(scope="package")
+@pytest.fixture(scope="session")
 def client(base_url):
     import openai
 

@@ -86,7 +86,9 @@ def test_seeded_sampling_is_reproducible_and_top_k_1_is_greedy(smol_bf16):
     engine = make_engine(smol_bf16)
     prompt = smol_bf16.tokenizer.encode("The weather today is")
     p = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=1234, ignore_eos=True)
-    a, b = engine.generate([prompt, prompt], [p, p])
+    # Run alone each time: rows of one bf16 batch may round differently.
+    a = engine.generate([prompt], p)[0]
+    b = engine.generate([prompt], p)[0]
     assert a.new_token_ids == b.new_token_ids
     k1 = engine.generate([prompt], SamplingParams(max_tokens=12, temperature=1.0, top_k=1, ignore_eos=True))[0]
     assert k1.new_token_ids == engine.generate([prompt], greedy(12, ignore_eos=True))[0].new_token_ids

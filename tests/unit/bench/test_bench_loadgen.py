@@ -4,34 +4,19 @@ the real-cluster test lives with the integration tests)."""
 
 import json
 
-import numpy as np
 import pytest
 from bench_fake_server import FakeConfig, fake_server
 
 from bench.client import chunk_tokens, sse_data
 from bench.loadgen import run_workload
-from bench.report import build_report, metric_samples, report_json
+from bench.report import build_report, report_json
 from bench.schedule import request_plans
 from bench.stats import summarize
 from bench.tokenizer import WhitespaceTokenizer
 from bench.workload import load_workload, with_overrides
+from tests.bench_checks import check_percentiles
 
 TOKENIZER = WhitespaceTokenizer()
-
-
-def check_percentiles(report, result):
-    """Percentiles ordered, inside the raw samples' range, and equal to numpy's on them."""
-    for group in [report.overall, *report.buckets]:
-        records = result.records if group.name == "overall" else [r for r in result.records if r.bucket == group.name]
-        for metric, dist in group.latency.items():
-            samples = metric_samples(records, metric)
-            if dist is None:
-                assert not samples
-                continue
-            assert dist.count == len(samples)
-            assert dist.min <= dist.p50 <= dist.p95 <= dist.p99 <= dist.max
-            assert (dist.min, dist.max) == (min(samples), max(samples))
-            assert dist.p99 == pytest.approx(np.percentile(samples, 99))
 
 
 async def test_tiny_workload_counts_and_percentiles():

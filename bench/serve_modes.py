@@ -1,0 +1,90 @@
+"""Disaggregated (1 prefill + 1 decode) vs colocated (2 replicas) on the same
+CPU budget (2 replicas x 1 torch thread), one mixed workload, one run.
+
+Prints TTFT and TPOT p50/p99 and goodput (requests with TTFT <= 2 s and
+TPOT <= 100 ms) for both, then the target lines.
+
+    python -m bench.serve_modes [--duration 60] [--rate 1.5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+from bench.loadgen import run_workload
+from bench.report import metric_samples
+from bench.stats import summarize
+from bench.tokenizer import load_tokenizer
+from bench.workload import load_workload
+from prefix_store.redis_server import free_port
+from services.cluster_runtime import LocalCluster
+from services.config import ClusterConfig, PoolConfig
+
+TTFT_SLO_S, TPOT_SLO_S = 2.0, 0.100
+
+
+def pool(**kw) -> PoolConfig:
+    return PoolConfig(**({"num_cpus": 1, "num_threads": 1, "kv_cache_mib": 512, "max_queue": 256} | kw))
+
+
+def configs() -> dict[str, ClusterConfig]:
+    return {
+        "disaggregated": ClusterConfig(mode="disaggregated", prefill=pool(), decode=pool(), port=free_port()),
+        "colocated": ClusterConfig(mode="colocated", colocated=pool(num_replicas=2), port=free_port()),
+    }
+
+
+def good(record) -> bool:
+    return record.ok and record.ttft_s is not None and record.ttft_s <= TTFT_SLO_S and \
+        (record.tpot_s is None or record.tpot_s <= TPOT_SLO_S)
+
+
+def run_mode(name: str, config: ClusterConfig, workload, tokenizer) -> dict:
+    print(f"... {name}: starting the cluster", file=sys.stderr, flush=True)
+    cluster = LocalCluster(config, num_cpus=8, dashboard=False).start(progress=lambda m: None)
+    try:
+        url = f"http://127.0.0.1:{cluster.config.port}"
+        warm = workload.model_copy(update={"stop": workload.stop.model_copy(update={"duration_s": 5.0})})
+        asyncio.run(run_workload(url, warm, tokenizer, show_progress=False))  # first-request costs
+        result = asyncio.run(run_workload(url, workload, tokenizer, label=name))
+    finally:
+        cluster.stop()
+    recs = result.records
+    ttft, tpot = summarize(metric_samples(recs, "ttft")), summarize(metric_samples(recs, "tpot"))
+    n_good = sum(good(r) for r in recs)
+    return {"name": name, "requests": len(recs), "errors": sum(not r.ok for r in recs), "ttft": ttft, "tpot": tpot,
+            "goodput_rps": n_good / result.duration_s, "good": n_good}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--duration", type=float, default=60.0)
+    ap.add_argument("--rate", type=float, default=1.5)
+    args = ap.parse_args(argv)
+    workload = load_workload("serve_modes")
+    workload = workload.model_copy(update={
+        "stop": workload.stop.model_copy(update={"duration_s": args.duration}),
+        "arrival": workload.arrival.model_copy(update={"rate_rps": args.rate})})
+    print("# disaggregated (1 prefill + 1 decode) vs colocated (2 replicas), 1 torch thread per replica, "
+          f"workload serve_modes at {args.rate} req/s for {args.duration:.0f} s")
+    print(f"# reproduce: python -m bench.serve_modes --duration {args.duration:.0f} --rate {args.rate}")
+    tokenizer = load_tokenizer(None)
+    rows = [run_mode(name, cfg, workload, tokenizer) for name, cfg in configs().items()]
+    print(f"\n{'mode':<14} {'req':>4} {'err':>4} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} "
+          f"{'TPOT p99':>9} {'goodput':>12}")
+    for r in rows:
+        t, p = r["ttft"], r["tpot"]
+        print(f"{r['name']:<14} {r['requests']:>4} {r['errors']:>4} {t.p50:>8.3f}s {t.p99:>8.3f}s "
+              f"{p.p50 * 1e3:>7.1f}ms {p.p99 * 1e3:>7.1f}ms {r['goodput_rps']:>6.3f} req/s ({r['good']}/{r['requests']})")
+    dis, col = rows
+    tpot_ratio = dis["tpot"].p99 / col["tpot"].p99
+    good_ratio = dis["goodput_rps"] / col["goodput_rps"] if col["goodput_rps"] else float("inf")
+    print(f"target tpot_p99_disagg_vs_colocated: {tpot_ratio:.2f} (goal <= 0.6) {'met' if tpot_ratio <= 0.6 else 'missed'}")
+    print(f"target goodput_disagg_vs_colocated: {good_ratio:.2f} (goal >= 1.3) {'met' if good_ratio >= 1.3 else 'missed'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
