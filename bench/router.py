@@ -343,11 +343,11 @@ def main(argv: list[str] | None = None) -> int:
           "uncached (computed) tokens\n")
     ok = True
     if not args.skip_lookup:
-        ok &= target("lookup p99 ms", p99_ms, "<=", 1.0, ".3f")
+        ok &= target("lookup_p99_ms", p99_ms, "<=", 1.0, ".3f")
     for load, by_policy in results.items():
         ca, oracle = by_policy["cache_aware"], by_policy["oracle"]
-        ok &= target(f"cache_aware hit rate / oracle @ load {load:g}", ca.hit_rate / oracle.hit_rate, ">=", 0.9, ".3f")
-        ok &= target(f"cache_aware imbalance @ load {load:g}", ca.imbalance, "<=", 1.3, ".3f")
+        ok &= target(f"cache_aware_hit_vs_oracle_load{load:g}", ca.hit_rate / oracle.hit_rate, ">=", 0.9, ".3f")
+        ok &= target(f"cache_aware_imbalance_load{load:g}", ca.imbalance, "<=", 1.3, ".3f")
     return 0 if ok else 1
 
 
