@@ -31,19 +31,42 @@ def _pool_options(config: ClusterConfig, pool: PoolConfig, router_pool: str | No
     return opts
 
 
+def replica_args(config: ClusterConfig) -> dict:
+    """The config replicas are constructed with, minus replica counts: scaling
+    a pool then changes only that deployment's options, and Serve resizes it
+    in place instead of restarting every deployment with new arguments."""
+    sizing = {"num_replicas", "autoscaling"}
+    return config.model_dump(exclude={"prefill": sizing, "decode": sizing, "colocated": sizing})
+
+
+def _versioned(deployment: Deployment, args: dict) -> Deployment:
+    """A code+args version, so redeploying with only a new replica count (a
+    scale) is an in-place resize; `serve.run` would otherwise mint a new
+    version and restart every replica."""
+    import hashlib
+    import json
+
+    digest = hashlib.sha256(json.dumps(args, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return deployment.options(version=f"{deployment.name}-{digest}", _internal=True)
+
+
 def build_prefill(config: ClusterConfig) -> Application:
     from services.prefill import PrefillDeployment
-    return PrefillDeployment.options(**_pool_options(config, config.prefill, "prefill")).bind(config.model_dump())
+    args = replica_args(config)
+    return _versioned(PrefillDeployment.options(**_pool_options(config, config.prefill, "prefill")), args).bind(args)
 
 
 def build_decode(config: ClusterConfig) -> Application:
     from services.decode import DecodeDeployment
-    return DecodeDeployment.options(**_pool_options(config, config.decode, "decode")).bind(config.model_dump())
+    args = replica_args(config)
+    return _versioned(DecodeDeployment.options(**_pool_options(config, config.decode, "decode")), args).bind(args)
 
 
 def build_colocated(config: ClusterConfig) -> Application:
     from services.colocated import ColocatedDeployment
-    return ColocatedDeployment.options(**_pool_options(config, config.colocated, "prefill")).bind(config.model_dump())
+    args = replica_args(config)
+    return _versioned(ColocatedDeployment.options(**_pool_options(config, config.colocated, "prefill")),
+                      args).bind(args)
 
 
 def build_app(config: ClusterConfig) -> Application:
@@ -51,10 +74,11 @@ def build_app(config: ClusterConfig) -> Application:
     from services.gateway import GatewayDeployment
 
     # The gateway only relays; the pools enforce the real limits (429).
-    gateway: Deployment = GatewayDeployment.options(ray_actor_options={"num_cpus": 0.25}, max_ongoing_requests=4096)
+    gateway: Deployment = _versioned(GatewayDeployment.options(ray_actor_options={"num_cpus": 0.25},
+                                                               max_ongoing_requests=4096), replica_args(config))
     if config.mode == "colocated":
-        return gateway.bind(config.model_dump(), colocated=build_colocated(config))
-    return gateway.bind(config.model_dump(), prefill=build_prefill(config), decode=build_decode(config))
+        return gateway.bind(replica_args(config), colocated=build_colocated(config))
+    return gateway.bind(replica_args(config), prefill=build_prefill(config), decode=build_decode(config))
 
 
 def app_builder(args: dict) -> Application:

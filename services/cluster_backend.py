@@ -21,8 +21,9 @@ from ray import exceptions as ray_exceptions
 from ray.serve.exceptions import BackPressureError
 
 from router.routing_header import RoutingHeader
-from services.backend import (Backend, BackendError, BackendFailure, BackendOverloaded, GenerateRequest,
-                              StreamChunk)
+from services.backend import (Backend, BackendError, BackendFailure, BackendOverloaded, BackendUnavailable,
+                              GenerateRequest, StreamChunk)
+from services.pool_liveness import PoolLiveness
 from services.messages import DecodeRequest, PrefillRequest, PrefillResponse, TokenDelta
 
 log = logging.getLogger("pdcluster.gateway")
@@ -41,8 +42,11 @@ def backend_error(exc: BaseException) -> BaseException:
 
 class ClusterBackend(Backend):
     def __init__(self, handles: dict[str, Any], *, mode: str, model_name: str, max_model_len: int,
-                 block_size: int):
+                 block_size: int, liveness: PoolLiveness | None = None, fallback_to_colocated: bool = False):
         self.handles = handles
+        self.liveness = liveness
+        self.fallback_to_colocated = fallback_to_colocated
+        self.num_colocated_fallbacks = 0
         self.mode = mode
         self.model_name = model_name
         self.max_model_len = max_model_len
@@ -56,6 +60,19 @@ class ClusterBackend(Backend):
     async def generate(self, req: GenerateRequest) -> AsyncIterator[StreamChunk]:
         if self.mode == "colocated":
             stream = self.handles["colocated"].options(stream=True).generate.remote(
+                PrefillRequest(req.request_id, req.prompt_token_ids, req.params, req.trace_context),
+                routing=self._header(req))
+            async for chunk in self._relay(stream):
+                yield chunk
+            return
+        if self.liveness is not None and await self.liveness.live("prefill") == 0:
+            if not self.fallback_to_colocated:
+                raise BackendUnavailable("the prefill pool has no live replica; retry later, scale it up "
+                                         "(`pdcluster scale prefill N`) or set fallback_to_colocated")
+            # Counted, never silent: the decode replica runs both phases.
+            self.num_colocated_fallbacks += 1
+            log.warning("no live prefill replica: request %s runs colocated on the decode pool", req.request_id)
+            stream = self.handles["decode"].options(stream=True).generate_colocated.remote(
                 PrefillRequest(req.request_id, req.prompt_token_ids, req.params, req.trace_context),
                 routing=self._header(req))
             async for chunk in self._relay(stream):

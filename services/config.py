@@ -17,7 +17,7 @@ class _Strict(BaseModel):
 
 
 class PoolConfig(_Strict):
-    num_replicas: int = Field(1, ge=0)
+    num_replicas: int = Field(1, ge=1, description="Serve needs >= 1; scale to zero via autoscaling")
     num_cpus: float = Field(1.0, gt=0, description="logical Ray CPUs per replica")
     num_threads: int = Field(1, ge=1, description="torch intra-op threads per replica")
     kv_cache_mib: int = Field(512, ge=1)

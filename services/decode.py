@@ -12,10 +12,10 @@ from ray import serve
 from services.backend import BackendFailure, BackendInvalidRequest, BackendOverloaded
 from services.config import ClusterConfig
 from services.engine.errors import InvalidRequestError
-from services.messages import DecodeRequest, TokenDelta
+from services.messages import DecodeRequest, PrefillRequest, TokenDelta
 from services.prefill import _replica_name
 from services.stage_telemetry import DecodeStages
-from services.worker import Worker, WorkerEndpoints
+from services.worker import Worker, WorkerEndpoints, stream_whole_request
 from transfer import TransferError
 
 _RESERVE_RETRY_S = 0.02
@@ -83,6 +83,15 @@ class DecodeServer(WorkerEndpoints):
             raise
         finally:
             stages.finish(error)  # decode.queue + decode.generate spans, decode metrics
+
+
+    async def generate_colocated(self, request: PrefillRequest, routing: dict | None = None
+                                 ) -> AsyncIterator[TokenDelta]:
+        """Both phases here: the gateway's counted fallback when no prefill
+        replica is alive and ``fallback_to_colocated`` is set."""
+        capacity = self.cfg.scheduler.max_num_seqs + self.cfg.decode.max_queue
+        async for delta in stream_whole_request(self.worker, request, capacity):
+            yield delta
 
 
 DecodeDeployment = serve.deployment(DecodeServer, name="decode")

@@ -11,6 +11,7 @@ from ray import serve
 
 from services import telemetry
 from services.cluster_backend import ClusterBackend
+from services.pool_liveness import PoolLiveness
 from services.config import ClusterConfig
 from services.engine.model.config import ModelConfig
 from services.engine.model.default import resolve_model_path
@@ -58,7 +59,9 @@ class Gateway:
             block_hash_seed=block_hash_seed(weights_id(path), parse_dtype(cfg.dtype), cfg.block_size),
             block_size=cfg.block_size, max_body_bytes=cfg.max_body_bytes)
         backend = ClusterBackend(handles, mode=cfg.mode, model_name=cfg.served_model_name,
-                                 max_model_len=max_len, block_size=cfg.block_size)
+                                 max_model_len=max_len, block_size=cfg.block_size,
+                                 liveness=PoolLiveness(cfg.index_url, cfg.cluster_name),
+                                 fallback_to_colocated=cfg.fallback_to_colocated)
         _HOST.update(backend=backend, tokenizer=tokenizer, settings=settings)
         log.info("gateway ready: mode=%s model=%s", cfg.mode, cfg.served_model_name)
 

@@ -155,6 +155,29 @@ class Worker:
             self.transfer.close()
 
 
+async def stream_whole_request(worker: Worker, request, capacity: int):
+    """Both phases on this replica's engine (colocated mode, and the decode
+    pool's fallback when no prefill replica is alive)."""
+    from services.backend import BackendInvalidRequest
+    from services.engine.errors import InvalidRequestError
+    from services.messages import TokenDelta
+
+    timer = metrics.RequestTimer(worker.role)
+    with worker.admitted(capacity):
+        try:
+            async for out in worker.aengine.generate(request.request_id, request.prompt_token_ids, request.params):
+                if timer.num_tokens == 0:
+                    metrics.count_prompt_tokens(worker.role, worker.name, out.num_prompt_tokens,
+                                                out.num_cached_tokens)
+                timer.on_tokens(len(out.new_token_ids))
+                yield TokenDelta(out.new_token_ids, out.text_delta,
+                                 out.finish_reason.value if out.finished else None,
+                                 num_prompt_tokens=out.num_prompt_tokens, num_cached_tokens=out.num_cached_tokens)
+        except InvalidRequestError as exc:
+            raise BackendInvalidRequest(str(exc)) from exc
+        timer.finish()
+
+
 class WorkerEndpoints:
     """What every engine deployment answers besides its own work: status for
     operators, routing stats for the request router, and a clean shutdown

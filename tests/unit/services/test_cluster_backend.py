@@ -1,0 +1,87 @@
+"""ClusterBackend's decisions with fake Serve handles (the real path runs in
+tests/integration/cluster): no live prefill replica -> 503, or the counted
+colocated fallback on the decode pool."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.backend import BackendUnavailable, GenerateRequest
+from services.cluster_backend import ClusterBackend
+from services.engine.sampling_params import greedy
+from services.messages import TokenDelta
+
+
+class _Liveness:
+    def __init__(self, n):
+        self.n = n
+
+    async def live(self, role):
+        return self.n
+
+
+class _Stream:
+    def __init__(self, deltas):
+        self.deltas, self.cancelled = deltas, False
+
+    def __aiter__(self):
+        async def gen():
+            for d in self.deltas:
+                yield d
+        return gen()
+
+    def cancel(self):
+        self.cancelled = True
+
+
+class _Method:
+    def __init__(self, owner, name):
+        self.owner, self.name = owner, name
+
+    def remote(self, *args, **kwargs):
+        self.owner.calls.append((self.name, args, kwargs))
+        return _Stream([TokenDelta([7], "hi", None), TokenDelta([8], "!", "length")])
+
+
+class _Handle:
+    def __init__(self):
+        self.calls = []
+
+    def options(self, **_):
+        return self
+
+    def __getattr__(self, name):
+        return _Method(self, name)
+
+
+def _backend(live, fallback):
+    handles = {"prefill": _Handle(), "decode": _Handle()}
+    return ClusterBackend(handles, mode="disaggregated", model_name="m", max_model_len=64, block_size=16,
+                          liveness=_Liveness(live), fallback_to_colocated=fallback), handles
+
+
+async def _collect(backend):
+    return [c async for c in backend.generate(GenerateRequest("r1", [1, 2, 3], greedy(2)))]
+
+
+async def test_no_live_prefill_replica_is_503_naming_the_fix():
+    backend, handles = _backend(0, fallback=False)
+    with pytest.raises(BackendUnavailable, match="prefill pool has no live replica"):
+        await _collect(backend)
+    assert handles["prefill"].calls == [] and handles["decode"].calls == []
+
+
+async def test_fallback_to_colocated_runs_on_decode_and_is_counted():
+    backend, handles = _backend(0, fallback=True)
+    chunks = await _collect(backend)
+    assert [c.text for c in chunks] == ["hi", "!"] and chunks[-1].finish_reason == "length"
+    assert [name for name, *_ in handles["decode"].calls] == ["generate_colocated"]
+    assert backend.num_colocated_fallbacks == 1 and handles["prefill"].calls == []
+
+
+async def test_unknown_liveness_never_refuses():
+    backend, handles = _backend(None, fallback=False)
+    with pytest.raises(Exception) as err:  # the fake prefill handle returns a stream, not a hand-off
+        await _collect(backend)
+    assert not isinstance(err.value, BackendUnavailable)
+    assert [name for name, *_ in handles["prefill"].calls] == ["prefill"]
