@@ -80,23 +80,40 @@ def test_pdcluster_trace_last_prints_a_waterfall_within_e2e(cluster, base_url, t
     assert 0 < stages_ms <= e2e_ms * 1.01, last
 
 
+def _counter(text: str, name: str, label: str) -> float:
+    rows = [ln for ln in text.splitlines() if ln.startswith(name) and label in ln]
+    return sum(float(ln.rsplit(" ", 1)[1]) for ln in rows)
+
+
 def test_metrics_reach_the_prometheus_endpoint(cluster, base_url):
+    url = f"http://127.0.0.1:{cluster.metrics_port}/metrics"
+    wanted = ["pdcluster_ttft", "pdcluster_tpot", "pdcluster_e2e", "pdcluster_kv_blocks",
+              "pdcluster_http_responses", "pdcluster_kv_transfer_bytes", "pdcluster_router_decisions",
+              "pdcluster_prefix_cache_hit_tokens", "pdcluster_queue_seconds", "pdcluster_requests_running"]
+    ok_name = "ray_pdcluster_http_responses_total"
+
+    def scrape(until, timeout_s=40.0) -> str:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            text = httpx.get(url, timeout=10).text
+            if until(text) or time.monotonic() > deadline:
+                return text
+            time.sleep(1)
+
+    # Earlier tests' requests reach the endpoint seconds late: wait until the
+    # count holds still before taking the baseline.
+    before, deadline = -1.0, time.monotonic() + 40
+    while time.monotonic() < deadline:
+        now = _counter(scrape(lambda t: ok_name in t), ok_name, '"2xx"')
+        if now == before:
+            break
+        before = now
+        time.sleep(6)
     n = 3
     shared = "A shared preamble that spans several KV blocks of sixteen tokens each. " * 6
     for i in range(n):  # the same long prefix: later requests hit the prefix cache
         assert httpx.post(base_url + "/v1/completions", json={"model": MODEL, "prompt": f"{shared} Number {i}",
                                                              "max_tokens": 4}, timeout=120).status_code == 200
-    url = f"http://127.0.0.1:{cluster.metrics_port}/metrics"
-    wanted = ["pdcluster_ttft", "pdcluster_tpot", "pdcluster_e2e", "pdcluster_kv_blocks",
-              "pdcluster_http_responses", "pdcluster_kv_transfer_bytes", "pdcluster_router_decisions",
-              "pdcluster_prefix_cache_hit_tokens", "pdcluster_queue_seconds", "pdcluster_requests_running"]
-    deadline = time.monotonic() + 40
-    while True:
-        text = httpx.get(url, timeout=10).text
-        missing = [m for m in wanted if m not in text]
-        if not missing or time.monotonic() > deadline:
-            break
-        time.sleep(2)
-    assert not missing, missing
-    ok = [ln for ln in text.splitlines() if ln.startswith("ray_pdcluster_http_responses_total") and '"2xx"' in ln]
-    assert ok and float(ok[0].rsplit(" ", 1)[1]) >= n
+    text = scrape(lambda t: _counter(t, ok_name, '"2xx"') >= before + n and all(m in t for m in wanted))
+    assert not [m for m in wanted if m not in text]
+    assert _counter(text, ok_name, '"2xx"') == before + n  # exactly the requests sent
