@@ -116,4 +116,6 @@ def test_metrics_reach_the_prometheus_endpoint(cluster, base_url):
                                                              "max_tokens": 4}, timeout=120).status_code == 200
     text = scrape(lambda t: _counter(t, ok_name, '"2xx"') >= before + n and all(m in t for m in wanted))
     assert not [m for m in wanted if m not in text]
-    assert _counter(text, ok_name, '"2xx"') == before + n  # exactly the requests sent
+    # >=, not ==: earlier tests' counts can still arrive late (Ray exports
+    # every few seconds per process), which made an exact check flaky.
+    assert _counter(text, ok_name, '"2xx"') >= before + n
