@@ -46,3 +46,16 @@ def dot_f32(a, b, UPCAST_DOT: tl.constexpr):
         return tl.dot(a, b, input_precision="ieee")
     else:
         return tl.dot(a, b)
+
+
+@triton.jit
+def online_softmax_step(s, v, m_i, l_i, acc, UPCAST_DOT: tl.constexpr):
+    """One tile of flash attention's online softmax (base-2 scores ``s``,
+    values ``v``): rescales the running max ``m_i``, sum ``l_i`` and output
+    ``acc`` and folds the tile in.  Shared by decode and prefill kernels."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + dot_f32(p.to(v.dtype), v, UPCAST_DOT)
+    return m_new, l_i, acc

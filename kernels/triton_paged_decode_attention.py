@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_common import check_device, dot_f32, interpreting, next_pow2
+from kernels.triton_common import check_device, dot_f32, interpreting, next_pow2, online_softmax_step
 
 BLOCK_N = 64            # context tokens per inner step (any block size)
 MIN_SPLIT_TOKENS = 256  # never split a context finer than this
@@ -66,13 +66,8 @@ def _decode_kernel(
         k = tl.load(ptrs, mask=tile_mask, other=0.0).to(q.dtype)
         s = dot_f32(q, tl.trans(k), UPCAST_DOT) * qk_scale_log2
         s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(ptrs + stride_kvkv, mask=tile_mask, other=0.0).to(q.dtype)
-        acc = acc * alpha[:, None] + dot_f32(p.to(q.dtype), v, UPCAST_DOT)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, UPCAST_DOT)
 
     has_tokens = l_i > 0.0
     o = acc / tl.where(has_tokens, l_i, 1.0)[:, None]
