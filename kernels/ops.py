@@ -1,9 +1,11 @@
-"""The engine's only entry to kernels: Triton on CUDA, torch reference elsewhere.
+"""The engine's only entry to kernels: Triton on CUDA, native C kernels for
+bf16 on CPUs with AVX-512 BF16, the torch reference elsewhere.
 
-Each op looks at one tensor's device: a CUDA tensor goes to the Triton kernel
-when triton imports, anything else to the torch reference.  Triton modules
-are imported lazily, on the first CUDA call, so CPU-only use never imports
-triton.
+Each op looks at its tensors: CUDA tensors go to the Triton kernel when
+triton imports; CPU bf16 tensors of a supported shape go to
+:mod:`kernels.cpu_native`; anything else to the torch reference.  Triton
+modules are imported lazily, on the first CUDA call, so CPU-only use never
+imports triton.
 """
 
 from __future__ import annotations
@@ -13,7 +15,10 @@ import importlib
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 
+from kernels import cpu_native
+from kernels.activation import silu_mul_ref
 from kernels.block_copy import gather_blocks_ref, scatter_blocks_ref
 from kernels.kv_write import write_kv_ref
 from kernels.paged_decode_attention import paged_decode_attention_ref
@@ -23,8 +28,9 @@ from kernels.rope import apply_rope_ref
 
 __all__ = [
     "write_kv", "paged_decode_attention", "prefill_attention", "gather_blocks",
-    "scatter_blocks", "rmsnorm", "fused_add_rmsnorm", "apply_rope", "triton_available",
+    "scatter_blocks", "rmsnorm", "fused_add_rmsnorm", "apply_rope", "linear", "pack_linear_weight", "silu_mul", "triton_available",
 ]
+
 
 
 @functools.cache
@@ -45,11 +51,41 @@ def _triton(module: str, name: str) -> Callable:
     return getattr(importlib.import_module(f"kernels.triton_{module}"), name)
 
 
+def _rows_ok(*tensors: torch.Tensor) -> bool:
+    """[T, heads, d] views whose rows may be strided but whose heads are packed."""
+    return all(t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in tensors)
+
+
+def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` [N, K] in the layout :func:`linear` runs fastest on here:
+    packed for the native CPU kernels when they take it (a 4-D tensor of the
+    same size), else unchanged."""
+    if weight.dim() == 2 and cpu_native.handles(weight) and cpu_native.packable(weight):
+        return cpu_native.pack_weight(weight)
+    return weight
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear``; ``weight`` as given or as returned by :func:`pack_linear_weight`."""
+    if weight.dim() == 4:
+        return cpu_native.linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    if gate_up.dim() == 2 and gate_up.is_contiguous() and cpu_native.handles(gate_up):
+        return cpu_native.silu_mul(gate_up)
+    return silu_mul_ref(gate_up)
+
+
 def write_kv(
     kv_pool: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
 ) -> None:
     if _on_cuda(kv_pool):
         return _triton("kv_write", "write_kv_triton")(kv_pool, layer, k, v, slot_mapping)
+    if (cpu_native.handles(kv_pool, k, v) and _rows_ok(k, v) and k.stride(0) == v.stride(0)
+            and kv_pool.is_contiguous()):
+        return cpu_native.write_kv(kv_pool, layer, k, v, slot_mapping)
     return write_kv_ref(kv_pool, layer, k, v, slot_mapping)
 
 
@@ -60,6 +96,9 @@ def paged_decode_attention(
     if _on_cuda(q):
         fn = _triton("paged_decode_attention", "paged_decode_attention_triton")
         return fn(q, kv_pool, layer, block_tables, context_lens, scale)
+    if (cpu_native.handles(q, kv_pool) and _rows_ok(q) and q.shape[2] % 32 == 0 and kv_pool.is_contiguous()
+            and q.shape[1] % kv_pool.shape[4] == 0):
+        return cpu_native.paged_decode_attention(q, kv_pool, layer, block_tables, context_lens, scale)
     return paged_decode_attention_ref(q, kv_pool, layer, block_tables, context_lens, scale)
 
 
@@ -88,6 +127,8 @@ def scatter_blocks(kv_pool: torch.Tensor, block_ids: torch.Tensor, buffer: torch
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if _on_cuda(x):
         return _triton("rmsnorm", "rmsnorm_triton")(x, weight, eps)
+    if cpu_native.handles(x, weight) and x.is_contiguous():
+        return cpu_native.fused_add_rmsnorm(None, x, weight, eps)[0]
     return rmsnorm_ref(x, weight, eps)
 
 
@@ -96,6 +137,8 @@ def fused_add_rmsnorm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if _on_cuda(x):
         return _triton("rmsnorm", "fused_add_rmsnorm_triton")(x, residual, weight, eps)
+    if cpu_native.handles(x, residual, weight) and x.is_contiguous() and residual.is_contiguous():
+        return cpu_native.fused_add_rmsnorm(x, residual, weight, eps)
     return fused_add_rmsnorm_ref(x, residual, weight, eps)
 
 
@@ -105,4 +148,7 @@ def apply_rope(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if _on_cuda(q):
         return _triton("rope", "apply_rope_triton")(q, k, positions, cos_cache, sin_cache)
+    if (cpu_native.handles(q, k) and _rows_ok(q, k) and cos_cache.dtype == sin_cache.dtype == torch.float32
+            and cos_cache.is_contiguous() and sin_cache.is_contiguous()):
+        return cpu_native.apply_rope(q, k, positions, cos_cache, sin_cache)
     return apply_rope_ref(q, k, positions, cos_cache, sin_cache)

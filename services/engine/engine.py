@@ -37,6 +37,7 @@ class Engine:
             torch.set_num_threads(config.num_threads)
         self.config = config
         self.loaded = loaded or load_model(config.model, config.dtype, config.device)
+        self.loaded.model.pack_weights()
         self.tokenizer = self.loaded.tokenizer
         mc = self.loaded.config
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)

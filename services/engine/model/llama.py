@@ -32,12 +32,12 @@ class DecoderLayer(nn.Module):
     def attention(self, x: torch.Tensor, batch: ForwardBatch, kv_pool: torch.Tensor,
                   cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
-        qkv = self.qkv_proj(x)
+        qkv = ops.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
         q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
         q = q.reshape(-1, cfg.num_heads, cfg.head_dim)
         k = k.reshape(-1, cfg.num_kv_heads, cfg.head_dim)
         v = v.reshape(-1, cfg.num_kv_heads, cfg.head_dim)
-        q, k = ops.apply_rope(q.contiguous(), k.contiguous(), batch.positions, cos, sin)
+        q, k = ops.apply_rope(q, k, batch.positions, cos, sin)
         ops.write_kv(kv_pool, self.index, k, v, batch.slot_mapping)
         d = batch.num_decode_tokens
         parts = []
@@ -49,11 +49,10 @@ class DecoderLayer(nn.Module):
                 q[d:], kv_pool, self.index, batch.prefill_block_tables,
                 batch.prefill_query_start_loc, batch.prefill_context_lens, self.scale))
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
-        return self.o_proj(out.reshape(-1, cfg.q_size))
+        return ops.linear(out.reshape(-1, cfg.q_size), self.o_proj.weight)
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return ops.linear(ops.silu_mul(ops.linear(x, self.gate_up_proj.weight)), self.down_proj.weight)
 
 
 class LlamaModel(nn.Module):
@@ -80,7 +79,25 @@ class LlamaModel(nn.Module):
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
+        if self.lm_head_packed is not None:
+            return self.lm_head_packed
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    lm_head_packed: torch.Tensor | None = None
+
+    @torch.no_grad()
+    def pack_weights(self) -> None:
+        """Re-lays the projection weights out for this device's fastest
+        ``ops.linear`` (idempotent; a no-op where nothing faster exists).
+        The tied lm_head gets its own packed copy: the embedding needs rows."""
+        for layer in self.layers:
+            for proj in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
+                proj.weight = nn.Parameter(ops.pack_linear_weight(proj.weight), requires_grad=False)
+        if self.lm_head is not None:
+            self.lm_head.weight = nn.Parameter(ops.pack_linear_weight(self.lm_head.weight), requires_grad=False)
+        elif self.lm_head_packed is None:
+            packed = ops.pack_linear_weight(self.embed_tokens.weight)
+            self.lm_head_packed = packed if packed is not self.embed_tokens.weight else None
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_pool: torch.Tensor) -> torch.Tensor:
@@ -98,7 +115,7 @@ class LlamaModel(nn.Module):
         residual = residual.index_select(0, batch.logits_indices)
         x = x.index_select(0, batch.logits_indices)
         x, _ = ops.fused_add_rmsnorm(x, residual, self.norm, eps)
-        return F.linear(x, self.lm_head_weight).float()
+        return ops.linear(x, self.lm_head_weight).float()
 
     def load_hf_state(self, state: dict[str, torch.Tensor]) -> None:
         """Loads weights named as in Hugging Face checkpoints, fusing q/k/v and

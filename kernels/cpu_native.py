@@ -1,0 +1,187 @@
+"""Native CPU kernels for bf16 (``kernels/csrc/cpu_kernels.c``), built on
+first use and called through ctypes.
+
+Built with the system C compiler into ``$PDCLUSTER_CACHE_DIR`` (default
+``~/.cache/pdcluster``), keyed by a hash of the source and flags, written
+atomically so concurrent replicas can race safely.  OpenMP resolves to the
+``libgomp.so.1`` torch already loaded, so torch and these kernels share one
+thread pool.  Unavailable (``library()`` is None, and ``kernels.ops`` uses
+the torch references) when the CPU lacks AVX-512 BF16, no compiler is found,
+the build fails, or ``PDCLUSTER_CPU_KERNELS=0``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
+FLAGS = ["-O3", "-std=c11", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno",
+         "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-mf16c"]
+REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
+
+_i64, _f32, _int, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p
+_SIGNATURES = {
+    "pd_pack_weight_bf16": [_ptr, _ptr, _i64, _i64],
+    "pd_linear_packed_bf16": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int],
+    "pd_paged_decode_attention_bf16": [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64,
+                                       _i64, _i64, _i64, _f32, _int],
+    "pd_add_rmsnorm_bf16": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _f32, _int],
+    "pd_silu_mul_bf16": [_ptr, _ptr, _i64, _i64, _int],
+    "pd_rope_bf16": [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr],
+    "pd_write_kv_bf16": [_ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _i64],
+}
+
+
+def cpu_supports() -> bool:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    return all(f in flags for f in REQUIRED_CPU_FLAGS)
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("PDCLUSTER_CACHE_DIR", Path.home() / ".cache" / "pdcluster"))
+
+
+def build(compiler: str | None = None) -> Path:
+    """Compiles the kernels (or finds them already built); returns the .so.
+    Raises ``RuntimeError`` with the compiler's output on failure."""
+    cc = compiler or os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        raise RuntimeError("no C compiler found (set CC or install gcc)")
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(source + " ".join([cc, *FLAGS]).encode()).hexdigest()[:16]
+    out = cache_dir() / f"cpu_kernels-{key}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    done = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True)
+    if done.returncode != 0:
+        os.unlink(tmp)
+        raise RuntimeError(f"building {SOURCE.name} failed:\n{done.stderr}")
+    os.replace(tmp, out)
+    return out
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    if os.environ.get("PDCLUSTER_CPU_KERNELS", "1") == "0" or not cpu_supports():
+        return None
+    try:
+        lib = ctypes.CDLL(str(build()))
+    except (RuntimeError, OSError) as e:
+        log.warning("native CPU kernels unavailable, using the torch references: %s", e)
+        return None
+    for name, argtypes in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = argtypes, None
+    return lib
+
+
+def available() -> bool:
+    return library() is not None
+
+
+def handles(*tensors: torch.Tensor) -> bool:
+    """True when the native kernels can take these tensors: CPU bf16."""
+    for t in tensors:
+        if t.dtype is not torch.bfloat16 or not t.is_cpu:
+            return False
+    return available()
+
+
+def _p(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+PACK_TILE = 32  # output columns per packed tile (TILE_N in the C source)
+
+
+def packable(weight: torch.Tensor) -> bool:
+    return weight.dim() == 2 and weight.shape[0] % PACK_TILE == 0 and weight.shape[1] % 2 == 0
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] bf16 -> the packed [N / 32, K / 2, 32, 2] layout of :func:`linear`."""
+    n, k = weight.shape
+    w = weight.contiguous()
+    packed = torch.empty(n // PACK_TILE, k // 2, PACK_TILE, 2, dtype=weight.dtype)
+    library().pd_pack_weight_bf16(_p(w), _p(packed), n, k)
+    return packed
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, W, bias)`` for bf16 ``x`` [..., K] and ``packed = pack_weight(W)``."""
+    tiles, half_k, tile, _ = packed.shape
+    n, k = tiles * tile, 2 * half_k
+    x2 = x.reshape(-1, k).contiguous()
+    y = torch.empty(x2.shape[0], n, dtype=x.dtype)
+    library().pd_linear_packed_bf16(_p(x2), _p(packed), _p(bias), _p(y), x2.shape[0], n, k, torch.get_num_threads())
+    return y.view(*x.shape[:-1], n)
+
+
+def paged_decode_attention(
+    q: torch.Tensor, kv_pool: torch.Tensor, layer: int, block_tables: torch.Tensor,
+    context_lens: torch.Tensor, scale: float,
+) -> torch.Tensor:
+    batch, heads, head_dim = q.shape
+    _, num_layers, _, block_size, kv_heads, _ = kv_pool.shape
+    out = torch.empty(batch, heads, head_dim, dtype=q.dtype)
+    tables = block_tables.to(torch.int32).contiguous()
+    lens = context_lens.to(torch.int32).contiguous()
+    library().pd_paged_decode_attention_bf16(
+        _p(q), q.stride(0), _p(kv_pool), _p(out), _p(tables), _p(lens), batch, heads, kv_heads, head_dim,
+        tables.shape[1], block_size, num_layers, layer, scale, torch.get_num_threads())
+    return out
+
+
+def fused_add_rmsnorm(
+    x: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` None: plain RMSNorm of ``residual``."""
+    out = torch.empty_like(residual)
+    t, hidden = residual.reshape(-1, residual.shape[-1]).shape
+    library().pd_add_rmsnorm_bf16(_p(x), _p(residual), _p(weight), _p(out), t, hidden, eps,
+                                  torch.get_num_threads())
+    return out, residual
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for contiguous ``gate_up`` [T, 2 * I]."""
+    t, two_i = gate_up.shape
+    out = torch.empty(t, two_i // 2, dtype=gate_up.dtype)
+    library().pd_silu_mul_bf16(_p(gate_up), _p(out), t, two_i // 2, torch.get_num_threads())
+    return out
+
+
+def apply_rope(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_cache: torch.Tensor, sin_cache: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    pos = positions.to(torch.int64).contiguous()
+    for x in (q, k):
+        library().pd_rope_bf16(_p(x), x.stride(0), x.shape[0], x.shape[1], x.shape[2], _p(pos),
+                               _p(cos_cache), _p(sin_cache))
+    return q, k
+
+
+def write_kv(kv_pool: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    _, num_layers, _, block_size, kv_heads, head_dim = kv_pool.shape
+    slots = slot_mapping.to(torch.int64).contiguous()
+    library().pd_write_kv_bf16(_p(kv_pool), _p(k), _p(v), k.stride(0), _p(slots), k.shape[0], kv_heads,
+                               head_dim, block_size, num_layers, layer)

@@ -1,0 +1,338 @@
+/* CPU kernels for the engine's bf16 hot paths (AVX-512 BF16 + OpenMP).
+ *
+ * Built on first use by kernels/cpu_native.py with the system C compiler and
+ * called through ctypes; every function has a torch reference in kernels/
+ * that the tests compare it against.  All tensors are bf16 stored as
+ * uint16_t, accumulation is fp32, and rounding back to bf16 is
+ * round-to-nearest-even, as torch does.
+ *
+ * KV pool layout (block-major, see DESIGN.md):
+ *     kv[num_blocks, num_layers, 2 (K|V), block_size, kv_heads, head_dim]
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef uint16_t bf16;
+
+#define PREFETCH_BYTES 4096 /* how far ahead of the current weight rows to prefetch */
+
+static inline float to_f32(bf16 v) {
+    uint32_t u = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline bf16 to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16)((u >> 16) | 0x40); /* quiet NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (bf16)(u >> 16);
+}
+
+/* 16 bf16 -> 16 fp32 */
+static inline __m512 load16(const bf16 *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+static inline __m512bh load32bh(const bf16 *p) { return (__m512bh)_mm512_loadu_si512(p); }
+
+static inline __m512bh load32bh_masked(const bf16 *p, __mmask32 m) {
+    return (__m512bh)_mm512_maskz_loadu_epi16(m, p);
+}
+
+/* Linear layers use weights packed once at load time so that one 64-byte
+ * load holds 16 output columns x 2 consecutive k, the pair layout of
+ * VDPBF16PS:
+ *
+ *     W[N, K]  ->  wp[N / 32][K / 2][32][2],  wp[j][p][c][e] = W[32 j + c][2 p + e]
+ *
+ * A tile of 32 output columns is one contiguous stream of K / 2 * 128 bytes;
+ * each x row contributes a broadcast k-pair per step, so no horizontal sums
+ * are needed and the weights are read once per block of x rows. */
+#define TILE_N 32
+#define MR_MAX 8      /* x rows per micro-kernel: 8 x 2 accumulators */
+#define M_BLOCK 256   /* x rows sharing one pass over the weights */
+
+void pd_pack_weight_bf16(const bf16 *w, bf16 *wp, int64_t N, int64_t K) {
+    const int64_t kp = K / 2;
+    for (int64_t j = 0; j < N / TILE_N; j++)
+        for (int64_t p = 0; p < kp; p++)
+            for (int64_t c = 0; c < TILE_N; c++) {
+                bf16 *dst = wp + ((j * kp + p) * TILE_N + c) * 2;
+                const bf16 *src = w + (j * TILE_N + c) * K + 2 * p;
+                dst[0] = src[0];
+                dst[1] = src[1];
+            }
+}
+
+static inline __attribute__((always_inline)) void linear_tile(
+    const int MR, const bf16 *x, int64_t K, const bf16 *wt, const bf16 *bias, bf16 *y, int64_t N, int prefetch) {
+    __m512 acc[MR_MAX][2];
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    const int64_t kp = K / 2;
+    for (int64_t p = 0; p < kp; p++) {
+        const bf16 *w = wt + p * 2 * TILE_N;
+        if (prefetch) _mm_prefetch((const char *)w + PREFETCH_BYTES, _MM_HINT_T0),
+                      _mm_prefetch((const char *)w + PREFETCH_BYTES + 64, _MM_HINT_T0);
+        const __m512bh w0 = load32bh(w), w1 = load32bh(w + 32);
+#pragma GCC unroll 8
+        for (int r = 0; r < MR; r++) {
+            int32_t pair;
+            memcpy(&pair, x + r * K + 2 * p, 4);
+            const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], w0, xb);
+            acc[r][1] = _mm512_dpbf16_ps(acc[r][1], w1, xb);
+        }
+    }
+    /* wp's column c of the tile sits in lane c % 16 of acc[.][c / 16] */
+    const __m512 b0 = bias ? load16(bias) : _mm512_setzero_ps();
+    const __m512 b1 = bias ? load16(bias + 16) : _mm512_setzero_ps();
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; r++) {
+        _mm256_storeu_si256((__m256i *)(y + r * N), (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[r][0], b0)));
+        _mm256_storeu_si256((__m256i *)(y + r * N + 16), (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[r][1], b1)));
+    }
+}
+
+/* y[m, n] = sum_k x[m, k] * W[n, k] (+ bias[n]) with W packed as above;
+ * bf16 in and out, fp32 accumulation.  Needs N % 32 == 0 and K even. */
+void pd_linear_packed_bf16(const bf16 *x, const bf16 *wp, const bf16 *bias, bf16 *y,
+                           int64_t M, int64_t N, int64_t K, int nthreads) {
+    const int64_t tiles = N / TILE_N, blocks = (M + M_BLOCK - 1) / M_BLOCK;
+#pragma omp parallel for num_threads(nthreads) schedule(static) collapse(2)
+    for (int64_t mb = 0; mb < blocks; mb++)
+        for (int64_t j = 0; j < tiles; j++) {
+            const bf16 *wt = wp + j * (K / 2) * 2 * TILE_N;
+            const bf16 *bj = bias ? bias + j * TILE_N : NULL;
+            const int64_t m_end = (mb + 1) * M_BLOCK < M ? (mb + 1) * M_BLOCK : M;
+            for (int64_t m = mb * M_BLOCK; m < m_end; m += MR_MAX) {
+                const bf16 *xm = x + m * K;
+                bf16 *ym = y + m * N + j * TILE_N;
+                const int pf = m == mb * M_BLOCK;
+                switch (m_end - m < MR_MAX ? (int)(m_end - m) : MR_MAX) {
+                case 1: linear_tile(1, xm, K, wt, bj, ym, N, pf); break;
+                case 2: linear_tile(2, xm, K, wt, bj, ym, N, pf); break;
+                case 3: linear_tile(3, xm, K, wt, bj, ym, N, pf); break;
+                case 4: linear_tile(4, xm, K, wt, bj, ym, N, pf); break;
+                case 5: linear_tile(5, xm, K, wt, bj, ym, N, pf); break;
+                case 6: linear_tile(6, xm, K, wt, bj, ym, N, pf); break;
+                case 7: linear_tile(7, xm, K, wt, bj, ym, N, pf); break;
+                default: linear_tile(8, xm, K, wt, bj, ym, N, pf); break;
+                }
+            }
+        }
+}
+
+/* exp(x) for the softmax's x <= 0: 2^n * e^r with |r| <= ln2/2 and a
+ * degree-6 Taylor polynomial (relative error ~1e-7). */
+static inline __m512 exp512(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693147180559945309f), x);
+    __m512 p = _mm512_set1_ps(1.f / 720);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* s[0:n] <- softmax(s[0:n]) */
+static void softmax_inplace(float *s, int64_t n) {
+    __m512 mv = _mm512_set1_ps(-INFINITY);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(s + i));
+    float mx = _mm512_reduce_max_ps(mv);
+    for (int64_t j = i; j < n; j++) mx = s[j] > mx ? s[j] : mx;
+    const __m512 m = _mm512_set1_ps(mx);
+    __m512 sv = _mm512_setzero_ps();
+    for (i = 0; i < n; i += 16) {
+        const __mmask16 k = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1u);
+        const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + i), m));
+        _mm512_mask_storeu_ps(s + i, k, e);
+        sv = _mm512_add_ps(sv, _mm512_maskz_mov_ps(k, e));
+    }
+    const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sv));
+    for (i = 0; i < n; i += 16) {
+        const __mmask16 k = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1u);
+        _mm512_mask_storeu_ps(s + i, k, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, s + i), inv));
+    }
+}
+
+/* The next block's rows (``cols`` elements of each): the hardware prefetcher
+ * does not follow a block table. */
+static inline void prefetch_rows(const bf16 *p, int64_t rows, int64_t stride, int64_t cols) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t c = 0; c < cols; c += 32) _mm_prefetch((const char *)(p + r * stride + c), _MM_HINT_T0);
+}
+
+/* Paged decode attention: one query token per sequence.  A work item is one
+ * sequence and a range of its kv heads (all of them once there are enough
+ * sequences to keep every thread busy, so each block's rows stream whole).
+ * Two passes over the sequence's blocks: fp32 scores (bf16 dot products),
+ * softmax, then the probability-weighted sum of V in fp32. */
+void pd_paged_decode_attention_bf16(const bf16 *q, int64_t q_row_stride, const bf16 *kv, bf16 *out,
+                                    const int32_t *block_tables, const int32_t *context_lens,
+                                    int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t max_blocks,
+                                    int64_t block_size, int64_t num_layers, int64_t layer, float scale,
+                                    int nthreads) {
+    const int64_t G = H / KVH;
+    const int64_t per_item = B >= 2 * nthreads ? KVH : 1;  /* kv heads per work item */
+    const int64_t splits = KVH / per_item, HG = per_item * G;  /* query heads per item */
+    const int64_t tok_stride = KVH * D;
+    const int64_t half = block_size * KVH * D;          /* K -> V of one (block, layer) */
+    const int64_t block_stride = num_layers * 2 * half;
+    const int64_t layer_off = layer * 2 * half;
+#pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
+    for (int64_t item = 0; item < B * splits; item++) {
+        const int64_t b = item / splits, h0 = item % splits * per_item;
+        const int64_t ctx = context_lens[b];
+        const int32_t *table = block_tables + b * max_blocks;
+        float *scores = (float *)malloc(sizeof(float) * (size_t)(HG * ctx + HG * D + D));
+        float *acc = scores + HG * ctx;
+        float *vf = acc + HG * D;
+        const bf16 *qh = q + b * q_row_stride + h0 * G * D;
+        const int64_t col0 = layer_off + h0 * D, cols = per_item * D;
+        for (int64_t t0 = 0, blk = 0; t0 < ctx; t0 += block_size, blk++) {
+            const bf16 *kb = kv + (int64_t)table[blk] * block_stride + col0;
+            const int64_t n = ctx - t0 < block_size ? ctx - t0 : block_size;
+            if (t0 + block_size < ctx)
+                prefetch_rows(kv + (int64_t)table[blk + 1] * block_stride + col0, block_size, tok_stride, cols);
+            for (int64_t o = 0; o < n; o++)
+                for (int64_t hg = 0; hg < HG; hg++) {
+                    const bf16 *k = kb + o * tok_stride + hg / G * D;
+                    __m512 a = _mm512_setzero_ps();
+                    for (int64_t d = 0; d < D; d += 32) a = _mm512_dpbf16_ps(a, load32bh(qh + hg * D + d), load32bh(k + d));
+                    scores[hg * ctx + t0 + o] = _mm512_reduce_add_ps(a) * scale;
+                }
+        }
+        for (int64_t hg = 0; hg < HG; hg++) softmax_inplace(scores + hg * ctx, ctx);
+        memset(acc, 0, sizeof(float) * (size_t)(HG * D));
+        for (int64_t t0 = 0, blk = 0; t0 < ctx; t0 += block_size, blk++) {
+            const bf16 *vb = kv + (int64_t)table[blk] * block_stride + half + col0;
+            const int64_t n = ctx - t0 < block_size ? ctx - t0 : block_size;
+            if (t0 + block_size < ctx)
+                prefetch_rows(kv + (int64_t)table[blk + 1] * block_stride + half + col0, block_size, tok_stride, cols);
+            for (int64_t o = 0; o < n; o++)
+                for (int64_t hh = 0; hh < per_item; hh++) {
+                    const bf16 *v = vb + o * tok_stride + hh * D;
+                    for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(vf + d, load16(v + d));
+                    for (int64_t hg = hh * G; hg < (hh + 1) * G; hg++) {
+                        const __m512 p = _mm512_set1_ps(scores[hg * ctx + t0 + o]);
+                        float *ag = acc + hg * D;
+                        for (int64_t d = 0; d < D; d += 16)
+                            _mm512_storeu_ps(ag + d, _mm512_fmadd_ps(p, _mm512_loadu_ps(vf + d), _mm512_loadu_ps(ag + d)));
+                    }
+                }
+        }
+        bf16 *o = out + (b * H + h0 * G) * D;
+        for (int64_t i = 0; i < HG * D; i++) o[i] = to_bf16(acc[i]);
+        free(scores);
+    }
+}
+
+/* fp32 rounded to bf16 and back (round-to-nearest-even), 16 lanes */
+static inline __m512 round_bf16(__m512 v) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+}
+
+static inline __mmask16 lanes(int64_t left) {
+    return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u);
+}
+
+static inline __m512 load16_masked(const bf16 *p, __mmask16 m) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+
+static inline void store16_masked(bf16 *p, __mmask16 m, __m512 v) {
+    _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(v));
+}
+
+/* out[t, i] = bf16(bf16(silu(gate)) * up) with gate_up[t] = [gate | up], as
+ * torch's F.silu(gate) * up rounds. */
+void pd_silu_mul_bf16(const bf16 *gate_up, bf16 *out, int64_t T, int64_t I, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (T > 4)
+    for (int64_t t = 0; t < T; t++) {
+        const bf16 *g = gate_up + t * 2 * I, *u = g + I;
+        bf16 *o = out + t * I;
+        for (int64_t i = 0; i < I; i += 16) {
+            const __mmask16 m = lanes(I - i);
+            const __m512 x = load16_masked(g + i, m);
+            const __m512 e = exp512(_mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), x), _mm512_set1_ps(88.f)));
+            const __m512 silu = round_bf16(_mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
+            store16_masked(o + i, m, _mm512_mul_ps(silu, load16_masked(u + i, m)));
+        }
+    }
+}
+
+/* residual <- bf16(x + residual); out <- bf16(bf16(residual * rsqrt(mean(residual^2) + eps)) * weight).
+ * x == NULL means plain RMSNorm of residual (left unchanged). */
+void pd_add_rmsnorm_bf16(const bf16 *x, bf16 *residual, const bf16 *weight, bf16 *out,
+                         int64_t T, int64_t Hd, float eps, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (T > 16)
+    for (int64_t t = 0; t < T; t++) {
+        bf16 *r = residual + t * Hd;
+        __m512 ss = _mm512_setzero_ps();
+        for (int64_t i = 0; i < Hd; i += 16) {
+            const __mmask16 m = lanes(Hd - i);
+            __m512 v = load16_masked(r + i, m);
+            if (x) {
+                v = round_bf16(_mm512_add_ps(v, load16_masked(x + t * Hd + i, m)));
+                store16_masked(r + i, m, v);
+            }
+            ss = _mm512_fmadd_ps(v, v, ss);
+        }
+        const __m512 inv = _mm512_set1_ps(1.f / sqrtf(_mm512_reduce_add_ps(ss) / (float)Hd + eps));
+        bf16 *o = out + t * Hd;
+        for (int64_t i = 0; i < Hd; i += 16) {
+            const __mmask16 m = lanes(Hd - i);
+            const __m512 n = round_bf16(_mm512_mul_ps(load16_masked(r + i, m), inv));
+            store16_masked(o + i, m, _mm512_mul_ps(n, load16_masked(weight + i, m)));
+        }
+    }
+}
+
+/* Rotate-half RoPE in place on the heads of one row-strided tensor, with HF's
+ * bf16 rounding steps: out1 = bf16(bf16(x1*c) + bf16(-x2*s)),
+ * out2 = bf16(bf16(x2*c) + bf16(x1*s)), c and s rounded to bf16 first. */
+void pd_rope_bf16(bf16 *x, int64_t row_stride, int64_t T, int64_t heads, int64_t D,
+                  const int64_t *positions, const float *cos_cache, const float *sin_cache) {
+    const int64_t hd = D / 2;
+    for (int64_t t = 0; t < T; t++) {
+        const float *c = cos_cache + positions[t] * D, *s = sin_cache + positions[t] * D;
+        for (int64_t h = 0; h < heads; h++) {
+            bf16 *p = x + t * row_stride + h * D;
+            for (int64_t i = 0; i < hd; i++) {
+                const float x1 = to_f32(p[i]), x2 = to_f32(p[i + hd]);
+                const float c1 = to_f32(to_bf16(c[i])), s1 = to_f32(to_bf16(s[i]));
+                const float c2 = to_f32(to_bf16(c[i + hd])), s2 = to_f32(to_bf16(s[i + hd]));
+                const float o1 = to_f32(to_bf16(x1 * c1)) + to_f32(to_bf16(-x2 * s1));
+                const float o2 = to_f32(to_bf16(x2 * c2)) + to_f32(to_bf16(x1 * s2));
+                p[i] = to_bf16(o1);
+                p[i + hd] = to_bf16(o2);
+            }
+        }
+    }
+}
+
+/* K and V rows of the step's tokens (row-strided views) into their slots. */
+void pd_write_kv_bf16(bf16 *kv, const bf16 *k, const bf16 *v, int64_t row_stride, const int64_t *slots,
+                      int64_t T, int64_t KVH, int64_t D, int64_t block_size, int64_t num_layers, int64_t layer) {
+    const int64_t half = block_size * KVH * D;
+    const size_t row_bytes = sizeof(bf16) * (size_t)(KVH * D);
+    for (int64_t t = 0; t < T; t++) {
+        const int64_t blk = slots[t] / block_size, off = slots[t] % block_size;
+        bf16 *dst = kv + (blk * num_layers + layer) * 2 * half + off * KVH * D;
+        memcpy(dst, k + t * row_stride, row_bytes);
+        memcpy(dst + half, v + t * row_stride, row_bytes);
+    }
+}
