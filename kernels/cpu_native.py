@@ -37,6 +37,8 @@ _SIGNATURES = {
     "pd_linear_packed_bf16": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int],
     "pd_paged_decode_attention_bf16": [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64,
                                        _i64, _i64, _i64, _f32, _int],
+    "pd_prefill_attention_bf16": [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64,
+                                  _i64, _i64, _f32, _int],
     "pd_add_rmsnorm_bf16": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _f32, _int],
     "pd_silu_mul_bf16": [_ptr, _ptr, _i64, _i64, _int],
     "pd_rope_bf16": [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr],
@@ -148,6 +150,22 @@ def paged_decode_attention(
     library().pd_paged_decode_attention_bf16(
         _p(q), q.stride(0), _p(kv_pool), _p(out), _p(tables), _p(lens), batch, heads, kv_heads, head_dim,
         tables.shape[1], block_size, num_layers, layer, scale, torch.get_num_threads())
+    return out
+
+
+def prefill_attention(
+    q: torch.Tensor, kv_pool: torch.Tensor, layer: int, block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor, context_lens: torch.Tensor, scale: float,
+) -> torch.Tensor:
+    tokens, heads, head_dim = q.shape
+    _, num_layers, _, block_size, kv_heads, _ = kv_pool.shape
+    out = torch.empty(tokens, heads, head_dim, dtype=q.dtype)
+    tables = block_tables.to(torch.int32).contiguous()
+    starts = query_start_loc.to(torch.int32).contiguous()
+    lens = context_lens.to(torch.int32).contiguous()
+    library().pd_prefill_attention_bf16(
+        _p(q), q.stride(0), _p(kv_pool), _p(out), _p(tables), _p(starts), _p(lens), lens.shape[0], heads, kv_heads,
+        head_dim, tables.shape[1], block_size, num_layers, layer, scale, torch.get_num_threads())
     return out
 
 

@@ -109,6 +109,9 @@ def prefill_attention(
     if _on_cuda(q):
         fn = _triton("prefill_attention", "prefill_attention_triton")
         return fn(q, kv_pool, layer, block_tables, query_start_loc, context_lens, scale)
+    if (cpu_native.handles(q, kv_pool) and _rows_ok(q) and q.shape[2] % 32 == 0 and kv_pool.is_contiguous()
+            and q.shape[1] % kv_pool.shape[4] == 0):
+        return cpu_native.prefill_attention(q, kv_pool, layer, block_tables, query_start_loc, context_lens, scale)
     return prefill_attention_ref(q, kv_pool, layer, block_tables, query_start_loc, context_lens, scale)
 
 

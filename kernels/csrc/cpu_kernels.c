@@ -70,8 +70,11 @@ void pd_pack_weight_bf16(const bf16 *w, bf16 *wp, int64_t N, int64_t K) {
             }
 }
 
+/* MR rows of x (row stride ldx, K columns) times one packed 32-column tile:
+ * y rows (stride ldy) in bf16, or in fp32 when yf is given. */
 static inline __attribute__((always_inline)) void linear_tile(
-    const int MR, const bf16 *x, int64_t K, const bf16 *wt, const bf16 *bias, bf16 *y, int64_t N, int prefetch) {
+    const int MR, const bf16 *x, int64_t ldx, int64_t K, const bf16 *wt, const bf16 *bias,
+    bf16 *y, float *yf, int64_t ldy, int prefetch) {
     __m512 acc[MR_MAX][2];
 #pragma GCC unroll 8
     for (int r = 0; r < MR; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
@@ -84,7 +87,7 @@ static inline __attribute__((always_inline)) void linear_tile(
 #pragma GCC unroll 8
         for (int r = 0; r < MR; r++) {
             int32_t pair;
-            memcpy(&pair, x + r * K + 2 * p, 4);
+            memcpy(&pair, x + r * ldx + 2 * p, 4);
             const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
             acc[r][0] = _mm512_dpbf16_ps(acc[r][0], w0, xb);
             acc[r][1] = _mm512_dpbf16_ps(acc[r][1], w1, xb);
@@ -95,8 +98,29 @@ static inline __attribute__((always_inline)) void linear_tile(
     const __m512 b1 = bias ? load16(bias + 16) : _mm512_setzero_ps();
 #pragma GCC unroll 8
     for (int r = 0; r < MR; r++) {
-        _mm256_storeu_si256((__m256i *)(y + r * N), (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[r][0], b0)));
-        _mm256_storeu_si256((__m256i *)(y + r * N + 16), (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[r][1], b1)));
+        const __m512 lo = _mm512_add_ps(acc[r][0], b0), hi = _mm512_add_ps(acc[r][1], b1);
+        if (yf) {
+            _mm512_storeu_ps(yf + r * ldy, lo);
+            _mm512_storeu_ps(yf + r * ldy + 16, hi);
+        } else {
+            _mm256_storeu_si256((__m256i *)(y + r * ldy), (__m256i)_mm512_cvtneps_pbh(lo));
+            _mm256_storeu_si256((__m256i *)(y + r * ldy + 16), (__m256i)_mm512_cvtneps_pbh(hi));
+        }
+    }
+}
+
+/* Up to MR_MAX rows (rows >= 1) through linear_tile with MR a constant. */
+static void rows_times_tile(int rows, const bf16 *x, int64_t ldx, int64_t K, const bf16 *wt, const bf16 *bias,
+                            bf16 *y, float *yf, int64_t ldy, int prefetch) {
+    switch (rows < MR_MAX ? rows : MR_MAX) {
+    case 1: linear_tile(1, x, ldx, K, wt, bias, y, yf, ldy, prefetch); break;
+    case 2: linear_tile(2, x, ldx, K, wt, bias, y, yf, ldy, prefetch); break;
+    case 3: linear_tile(3, x, ldx, K, wt, bias, y, yf, ldy, prefetch); break;
+    case 4: linear_tile(4, x, ldx, K, wt, bias, y, yf, ldy, prefetch); break;
+    case 5: linear_tile(5, x, ldx, K, wt, bias, y, yf, ldy, prefetch); break;
+    case 6: linear_tile(6, x, ldx, K, wt, bias, y, yf, ldy, prefetch); break;
+    case 7: linear_tile(7, x, ldx, K, wt, bias, y, yf, ldy, prefetch); break;
+    default: linear_tile(8, x, ldx, K, wt, bias, y, yf, ldy, prefetch); break;
     }
 }
 
@@ -115,16 +139,7 @@ void pd_linear_packed_bf16(const bf16 *x, const bf16 *wp, const bf16 *bias, bf16
                 const bf16 *xm = x + m * K;
                 bf16 *ym = y + m * N + j * TILE_N;
                 const int pf = m == mb * M_BLOCK;
-                switch (m_end - m < MR_MAX ? (int)(m_end - m) : MR_MAX) {
-                case 1: linear_tile(1, xm, K, wt, bj, ym, N, pf); break;
-                case 2: linear_tile(2, xm, K, wt, bj, ym, N, pf); break;
-                case 3: linear_tile(3, xm, K, wt, bj, ym, N, pf); break;
-                case 4: linear_tile(4, xm, K, wt, bj, ym, N, pf); break;
-                case 5: linear_tile(5, xm, K, wt, bj, ym, N, pf); break;
-                case 6: linear_tile(6, xm, K, wt, bj, ym, N, pf); break;
-                case 7: linear_tile(7, xm, K, wt, bj, ym, N, pf); break;
-                default: linear_tile(8, xm, K, wt, bj, ym, N, pf); break;
-                }
+                rows_times_tile((int)(m_end - m), xm, K, K, wt, bj, ym, NULL, N, pf);
             }
         }
 }
@@ -299,6 +314,97 @@ void pd_add_rmsnorm_bf16(const bf16 *x, bf16 *residual, const bf16 *weight, bf16
             store16_masked(o + i, m, _mm512_mul_ps(n, load16_masked(weight + i, m)));
         }
     }
+}
+
+/* Prefill attention over paged KV: each sequence's chunk of q_len new
+ * queries attends causally to its ctx keys (query i sees keys 0 ..
+ * ctx - q_len + i).  Both products run through the packed-tile kernel of the
+ * linear layers: per (sequence, kv head), K is packed as the "weight" of
+ * S = q K^T and V^T as that of O = P V; then per (sequence, query head,
+ * block of QB queries): fp32 scores, causal softmax, P rounded to bf16, O. */
+#define QB 64
+
+static void pack_kv_head(const bf16 *kv, const int32_t *table, int64_t ctx, int64_t ctx_pad, int64_t D,
+                         int64_t block_size, int64_t block_stride, int64_t off, int64_t tok_stride, int64_t half,
+                         bf16 *kp, bf16 *vp) {
+    memset(kp, 0, sizeof(bf16) * (size_t)(ctx_pad * D));
+    memset(vp, 0, sizeof(bf16) * (size_t)(ctx_pad * D));
+    for (int64_t t = 0; t < ctx; t++) {
+        const bf16 *k = kv + (int64_t)table[t / block_size] * block_stride + off + (t % block_size) * tok_stride;
+        const bf16 *v = k + half;
+        const int64_t j = t / TILE_N, c = t % TILE_N;
+        for (int64_t d = 0; d < D; d++) {
+            kp[((j * (D / 2) + d / 2) * TILE_N + c) * 2 + d % 2] = k[d];   /* K[t][d] as W[n=t][k=d] */
+            vp[((d / TILE_N * (ctx_pad / 2) + t / 2) * TILE_N + d % TILE_N) * 2 + t % 2] = v[d];  /* W[n=d][k=t] */
+        }
+    }
+}
+
+void pd_prefill_attention_bf16(const bf16 *q, int64_t q_row_stride, const bf16 *kv, bf16 *out,
+                               const int32_t *block_tables, const int32_t *query_start_loc,
+                               const int32_t *context_lens, int64_t S, int64_t H, int64_t KVH, int64_t D,
+                               int64_t max_blocks, int64_t block_size, int64_t num_layers, int64_t layer,
+                               float scale, int nthreads) {
+    const int64_t G = H / KVH, tok_stride = KVH * D, half = block_size * KVH * D;
+    const int64_t block_stride = num_layers * 2 * half, layer_off = layer * 2 * half;
+    int64_t *pack_off = (int64_t *)malloc(sizeof(int64_t) * (size_t)(2 * S + 2));
+    int64_t *item_off = pack_off + S + 1;
+    pack_off[0] = item_off[0] = 0;
+    for (int64_t s = 0; s < S; s++) {
+        const int64_t ctx_pad = (context_lens[s] + TILE_N - 1) / TILE_N * TILE_N;
+        const int64_t q_len = query_start_loc[s + 1] - query_start_loc[s];
+        pack_off[s + 1] = pack_off[s] + 2 * KVH * ctx_pad * D;
+        item_off[s + 1] = item_off[s] + H * ((q_len + QB - 1) / QB);
+    }
+    bf16 *packs = (bf16 *)malloc(sizeof(bf16) * (size_t)(pack_off[S] > 0 ? pack_off[S] : 1));
+#pragma omp parallel num_threads(nthreads)
+    {
+#pragma omp for schedule(dynamic, 1) collapse(2)
+        for (int64_t s = 0; s < S; s++)
+            for (int64_t h = 0; h < KVH; h++) {
+                const int64_t ctx = context_lens[s], ctx_pad = (ctx + TILE_N - 1) / TILE_N * TILE_N;
+                bf16 *kp = packs + pack_off[s] + 2 * h * ctx_pad * D;
+                pack_kv_head(kv, block_tables + s * max_blocks, ctx, ctx_pad, D, block_size, block_stride,
+                             layer_off + h * D, tok_stride, half, kp, kp + ctx_pad * D);
+            }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < item_off[S]; item++) {
+            int64_t s = 0;
+            while (item_off[s + 1] <= item) s++;
+            const int64_t local = item - item_off[s], hq = local % H, qb = local / H;
+            const int64_t ctx = context_lens[s], ctx_pad = (ctx + TILE_N - 1) / TILE_N * TILE_N;
+            const int64_t q0 = query_start_loc[s], q_len = query_start_loc[s + 1] - q0;
+            const int64_t i0 = qb * QB, i1 = i0 + QB < q_len ? i0 + QB : q_len, m = i1 - i0;
+            const int64_t first = ctx - q_len;  /* keys every query of the chunk sees */
+            const int64_t key_end = first + i1, tiles = (key_end + TILE_N - 1) / TILE_N, kpad = tiles * TILE_N;
+            const bf16 *kp = packs + pack_off[s] + 2 * (hq / G) * ctx_pad * D, *vp = kp + ctx_pad * D;
+            float *sc = (float *)malloc(sizeof(float) * (size_t)(m * kpad));
+            bf16 *pb = (bf16 *)malloc(sizeof(bf16) * (size_t)(m * kpad));
+            const bf16 *qi = q + (q0 + i0) * q_row_stride + hq * D;
+            for (int64_t j = 0; j < tiles; j++)
+                for (int64_t r = 0; r < m; r += MR_MAX)
+                    rows_times_tile((int)(m - r), qi + r * q_row_stride, q_row_stride, D, kp + j * (D / 2) * 2 * TILE_N,
+                                    NULL, NULL, sc + r * kpad + j * TILE_N, kpad, 0);
+            for (int64_t r = 0; r < m; r++) {
+                float *row = sc + r * kpad;
+                const int64_t valid = first + i0 + r + 1;
+                for (int64_t t = 0; t < valid; t++) row[t] *= scale;
+                softmax_inplace(row, valid);
+                bf16 *prow = pb + r * kpad;
+                for (int64_t t = 0; t < valid; t += 16) store16_masked(prow + t, lanes(valid - t), _mm512_loadu_ps(row + t));
+                memset(prow + valid, 0, sizeof(bf16) * (size_t)(kpad - valid));
+            }
+            bf16 *oi = out + (q0 + i0) * H * D + hq * D;
+            for (int64_t dj = 0; dj < D / TILE_N; dj++)
+                for (int64_t r = 0; r < m; r += MR_MAX)
+                    rows_times_tile((int)(m - r), pb + r * kpad, kpad, kpad, vp + dj * (ctx_pad / 2) * 2 * TILE_N,
+                                    NULL, oi + r * H * D + dj * TILE_N, NULL, H * D, 0);
+            free(sc);
+            free(pb);
+        }
+    }
+    free(packs);
+    free(pack_off);
 }
 
 /* Rotate-half RoPE in place on the heads of one row-strided tensor, with HF's

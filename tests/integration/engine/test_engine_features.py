@@ -99,9 +99,13 @@ def test_stop_strings_and_stop_token_ids(smol_bf16):
     engine = make_engine(smol_bf16)
     prompt = smol_bf16.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
     full = engine.generate([prompt], greedy(20))[0]
-    assert "Paris" in full.text_delta
-    stopped = engine.generate([prompt], greedy(20, stop=("Paris",)))[0]
-    assert stopped.finish_reason is FinishReason.STOP and stopped.text_delta == full.text_delta.split("Paris")[0]
+    # a stop string taken from the middle of the greedy text (which word the
+    # bf16 model picks first is a near-tie that kernels may flip)
+    mid = len(full.text_delta) // 2
+    stop = full.text_delta[mid:mid + 4]
+    assert stop.strip(), full.text_delta
+    stopped = engine.generate([prompt], greedy(20, stop=(stop,)))[0]
+    assert stopped.finish_reason is FinishReason.STOP and stopped.text_delta == full.text_delta.split(stop)[0]
     by_id = engine.generate([prompt], greedy(20, stop_token_ids=(full.new_token_ids[2],)))[0]
     assert by_id.new_token_ids == full.new_token_ids[:3] and by_id.finish_reason is FinishReason.STOP
     assert engine.generate([prompt], greedy(2))[0].finish_reason is FinishReason.LENGTH

@@ -118,3 +118,26 @@ def test_fp32_and_odd_shapes_stay_on_the_torch_reference():
     assert ops.pack_linear_weight(w) is w
     torch.testing.assert_close(ops.linear(x, w), F.linear(x, w))
     assert not cpu_native.handles(x) and cpu_native.handles(x.to(BF16))
+
+
+@pytest.mark.parametrize("context_lens,query_lens", [
+    ([1], [1]), ([5], [5]), ([300], [300]), ([40, 300, 17], [1, 200, 17]), ([1024, 33], [512, 33]), ([70], [3])])
+@pytest.mark.parametrize("kv_heads,group", [(1, 1), (3, 3), (2, 8)])
+@pytest.mark.parametrize("head_dim,block_size", [(64, 16), (128, 32)])
+def test_prefill_attention_matches_reference_and_dense(context_lens, query_lens, kv_heads, group, head_dim, block_size):
+    from kernels.prefill_attention import prefill_attention_ref
+
+    case = make_paged_case(context_lens, kv_heads, head_dim, block_size, BF16, seed=sum(query_lens) + group)
+    heads = kv_heads * group
+    starts = torch.tensor([0, *torch.cumsum(torch.tensor(query_lens), 0).tolist()], dtype=torch.int32)
+    qkv = torch.randn(int(starts[-1]), (heads + 2 * kv_heads) * head_dim,
+                      generator=torch.Generator().manual_seed(5)).to(BF16)
+    q = qkv[:, :heads * head_dim].view(-1, heads, head_dim)
+    scale = head_dim ** -0.5
+    args = (q, case.kv_pool, case.layer, case.block_tables, starts, case.context_lens, scale)
+    got = ops.prefill_attention(*args)
+    torch.testing.assert_close(got.float(), prefill_attention_ref(*args).float(), atol=3e-2, rtol=3e-2)
+    for s, (ctx, q_len) in enumerate(zip(context_lens, query_lens)):
+        rows = slice(int(starts[s]), int(starts[s + 1]))
+        dense = dense_attention(q[rows], case.keys[s], case.values[s], scale, torch.arange(ctx - q_len, ctx))
+        torch.testing.assert_close(got[rows].double(), dense, atol=3e-2, rtol=3e-2)
