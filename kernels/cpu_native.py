@@ -32,6 +32,22 @@ FLAGS = ["-O3", "-std=c11", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno",
 REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
 
 _i64, _f32, _int, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p
+class LayerWeights(ctypes.Structure):
+    """``pd_layer_weights``: one decoder layer's (packed) weights."""
+    _fields_ = [(n, _ptr) for n in ("ln1", "w_qkv", "b_qkv", "w_o", "ln2", "w_gate_up", "w_down")]
+
+
+class LayerStep(ctypes.Structure):
+    """``pd_layer_step``: what every layer of one forward shares."""
+    _fields_ = [*((n, _i64) for n in ("T", "hidden", "inter", "H", "KVH", "D", "num_layers", "block_size")),
+                *((n, _ptr) for n in ("positions", "slots", "cos", "sin")),
+                ("n_decode", _i64), ("decode_max_blocks", _i64), ("decode_tables", _ptr), ("decode_lens", _ptr),
+                ("n_prefill_seqs", _i64), ("prefill_max_blocks", _i64),
+                *((n, _ptr) for n in ("prefill_tables", "prefill_starts", "prefill_lens")),
+                ("scale", _f32), ("eps", _f32), ("nthreads", _int),
+                *((n, _ptr) for n in ("normed", "qkv", "attn", "proj", "gate_up", "act"))]
+
+
 _SIGNATURES = {
     "pd_pack_weight_bf16": [_ptr, _ptr, _i64, _i64],
     "pd_linear_packed_bf16": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int],
@@ -41,6 +57,7 @@ _SIGNATURES = {
                                   _i64, _i64, _f32, _int],
     "pd_add_rmsnorm_bf16": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _f32, _int],
     "pd_silu_mul_bf16": [_ptr, _ptr, _i64, _i64, _int],
+    "pd_decoder_layer_bf16": [ctypes.POINTER(LayerWeights), ctypes.POINTER(LayerStep), _ptr, _i64, _ptr, _ptr, _ptr],
     "pd_rope_bf16": [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr],
     "pd_write_kv_bf16": [_ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _i64],
 }
@@ -203,3 +220,49 @@ def write_kv(kv_pool: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor
     slots = slot_mapping.to(torch.int64).contiguous()
     library().pd_write_kv_bf16(_p(kv_pool), _p(k), _p(v), k.stride(0), _p(slots), k.shape[0], kv_heads,
                                head_dim, block_size, num_layers, layer)
+
+
+def layer_weights(ln1: torch.Tensor, w_qkv: torch.Tensor, b_qkv: torch.Tensor | None, w_o: torch.Tensor,
+                  ln2: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> LayerWeights:
+    """Pointers to one layer's weights (projections packed by :func:`pack_weight`);
+    the tensors must outlive the returned struct."""
+    return LayerWeights(*(_p(t) for t in (ln1, w_qkv, b_qkv, w_o, ln2, w_gate_up, w_down)))
+
+
+class DecoderStack:
+    """Runs a stack of decoder layers through ``pd_decoder_layer_bf16``, one
+    call per layer, over scratch buffers allocated once per forward."""
+
+    def __init__(self, layers: list[LayerWeights], hidden: int, inter: int, heads: int, kv_heads: int,
+                 head_dim: int, eps: float):
+        self.layers, self.hidden, self.inter = layers, hidden, inter
+        self.heads, self.kv_heads, self.head_dim, self.eps = heads, kv_heads, head_dim, eps
+
+    def forward(self, hidden: torch.Tensor, batch, kv_pool: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``hidden``: [T, hidden] embeddings (becomes the residual stream, in
+        place).  Returns (last layer's MLP output, residual)."""
+        t, dt = hidden.shape[0], hidden.dtype
+        h, d, kvh = self.heads, self.head_dim, self.kv_heads
+        _, num_layers, _, block_size, _, _ = kv_pool.shape
+        bufs = {"normed": torch.empty(t, self.hidden, dtype=dt), "qkv": torch.empty(t, (h + 2 * kvh) * d, dtype=dt),
+                "attn": torch.empty(t, h * d, dtype=dt), "proj": torch.empty(t, self.hidden, dtype=dt),
+                "gate_up": torch.empty(t, 2 * self.inter, dtype=dt), "act": torch.empty(t, self.inter, dtype=dt)}
+        outs = (torch.empty(t, self.hidden, dtype=dt), torch.empty(t, self.hidden, dtype=dt))
+        dec_tables, pre_tables = batch.decode_block_tables.contiguous(), batch.prefill_block_tables.contiguous()
+        keep = [batch.positions.contiguous(), batch.slot_mapping.contiguous(), batch.decode_context_lens.contiguous(),
+                batch.prefill_query_start_loc.contiguous(), batch.prefill_context_lens.contiguous(),
+                dec_tables, pre_tables]
+        step = LayerStep(
+            t, self.hidden, self.inter, h, kvh, d, num_layers, block_size,
+            _p(keep[0]), _p(keep[1]), _p(cos), _p(sin),
+            batch.num_decode_tokens, dec_tables.shape[1], _p(dec_tables), _p(keep[2]),
+            keep[4].shape[0], pre_tables.shape[1], _p(pre_tables), _p(keep[3]), _p(keep[4]),
+            d ** -0.5, self.eps, torch.get_num_threads(), *(_p(b) for b in bufs.values()))
+        fn, kv, residual = library().pd_decoder_layer_bf16, _p(kv_pool), _p(hidden)
+        prev = None
+        for i, weights in enumerate(self.layers):
+            out = outs[i % 2]
+            fn(ctypes.byref(weights), ctypes.byref(step), kv, i, None if prev is None else _p(prev), residual, _p(out))
+            prev = out
+        return prev, hidden

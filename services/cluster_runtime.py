@@ -17,6 +17,29 @@ APP_NAME = "pdcluster"
 DASHBOARD_PORT = 8265
 
 
+def _descendants(proc=None) -> list:
+    import psutil
+
+    try:
+        return (proc or psutil.Process()).children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+def _reap(procs: list, grace_s: float = 10.0) -> None:
+    """Waits for processes ray.shutdown() should have ended; kills stragglers
+    (its dashboard and runtime-env agents sometimes outlive the raylet)."""
+    import psutil
+
+    _, alive = psutil.wait_procs(procs, timeout=grace_s)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(alive, timeout=5)
+
+
 def loopback_env() -> None:
     """Single-node Ray and UCX on 127.0.0.1 only (see NOTES.md)."""
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
@@ -36,6 +59,7 @@ class LocalCluster:
     metrics_port: int | None = None
     redis: object | None = None
     started_ray: bool = False
+    _ray_roots: list = field(default_factory=list)  # processes ray.init started (gcs, raylet, dashboard)
     ready_s: float = 0.0
     log: list[str] = field(default_factory=list)
 
@@ -64,8 +88,10 @@ class LocalCluster:
                       "log_to_driver": False}
             if self.metrics_port:
                 kwargs["_metrics_export_port"] = self.metrics_port
+            before = {p.pid for p in _descendants()}
             ray.init(**kwargs)
             self.started_ray = True
+            self._ray_roots = [p for p in _descendants() if p.pid not in before]
         serve.start(http_options={"host": self.config.host, "port": self.config.port})
         progress(f"deploying {self.config.mode} pools (loading the model in each replica) ...")
         serve.run(build_app(self.config), name=APP_NAME, route_prefix="/", blocking=False)
@@ -108,12 +134,14 @@ class LocalCluster:
         import ray
         from ray import serve
 
+        started = [*self._ray_roots, *(c for p in self._ray_roots for c in _descendants(p))]
         try:
             if ray.is_initialized():
                 serve.shutdown()
         finally:
             if self.started_ray and ray.is_initialized():
                 ray.shutdown()
+                _reap(started)
             if self.redis is not None:
                 self.redis.stop()
                 self.redis = None

@@ -442,3 +442,55 @@ void pd_write_kv_bf16(bf16 *kv, const bf16 *k, const bf16 *v, int64_t row_stride
         memcpy(dst + half, v + t * row_stride, row_bytes);
     }
 }
+
+/* One whole Llama decoder layer on the step's tokens, composed of the kernels
+ * above (so Python makes one call per layer instead of ~10):
+ *
+ *     normed = rmsnorm(residual += prev)       (prev NULL: layer 0, no add)
+ *     q, k, v = split(normed @ Wqkv + bias);  rope(q, k);  kv[slots] = k, v
+ *     attn = decode attention (first n_decode tokens) | prefill attention (the rest)
+ *     normed = rmsnorm(residual += attn @ Wo)
+ *     out = (silu(normed @ Wgate) * (normed @ Wup)) @ Wdown
+ *
+ * Weights packed by pd_pack_weight_bf16; buffers are the caller's scratch. */
+typedef struct {
+    const bf16 *ln1, *w_qkv, *b_qkv, *w_o, *ln2, *w_gate_up, *w_down;
+} pd_layer_weights;
+
+typedef struct {
+    int64_t T, hidden, inter, H, KVH, D, num_layers, block_size;
+    const int64_t *positions, *slots;
+    const float *cos, *sin;
+    int64_t n_decode, decode_max_blocks;
+    const int32_t *decode_tables, *decode_lens;
+    int64_t n_prefill_seqs, prefill_max_blocks;
+    const int32_t *prefill_tables, *prefill_starts, *prefill_lens;
+    float scale, eps;
+    int nthreads;
+    bf16 *normed, *qkv, *attn, *proj, *gate_up, *act;  /* scratch */
+} pd_layer_step;
+
+void pd_decoder_layer_bf16(const pd_layer_weights *w, const pd_layer_step *s, bf16 *kv, int64_t layer,
+                           const bf16 *prev, bf16 *residual, bf16 *out) {
+    const int64_t T = s->T, qs = s->H * s->D, kvs = s->KVH * s->D, width = qs + 2 * kvs;
+    pd_add_rmsnorm_bf16(prev, residual, w->ln1, s->normed, T, s->hidden, s->eps, s->nthreads);
+    pd_linear_packed_bf16(s->normed, w->w_qkv, w->b_qkv, s->qkv, T, width, s->hidden, s->nthreads);
+    pd_rope_bf16(s->qkv, width, T, s->H, s->D, s->positions, s->cos, s->sin);
+    pd_rope_bf16(s->qkv + qs, width, T, s->KVH, s->D, s->positions, s->cos, s->sin);
+    pd_write_kv_bf16(kv, s->qkv + qs, s->qkv + qs + kvs, width, s->slots, T, s->KVH, s->D, s->block_size,
+                     s->num_layers, layer);
+    if (s->n_decode)
+        pd_paged_decode_attention_bf16(s->qkv, width, kv, s->attn, s->decode_tables, s->decode_lens, s->n_decode,
+                                       s->H, s->KVH, s->D, s->decode_max_blocks, s->block_size, s->num_layers,
+                                       layer, s->scale, s->nthreads);
+    if (s->n_prefill_seqs)
+        pd_prefill_attention_bf16(s->qkv + s->n_decode * width, width, kv, s->attn + s->n_decode * qs,
+                                  s->prefill_tables, s->prefill_starts, s->prefill_lens, s->n_prefill_seqs, s->H,
+                                  s->KVH, s->D, s->prefill_max_blocks, s->block_size, s->num_layers, layer,
+                                  s->scale, s->nthreads);
+    pd_linear_packed_bf16(s->attn, w->w_o, NULL, s->proj, T, s->hidden, qs, s->nthreads);
+    pd_add_rmsnorm_bf16(s->proj, residual, w->ln2, s->normed, T, s->hidden, s->eps, s->nthreads);
+    pd_linear_packed_bf16(s->normed, w->w_gate_up, NULL, s->gate_up, T, 2 * s->inter, s->hidden, s->nthreads);
+    pd_silu_mul_bf16(s->gate_up, s->act, T, s->inter, s->nthreads);
+    pd_linear_packed_bf16(s->act, w->w_down, NULL, out, T, s->hidden, s->inter, s->nthreads);
+}

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import ops
+from kernels import cpu_native, ops
 from kernels.rope import rope_cos_sin
 from services.engine.forward_batch import ForwardBatch
 from services.engine.model.config import ModelConfig
@@ -98,20 +98,42 @@ class LlamaModel(nn.Module):
         elif self.lm_head_packed is None:
             packed = ops.pack_linear_weight(self.embed_tokens.weight)
             self.lm_head_packed = packed if packed is not self.embed_tokens.weight else None
+        self.native_stack = self._native_stack()
+
+    native_stack: "cpu_native.DecoderStack | None" = None
+
+    def _native_stack(self) -> "cpu_native.DecoderStack | None":
+        """The fused-layer path when every layer's projections were packed for
+        the native CPU kernels and the shapes suit them."""
+        cfg = self.cfg
+        packed = all(p.weight.dim() == 4 for layer in self.layers
+                     for p in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj))
+        norms = [t for layer in self.layers for t in (layer.input_layernorm, layer.post_attention_layernorm)]
+        if not (packed and cpu_native.handles(*norms) and cfg.head_dim % 32 == 0
+                and cfg.num_heads % cfg.num_kv_heads == 0):
+            return None
+        return cpu_native.DecoderStack(
+            [cpu_native.layer_weights(layer.input_layernorm, layer.qkv_proj.weight, layer.qkv_proj.bias,
+                                      layer.o_proj.weight, layer.post_attention_layernorm,
+                                      layer.gate_up_proj.weight, layer.down_proj.weight) for layer in self.layers],
+            cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_pool: torch.Tensor) -> torch.Tensor:
         """Returns fp32 logits [len(batch.logits_indices), vocab]."""
         eps = self.cfg.rms_norm_eps
         hidden = self.embed_tokens(batch.input_ids)
-        residual = hidden
-        x = ops.rmsnorm(hidden, self.layers[0].input_layernorm, eps)
-        for i, layer in enumerate(self.layers):
-            if i > 0:
-                x, residual = ops.fused_add_rmsnorm(x, residual, layer.input_layernorm, eps)
-            attn = layer.attention(x, batch, kv_pool, self.rope_cos, self.rope_sin)
-            x, residual = ops.fused_add_rmsnorm(attn, residual, layer.post_attention_layernorm, eps)
-            x = layer.mlp(x)
+        if self.native_stack is not None and kv_pool.dtype == hidden.dtype and kv_pool.is_contiguous():
+            x, residual = self.native_stack.forward(hidden, batch, kv_pool, self.rope_cos, self.rope_sin)
+        else:
+            residual = hidden
+            x = ops.rmsnorm(hidden, self.layers[0].input_layernorm, eps)
+            for i, layer in enumerate(self.layers):
+                if i > 0:
+                    x, residual = ops.fused_add_rmsnorm(x, residual, layer.input_layernorm, eps)
+                attn = layer.attention(x, batch, kv_pool, self.rope_cos, self.rope_sin)
+                x, residual = ops.fused_add_rmsnorm(attn, residual, layer.post_attention_layernorm, eps)
+                x = layer.mlp(x)
         residual = residual.index_select(0, batch.logits_indices)
         x = x.index_select(0, batch.logits_indices)
         x, _ = ops.fused_add_rmsnorm(x, residual, self.norm, eps)
