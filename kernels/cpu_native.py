@@ -3,9 +3,9 @@ first use and called through ctypes.
 
 Built with the system C compiler into ``$PDCLUSTER_CACHE_DIR`` (default
 ``~/.cache/pdcluster``), keyed by a hash of the source and flags, written
-atomically so concurrent replicas can race safely.  OpenMP resolves to the
-``libgomp.so.1`` torch already loaded, so torch and these kernels share one
-thread pool.  Unavailable (``library()`` is None, and ``kernels.ops`` uses
+atomically so concurrent replicas can race safely.  Parallel loops run on the
+kernels' own work pool (``csrc/work_pool.h``), sized by
+:func:`set_num_threads` (default: torch's thread count).  Unavailable (``library()`` is None, and ``kernels.ops`` uses
 the torch references) when the CPU lacks AVX-512 BF16, no compiler is found,
 the build fails, or ``PDCLUSTER_CPU_KERNELS=0``.
 """
@@ -27,7 +27,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
-FLAGS = ["-O3", "-std=c11", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno",
+FLAGS = ["-O3", "-std=gnu11", "-fPIC", "-shared", "-pthread", "-fno-math-errno",
          "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-mf16c"]
 REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
 
@@ -63,6 +63,19 @@ _SIGNATURES = {
 }
 
 
+_threads = 0
+
+
+def set_num_threads(n: int) -> None:
+    """Threads the native kernels use (0: follow ``torch.get_num_threads()``)."""
+    global _threads
+    _threads = max(0, int(n))
+
+
+def num_threads() -> int:
+    return _threads or torch.get_num_threads()
+
+
 def cpu_supports() -> bool:
     try:
         text = Path("/proc/cpuinfo").read_text()
@@ -82,7 +95,7 @@ def build(compiler: str | None = None) -> Path:
     cc = compiler or os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not cc:
         raise RuntimeError("no C compiler found (set CC or install gcc)")
-    source = SOURCE.read_bytes()
+    source = b"".join(p.read_bytes() for p in sorted(SOURCE.parent.iterdir()) if p.suffix in (".c", ".h"))
     key = hashlib.sha256(source + " ".join([cc, *FLAGS]).encode()).hexdigest()[:16]
     out = cache_dir() / f"cpu_kernels-{key}.so"
     if out.exists():
@@ -151,7 +164,7 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = No
     n, k = tiles * tile, 2 * half_k
     x2 = x.reshape(-1, k).contiguous()
     y = torch.empty(x2.shape[0], n, dtype=x.dtype)
-    library().pd_linear_packed_bf16(_p(x2), _p(packed), _p(bias), _p(y), x2.shape[0], n, k, torch.get_num_threads())
+    library().pd_linear_packed_bf16(_p(x2), _p(packed), _p(bias), _p(y), x2.shape[0], n, k, num_threads())
     return y.view(*x.shape[:-1], n)
 
 
@@ -166,7 +179,7 @@ def paged_decode_attention(
     lens = context_lens.to(torch.int32).contiguous()
     library().pd_paged_decode_attention_bf16(
         _p(q), q.stride(0), _p(kv_pool), _p(out), _p(tables), _p(lens), batch, heads, kv_heads, head_dim,
-        tables.shape[1], block_size, num_layers, layer, scale, torch.get_num_threads())
+        tables.shape[1], block_size, num_layers, layer, scale, num_threads())
     return out
 
 
@@ -182,7 +195,7 @@ def prefill_attention(
     lens = context_lens.to(torch.int32).contiguous()
     library().pd_prefill_attention_bf16(
         _p(q), q.stride(0), _p(kv_pool), _p(out), _p(tables), _p(starts), _p(lens), lens.shape[0], heads, kv_heads,
-        head_dim, tables.shape[1], block_size, num_layers, layer, scale, torch.get_num_threads())
+        head_dim, tables.shape[1], block_size, num_layers, layer, scale, num_threads())
     return out
 
 
@@ -193,7 +206,7 @@ def fused_add_rmsnorm(
     out = torch.empty_like(residual)
     t, hidden = residual.reshape(-1, residual.shape[-1]).shape
     library().pd_add_rmsnorm_bf16(_p(x), _p(residual), _p(weight), _p(out), t, hidden, eps,
-                                  torch.get_num_threads())
+                                  num_threads())
     return out, residual
 
 
@@ -201,7 +214,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` for contiguous ``gate_up`` [T, 2 * I]."""
     t, two_i = gate_up.shape
     out = torch.empty(t, two_i // 2, dtype=gate_up.dtype)
-    library().pd_silu_mul_bf16(_p(gate_up), _p(out), t, two_i // 2, torch.get_num_threads())
+    library().pd_silu_mul_bf16(_p(gate_up), _p(out), t, two_i // 2, num_threads())
     return out
 
 
@@ -258,7 +271,7 @@ class DecoderStack:
             _p(keep[0]), _p(keep[1]), _p(cos), _p(sin),
             batch.num_decode_tokens, dec_tables.shape[1], _p(dec_tables), _p(keep[2]),
             keep[4].shape[0], pre_tables.shape[1], _p(pre_tables), _p(keep[3]), _p(keep[4]),
-            d ** -0.5, self.eps, torch.get_num_threads(), *(_p(b) for b in bufs.values()))
+            d ** -0.5, self.eps, num_threads(), *(_p(b) for b in bufs.values()))
         fn, kv, residual = library().pd_decoder_layer_bf16, _p(kv_pool), _p(hidden)
         prev = None
         for i, weights in enumerate(self.layers):

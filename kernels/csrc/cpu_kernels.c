@@ -1,4 +1,4 @@
-/* CPU kernels for the engine's bf16 hot paths (AVX-512 BF16 + OpenMP).
+/* CPU kernels for the engine's bf16 hot paths (AVX-512 BF16, threads from work_pool.h).
  *
  * Built on first use by kernels/cpu_native.py with the system C compiler and
  * called through ctypes; every function has a torch reference in kernels/
@@ -14,6 +14,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "work_pool.h"
 
 typedef uint16_t bf16;
 
@@ -124,24 +126,33 @@ static void rows_times_tile(int rows, const bf16 *x, int64_t ldx, int64_t K, con
     }
 }
 
+typedef struct {
+    const bf16 *x, *wp, *bias;
+    bf16 *y;
+    int64_t M, N, K, tiles;
+} linear_job;
+
+/* items: (block of M_BLOCK rows, 32-column tile), tile-major within a block */
+static void linear_chunk(void *arg, int64_t begin, int64_t end) {
+    const linear_job *a = (const linear_job *)arg;
+    for (int64_t item = begin; item < end; item++) {
+        const int64_t mb = item / a->tiles, j = item % a->tiles;
+        const bf16 *wt = a->wp + j * (a->K / 2) * 2 * TILE_N;
+        const bf16 *bj = a->bias ? a->bias + j * TILE_N : NULL;
+        const int64_t m_end = (mb + 1) * M_BLOCK < a->M ? (mb + 1) * M_BLOCK : a->M;
+        for (int64_t m = mb * M_BLOCK; m < m_end; m += MR_MAX)
+            rows_times_tile((int)(m_end - m), a->x + m * a->K, a->K, a->K, wt, bj, a->y + m * a->N + j * TILE_N,
+                            NULL, a->N, m == mb * M_BLOCK);
+    }
+}
+
 /* y[m, n] = sum_k x[m, k] * W[n, k] (+ bias[n]) with W packed as above;
  * bf16 in and out, fp32 accumulation.  Needs N % 32 == 0 and K even. */
 void pd_linear_packed_bf16(const bf16 *x, const bf16 *wp, const bf16 *bias, bf16 *y,
                            int64_t M, int64_t N, int64_t K, int nthreads) {
-    const int64_t tiles = N / TILE_N, blocks = (M + M_BLOCK - 1) / M_BLOCK;
-#pragma omp parallel for num_threads(nthreads) schedule(static) collapse(2)
-    for (int64_t mb = 0; mb < blocks; mb++)
-        for (int64_t j = 0; j < tiles; j++) {
-            const bf16 *wt = wp + j * (K / 2) * 2 * TILE_N;
-            const bf16 *bj = bias ? bias + j * TILE_N : NULL;
-            const int64_t m_end = (mb + 1) * M_BLOCK < M ? (mb + 1) * M_BLOCK : M;
-            for (int64_t m = mb * M_BLOCK; m < m_end; m += MR_MAX) {
-                const bf16 *xm = x + m * K;
-                bf16 *ym = y + m * N + j * TILE_N;
-                const int pf = m == mb * M_BLOCK;
-                rows_times_tile((int)(m_end - m), xm, K, K, wt, bj, ym, NULL, N, pf);
-            }
-        }
+    linear_job job = {x, wp, bias, y, M, N, K, N / TILE_N};
+    const int64_t items = (M + M_BLOCK - 1) / M_BLOCK * job.tiles;
+    pool_run(linear_chunk, &job, items, pool_chunk(items, nthreads, 8), nthreads);
 }
 
 /* exp(x) for the softmax's x <= 0: 2^n * e^r with |r| <= ln2/2 and a
@@ -195,28 +206,29 @@ static inline void prefetch_rows(const bf16 *p, int64_t rows, int64_t stride, in
  * sequences to keep every thread busy, so each block's rows stream whole).
  * Two passes over the sequence's blocks: fp32 scores (bf16 dot products),
  * softmax, then the probability-weighted sum of V in fp32. */
-void pd_paged_decode_attention_bf16(const bf16 *q, int64_t q_row_stride, const bf16 *kv, bf16 *out,
-                                    const int32_t *block_tables, const int32_t *context_lens,
-                                    int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t max_blocks,
-                                    int64_t block_size, int64_t num_layers, int64_t layer, float scale,
-                                    int nthreads) {
-    const int64_t G = H / KVH;
-    const int64_t per_item = B >= 2 * nthreads ? KVH : 1;  /* kv heads per work item */
-    const int64_t splits = KVH / per_item, HG = per_item * G;  /* query heads per item */
-    const int64_t tok_stride = KVH * D;
-    const int64_t half = block_size * KVH * D;          /* K -> V of one (block, layer) */
-    const int64_t block_stride = num_layers * 2 * half;
-    const int64_t layer_off = layer * 2 * half;
-#pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
-    for (int64_t item = 0; item < B * splits; item++) {
-        const int64_t b = item / splits, h0 = item % splits * per_item;
-        const int64_t ctx = context_lens[b];
-        const int32_t *table = block_tables + b * max_blocks;
+typedef struct {
+    const bf16 *q, *kv;
+    bf16 *out;
+    const int32_t *block_tables, *context_lens;
+    int64_t q_row_stride, H, KVH, D, max_blocks, block_size, G, per_item, splits, tok_stride, half, block_stride,
+        layer_off;
+    float scale;
+} decode_job;
+
+static void decode_chunk(void *arg, int64_t begin, int64_t end) {
+    const decode_job *a = (const decode_job *)arg;
+    const int64_t G = a->G, D = a->D, per_item = a->per_item, HG = per_item * G, block_size = a->block_size;
+    const int64_t tok_stride = a->tok_stride, half = a->half, block_stride = a->block_stride;
+    const bf16 *kv = a->kv;
+    for (int64_t item = begin; item < end; item++) {
+        const int64_t b = item / a->splits, h0 = item % a->splits * per_item;
+        const int64_t ctx = a->context_lens[b];
+        const int32_t *table = a->block_tables + b * a->max_blocks;
         float *scores = (float *)malloc(sizeof(float) * (size_t)(HG * ctx + HG * D + D));
         float *acc = scores + HG * ctx;
         float *vf = acc + HG * D;
-        const bf16 *qh = q + b * q_row_stride + h0 * G * D;
-        const int64_t col0 = layer_off + h0 * D, cols = per_item * D;
+        const bf16 *qh = a->q + b * a->q_row_stride + h0 * G * D;
+        const int64_t col0 = a->layer_off + h0 * D, cols = per_item * D;
         for (int64_t t0 = 0, blk = 0; t0 < ctx; t0 += block_size, blk++) {
             const bf16 *kb = kv + (int64_t)table[blk] * block_stride + col0;
             const int64_t n = ctx - t0 < block_size ? ctx - t0 : block_size;
@@ -225,9 +237,10 @@ void pd_paged_decode_attention_bf16(const bf16 *q, int64_t q_row_stride, const b
             for (int64_t o = 0; o < n; o++)
                 for (int64_t hg = 0; hg < HG; hg++) {
                     const bf16 *k = kb + o * tok_stride + hg / G * D;
-                    __m512 a = _mm512_setzero_ps();
-                    for (int64_t d = 0; d < D; d += 32) a = _mm512_dpbf16_ps(a, load32bh(qh + hg * D + d), load32bh(k + d));
-                    scores[hg * ctx + t0 + o] = _mm512_reduce_add_ps(a) * scale;
+                    __m512 acc_k = _mm512_setzero_ps();
+                    for (int64_t d = 0; d < D; d += 32)
+                        acc_k = _mm512_dpbf16_ps(acc_k, load32bh(qh + hg * D + d), load32bh(k + d));
+                    scores[hg * ctx + t0 + o] = _mm512_reduce_add_ps(acc_k) * a->scale;
                 }
         }
         for (int64_t hg = 0; hg < HG; hg++) softmax_inplace(scores + hg * ctx, ctx);
@@ -249,10 +262,22 @@ void pd_paged_decode_attention_bf16(const bf16 *q, int64_t q_row_stride, const b
                     }
                 }
         }
-        bf16 *o = out + (b * H + h0 * G) * D;
+        bf16 *o = a->out + (b * a->H + h0 * G) * D;
         for (int64_t i = 0; i < HG * D; i++) o[i] = to_bf16(acc[i]);
         free(scores);
     }
+}
+
+void pd_paged_decode_attention_bf16(const bf16 *q, int64_t q_row_stride, const bf16 *kv, bf16 *out,
+                                    const int32_t *block_tables, const int32_t *context_lens,
+                                    int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t max_blocks,
+                                    int64_t block_size, int64_t num_layers, int64_t layer, float scale,
+                                    int nthreads) {
+    const int64_t per_item = B >= 2 * nthreads ? KVH : 1;  /* kv heads per work item */
+    const int64_t half = block_size * KVH * D;             /* K -> V of one (block, layer) */
+    decode_job job = {q, kv, out, block_tables, context_lens, q_row_stride, H, KVH, D, max_blocks, block_size,
+                      H / KVH, per_item, KVH / per_item, KVH * D, half, num_layers * 2 * half, layer * 2 * half, scale};
+    pool_run(decode_chunk, &job, B * job.splits, 1, nthreads);
 }
 
 /* fp32 rounded to bf16 and back (round-to-nearest-even), 16 lanes */
@@ -272,13 +297,18 @@ static inline void store16_masked(bf16 *p, __mmask16 m, __m512 v) {
     _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(v));
 }
 
-/* out[t, i] = bf16(bf16(silu(gate)) * up) with gate_up[t] = [gate | up], as
- * torch's F.silu(gate) * up rounds. */
-void pd_silu_mul_bf16(const bf16 *gate_up, bf16 *out, int64_t T, int64_t I, int nthreads) {
-#pragma omp parallel for num_threads(nthreads) schedule(static) if (T > 4)
-    for (int64_t t = 0; t < T; t++) {
-        const bf16 *g = gate_up + t * 2 * I, *u = g + I;
-        bf16 *o = out + t * I;
+typedef struct {
+    const bf16 *gate_up;
+    bf16 *out;
+    int64_t I;
+} silu_job;
+
+static void silu_chunk(void *arg, int64_t begin, int64_t end) {
+    const silu_job *a = (const silu_job *)arg;
+    const int64_t I = a->I;
+    for (int64_t t = begin; t < end; t++) {
+        const bf16 *g = a->gate_up + t * 2 * I, *u = g + I;
+        bf16 *o = a->out + t * I;
         for (int64_t i = 0; i < I; i += 16) {
             const __mmask16 m = lanes(I - i);
             const __m512 x = load16_masked(g + i, m);
@@ -289,31 +319,51 @@ void pd_silu_mul_bf16(const bf16 *gate_up, bf16 *out, int64_t T, int64_t I, int 
     }
 }
 
-/* residual <- bf16(x + residual); out <- bf16(bf16(residual * rsqrt(mean(residual^2) + eps)) * weight).
- * x == NULL means plain RMSNorm of residual (left unchanged). */
-void pd_add_rmsnorm_bf16(const bf16 *x, bf16 *residual, const bf16 *weight, bf16 *out,
-                         int64_t T, int64_t Hd, float eps, int nthreads) {
-#pragma omp parallel for num_threads(nthreads) schedule(static) if (T > 16)
-    for (int64_t t = 0; t < T; t++) {
-        bf16 *r = residual + t * Hd;
+/* out[t, i] = bf16(bf16(silu(gate)) * up) with gate_up[t] = [gate | up], as
+ * torch's F.silu(gate) * up rounds. */
+void pd_silu_mul_bf16(const bf16 *gate_up, bf16 *out, int64_t T, int64_t I, int nthreads) {
+    silu_job job = {gate_up, out, I};
+    pool_run(silu_chunk, &job, T, T > 4 ? pool_chunk(T, nthreads, 2) : T, nthreads);
+}
+
+typedef struct {
+    const bf16 *x, *weight;
+    bf16 *residual, *out;
+    int64_t Hd;
+    float eps;
+} norm_job;
+
+static void norm_chunk(void *arg, int64_t begin, int64_t end) {
+    const norm_job *a = (const norm_job *)arg;
+    const int64_t Hd = a->Hd;
+    for (int64_t t = begin; t < end; t++) {
+        bf16 *r = a->residual + t * Hd;
         __m512 ss = _mm512_setzero_ps();
         for (int64_t i = 0; i < Hd; i += 16) {
             const __mmask16 m = lanes(Hd - i);
             __m512 v = load16_masked(r + i, m);
-            if (x) {
-                v = round_bf16(_mm512_add_ps(v, load16_masked(x + t * Hd + i, m)));
+            if (a->x) {
+                v = round_bf16(_mm512_add_ps(v, load16_masked(a->x + t * Hd + i, m)));
                 store16_masked(r + i, m, v);
             }
             ss = _mm512_fmadd_ps(v, v, ss);
         }
-        const __m512 inv = _mm512_set1_ps(1.f / sqrtf(_mm512_reduce_add_ps(ss) / (float)Hd + eps));
-        bf16 *o = out + t * Hd;
+        const __m512 inv = _mm512_set1_ps(1.f / sqrtf(_mm512_reduce_add_ps(ss) / (float)Hd + a->eps));
+        bf16 *o = a->out + t * Hd;
         for (int64_t i = 0; i < Hd; i += 16) {
             const __mmask16 m = lanes(Hd - i);
             const __m512 n = round_bf16(_mm512_mul_ps(load16_masked(r + i, m), inv));
-            store16_masked(o + i, m, _mm512_mul_ps(n, load16_masked(weight + i, m)));
+            store16_masked(o + i, m, _mm512_mul_ps(n, load16_masked(a->weight + i, m)));
         }
     }
+}
+
+/* residual <- bf16(x + residual); out <- bf16(bf16(residual * rsqrt(mean(residual^2) + eps)) * weight).
+ * x == NULL means plain RMSNorm of residual (left unchanged). */
+void pd_add_rmsnorm_bf16(const bf16 *x, bf16 *residual, const bf16 *weight, bf16 *out,
+                         int64_t T, int64_t Hd, float eps, int nthreads) {
+    norm_job job = {x, weight, residual, out, Hd, eps};
+    pool_run(norm_chunk, &job, T, T > 16 ? pool_chunk(T, nthreads, 2) : T, nthreads);
 }
 
 /* Prefill attention over paged KV: each sequence's chunk of q_len new
@@ -340,13 +390,73 @@ static void pack_kv_head(const bf16 *kv, const int32_t *table, int64_t ctx, int6
     }
 }
 
+typedef struct {
+    const bf16 *q, *kv;
+    bf16 *out, *packs;
+    const int32_t *block_tables, *query_start_loc, *context_lens;
+    const int64_t *pack_off, *item_off;
+    int64_t S, q_row_stride, H, KVH, D, max_blocks, block_size, G, tok_stride, half, block_stride, layer_off;
+    float scale;
+} prefill_job;
+
+/* items: (sequence, kv head) */
+static void prefill_pack_chunk(void *arg, int64_t begin, int64_t end) {
+    const prefill_job *a = (const prefill_job *)arg;
+    for (int64_t item = begin; item < end; item++) {
+        const int64_t s = item / a->KVH, h = item % a->KVH;
+        const int64_t ctx = a->context_lens[s], ctx_pad = (ctx + TILE_N - 1) / TILE_N * TILE_N;
+        bf16 *kp = a->packs + a->pack_off[s] + 2 * h * ctx_pad * a->D;
+        pack_kv_head(a->kv, a->block_tables + s * a->max_blocks, ctx, ctx_pad, a->D, a->block_size, a->block_stride,
+                     a->layer_off + h * a->D, a->tok_stride, a->half, kp, kp + ctx_pad * a->D);
+    }
+}
+
+/* items: (sequence, query head, block of QB queries), numbered by item_off */
+static void prefill_attend_chunk(void *arg, int64_t begin, int64_t end) {
+    const prefill_job *a = (const prefill_job *)arg;
+    const int64_t H = a->H, D = a->D, G = a->G, stride = a->q_row_stride;
+    for (int64_t item = begin; item < end; item++) {
+        int64_t s = 0;
+        while (a->item_off[s + 1] <= item) s++;
+        const int64_t local = item - a->item_off[s], hq = local % H, qb = local / H;
+        const int64_t ctx = a->context_lens[s], ctx_pad = (ctx + TILE_N - 1) / TILE_N * TILE_N;
+        const int64_t q0 = a->query_start_loc[s], q_len = a->query_start_loc[s + 1] - q0;
+        const int64_t i0 = qb * QB, i1 = i0 + QB < q_len ? i0 + QB : q_len, m = i1 - i0;
+        const int64_t first = ctx - q_len;  /* keys every query of the chunk sees */
+        const int64_t key_end = first + i1, tiles = (key_end + TILE_N - 1) / TILE_N, kpad = tiles * TILE_N;
+        const bf16 *kp = a->packs + a->pack_off[s] + 2 * (hq / G) * ctx_pad * D, *vp = kp + ctx_pad * D;
+        float *sc = (float *)malloc(sizeof(float) * (size_t)(m * kpad));
+        bf16 *pb = (bf16 *)malloc(sizeof(bf16) * (size_t)(m * kpad));
+        const bf16 *qi = a->q + (q0 + i0) * stride + hq * D;
+        for (int64_t j = 0; j < tiles; j++)
+            for (int64_t r = 0; r < m; r += MR_MAX)
+                rows_times_tile((int)(m - r), qi + r * stride, stride, D, kp + j * (D / 2) * 2 * TILE_N,
+                                NULL, NULL, sc + r * kpad + j * TILE_N, kpad, 0);
+        for (int64_t r = 0; r < m; r++) {
+            float *row = sc + r * kpad;
+            const int64_t valid = first + i0 + r + 1;
+            for (int64_t t = 0; t < valid; t++) row[t] *= a->scale;
+            softmax_inplace(row, valid);
+            bf16 *prow = pb + r * kpad;
+            for (int64_t t = 0; t < valid; t += 16) store16_masked(prow + t, lanes(valid - t), _mm512_loadu_ps(row + t));
+            memset(prow + valid, 0, sizeof(bf16) * (size_t)(kpad - valid));
+        }
+        bf16 *oi = a->out + (q0 + i0) * H * D + hq * D;
+        for (int64_t dj = 0; dj < D / TILE_N; dj++)
+            for (int64_t r = 0; r < m; r += MR_MAX)
+                rows_times_tile((int)(m - r), pb + r * kpad, kpad, kpad, vp + dj * (ctx_pad / 2) * 2 * TILE_N,
+                                NULL, oi + r * H * D + dj * TILE_N, NULL, H * D, 0);
+        free(sc);
+        free(pb);
+    }
+}
+
 void pd_prefill_attention_bf16(const bf16 *q, int64_t q_row_stride, const bf16 *kv, bf16 *out,
                                const int32_t *block_tables, const int32_t *query_start_loc,
                                const int32_t *context_lens, int64_t S, int64_t H, int64_t KVH, int64_t D,
                                int64_t max_blocks, int64_t block_size, int64_t num_layers, int64_t layer,
                                float scale, int nthreads) {
-    const int64_t G = H / KVH, tok_stride = KVH * D, half = block_size * KVH * D;
-    const int64_t block_stride = num_layers * 2 * half, layer_off = layer * 2 * half;
+    const int64_t half = block_size * KVH * D;
     int64_t *pack_off = (int64_t *)malloc(sizeof(int64_t) * (size_t)(2 * S + 2));
     int64_t *item_off = pack_off + S + 1;
     pack_off[0] = item_off[0] = 0;
@@ -357,52 +467,11 @@ void pd_prefill_attention_bf16(const bf16 *q, int64_t q_row_stride, const bf16 *
         item_off[s + 1] = item_off[s] + H * ((q_len + QB - 1) / QB);
     }
     bf16 *packs = (bf16 *)malloc(sizeof(bf16) * (size_t)(pack_off[S] > 0 ? pack_off[S] : 1));
-#pragma omp parallel num_threads(nthreads)
-    {
-#pragma omp for schedule(dynamic, 1) collapse(2)
-        for (int64_t s = 0; s < S; s++)
-            for (int64_t h = 0; h < KVH; h++) {
-                const int64_t ctx = context_lens[s], ctx_pad = (ctx + TILE_N - 1) / TILE_N * TILE_N;
-                bf16 *kp = packs + pack_off[s] + 2 * h * ctx_pad * D;
-                pack_kv_head(kv, block_tables + s * max_blocks, ctx, ctx_pad, D, block_size, block_stride,
-                             layer_off + h * D, tok_stride, half, kp, kp + ctx_pad * D);
-            }
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < item_off[S]; item++) {
-            int64_t s = 0;
-            while (item_off[s + 1] <= item) s++;
-            const int64_t local = item - item_off[s], hq = local % H, qb = local / H;
-            const int64_t ctx = context_lens[s], ctx_pad = (ctx + TILE_N - 1) / TILE_N * TILE_N;
-            const int64_t q0 = query_start_loc[s], q_len = query_start_loc[s + 1] - q0;
-            const int64_t i0 = qb * QB, i1 = i0 + QB < q_len ? i0 + QB : q_len, m = i1 - i0;
-            const int64_t first = ctx - q_len;  /* keys every query of the chunk sees */
-            const int64_t key_end = first + i1, tiles = (key_end + TILE_N - 1) / TILE_N, kpad = tiles * TILE_N;
-            const bf16 *kp = packs + pack_off[s] + 2 * (hq / G) * ctx_pad * D, *vp = kp + ctx_pad * D;
-            float *sc = (float *)malloc(sizeof(float) * (size_t)(m * kpad));
-            bf16 *pb = (bf16 *)malloc(sizeof(bf16) * (size_t)(m * kpad));
-            const bf16 *qi = q + (q0 + i0) * q_row_stride + hq * D;
-            for (int64_t j = 0; j < tiles; j++)
-                for (int64_t r = 0; r < m; r += MR_MAX)
-                    rows_times_tile((int)(m - r), qi + r * q_row_stride, q_row_stride, D, kp + j * (D / 2) * 2 * TILE_N,
-                                    NULL, NULL, sc + r * kpad + j * TILE_N, kpad, 0);
-            for (int64_t r = 0; r < m; r++) {
-                float *row = sc + r * kpad;
-                const int64_t valid = first + i0 + r + 1;
-                for (int64_t t = 0; t < valid; t++) row[t] *= scale;
-                softmax_inplace(row, valid);
-                bf16 *prow = pb + r * kpad;
-                for (int64_t t = 0; t < valid; t += 16) store16_masked(prow + t, lanes(valid - t), _mm512_loadu_ps(row + t));
-                memset(prow + valid, 0, sizeof(bf16) * (size_t)(kpad - valid));
-            }
-            bf16 *oi = out + (q0 + i0) * H * D + hq * D;
-            for (int64_t dj = 0; dj < D / TILE_N; dj++)
-                for (int64_t r = 0; r < m; r += MR_MAX)
-                    rows_times_tile((int)(m - r), pb + r * kpad, kpad, kpad, vp + dj * (ctx_pad / 2) * 2 * TILE_N,
-                                    NULL, oi + r * H * D + dj * TILE_N, NULL, H * D, 0);
-            free(sc);
-            free(pb);
-        }
-    }
+    prefill_job job = {q, kv, out, packs, block_tables, query_start_loc, context_lens, pack_off, item_off, S,
+                       q_row_stride, H, KVH, D, max_blocks, block_size, H / KVH, KVH * D, half,
+                       num_layers * 2 * half, layer * 2 * half, scale};
+    pool_run(prefill_pack_chunk, &job, S * KVH, 1, nthreads);
+    pool_run(prefill_attend_chunk, &job, item_off[S], 1, nthreads);
     free(packs);
     free(pack_off);
 }

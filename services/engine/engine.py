@@ -9,6 +9,8 @@ from collections.abc import Sequence
 
 import torch
 
+from kernels import cpu_native
+
 from services.engine.config import EngineConfig
 from services.engine.detokenizer import IncrementalDetokenizer
 from services.engine.errors import InvalidRequestError, RequestTooLongError, UnknownRequestError
@@ -38,6 +40,11 @@ class Engine:
         self.config = config
         self.loaded = loaded or load_model(config.model, config.dtype, config.device)
         self.loaded.model.pack_weights()
+        # The native kernels run on their own work pool; torch's OpenMP team
+        # would spin beside it, so torch ops inside a native step get one thread.
+        self._native = self.loaded.model.native_stack is not None
+        if self._native:
+            cpu_native.set_num_threads(config.num_threads or torch.get_num_threads())
         self.tokenizer = self.loaded.tokenizer
         mc = self.loaded.config
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
@@ -150,6 +157,16 @@ class Engine:
 
     # ---- one step ----------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if not self._native:
+            return self._step()
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return self._step()
+        finally:
+            torch.set_num_threads(threads)
+
+    def _step(self) -> list[RequestOutput]:
         self.leases.expire()
         out = self.scheduler.schedule()
         if out.is_empty:
