@@ -58,6 +58,7 @@ _SIGNATURES = {
     "pd_add_rmsnorm_bf16": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _f32, _int],
     "pd_silu_mul_bf16": [_ptr, _ptr, _i64, _i64, _int],
     "pd_decoder_layer_bf16": [ctypes.POINTER(LayerWeights), ctypes.POINTER(LayerStep), _ptr, _i64, _ptr, _ptr, _ptr],
+    "pd_decoder_stack_bf16": [ctypes.POINTER(LayerWeights), _i64, ctypes.POINTER(LayerStep), _ptr, _ptr, _ptr, _ptr],
     "pd_rope_bf16": [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr],
     "pd_write_kv_bf16": [_ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _i64],
 }
@@ -243,12 +244,14 @@ def layer_weights(ln1: torch.Tensor, w_qkv: torch.Tensor, b_qkv: torch.Tensor | 
 
 
 class DecoderStack:
-    """Runs a stack of decoder layers through ``pd_decoder_layer_bf16``, one
-    call per layer, over scratch buffers allocated once per forward."""
+    """Runs a stack of decoder layers in one native call
+    (``pd_decoder_stack_bf16``: the engine thread gives up the GIL once per
+    step, not once per layer) over scratch buffers allocated per forward."""
 
     def __init__(self, layers: list[LayerWeights], hidden: int, inter: int, heads: int, kv_heads: int,
                  head_dim: int, eps: float):
-        self.layers, self.hidden, self.inter = layers, hidden, inter
+        self.layers = (LayerWeights * len(layers))(*layers)
+        self.hidden, self.inter = hidden, inter
         self.heads, self.kv_heads, self.head_dim, self.eps = heads, kv_heads, head_dim, eps
 
     def forward(self, hidden: torch.Tensor, batch, kv_pool: torch.Tensor, cos: torch.Tensor,
@@ -272,10 +275,6 @@ class DecoderStack:
             batch.num_decode_tokens, dec_tables.shape[1], _p(dec_tables), _p(keep[2]),
             keep[4].shape[0], pre_tables.shape[1], _p(pre_tables), _p(keep[3]), _p(keep[4]),
             d ** -0.5, self.eps, num_threads(), *(_p(b) for b in bufs.values()))
-        fn, kv, residual = library().pd_decoder_layer_bf16, _p(kv_pool), _p(hidden)
-        prev = None
-        for i, weights in enumerate(self.layers):
-            out = outs[i % 2]
-            fn(ctypes.byref(weights), ctypes.byref(step), kv, i, None if prev is None else _p(prev), residual, _p(out))
-            prev = out
-        return prev, hidden
+        library().pd_decoder_stack_bf16(self.layers, len(self.layers), ctypes.byref(step), _p(kv_pool), _p(hidden),
+                                        _p(outs[0]), _p(outs[1]))
+        return outs[(len(self.layers) - 1) % 2], hidden

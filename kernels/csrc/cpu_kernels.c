@@ -563,3 +563,13 @@ void pd_decoder_layer_bf16(const pd_layer_weights *w, const pd_layer_step *s, bf
     pd_silu_mul_bf16(s->gate_up, s->act, T, s->inter, s->nthreads);
     pd_linear_packed_bf16(s->act, w->w_down, NULL, out, T, s->hidden, s->inter, s->nthreads);
 }
+
+/* The whole stack in one call, so the engine thread releases Python's GIL
+ * once per step instead of once per layer: layer i reads the previous
+ * layer's output and writes out[i % 2]; the last output is out[(n - 1) % 2]. */
+void pd_decoder_stack_bf16(const pd_layer_weights *layers, int64_t n_layers, const pd_layer_step *s, bf16 *kv,
+                           bf16 *residual, bf16 *out0, bf16 *out1) {
+    bf16 *outs[2] = {out0, out1};
+    for (int64_t i = 0; i < n_layers; i++)
+        pd_decoder_layer_bf16(&layers[i], s, kv, i, i ? outs[(i - 1) % 2] : NULL, residual, outs[i % 2]);
+}

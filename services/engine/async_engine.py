@@ -96,6 +96,15 @@ class AsyncEngine:
     async def _drain(self, request_id: str, queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
         while True:
             item = await queue.get()
+            # Outputs that piled up while this consumer was busy leave as one:
+            # when the event loop falls behind the engine, fewer, larger
+            # messages go through Serve instead of a growing backlog.
+            while isinstance(item, RequestOutput) and not item.finished and not queue.empty():
+                later = queue.get_nowait()
+                if isinstance(later, BaseException):
+                    queue.put_nowait(later)  # terminal; raised on the next turn
+                    break
+                item = item.followed_by(later)
             if isinstance(item, BaseException):
                 raise item
             yield item

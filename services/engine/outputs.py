@@ -44,6 +44,14 @@ class RequestOutput:
     prefill: PrefillResult | None = None
     first_scheduled_s: float | None = None  # time.monotonic() of its first scheduled step
 
+    def followed_by(self, later: "RequestOutput") -> "RequestOutput":
+        """This output and the next one of the same request as one."""
+        return RequestOutput(
+            self.request_id, self.new_token_ids + later.new_token_ids, self.text_delta + later.text_delta,
+            later.finished, later.finish_reason, later.num_prompt_tokens, later.num_cached_tokens,
+            later.num_output_tokens, self.prefill or later.prefill,
+            self.first_scheduled_s if self.first_scheduled_s is not None else later.first_scheduled_s)
+
 
 @dataclass(frozen=True)
 class EngineStats:
