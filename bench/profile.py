@@ -5,8 +5,10 @@ through its OpenAI API, for ``pdcluster plan --profile URL``.
               (unique words, so no prefix-cache hits): TTFT vs prompt tokens,
               fitted to overhead + n / rate
     decode    B requests at once, short prompts, ``decode_tokens`` each
-              (ignore_eos): the median inter-token gap while all B streams are
-              decoding is the step time at batch B; fitted to a line in B
+              (ignore_eos), then a closed loop of B workers with staggered
+              starts: the median inter-token gap of the loop's steady-state
+              requests is the step time at batch B (arrivals' prefills
+              included, as under load); fitted to a line in B
 
 The first request warms the server up and is not counted.
 """
@@ -14,6 +16,7 @@ The first request warms the server up and is not counted.
 from __future__ import annotations
 
 import asyncio
+import secrets
 import statistics
 from dataclasses import dataclass
 from typing import Sequence
@@ -41,7 +44,10 @@ class ProfileSettings:
     batches: tuple[int, ...] = (1, 2, 4, 8, 16)
     decode_prompt_tokens: int = 32
     decode_tokens: int = 64
-    seed: int = 0
+    closed_loop_rounds: int = 3  # requests per worker in the steady-state decode probe (< 3: burst only)
+    # None: fresh prompts every run; a fixed seed repeats a run's prompts, which
+    # a prefix-caching server then answers from cache (prefill looks free)
+    seed: int | None = None
     timeout_s: float = 600.0
 
 
@@ -93,10 +99,11 @@ class _Prober:
         self.options = RequestOptions(endpoint="completions", ignore_eos=True, timeout_s=settings.timeout_s)
         self.url = endpoint_url(url, self.options)
         self.count = 0
+        self.seed = settings.seed if settings.seed is not None else secrets.randbits(32)
 
     async def request(self, prompt_tokens: int, max_tokens: int) -> RequestRecord:
         self.count += 1
-        rng = np.random.default_rng([self.settings.seed, _PROFILE_STREAM, self.count])
+        rng = np.random.default_rng([self.seed, _PROFILE_STREAM, self.count])
         text, n = words_text(self.tokenizer, prompt_tokens, rng)
         body = request_body(self.options, self.model, Prompt("", text, n), max_tokens)
         plan = RequestPlan(self.count, "profile", "profile", n, 0, max_tokens, None)
@@ -106,12 +113,28 @@ class _Prober:
         return record
 
     async def batch(self, size: int) -> DecodeSample:
+        """Step time at batch ``size`` as a closed loop sees it: a burst of
+        ``size`` streams first estimates a request's lifetime; then ``size``
+        workers, their starts spread over one lifetime, each run requests
+        back to back, so arrivals (and their prefills) keep interleaving with
+        decoding as under real load.  The median inter-token gap of the
+        workers' middle requests is the step time."""
         s = self.settings
-        records = await asyncio.gather(*(self.request(s.decode_prompt_tokens, s.decode_tokens) for _ in range(size)))
-        gaps = steady_gaps(records)
+        burst = await asyncio.gather(*(self.request(s.decode_prompt_tokens, s.decode_tokens) for _ in range(size)))
+        gaps = steady_gaps(burst)
         if not gaps:
             raise RuntimeError(f"no inter-token gaps at batch {size}: the server must stream one token per chunk")
-        return DecodeSample(size, statistics.median(gaps), len(gaps))
+        if size == 1 or s.closed_loop_rounds < 3:
+            return DecodeSample(size, statistics.median(gaps), len(gaps))
+        lifetime = statistics.median(r.e2e_s for r in burst)
+
+        async def worker(i: int) -> list[RequestRecord]:
+            await asyncio.sleep(i * lifetime / size)
+            return [await self.request(s.decode_prompt_tokens, s.decode_tokens) for _ in range(s.closed_loop_rounds)]
+
+        runs = await asyncio.gather(*(worker(i) for i in range(size)))
+        middle = [gap for recs in runs for r in recs[1:-1] for gap in r.itl_s[1:]]
+        return DecodeSample(size, statistics.median(middle), len(middle))
 
 
 async def profile_endpoint(

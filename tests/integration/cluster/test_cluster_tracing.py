@@ -100,22 +100,26 @@ def test_metrics_reach_the_prometheus_endpoint(cluster, base_url):
                 return text
             time.sleep(1)
 
-    # Earlier tests' requests reach the endpoint seconds late: wait until the
-    # count holds still before taking the baseline.
-    before, deadline = -1.0, time.monotonic() + 40
-    while time.monotonic() < deadline:
-        now = _counter(scrape(lambda t: ok_name in t), ok_name, '"2xx"')
-        if now == before:
-            break
-        before = now
-        time.sleep(6)
+    def settled() -> str:
+        """The endpoint once the 2xx count has held still across 12 s (Ray
+        exports each process's metrics every few seconds, so counts of
+        earlier requests arrive late)."""
+        last, deadline = -1.0, time.monotonic() + 90
+        while True:
+            text = scrape(lambda t: ok_name in t)
+            now = _counter(text, ok_name, '"2xx"')
+            if now == last or time.monotonic() > deadline:
+                return text
+            last = now
+            time.sleep(12)
+
+    before = _counter(settled(), ok_name, '"2xx"')
     n = 3
     shared = "A shared preamble that spans several KV blocks of sixteen tokens each. " * 6
     for i in range(n):  # the same long prefix: later requests hit the prefix cache
         assert httpx.post(base_url + "/v1/completions", json={"model": MODEL, "prompt": f"{shared} Number {i}",
                                                              "max_tokens": 4}, timeout=120).status_code == 200
-    text = scrape(lambda t: _counter(t, ok_name, '"2xx"') >= before + n and all(m in t for m in wanted))
+    scrape(lambda t: _counter(t, ok_name, '"2xx"') >= before + n and all(m in t for m in wanted))
+    text = settled()
     assert not [m for m in wanted if m not in text]
-    # >=, not ==: earlier tests' counts can still arrive late (Ray exports
-    # every few seconds per process), which made an exact check flaky.
-    assert _counter(text, ok_name, '"2xx"') >= before + n
+    assert _counter(text, ok_name, '"2xx"') == before + n  # exactly the requests sent
