@@ -40,10 +40,18 @@ def backend_error(exc: BaseException) -> BaseException:
     return exc
 
 
+def prefill_locally(prompt_tokens: int, local_prefill_max_tokens: int) -> bool:
+    """Conditional disaggregation: whether the decode replica prefills this prompt itself."""
+    return 0 < prompt_tokens <= local_prefill_max_tokens
+
+
 class ClusterBackend(Backend):
     def __init__(self, handles: dict[str, Any], *, mode: str, model_name: str, max_model_len: int,
-                 block_size: int, liveness: PoolLiveness | None = None, fallback_to_colocated: bool = False):
+                 block_size: int, liveness: PoolLiveness | None = None, fallback_to_colocated: bool = False,
+                 local_prefill_max_tokens: int = 0):
         self.handles = handles
+        self.local_prefill_max_tokens = local_prefill_max_tokens
+        self.num_local_prefills = 0
         self.liveness = liveness
         self.fallback_to_colocated = fallback_to_colocated
         self.num_colocated_fallbacks = 0
@@ -60,6 +68,16 @@ class ClusterBackend(Backend):
     async def generate(self, req: GenerateRequest) -> AsyncIterator[StreamChunk]:
         if self.mode == "colocated":
             stream = self.handles["colocated"].options(stream=True).generate.remote(
+                PrefillRequest(req.request_id, req.prompt_token_ids, req.params, req.trace_context),
+                routing=self._header(req))
+            async for chunk in self._relay(stream):
+                yield chunk
+            return
+        if prefill_locally(len(req.prompt_token_ids), self.local_prefill_max_tokens):
+            # Short prompts cost the decode replica less than a hand-off would:
+            # it runs both phases (counted; long prompts still go to the prefill pool).
+            self.num_local_prefills += 1
+            stream = self.handles["decode"].options(stream=True).generate_colocated.remote(
                 PrefillRequest(req.request_id, req.prompt_token_ids, req.params, req.trace_context),
                 routing=self._header(req))
             async for chunk in self._relay(stream):

@@ -38,6 +38,10 @@ class RouterSettings(_Strict):
     prefill_policy: Literal["cache_aware", "least_loaded", "round_robin"] = "cache_aware"
     decode_policy: str = "decode_by_kv"
     lookup_timeout_s: float = Field(0.05, gt=0)
+    local_prefill_max_tokens: int = Field(
+        0, ge=0, description="disaggregated mode: prompts of at most this many tokens are prefilled on the decode "
+                             "replica itself (no KV transfer, no prefill-pool queue); longer ones go to the prefill "
+                             "pool.  0: every prompt goes to the prefill pool")
 
 
 class TracingSettings(_Strict):

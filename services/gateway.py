@@ -61,7 +61,8 @@ class Gateway:
         backend = ClusterBackend(handles, mode=cfg.mode, model_name=cfg.served_model_name,
                                  max_model_len=max_len, block_size=cfg.block_size,
                                  liveness=PoolLiveness(cfg.index_url, cfg.cluster_name),
-                                 fallback_to_colocated=cfg.fallback_to_colocated)
+                                 fallback_to_colocated=cfg.fallback_to_colocated,
+                                 local_prefill_max_tokens=cfg.router.local_prefill_max_tokens)
         _HOST.update(backend=backend, tokenizer=tokenizer, settings=settings)
         log.info("gateway ready: mode=%s model=%s", cfg.mode, cfg.served_model_name)
 

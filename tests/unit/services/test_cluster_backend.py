@@ -85,3 +85,24 @@ async def test_unknown_liveness_never_refuses():
         await _collect(backend)
     assert not isinstance(err.value, BackendUnavailable)
     assert [name for name, *_ in handles["prefill"].calls] == ["prefill"]
+
+
+@pytest.mark.parametrize("tokens,limit,local", [(3, 0, False), (3, 3, True), (4, 3, False), (0, 8, False)])
+def test_prefill_locally_only_short_prompts_when_enabled(tokens, limit, local):
+    from services.cluster_backend import prefill_locally
+
+    assert prefill_locally(tokens, limit) is local
+
+
+async def test_short_prompt_prefills_on_the_decode_replica_and_is_counted():
+    handles = {"prefill": _Handle(), "decode": _Handle()}
+    backend = ClusterBackend(handles, mode="disaggregated", model_name="m", max_model_len=64, block_size=16,
+                             liveness=_Liveness(1), local_prefill_max_tokens=3)
+    chunks = await _collect(backend)  # a 3-token prompt
+    assert [c.text for c in chunks] == ["hi", "!"]
+    assert [name for name, *_ in handles["decode"].calls] == ["generate_colocated"]
+    assert handles["prefill"].calls == [] and backend.num_local_prefills == 1
+    backend.local_prefill_max_tokens = 2  # longer than the limit: the prefill pool again
+    with pytest.raises(Exception):
+        await _collect(backend)
+    assert [name for name, *_ in handles["prefill"].calls] == ["prefill"] and backend.num_local_prefills == 1
