@@ -34,6 +34,7 @@ typedef void (*pd_chunk_fn)(void *ctx, int64_t begin, int64_t end);
 
 static struct {
     pthread_mutex_t start_lock;
+    pthread_mutex_t run_lock;       /* one job at a time; other callers run alone */
     int helpers;                    /* started so far */
     _Atomic uint32_t job;           /* futex word: the current job's id */
     _Atomic int64_t sleepers;
@@ -43,7 +44,7 @@ static struct {
     pd_chunk_fn fn;
     void *ctx;
     int64_t n, chunk;
-} pool = {.start_lock = PTHREAD_MUTEX_INITIALIZER};
+} pool = {.start_lock = PTHREAD_MUTEX_INITIALIZER, .run_lock = PTHREAD_MUTEX_INITIALIZER};
 
 /* Claims and runs chunks of job ``job`` until none is left; returns items run. */
 static int64_t pool_work(uint32_t job, pd_chunk_fn fn, void *ctx, int64_t n, int64_t chunk) {
@@ -101,11 +102,12 @@ static void pool_start_helpers(int count) {
 }
 
 /* fn over [0, n) in chunks of ``chunk`` items on up to ``nthreads`` threads
- * (the caller included).  One caller at a time (the engine's step thread). */
+ * (the caller included).  While one caller's job runs, any other caller
+ * (a second engine in the process) runs its work on its own thread. */
 static void pool_run(pd_chunk_fn fn, void *ctx, int64_t n, int64_t chunk, int nthreads) {
     if (n <= 0) return;
     if (chunk < 1) chunk = 1;
-    if (nthreads <= 1 || n <= chunk) {
+    if (nthreads <= 1 || n <= chunk || pthread_mutex_trylock(&pool.run_lock) != 0) {
         fn(ctx, 0, n);
         return;
     }
@@ -122,6 +124,7 @@ static void pool_run(pd_chunk_fn fn, void *ctx, int64_t n, int64_t chunk, int nt
     if (atomic_load(&pool.sleepers) > 0) syscall(SYS_futex, &pool.job, FUTEX_WAKE_PRIVATE, INT32_MAX, NULL, NULL, 0);
     pool_work(job, fn, ctx, n, chunk);
     while (atomic_load_explicit(&pool.done, memory_order_acquire) < n) _mm_pause();
+    pthread_mutex_unlock(&pool.run_lock);
 }
 
 /* Chunk size giving each of nthreads threads about ``per_thread`` chunks. */
