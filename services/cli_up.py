@@ -35,11 +35,16 @@ def run(args: argparse.Namespace) -> int:
     updates = {k: v for k, v in (("mode", args.mode), ("port", args.port)) if v is not None}
     config = config.model_copy(update=updates) if updates else config
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+
+    def on_signal() -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+
+    on_signal()
     cluster = LocalCluster(config, num_cpus=args.num_cpus)
     try:
-        cluster.start(progress=lambda m: print(m, flush=True))
+        # ray.init installs its own SIGTERM handler, which would exit without stopping anything
+        cluster.start(progress=lambda m: print(m, flush=True), on_ray_started=on_signal)
         pools = "colocated" if config.mode == "colocated" else "prefill, decode"
         print(SNIPPET.format(ready=cluster.ready_s, mode=config.mode, model=config.served_model_name,
                              host=config.host, port=config.port, pools=pools), flush=True)

@@ -63,7 +63,9 @@ class LocalCluster:
     ready_s: float = 0.0
     log: list[str] = field(default_factory=list)
 
-    def start(self, progress=print) -> "LocalCluster":
+    def start(self, progress=print, on_ray_started=None) -> "LocalCluster":
+        """``on_ray_started``: called right after ray.init (which installs its
+        own SIGTERM handler; `pdcluster up` puts its own back there)."""
         import ray
         from ray import serve
 
@@ -92,6 +94,8 @@ class LocalCluster:
             ray.init(**kwargs)
             self.started_ray = True
             self._ray_roots = [p for p in _descendants() if p.pid not in before]
+            if on_ray_started is not None:
+                on_ray_started()
         serve.start(http_options={"host": self.config.host, "port": self.config.port})
         progress(f"deploying {self.config.mode} pools (loading the model in each replica) ...")
         serve.run(build_app(self.config), name=APP_NAME, route_prefix="/", blocking=False)
