@@ -57,7 +57,6 @@ _SIGNATURES = {
                                   _i64, _i64, _f32, _int],
     "pd_add_rmsnorm_bf16": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _f32, _int],
     "pd_silu_mul_bf16": [_ptr, _ptr, _i64, _i64, _int],
-    "pd_decoder_layer_bf16": [ctypes.POINTER(LayerWeights), ctypes.POINTER(LayerStep), _ptr, _i64, _ptr, _ptr, _ptr],
     "pd_decoder_stack_bf16": [ctypes.POINTER(LayerWeights), _i64, ctypes.POINTER(LayerStep), _ptr, _ptr, _ptr, _ptr],
     "pd_rope_bf16": [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr],
     "pd_write_kv_bf16": [_ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _i64],
@@ -265,15 +264,17 @@ class DecoderStack:
                 "attn": torch.empty(t, h * d, dtype=dt), "proj": torch.empty(t, self.hidden, dtype=dt),
                 "gate_up": torch.empty(t, 2 * self.inter, dtype=dt), "act": torch.empty(t, self.inter, dtype=dt)}
         outs = (torch.empty(t, self.hidden, dtype=dt), torch.empty(t, self.hidden, dtype=dt))
-        dec_tables, pre_tables = batch.decode_block_tables.contiguous(), batch.prefill_block_tables.contiguous()
-        keep = [batch.positions.contiguous(), batch.slot_mapping.contiguous(), batch.decode_context_lens.contiguous(),
-                batch.prefill_query_start_loc.contiguous(), batch.prefill_context_lens.contiguous(),
-                dec_tables, pre_tables]
+        # ForwardBatch dtypes are what the C side reads: int64 positions and
+        # slots, int32 tables and lengths; locals keep them alive for the call
+        positions, slots = batch.positions.contiguous(), batch.slot_mapping.contiguous()
+        dec_tables, dec_lens = batch.decode_block_tables.contiguous(), batch.decode_context_lens.contiguous()
+        pre_tables, pre_lens = batch.prefill_block_tables.contiguous(), batch.prefill_context_lens.contiguous()
+        pre_starts = batch.prefill_query_start_loc.contiguous()
         step = LayerStep(
             t, self.hidden, self.inter, h, kvh, d, num_layers, block_size,
-            _p(keep[0]), _p(keep[1]), _p(cos), _p(sin),
-            batch.num_decode_tokens, dec_tables.shape[1], _p(dec_tables), _p(keep[2]),
-            keep[4].shape[0], pre_tables.shape[1], _p(pre_tables), _p(keep[3]), _p(keep[4]),
+            _p(positions), _p(slots), _p(cos), _p(sin),
+            batch.num_decode_tokens, dec_tables.shape[1], _p(dec_tables), _p(dec_lens),
+            pre_lens.shape[0], pre_tables.shape[1], _p(pre_tables), _p(pre_starts), _p(pre_lens),
             d ** -0.5, self.eps, num_threads(), *(_p(b) for b in bufs.values()))
         library().pd_decoder_stack_bf16(self.layers, len(self.layers), ctypes.byref(step), _p(kv_pool), _p(hidden),
                                         _p(outs[0]), _p(outs[1]))

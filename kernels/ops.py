@@ -65,6 +65,13 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
     return weight
 
 
+def _native_attention(q: torch.Tensor, kv_pool: torch.Tensor) -> bool:
+    """The native attention kernels take bf16 CPU q (rows may be strided) over
+    a contiguous pool, head_dim a multiple of 32, whole GQA groups."""
+    return (cpu_native.handles(q, kv_pool) and _rows_ok(q) and q.shape[2] % 32 == 0 and kv_pool.is_contiguous()
+            and q.shape[1] % kv_pool.shape[4] == 0)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear``; ``weight`` as given or as returned by :func:`pack_linear_weight`."""
     if weight.dim() == 4:
@@ -96,8 +103,7 @@ def paged_decode_attention(
     if _on_cuda(q):
         fn = _triton("paged_decode_attention", "paged_decode_attention_triton")
         return fn(q, kv_pool, layer, block_tables, context_lens, scale)
-    if (cpu_native.handles(q, kv_pool) and _rows_ok(q) and q.shape[2] % 32 == 0 and kv_pool.is_contiguous()
-            and q.shape[1] % kv_pool.shape[4] == 0):
+    if _native_attention(q, kv_pool):
         return cpu_native.paged_decode_attention(q, kv_pool, layer, block_tables, context_lens, scale)
     return paged_decode_attention_ref(q, kv_pool, layer, block_tables, context_lens, scale)
 
@@ -109,8 +115,7 @@ def prefill_attention(
     if _on_cuda(q):
         fn = _triton("prefill_attention", "prefill_attention_triton")
         return fn(q, kv_pool, layer, block_tables, query_start_loc, context_lens, scale)
-    if (cpu_native.handles(q, kv_pool) and _rows_ok(q) and q.shape[2] % 32 == 0 and kv_pool.is_contiguous()
-            and q.shape[1] % kv_pool.shape[4] == 0):
+    if _native_attention(q, kv_pool):
         return cpu_native.prefill_attention(q, kv_pool, layer, block_tables, query_start_loc, context_lens, scale)
     return prefill_attention_ref(q, kv_pool, layer, block_tables, query_start_loc, context_lens, scale)
 

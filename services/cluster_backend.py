@@ -67,20 +67,14 @@ class ClusterBackend(Backend):
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[StreamChunk]:
         if self.mode == "colocated":
-            stream = self.handles["colocated"].options(stream=True).generate.remote(
-                PrefillRequest(req.request_id, req.prompt_token_ids, req.params, req.trace_context),
-                routing=self._header(req))
-            async for chunk in self._relay(stream):
+            async for chunk in self._whole_request("colocated", "generate", req):
                 yield chunk
             return
         if prefill_locally(len(req.prompt_token_ids), self.local_prefill_max_tokens):
             # Short prompts cost the decode replica less than a hand-off would:
             # it runs both phases (counted; long prompts still go to the prefill pool).
             self.num_local_prefills += 1
-            stream = self.handles["decode"].options(stream=True).generate_colocated.remote(
-                PrefillRequest(req.request_id, req.prompt_token_ids, req.params, req.trace_context),
-                routing=self._header(req))
-            async for chunk in self._relay(stream):
+            async for chunk in self._whole_request("decode", "generate_colocated", req):
                 yield chunk
             return
         if self.liveness is not None and await self.liveness.live("prefill") == 0:
@@ -90,10 +84,7 @@ class ClusterBackend(Backend):
             # Counted, never silent: the decode replica runs both phases.
             self.num_colocated_fallbacks += 1
             log.warning("no live prefill replica: request %s runs colocated on the decode pool", req.request_id)
-            stream = self.handles["decode"].options(stream=True).generate_colocated.remote(
-                PrefillRequest(req.request_id, req.prompt_token_ids, req.params, req.trace_context),
-                routing=self._header(req))
-            async for chunk in self._relay(stream):
+            async for chunk in self._whole_request("decode", "generate_colocated", req):
                 yield chunk
             return
         pre = await self._prefill(req)
@@ -106,6 +97,13 @@ class ClusterBackend(Backend):
             routing=self._header(req))
         async for chunk in self._relay(stream):
             yield chunk
+
+    def _whole_request(self, pool: str, method: str, req: GenerateRequest) -> AsyncIterator[StreamChunk]:
+        """Both phases on one replica of ``pool`` (its ``method`` streams TokenDeltas)."""
+        stream = getattr(self.handles[pool].options(stream=True), method).remote(
+            PrefillRequest(req.request_id, req.prompt_token_ids, req.params, req.trace_context),
+            routing=self._header(req))
+        return self._relay(stream)
 
     async def _prefill(self, req: GenerateRequest) -> PrefillResponse:
         message = PrefillRequest(req.request_id, req.prompt_token_ids, req.params, req.trace_context)

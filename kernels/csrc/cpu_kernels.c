@@ -513,7 +513,7 @@ void pd_write_kv_bf16(bf16 *kv, const bf16 *k, const bf16 *v, int64_t row_stride
 }
 
 /* One whole Llama decoder layer on the step's tokens, composed of the kernels
- * above (so Python makes one call per layer instead of ~10):
+ * above; pd_decoder_stack_bf16 runs every layer in one call from Python:
  *
  *     normed = rmsnorm(residual += prev)       (prev NULL: layer 0, no add)
  *     q, k, v = split(normed @ Wqkv + bias);  rope(q, k);  kv[slots] = k, v
@@ -539,7 +539,7 @@ typedef struct {
     bf16 *normed, *qkv, *attn, *proj, *gate_up, *act;  /* scratch */
 } pd_layer_step;
 
-void pd_decoder_layer_bf16(const pd_layer_weights *w, const pd_layer_step *s, bf16 *kv, int64_t layer,
+static void decoder_layer(const pd_layer_weights *w, const pd_layer_step *s, bf16 *kv, int64_t layer,
                            const bf16 *prev, bf16 *residual, bf16 *out) {
     const int64_t T = s->T, qs = s->H * s->D, kvs = s->KVH * s->D, width = qs + 2 * kvs;
     pd_add_rmsnorm_bf16(prev, residual, w->ln1, s->normed, T, s->hidden, s->eps, s->nthreads);
@@ -571,5 +571,5 @@ void pd_decoder_stack_bf16(const pd_layer_weights *layers, int64_t n_layers, con
                            bf16 *residual, bf16 *out0, bf16 *out1) {
     bf16 *outs[2] = {out0, out1};
     for (int64_t i = 0; i < n_layers; i++)
-        pd_decoder_layer_bf16(&layers[i], s, kv, i, i ? outs[(i - 1) % 2] : NULL, residual, outs[i % 2]);
+        decoder_layer(&layers[i], s, kv, i, i ? outs[(i - 1) % 2] : NULL, residual, outs[i % 2]);
 }
