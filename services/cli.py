@@ -7,6 +7,11 @@ import argparse
 import importlib
 import sys
 
+from services.cluster_runtime import loopback_env
+
+# Before anything imports Ray: Ray reads its loopback switch once, at import.
+loopback_env()
+
 # module path -> registers one or more subcommands
 COMMAND_MODULES = [
     "services.cli_model",

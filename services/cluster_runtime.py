@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,8 +42,15 @@ def _reap(procs: list, grace_s: float = 10.0) -> None:
 
 
 def loopback_env() -> None:
-    """Single-node Ray and UCX on 127.0.0.1 only (see NOTES.md)."""
+    """Single-node Ray and UCX on 127.0.0.1 only (see NOTES.md).  Ray reads
+    ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER`` once, when it is first imported, so
+    entry points call this before importing Ray; if Ray came first, its
+    switch is set to what the environment now says (the daemons and workers
+    it starts read the environment themselves)."""
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    constants = sys.modules.get("ray._private.ray_constants")
+    if constants is not None and os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0":
+        constants.ENABLE_RAY_CLUSTER = False
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -63,7 +71,7 @@ class LocalCluster:
     ready_s: float = 0.0
     log: list[str] = field(default_factory=list)
 
-    def start(self, progress=print, on_ray_started=None) -> "LocalCluster":
+    def start(self, progress=print, on_ray_started=None) -> LocalCluster:
         """``on_ray_started``: called right after ray.init (which installs its
         own SIGTERM handler; `pdcluster up` puts its own back there)."""
         import ray
@@ -151,7 +159,7 @@ class LocalCluster:
                 self.redis = None
             STATE_FILE.unlink(missing_ok=True)
 
-    def __enter__(self) -> "LocalCluster":
+    def __enter__(self) -> LocalCluster:
         return self.start()
 
     def __exit__(self, *exc) -> None:

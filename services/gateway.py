@@ -11,7 +11,6 @@ from ray import serve
 
 from services import telemetry
 from services.cluster_backend import ClusterBackend
-from services.pool_liveness import PoolLiveness
 from services.config import ClusterConfig
 from services.engine.model.config import ModelConfig
 from services.engine.model.default import resolve_model_path
@@ -19,6 +18,8 @@ from services.engine.model.loader import block_hash_seed, parse_dtype, weights_i
 from services.engine.tokenizer import Tokenizer
 from services.openai.routes import configure_app, create_app
 from services.openai.settings import OpenAISettings
+from services.pool_liveness import PoolLiveness
+from services.replica_loopback import bind_replica_grpc_to_loopback
 
 log = logging.getLogger("pdcluster.gateway")
 app: FastAPI = create_app(request_id_header=False)  # Serve's proxy sets x-request-id
@@ -48,6 +49,7 @@ def _model_config(path) -> ModelConfig:
 @serve.ingress(app)
 class Gateway:
     def __init__(self, config: dict, **handles):
+        bind_replica_grpc_to_loopback()
         telemetry.setup_tracing("pdcluster-gateway")
         cfg = ClusterConfig.model_validate(config)
         path = resolve_model_path(cfg.model)

@@ -17,12 +17,13 @@ from prefix_store.index import make_index
 from prefix_store.publisher import KVEventPublisher
 from prefix_store.worker_id import WorkerId
 from router.replica_stats import ReplicaStats
+from services import metrics, telemetry
 from services.backend import BackendOverloaded
 from services.config import ClusterConfig, PoolConfig
-from services import metrics, telemetry
-from services.status_board import publish_forever
 from services.engine.async_engine import AsyncEngine
 from services.engine.engine import Engine
+from services.replica_loopback import bind_replica_grpc_to_loopback
+from services.status_board import publish_forever
 from transfer import KVLayout, create_backend
 
 log = logging.getLogger("pdcluster.worker")
@@ -46,6 +47,7 @@ class Worker:
     def __init__(self, config: ClusterConfig, pool: PoolConfig, role: str, name: str | None = None,
                  with_transfer: bool = True):
         os.environ.setdefault("UCX_NET_DEVICES", "lo")
+        bind_replica_grpc_to_loopback()
         self.config, self.pool, self.role = config, pool, role
         self.name = name or f"{role}-{os.getpid()}"
         telemetry.setup_tracing(f"pdcluster-{role}", instance=self.name)

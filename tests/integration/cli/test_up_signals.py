@@ -1,6 +1,7 @@
 """`pdcluster up` stops everything it started on SIGTERM and on SIGINT: Ray
 (its daemons, workers and agents), Serve and the embedded Redis; nothing of
-its process tree survives."""
+its process tree survives; and everything it started listens on loopback
+only, with no loopback settings inherited from the test's environment."""
 
 import os
 import signal
@@ -23,8 +24,9 @@ REPO = Path(__file__).resolve().parents[3]
 def test_up_stops_everything_on_signal(sig, tmp_path):
     port = free_port()
     log = open(tmp_path / "up.log", "w")
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "UCX_NET_DEVICES")}
     proc = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--mode", "colocated", "--port", str(port)],
-                            cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                            cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     try:
         deadline = time.monotonic() + 180
         while True:
@@ -36,6 +38,7 @@ def test_up_stops_everything_on_signal(sig, tmp_path):
             time.sleep(0.5)
         started = psutil.Process(proc.pid).children(recursive=True)
         assert any("raylet" in " ".join(p.cmdline()) for p in started)
+        assert non_loopback_listeners([psutil.Process(proc.pid), *started]) == []
         proc.send_signal(sig)
         assert proc.wait(timeout=90) == 0, (tmp_path / "up.log").read_text()
         _, alive = psutil.wait_procs(started, timeout=15)
@@ -45,3 +48,17 @@ def test_up_stops_everything_on_signal(sig, tmp_path):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         log.close()
+
+
+def non_loopback_listeners(procs) -> list[str]:
+    """'process address:port' for every listening TCP socket of ``procs`` not bound to loopback."""
+    found = []
+    for p in procs:
+        try:
+            conns = p.net_connections(kind="tcp")
+        except psutil.Error:
+            continue
+        for c in conns:
+            if c.status == psutil.CONN_LISTEN and c.laddr.ip not in ("127.0.0.1", "::1", "::ffff:127.0.0.1"):
+                found.append(f"{p.name()} {c.laddr.ip}:{c.laddr.port}")
+    return found
