@@ -7,10 +7,10 @@ import argparse
 import importlib
 import sys
 
-from services.cluster_runtime import loopback_env
+from services.cluster_env import cluster_env
 
-# Before anything imports Ray: Ray reads its loopback switch once, at import.
-loopback_env()
+# Before anything imports Ray: Ray and Serve read their settings once, at import.
+cluster_env()
 
 # module path -> registers one or more subcommands
 COMMAND_MODULES = [

@@ -54,7 +54,8 @@ def run_scale(args: argparse.Namespace) -> int:
     from ray import serve
 
     from services.app import build_app
-    from services.cluster_runtime import APP_NAME, loopback_env
+    from services.cluster_env import cluster_env
+    from services.cluster_runtime import APP_NAME
     from services.config import ClusterConfig
 
     if args.replicas < 0:
@@ -63,7 +64,7 @@ def run_scale(args: argparse.Namespace) -> int:
     config = ClusterConfig.model_validate(state["config"])
     pool = getattr(config, args.pool).model_copy(update={"num_replicas": args.replicas, "autoscaling": None})
     config = config.model_copy(update={args.pool: pool})
-    loopback_env()
+    cluster_env()
     ray.init(address="auto", log_to_driver=False)
     serve.run(build_app(config), name=APP_NAME, route_prefix="/", blocking=False)
     state["config"] = config.model_dump()

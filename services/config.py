@@ -71,6 +71,9 @@ class ClusterConfig(_Strict):
     fallback_to_colocated: bool = False
     host: str = "127.0.0.1"
     port: int = 8000
+    ingress: Literal["gateway", "serve_proxy"] = Field(
+        "gateway", description="gateway: the gateway replica serves HTTP on host:port itself, no Serve proxy "
+                               "(one Serve hop less per streamed token); serve_proxy: Serve's HTTP proxy in front")
     max_body_bytes: int = Field(1 * 2**20, ge=1024)
     tracing: TracingSettings = TracingSettings()
 

@@ -16,6 +16,7 @@ from services.engine.model.config import ModelConfig
 from services.engine.model.default import resolve_model_path
 from services.engine.model.loader import block_hash_seed, parse_dtype, weights_id
 from services.engine.tokenizer import Tokenizer
+from services.gateway_http import GatewayHTTPServer
 from services.openai.routes import configure_app, create_app
 from services.openai.settings import OpenAISettings
 from services.pool_liveness import PoolLiveness
@@ -48,7 +49,7 @@ def _model_config(path) -> ModelConfig:
 
 @serve.ingress(app)
 class Gateway:
-    def __init__(self, config: dict, **handles):
+    async def __init__(self, config: dict, **handles):
         bind_replica_grpc_to_loopback()
         telemetry.setup_tracing("pdcluster-gateway")
         cfg = ClusterConfig.model_validate(config)
@@ -66,7 +67,16 @@ class Gateway:
                                  fallback_to_colocated=cfg.fallback_to_colocated,
                                  local_prefill_max_tokens=cfg.router.local_prefill_max_tokens)
         _HOST.update(backend=backend, tokenizer=tokenizer, settings=settings)
-        log.info("gateway ready: mode=%s model=%s", cfg.mode, cfg.served_model_name)
+        self.http: GatewayHTTPServer | None = None
+        if cfg.ingress == "gateway":
+            self.http = GatewayHTTPServer(app, cfg.host, cfg.port)
+            self.http.start()
+        log.info("gateway ready: mode=%s model=%s ingress=%s", cfg.mode, cfg.served_model_name, cfg.ingress)
+
+    async def __del__(self):
+        """Serve awaits this when it stops the replica: in-flight streams finish first."""
+        if self.http is not None:
+            await self.http.stop()
 
 
 GatewayDeployment = serve.deployment(Gateway, name="gateway")

@@ -4,9 +4,8 @@ otherwise."""
 
 import os
 
+from services.cluster_env import cluster_env
+
 os.environ.setdefault("TRITON_INTERPRET", "1")
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-os.environ.setdefault("UCX_NET_DEVICES", "lo")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+cluster_env()  # loopback, Serve's throughput mode: what `pdcluster up` runs with
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

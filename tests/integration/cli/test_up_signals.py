@@ -1,7 +1,9 @@
 """`pdcluster up` stops everything it started on SIGTERM and on SIGINT: Ray
 (its daemons, workers and agents), Serve and the embedded Redis; nothing of
 its process tree survives; and everything it started listens on loopback
-only, with no loopback settings inherited from the test's environment."""
+only, with no loopback settings inherited from the test's environment.
+One run has the gateway serve HTTP itself (the default ingress), the other
+Serve's proxy in front; both echo exactly one x-request-id."""
 
 import os
 import signal
@@ -20,19 +22,23 @@ REPO = Path(__file__).resolve().parents[3]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_up_stops_everything_on_signal(sig, tmp_path):
+@pytest.mark.parametrize("sig, ingress", [(signal.SIGTERM, "gateway"), (signal.SIGINT, "serve_proxy")])
+def test_up_stops_everything_on_signal(sig, ingress, tmp_path):
     port = free_port()
     log = open(tmp_path / "up.log", "w")
+    (tmp_path / "cluster.yaml").write_text(f"mode: colocated\ningress: {ingress}\n")
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "UCX_NET_DEVICES")}
-    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--mode", "colocated", "--port", str(port)],
+    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--config", str(tmp_path / "cluster.yaml"),
+                             "--port", str(port)],
                             cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     try:
         deadline = time.monotonic() + 180
         while True:
             assert proc.poll() is None, (tmp_path / "up.log").read_text()
             if "ready in" in (tmp_path / "up.log").read_text():
-                assert httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10).status_code == 200
+                r = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10, headers={"x-request-id": "mine-1"})
+                assert r.status_code == 200
+                assert r.headers.get_list("x-request-id") == ["mine-1"]
                 break
             assert time.monotonic() < deadline, "cluster not ready"
             time.sleep(0.5)
