@@ -21,10 +21,11 @@ from ray import exceptions as ray_exceptions
 from ray.serve.exceptions import BackPressureError
 
 from router.routing_header import RoutingHeader
+from services import metrics
 from services.backend import (Backend, BackendError, BackendFailure, BackendOverloaded, BackendUnavailable,
                               GenerateRequest, StreamChunk)
-from services.pool_liveness import PoolLiveness
 from services.messages import DecodeRequest, PrefillRequest, PrefillResponse, TokenDelta
+from services.pool_liveness import PoolLiveness
 
 log = logging.getLogger("pdcluster.gateway")
 _REPLICA_DIED = (ray_exceptions.RayActorError, ray_exceptions.ActorUnavailableError)
@@ -74,6 +75,7 @@ class ClusterBackend(Backend):
             # Short prompts cost the decode replica less than a hand-off would:
             # it runs both phases (counted; long prompts still go to the prefill pool).
             self.num_local_prefills += 1
+            metrics.count_decode_pool_prefill("short_prompt")
             async for chunk in self._whole_request("decode", "generate_colocated", req):
                 yield chunk
             return
@@ -83,6 +85,7 @@ class ClusterBackend(Backend):
                                          "(`pdcluster scale prefill N`) or set fallback_to_colocated")
             # Counted, never silent: the decode replica runs both phases.
             self.num_colocated_fallbacks += 1
+            metrics.count_decode_pool_prefill("no_prefill_replica")
             log.warning("no live prefill replica: request %s runs colocated on the decode pool", req.request_id)
             async for chunk in self._whole_request("decode", "generate_colocated", req):
                 yield chunk

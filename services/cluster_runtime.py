@@ -117,12 +117,17 @@ class LocalCluster:
 
     def scale(self, pool: str, replicas: int) -> None:
         """Changes one pool's replica count in place (other pools untouched)."""
+        updated = getattr(self.config, pool).model_copy(update={"num_replicas": replicas, "autoscaling": None})
+        self.apply(self.config.model_copy(update={pool: updated}))
+
+    def apply(self, config: ClusterConfig) -> None:
+        """Redeploys with ``config``: Serve resizes pools whose only change is
+        their replica count and rolls the deployments whose arguments changed."""
         from ray import serve
 
         from services.app import build_app
 
-        updated = getattr(self.config, pool).model_copy(update={"num_replicas": replicas, "autoscaling": None})
-        self.config = self.config.model_copy(update={pool: updated})
+        self.config = config
         serve.run(build_app(self.config), name=APP_NAME, route_prefix="/", blocking=False)
 
     def stop(self) -> None:

@@ -19,6 +19,9 @@ the Ray dashboard and its Prometheus endpoint, as ``ray_<name>`` (counters
                                                                            no_header | index_degraded
     pdcluster_http_responses             counter    status_class           2xx | 3xx | 4xx | 429 | 5xx (429 not in 4xx)
     pdcluster_index_lookup_failures      counter    pool, reason           degraded | raised
+    pdcluster_decode_pool_prefills       counter    reason                 gateway: whole requests sent to the
+                                                                           decode pool in disaggregated mode;
+                                                                           short_prompt | no_prefill_replica
 
 ``pool`` is gateway | prefill | decode | colocated.  Metrics exist only in a
 Ray driver or worker and are created on first use; anywhere else (unit
@@ -77,6 +80,9 @@ SPECS: dict[str, MetricSpec] = {
     "pdcluster_http_responses": MetricSpec("counter", "HTTP responses by status class", ("status_class",)),
     "pdcluster_index_lookup_failures": MetricSpec("counter", "Prefix index lookups that failed or degraded",
                                                   ("pool", "reason")),
+    "pdcluster_decode_pool_prefills": MetricSpec(
+        "counter", "Disaggregated requests prefilled on the decode pool (short prompt, or no live prefill replica)",
+        ("reason",)),
 }
 
 _metrics: dict[str, Any] = {}
@@ -192,6 +198,10 @@ def status_class(status: int) -> str:
 
 def count_http_response(status: int) -> None:
     _inc("pdcluster_http_responses", 1, status_class=status_class(status))
+
+
+def count_decode_pool_prefill(reason: str) -> None:
+    _inc("pdcluster_decode_pool_prefills", 1, reason=reason)
 
 
 def count_index_lookup_failure(pool: str, reason: str) -> None:

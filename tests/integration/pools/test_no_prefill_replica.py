@@ -1,0 +1,87 @@
+"""No live prefill replica, on a real cluster: the prefill pool is scaled to
+zero (Serve autoscaling with min_replicas 0), the decode pool has one
+replica.  A disaggregated request then fails at once with 503 and an
+OpenAI-style body naming the fixes; redeployed with fallback_to_colocated,
+the decode replica runs the request whole, the fallback is counted on the
+Prometheus endpoint, and no KV block stays held."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+from prefix_store.redis_server import free_port
+from services.config import ClusterConfig, PoolConfig
+from services.status_board import read_board
+
+pytestmark = pytest.mark.integration
+MODEL = "SmolLM2-135M-Instruct"
+BODY = {"model": MODEL, "prompt": "The three primary colours are", "max_tokens": 8, "temperature": 0}
+COUNTER = "ray_pdcluster_decode_pool_prefills_total"
+
+
+def pool(**kw) -> PoolConfig:
+    return PoolConfig(**({"num_cpus": 1, "num_threads": 1, "kv_cache_mib": 96, "max_queue": 8} | kw))
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    from services.cluster_runtime import LocalCluster
+
+    config = ClusterConfig(
+        port=free_port(), decode=pool(),
+        prefill=pool(autoscaling={"min_replicas": 0, "initial_replicas": 0, "max_replicas": 1}))
+    c = LocalCluster(config, num_cpus=8, dashboard=False, metrics_port=free_port())
+    try:
+        c.start(progress=lambda m: print(m, flush=True))
+        yield c
+    finally:
+        c.stop()
+
+
+def post(cluster) -> httpx.Response:
+    return httpx.post(f"http://127.0.0.1:{cluster.config.port}/v1/completions", json=BODY, timeout=120)
+
+
+def counted(cluster, reason: str) -> float:
+    text = httpx.get(f"http://127.0.0.1:{cluster.metrics_port}/metrics", timeout=10).text
+    rows = [ln for ln in text.splitlines() if ln.startswith(COUNTER) and f'reason="{reason}"' in ln]
+    return sum(float(ln.rsplit(" ", 1)[1]) for ln in rows)
+
+
+def test_503_then_counted_fallback_without_leaks(cluster):
+    deadline = time.monotonic() + 15
+    while not (roles := [s["role"] for s in read_board(cluster.config.index_url, cluster.config.cluster_name)]):
+        assert time.monotonic() < deadline, "no replica on the status board"
+        time.sleep(0.5)
+    assert roles == ["decode"]  # the prefill pool is at zero replicas
+    r = post(cluster)
+    assert r.status_code == 503, r.text
+    error = r.json()["error"]
+    assert "no live replica" in error["message"] and "fallback_to_colocated" in error["message"]
+    assert error["type"] and error["code"]
+
+    cluster.apply(cluster.config.model_copy(update={"fallback_to_colocated": True}))
+    deadline = time.monotonic() + 180  # every deployment rolls: its arguments changed
+    while (r := post(cluster)).status_code != 200:
+        assert r.status_code == 503, r.text  # the old gateway, until the new one answers
+        assert time.monotonic() < deadline, "the redeployed gateway never fell back"
+        time.sleep(1)
+    body = r.json()
+    assert body["usage"]["completion_tokens"] == 8 and body["choices"][0]["text"]
+
+    deadline = time.monotonic() + 60  # Ray exports metrics every few seconds
+    while counted(cluster, "no_prefill_replica") < 1:
+        assert time.monotonic() < deadline, "the fallback was never counted"
+        time.sleep(2)
+    assert counted(cluster, "short_prompt") == 0
+
+    deadline = time.monotonic() + 30
+    while True:
+        board = read_board(cluster.config.index_url, cluster.config.cluster_name)
+        if board and all(s["kv_blocks_free"] == s["kv_blocks_total"] and s["running"] == 0 for s in board):
+            break
+        assert time.monotonic() < deadline, f"KV blocks still held: {board}"
+        time.sleep(0.6)
