@@ -129,10 +129,7 @@ class AsyncEngine:
                     continue
                 outputs = self.engine.step()
                 self.stats = self.engine.stats()
-                for out in outputs:
-                    self._deliver(out.request_id, out)
-                    if out.finished:
-                        self._streams.pop(out.request_id, None)
+                self._deliver_step(outputs)
         except BaseException as exc:  # noqa: BLE001 - every waiter must hear of it
             log.exception("engine loop died")
             self._dead = exc
@@ -149,6 +146,22 @@ class AsyncEngine:
             except Exception as exc:  # noqa: BLE001 - handed to the caller
                 fut.set_exception(exc)
 
+    def _deliver_step(self, outputs: list[RequestOutput]) -> None:
+        """One step's outputs, handed to each event loop in one callback (one
+        wake-up per step rather than one per sequence)."""
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                batches.setdefault(stream[0], []).append((stream[1], out))
+            if out.finished:
+                self._streams.pop(out.request_id, None)
+        for loop, batch in batches.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, batch)
+            except RuntimeError:  # that event loop is closed
+                pass
+
     def _deliver(self, request_id: str, item: Any) -> None:
         stream = self._streams.get(request_id)
         if stream is not None:
@@ -162,3 +175,8 @@ class AsyncEngine:
         self._stop = True
         self._wake.set()
         await asyncio.to_thread(self._thread.join, 10)
+
+
+def _put_all(batch: list[tuple[asyncio.Queue, Any]]) -> None:
+    for queue, item in batch:
+        queue.put_nowait(item)
