@@ -24,6 +24,7 @@ def _call_everything() -> None:
     metrics.count_route("prefill", "cache_aware", "cache_hit")
     metrics.count_http_response(429)
     metrics.count_index_lookup_failure("prefill", "degraded")
+    metrics.count_decode_pool_prefill("no_prefill_replica")
 
 
 def test_noop_without_ray() -> None:
@@ -63,6 +64,7 @@ def test_every_metric_gets_its_declared_tags(fake_ray: dict[str, Any]) -> None:
     assert fake_ray["pdcluster_kv_blocks_used"].calls == [(60.0, {"pool": "decode", "replica": "decode-1"})]
     assert fake_ray["pdcluster_requests_waiting"].calls[0][0] == 2.0
     assert fake_ray["pdcluster_http_responses"].calls == [(1.0, {"status_class": "429"})]
+    assert fake_ray["pdcluster_decode_pool_prefills"].calls == [(1.0, {"reason": "no_prefill_replica"})]
 
 
 def test_zero_counts_are_skipped_and_failures_never_raise(fake_ray: dict[str, Any],
