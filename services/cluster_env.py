@@ -9,11 +9,11 @@ already set wins.
 - ``RAY_SERVE_THROUGHPUT_OPTIMIZED=1``: Serve's documented throughput mode --
   user code on the replica's main event loop instead of a second thread,
   gRPC between deployments, the garbage collector frozen after start-up.
-  Each streamed token crosses two Serve hops (proxy -> gateway -> engine);
-  on 2 cores this mode cut the gateway's CPU per token by half and raised
-  16-way streaming throughput by ~22% (issue 7 note).  Direct ingress, which
-  it would also turn on, stays off: the proxy keeps serving the configured
-  HTTP port.  The driver (``pdcluster up``, the tests, a script holding a
+  With Serve's proxy in front (``ingress: serve_proxy``) this mode cut the
+  gateway's CPU per token by half and raised 16-way streaming throughput by
+  ~22% on 2 cores (issue 7 note).  Serve's own direct ingress, which it
+  would also turn on, stays off: with ``ingress: gateway`` (the default) the
+  gateway serves the configured port itself (services/gateway_http.py).  The driver (``pdcluster up``, the tests, a script holding a
   handle) keeps Serve's router on its own loop, so handles still work from
   plain synchronous code; replicas get the router on their main loop
   (``REPLICA_ENV``, passed through Ray's runtime_env).

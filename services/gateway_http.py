@@ -8,9 +8,9 @@ starts no proxy.  ``SO_REUSEPORT`` lets several gateway replicas on one node
 share the port (the kernel spreads connections).  ``ingress: serve_proxy``
 keeps Serve's proxy in front instead.
 
-In front of the app sits what Serve's proxy would have done for it: an
-``x-request-id`` on every request (the client's own when sane) and echoed on
-every response.
+In front of the app sits what Serve's proxy would have done for it
+(``RequestIdMiddleware`` with ``forward_header``): an ``x-request-id`` on
+every request (the client's own when sane), echoed on every response.
 """
 
 from __future__ import annotations
@@ -20,41 +20,11 @@ import logging
 import socket
 
 import uvicorn
-from starlette.datastructures import Headers, MutableHeaders
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp
 
-from services.openai.errors import REQUEST_ID_HEADER
-from services.openai.request_id import pick_request_id
+from services.openai.request_id import RequestIdMiddleware
 
 log = logging.getLogger("pdcluster.gateway")
-
-
-class ProxyRequestId:
-    """Sets ``x-request-id`` on the request (kept when the client's is sane,
-    else a fresh one) and echoes it on the response, as Serve's proxy does."""
-
-    def __init__(self, app: ASGIApp):
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        incoming = Headers(scope=scope).get(REQUEST_ID_HEADER)
-        request_id, _ = pick_request_id(incoming)
-        if request_id != incoming:
-            headers = MutableHeaders(scope=scope)
-            del headers[REQUEST_ID_HEADER]
-            headers.append(REQUEST_ID_HEADER, request_id)
-
-        async def send_with_request_id(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                headers = MutableHeaders(scope=message)
-                if REQUEST_ID_HEADER not in headers:
-                    headers.append(REQUEST_ID_HEADER, request_id)
-            await send(message)
-
-        await self.app(scope, receive, send_with_request_id)
 
 
 def listening_socket(host: str, port: int) -> socket.socket:
@@ -81,7 +51,7 @@ class GatewayHTTPServer:
         self.host, self.port = host, port
         self._socket = listening_socket(host, port)
         self._server = uvicorn.Server(uvicorn.Config(
-            ProxyRequestId(app), lifespan="off", log_level="warning", access_log=False,
+            RequestIdMiddleware(app, forward_header=True), lifespan="off", log_level="warning", access_log=False,
             timeout_graceful_shutdown=30))
         self._task: asyncio.Task | None = None
 

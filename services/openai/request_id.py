@@ -29,16 +29,23 @@ def pick_request_id(incoming: str | None) -> tuple[str, bool]:
 class RequestIdMiddleware:
     """Puts ``request_id`` (and ``request_id_from_client``) in
     ``request.state`` and, unless ``echo_header`` is off (a proxy in front
-    already adds it, as Ray Serve's does), the header on the response."""
+    already adds it, as Ray Serve's does), the header on the response.
+    ``forward_header`` also writes the chosen id into the request's headers,
+    as Serve's proxy does, so an app behind this one sees the same id."""
 
-    def __init__(self, app: ASGIApp, echo_header: bool = True):
-        self.app, self.echo_header = app, echo_header
+    def __init__(self, app: ASGIApp, echo_header: bool = True, forward_header: bool = False):
+        self.app, self.echo_header, self.forward_header = app, echo_header, forward_header
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        request_id, from_client = pick_request_id(Headers(scope=scope).get(REQUEST_ID_HEADER))
+        incoming = Headers(scope=scope).get(REQUEST_ID_HEADER)
+        request_id, from_client = pick_request_id(incoming)
+        if self.forward_header and request_id != incoming:
+            headers = MutableHeaders(scope=scope)
+            del headers[REQUEST_ID_HEADER]
+            headers.append(REQUEST_ID_HEADER, request_id)
         state = scope.setdefault("state", {})
         state["request_id"], state["request_id_from_client"] = request_id, from_client
 

@@ -13,17 +13,13 @@ import httpx
 import pytest
 
 from prefix_store.redis_server import free_port
-from services.config import ClusterConfig, PoolConfig
-from services.status_board import read_board
+from services.config import ClusterConfig
+from tests.integration.cluster.conftest import board, small_pool
+from tests.integration.cluster.test_cluster_api import MODEL, wait_no_leaks
 
 pytestmark = pytest.mark.integration
-MODEL = "SmolLM2-135M-Instruct"
 BODY = {"model": MODEL, "prompt": "The three primary colours are", "max_tokens": 8, "temperature": 0}
 COUNTER = "ray_pdcluster_decode_pool_prefills_total"
-
-
-def pool(**kw) -> PoolConfig:
-    return PoolConfig(**({"num_cpus": 1, "num_threads": 1, "kv_cache_mib": 96, "max_queue": 8} | kw))
 
 
 @pytest.fixture(scope="module")
@@ -31,8 +27,8 @@ def cluster():
     from services.cluster_runtime import LocalCluster
 
     config = ClusterConfig(
-        port=free_port(), decode=pool(),
-        prefill=pool(autoscaling={"min_replicas": 0, "initial_replicas": 0, "max_replicas": 1}))
+        port=free_port(), decode=small_pool(),
+        prefill=small_pool(autoscaling={"min_replicas": 0, "initial_replicas": 0, "max_replicas": 1}))
     c = LocalCluster(config, num_cpus=8, dashboard=False, metrics_port=free_port())
     try:
         c.start(progress=lambda m: print(m, flush=True))
@@ -53,7 +49,7 @@ def counted(cluster, reason: str) -> float:
 
 def test_503_then_counted_fallback_without_leaks(cluster):
     deadline = time.monotonic() + 15
-    while not (roles := [s["role"] for s in read_board(cluster.config.index_url, cluster.config.cluster_name)]):
+    while not (roles := [s["role"] for s in board(cluster)]):
         assert time.monotonic() < deadline, "no replica on the status board"
         time.sleep(0.5)
     assert roles == ["decode"]  # the prefill pool is at zero replicas
@@ -78,10 +74,4 @@ def test_503_then_counted_fallback_without_leaks(cluster):
         time.sleep(2)
     assert counted(cluster, "short_prompt") == 0
 
-    deadline = time.monotonic() + 30
-    while True:
-        board = read_board(cluster.config.index_url, cluster.config.cluster_name)
-        if board and all(s["kv_blocks_free"] == s["kv_blocks_total"] and s["running"] == 0 for s in board):
-            break
-        assert time.monotonic() < deadline, f"KV blocks still held: {board}"
-        time.sleep(0.6)
+    wait_no_leaks(cluster)
