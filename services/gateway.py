@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import logging
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from ray import serve
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from services import telemetry
 from services.cluster_backend import ClusterBackend
@@ -29,11 +30,22 @@ app: FastAPI = create_app(request_id_header=False)  # Serve's proxy sets x-reque
 _HOST: dict = {}
 
 
-@app.middleware("http")
-async def _attach_host(request: Request, call_next):
-    if _HOST and getattr(request.app.state, "backend", None) is None:
-        configure_app(request.app, _HOST["backend"], _HOST["tokenizer"], _HOST["settings"])
-    return await call_next(request)
+class _AttachHost:
+    """Pure ASGI (Starlette's ``@app.middleware("http")`` would pipe every SSE
+    chunk through an extra task and memory stream): configures the app the
+    request reached, once, from what ``Gateway.__init__`` left in ``_HOST``."""
+
+    def __init__(self, asgi: ASGIApp):
+        self.asgi = asgi
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        target = scope.get("app")
+        if _HOST and target is not None and getattr(target.state, "backend", None) is None:
+            configure_app(target, _HOST["backend"], _HOST["tokenizer"], _HOST["settings"])
+        await self.asgi(scope, receive, send)
+
+
+app.add_middleware(_AttachHost)
 
 
 def _model_config(path) -> ModelConfig:
