@@ -287,38 +287,38 @@ static inline __m512 hsum16(const __m512 v[16]) {
                          _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-/* The decode fast path for head_dim 64 and G query heads per kv head (G a
- * compile-time constant, so the accumulators live in registers): per block
- * of 16 tokens and kv head, the scores of 16 tokens come out of one hsum16,
- * and the G x 64 fp32 output accumulators are loaded once and stored once. */
-static inline __attribute__((always_inline)) void decode_item_d64(
+/* The decode fast path for head_dim D = 64 or 128 and G <= 4 query heads
+ * per kv head (both compile-time constants here, so the accumulators live
+ * in registers): per block of 16 tokens and kv head, the scores of 16 tokens
+ * come out of one hsum16, and each 64-wide slice of the G fp32 output rows
+ * is loaded once and stored once per block. */
+static inline __attribute__((always_inline)) void decode_item_fast(
     const decode_job *a, const bf16 *qh, const int32_t *table, int64_t ctx, float *scores, float *acc, int64_t h0,
-    const int G) {
+    const int G, const int D) {
     const int64_t per_item = a->per_item, tok_stride = a->tok_stride, block_size = a->block_size;
-    const int64_t col0 = a->layer_off + h0 * 64;
+    const int64_t col0 = a->layer_off + h0 * D;
     const bf16 *kv = a->kv;
     for (int64_t t0 = 0, blk = 0; t0 < ctx; t0 += block_size, blk++) {
         const bf16 *kb = kv + (int64_t)table[blk] * a->block_stride + col0;
-        /* the next block's rows, prefetched row by row as this block's are read:
-         * each row's loads wait on DRAM, and the out-of-order window alone
-         * keeps too few rows in flight (measured 2.1x slower without) */
+        /* the next block's rows, prefetched row by row as this block's are
+         * read: every row's loads wait on DRAM, and the out-of-order window
+         * alone keeps too few rows in flight (2.1x slower without) */
         const bf16 *kn = t0 + block_size < ctx ? kv + (int64_t)table[blk + 1] * a->block_stride + col0 : NULL;
         for (int64_t s0 = 0; s0 < block_size && t0 + s0 < ctx; s0 += 16) {
             const int64_t n = ctx - t0 - s0 < 16 ? ctx - t0 - s0 : 16;
             for (int64_t hh = 0; hh < per_item; hh++)
                 for (int g = 0; g < G; g++) {
                     const int64_t hg = hh * G + g;
-                    const __m512bh q0 = load32bh(qh + hg * 64), q1 = load32bh(qh + hg * 64 + 32);
+                    __m512bh qv[4];
+                    for (int d = 0; d < D / 32; d++) qv[d] = load32bh(qh + hg * D + 32 * d);
                     __m512 v[16];
                     for (int o = 0; o < 16; o++) {
-                        const bf16 *k = kb + (s0 + o) * tok_stride + hh * 64;
-                        if (g == 0 && kn) {
-                            _mm_prefetch((const char *)(kn + (s0 + o) * tok_stride + hh * 64), _MM_HINT_T0);
-                            _mm_prefetch((const char *)(kn + (s0 + o) * tok_stride + hh * 64 + 32), _MM_HINT_T0);
-                        }
-                        v[o] = o < n ? _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), q0, load32bh(k)), q1,
-                                                        load32bh(k + 32))
-                                     : _mm512_setzero_ps();
+                        const int64_t row = (s0 + o) * tok_stride + hh * D;
+                        if (g == 0 && kn)
+                            for (int d = 0; d < D / 32; d++) _mm_prefetch((const char *)(kn + row + 32 * d), _MM_HINT_T0);
+                        v[o] = _mm512_setzero_ps();
+                        if (o < n)
+                            for (int d = 0; d < D / 32; d++) v[o] = _mm512_dpbf16_ps(v[o], qv[d], load32bh(kb + row + 32 * d));
                     }
                     _mm512_mask_storeu_ps(scores + hg * ctx + t0 + s0, (__mmask16)((1u << n) - 1u),
                                           _mm512_mul_ps(hsum16(v), _mm512_set1_ps(a->scale)));
@@ -326,54 +326,64 @@ static inline __attribute__((always_inline)) void decode_item_d64(
         }
     }
     for (int64_t hg = 0; hg < per_item * G; hg++) softmax_inplace(scores + hg * ctx, ctx);
-    memset(acc, 0, sizeof(float) * (size_t)(per_item * G * 64));
+    memset(acc, 0, sizeof(float) * (size_t)(per_item * G * D));
     for (int64_t t0 = 0, blk = 0; t0 < ctx; t0 += block_size, blk++) {
         const bf16 *vb = kv + (int64_t)table[blk] * a->block_stride + a->half + col0;
-        const int64_t n = ctx - t0 < block_size ? ctx - t0 : block_size;
         const bf16 *vn = t0 + block_size < ctx ? kv + (int64_t)table[blk + 1] * a->block_stride + a->half + col0 : NULL;
-        for (int64_t hh = 0; hh < per_item; hh++) {
-            __m512 r[4][4];
-            for (int g = 0; g < G; g++)
-                for (int j = 0; j < 4; j++) r[g][j] = _mm512_loadu_ps(acc + (hh * G + g) * 64 + 16 * j);
-            for (int64_t o = 0; o < n; o++) {
-                const bf16 *v = vb + o * tok_stride + hh * 64;
-                if (vn) {
-                    _mm_prefetch((const char *)(vn + o * tok_stride + hh * 64), _MM_HINT_T0);
-                    _mm_prefetch((const char *)(vn + o * tok_stride + hh * 64 + 32), _MM_HINT_T0);
+        const int64_t n = ctx - t0 < block_size ? ctx - t0 : block_size;
+        for (int64_t hh = 0; hh < per_item; hh++)
+            for (int c = 0; c < D; c += 64) {
+                float *out = acc + hh * G * D + c;
+                __m512 r[4][4];
+                for (int g = 0; g < G; g++)
+                    for (int j = 0; j < 4; j++) r[g][j] = _mm512_loadu_ps(out + g * D + 16 * j);
+                for (int64_t o = 0; o < n; o++) {
+                    const int64_t row = o * tok_stride + hh * D + c;
+                    if (vn) {
+                        _mm_prefetch((const char *)(vn + row), _MM_HINT_T0);
+                        _mm_prefetch((const char *)(vn + row + 32), _MM_HINT_T0);
+                    }
+                    const __m512 v0 = load16(vb + row), v1 = load16(vb + row + 16), v2 = load16(vb + row + 32),
+                                 v3 = load16(vb + row + 48);
+                    for (int g = 0; g < G; g++) {
+                        const __m512 p = _mm512_set1_ps(scores[(hh * G + g) * ctx + t0 + o]);
+                        r[g][0] = _mm512_fmadd_ps(p, v0, r[g][0]);
+                        r[g][1] = _mm512_fmadd_ps(p, v1, r[g][1]);
+                        r[g][2] = _mm512_fmadd_ps(p, v2, r[g][2]);
+                        r[g][3] = _mm512_fmadd_ps(p, v3, r[g][3]);
+                    }
                 }
-                const __m512 v0 = load16(v), v1 = load16(v + 16), v2 = load16(v + 32), v3 = load16(v + 48);
-                for (int g = 0; g < G; g++) {
-                    const __m512 p = _mm512_set1_ps(scores[(hh * G + g) * ctx + t0 + o]);
-                    r[g][0] = _mm512_fmadd_ps(p, v0, r[g][0]);
-                    r[g][1] = _mm512_fmadd_ps(p, v1, r[g][1]);
-                    r[g][2] = _mm512_fmadd_ps(p, v2, r[g][2]);
-                    r[g][3] = _mm512_fmadd_ps(p, v3, r[g][3]);
-                }
+                for (int g = 0; g < G; g++)
+                    for (int j = 0; j < 4; j++) _mm512_storeu_ps(out + g * D + 16 * j, r[g][j]);
             }
-            for (int g = 0; g < G; g++)
-                for (int j = 0; j < 4; j++) _mm512_storeu_ps(acc + (hh * G + g) * 64 + 16 * j, r[g][j]);
-        }
     }
 }
 
-static void decode_chunk_d64(void *arg, int64_t begin, int64_t end) {
+#define DECODE_ITEM_G(D)                                                                    \
+    switch (a->G) {                                                                         \
+    case 1: decode_item_fast(a, qh, table, ctx, scores, acc, h0, 1, D); break;              \
+    case 2: decode_item_fast(a, qh, table, ctx, scores, acc, h0, 2, D); break;              \
+    case 3: decode_item_fast(a, qh, table, ctx, scores, acc, h0, 3, D); break;              \
+    default: decode_item_fast(a, qh, table, ctx, scores, acc, h0, 4, D); break;             \
+    }
+
+static void decode_chunk_fast(void *arg, int64_t begin, int64_t end) {
     const decode_job *a = (const decode_job *)arg;
-    const int64_t HG = a->per_item * a->G;
+    const int64_t D = a->D, HG = a->per_item * a->G;
     for (int64_t item = begin; item < end; item++) {
         const int64_t b = item / a->splits, h0 = item % a->splits * a->per_item;
         const int64_t ctx = a->context_lens[b];
-        float *scores = (float *)malloc(sizeof(float) * (size_t)(HG * ctx + HG * 64));
+        float *scores = (float *)malloc(sizeof(float) * (size_t)(HG * ctx + HG * D));
         float *acc = scores + HG * ctx;
-        const bf16 *qh = a->q + b * a->q_row_stride + h0 * a->G * 64;
+        const bf16 *qh = a->q + b * a->q_row_stride + h0 * a->G * D;
         const int32_t *table = a->block_tables + b * a->max_blocks;
-        switch (a->G) {
-        case 1: decode_item_d64(a, qh, table, ctx, scores, acc, h0, 1); break;
-        case 2: decode_item_d64(a, qh, table, ctx, scores, acc, h0, 2); break;
-        case 3: decode_item_d64(a, qh, table, ctx, scores, acc, h0, 3); break;
-        default: decode_item_d64(a, qh, table, ctx, scores, acc, h0, 4); break;
+        if (D == 64) {
+            DECODE_ITEM_G(64)
+        } else {
+            DECODE_ITEM_G(128)
         }
-        bf16 *o = a->out + (b * a->H + h0 * a->G) * 64;
-        for (int64_t i = 0; i < HG * 64; i++) o[i] = to_bf16(acc[i]);
+        bf16 *o = a->out + (b * a->H + h0 * a->G) * D;
+        for (int64_t i = 0; i < HG * D; i++) o[i] = to_bf16(acc[i]);
         free(scores);
     }
 }
@@ -387,8 +397,8 @@ void pd_paged_decode_attention_bf16(const bf16 *q, int64_t q_row_stride, const b
     const int64_t half = block_size * KVH * D;             /* K -> V of one (block, layer) */
     decode_job job = {q, kv, out, block_tables, context_lens, q_row_stride, H, KVH, D, max_blocks, block_size,
                       H / KVH, per_item, KVH / per_item, KVH * D, half, num_layers * 2 * half, layer * 2 * half, scale};
-    const int fast = D == 64 && job.G <= 4 && block_size % 16 == 0;
-    pool_run(fast ? decode_chunk_d64 : decode_chunk, &job, B * job.splits, 1, nthreads);
+    const int fast = (D == 64 || D == 128) && job.G <= 4 && block_size % 16 == 0;
+    pool_run(fast ? decode_chunk_fast : decode_chunk, &job, B * job.splits, 1, nthreads);
 }
 
 /* fp32 rounded to bf16 and back (round-to-nearest-even), 16 lanes */
