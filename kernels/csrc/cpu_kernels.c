@@ -287,15 +287,15 @@ static inline __m512 hsum16(const __m512 v[16]) {
                          _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-/* The decode fast path for head_dim D = 64 or 128 and G <= 4 query heads
- * per kv head (both compile-time constants here, so the accumulators live
- * in registers): per block of 16 tokens and kv head, the scores of 16 tokens
- * come out of one hsum16, and each 64-wide slice of the G fp32 output rows
- * is loaded once and stored once per block. */
+/* The decode fast path for head_dim D = 64 or 128.  A kv head's G query
+ * heads go in GS sub-groups of GC <= 4 (GC and D compile-time constants, so
+ * the accumulators live in registers): per block of 16 tokens and kv head,
+ * the scores of 16 tokens come out of one hsum16, and each 64-wide slice of
+ * a sub-group's fp32 output rows is loaded once and stored once per block. */
 static inline __attribute__((always_inline)) void decode_item_fast(
     const decode_job *a, const bf16 *qh, const int32_t *table, int64_t ctx, float *scores, float *acc, int64_t h0,
-    const int G, const int D) {
-    const int64_t per_item = a->per_item, tok_stride = a->tok_stride, block_size = a->block_size;
+    const int GC, const int D) {
+    const int64_t G = a->G, GS = G / GC, per_item = a->per_item, tok_stride = a->tok_stride, block_size = a->block_size;
     const int64_t col0 = a->layer_off + h0 * D;
     const bf16 *kv = a->kv;
     for (int64_t t0 = 0, blk = 0; t0 < ctx; t0 += block_size, blk++) {
@@ -307,7 +307,7 @@ static inline __attribute__((always_inline)) void decode_item_fast(
         for (int64_t s0 = 0; s0 < block_size && t0 + s0 < ctx; s0 += 16) {
             const int64_t n = ctx - t0 - s0 < 16 ? ctx - t0 - s0 : 16;
             for (int64_t hh = 0; hh < per_item; hh++)
-                for (int g = 0; g < G; g++) {
+                for (int64_t g = 0; g < G; g++) {
                     const int64_t hg = hh * G + g;
                     __m512bh qv[4];
                     for (int d = 0; d < D / 32; d++) qv[d] = load32bh(qh + hg * D + 32 * d);
@@ -331,11 +331,12 @@ static inline __attribute__((always_inline)) void decode_item_fast(
         const bf16 *vb = kv + (int64_t)table[blk] * a->block_stride + a->half + col0;
         const bf16 *vn = t0 + block_size < ctx ? kv + (int64_t)table[blk + 1] * a->block_stride + a->half + col0 : NULL;
         const int64_t n = ctx - t0 < block_size ? ctx - t0 : block_size;
-        for (int64_t hh = 0; hh < per_item; hh++)
+        for (int64_t hs = 0; hs < per_item * GS; hs++)  /* (kv head, sub-group) */
             for (int c = 0; c < D; c += 64) {
-                float *out = acc + hh * G * D + c;
+                const int64_t hh = hs / GS, hg0 = hs * GC;
+                float *out = acc + hg0 * D + c;
                 __m512 r[4][4];
-                for (int g = 0; g < G; g++)
+                for (int g = 0; g < GC; g++)
                     for (int j = 0; j < 4; j++) r[g][j] = _mm512_loadu_ps(out + g * D + 16 * j);
                 for (int64_t o = 0; o < n; o++) {
                     const int64_t row = o * tok_stride + hh * D + c;
@@ -345,22 +346,22 @@ static inline __attribute__((always_inline)) void decode_item_fast(
                     }
                     const __m512 v0 = load16(vb + row), v1 = load16(vb + row + 16), v2 = load16(vb + row + 32),
                                  v3 = load16(vb + row + 48);
-                    for (int g = 0; g < G; g++) {
-                        const __m512 p = _mm512_set1_ps(scores[(hh * G + g) * ctx + t0 + o]);
+                    for (int g = 0; g < GC; g++) {
+                        const __m512 p = _mm512_set1_ps(scores[(hg0 + g) * ctx + t0 + o]);
                         r[g][0] = _mm512_fmadd_ps(p, v0, r[g][0]);
                         r[g][1] = _mm512_fmadd_ps(p, v1, r[g][1]);
                         r[g][2] = _mm512_fmadd_ps(p, v2, r[g][2]);
                         r[g][3] = _mm512_fmadd_ps(p, v3, r[g][3]);
                     }
                 }
-                for (int g = 0; g < G; g++)
+                for (int g = 0; g < GC; g++)
                     for (int j = 0; j < 4; j++) _mm512_storeu_ps(out + g * D + 16 * j, r[g][j]);
             }
     }
 }
 
 #define DECODE_ITEM_G(D)                                                                    \
-    switch (a->G) {                                                                         \
+    switch (a->G % 4 == 0 ? 4 : a->G % 3 == 0 ? 3 : a->G % 2 == 0 ? 2 : 1) {                \
     case 1: decode_item_fast(a, qh, table, ctx, scores, acc, h0, 1, D); break;              \
     case 2: decode_item_fast(a, qh, table, ctx, scores, acc, h0, 2, D); break;              \
     case 3: decode_item_fast(a, qh, table, ctx, scores, acc, h0, 3, D); break;              \
@@ -397,7 +398,7 @@ void pd_paged_decode_attention_bf16(const bf16 *q, int64_t q_row_stride, const b
     const int64_t half = block_size * KVH * D;             /* K -> V of one (block, layer) */
     decode_job job = {q, kv, out, block_tables, context_lens, q_row_stride, H, KVH, D, max_blocks, block_size,
                       H / KVH, per_item, KVH / per_item, KVH * D, half, num_layers * 2 * half, layer * 2 * half, scale};
-    const int fast = (D == 64 || D == 128) && job.G <= 4 && block_size % 16 == 0;
+    const int fast = (D == 64 || D == 128) && block_size % 16 == 0;
     pool_run(fast ? decode_chunk_fast : decode_chunk, &job, B * job.splits, 1, nthreads);
 }
 

@@ -50,7 +50,7 @@ def test_pack_layout_and_what_is_not_packed():
 
 @pytest.mark.parametrize("context_lens", [[1], [17, 5, 33], [300, 1, 64], [40] * 9])
 @pytest.mark.parametrize("kv_heads,group", [(1, 1), (3, 3), (2, 4), (2, 8)])
-@pytest.mark.parametrize("head_dim,block_size", [(64, 16), (64, 32), (128, 32)])
+@pytest.mark.parametrize("head_dim,block_size", [(64, 16), (64, 32), (128, 32), (32, 8)])  # the last: general path
 def test_decode_attention_matches_reference_and_dense(context_lens, kv_heads, group, head_dim, block_size):
     case = make_paged_case(context_lens, kv_heads, head_dim, block_size, BF16, seed=len(context_lens) + group)
     heads = kv_heads * group
