@@ -1,9 +1,10 @@
 """Kernel microbenchmarks at SmolLM2-135M shapes (hidden 576, 9 q heads,
 3 kv heads, head dim 64, 30 layers, block size 16, bf16).
 
-On the CPU it times the torch reference paths (what the CPU engine runs) and
-compares each op's achieved bandwidth with a plain ``copy_`` measured in the
-same run.  On CUDA it times each Triton kernel (through ``kernels.ops``) and
+On the CPU it times each op through ``kernels.ops`` (the native AVX-512 BF16
+kernels the CPU engine runs, where the CPU has them) and the torch reference,
+and compares each op's achieved bandwidth with a plain ``copy_`` measured in
+the same run.  On CUDA it times each Triton kernel (through ``kernels.ops``) and
 the torch reference on the same GPU, and compares the kernel's bandwidth with
 the GPU's peak HBM bandwidth.  Bandwidth counts the bytes an op must move at
 least (inputs read once, outputs written once), not what an implementation
@@ -42,7 +43,7 @@ class Case:
     name: str
     bytes_moved: int
     ref: Callable[[], object]
-    fast: Callable[[], object]  # kernels.ops: Triton on CUDA, the reference on CPU
+    fast: Callable[[], object]  # kernels.ops: Triton on CUDA, the native kernels on the CPU
     flops: int = 0
 
 
