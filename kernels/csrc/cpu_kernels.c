@@ -501,14 +501,62 @@ static void pack_kv_head(const bf16 *kv, const int32_t *table, int64_t ctx, int6
                          bf16 *kp, bf16 *vp) {
     memset(kp, 0, sizeof(bf16) * (size_t)(ctx_pad * D));
     memset(vp, 0, sizeof(bf16) * (size_t)(ctx_pad * D));
-    for (int64_t t = 0; t < ctx; t++) {
-        const bf16 *k = kv + (int64_t)table[t / block_size] * block_stride + off + (t % block_size) * tok_stride;
-        const bf16 *v = k + half;
-        const int64_t j = t / TILE_N, c = t % TILE_N;
-        for (int64_t d = 0; d < D; d++) {
-            kp[((j * (D / 2) + d / 2) * TILE_N + c) * 2 + d % 2] = k[d];   /* K[t][d] as W[n=t][k=d] */
-            vp[((d / TILE_N * (ctx_pad / 2) + t / 2) * TILE_N + d % TILE_N) * 2 + t % 2] = v[d];  /* W[n=d][k=t] */
+    uint32_t *kp2 = (uint32_t *)kp, *vp2 = (uint32_t *)vp;  /* bf16 pairs */
+    __m512i interleave;                                     /* (a0 b0 a1 b1 ... a31 b31) */
+    {
+        int16_t idx[32];
+        for (int i = 0; i < 16; i++) idx[2 * i] = (int16_t)i, idx[2 * i + 1] = (int16_t)(32 + i);
+        interleave = _mm512_loadu_si512(idx);
+    }
+    const __m512i interleave_hi = _mm512_add_epi16(interleave, _mm512_set1_epi16(16));
+    for (int64_t t = 0; t < ctx; t += 2) {
+        const bf16 *k0 = kv + (int64_t)table[t / block_size] * block_stride + off + (t % block_size) * tok_stride;
+        const bf16 *k1 = t + 1 < ctx ? kv + (int64_t)table[(t + 1) / block_size] * block_stride + off +
+                                           ((t + 1) % block_size) * tok_stride : NULL;
+        /* K[t][d] as W[n=t][k=d]: token t's d-pairs, 32 tokens apart */
+        for (int64_t e = 0; e < 2 && (e == 0 || k1); e++) {
+            const int64_t te = t + e, j = te / TILE_N, c = te % TILE_N;
+            const uint32_t *src = (const uint32_t *)(e ? k1 : k0);
+            for (int64_t p = 0; p < D / 2; p++) kp2[(j * (D / 2) + p) * TILE_N + c] = src[p];
         }
+        /* V[t][d] as W[n=d][k=t]: tokens t, t+1 interleaved, 32 d per 64-byte row */
+        const bf16 *v0 = k0 + half, *v1 = k1 ? k1 + half : NULL;
+        for (int64_t dj = 0; dj < D / TILE_N; dj++) {
+            const __m512i a = _mm512_loadu_si512(v0 + dj * TILE_N);
+            const __m512i b = v1 ? _mm512_loadu_si512(v1 + dj * TILE_N) : _mm512_setzero_si512();
+            const __m512i lo = _mm512_permutex2var_epi16(a, interleave, b);
+            const __m512i hi = _mm512_permutex2var_epi16(a, interleave_hi, b);
+            uint32_t *dst = vp2 + (dj * (ctx_pad / 2) + t / 2) * TILE_N;
+            _mm512_storeu_si512(dst, lo);
+            _mm512_storeu_si512(dst + 16, hi);
+        }
+    }
+}
+
+/* p[0:n] <- bf16(softmax(scale * s[0:n])) in three passes over s (scaled
+ * max, exp and sum, normalise and round); the same fp32 operations in the
+ * same order as scaling, softmax_inplace and rounding one after another. */
+static void softmax_rounded(float *s, int64_t n, float scale, bf16 *p) {
+    const __m512 sc = _mm512_set1_ps(scale);
+    __m512 mv = _mm512_set1_ps(-INFINITY);
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 k = lanes(n - i);
+        const __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, s + i), sc);
+        _mm512_mask_storeu_ps(s + i, k, x);
+        mv = _mm512_mask_max_ps(mv, k, mv, x);
+    }
+    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
+    __m512 sv = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 k = lanes(n - i);
+        const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + i), m));
+        _mm512_mask_storeu_ps(s + i, k, e);
+        sv = _mm512_add_ps(sv, _mm512_maskz_mov_ps(k, e));
+    }
+    const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sv));
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 k = lanes(n - i);
+        store16_masked(p + i, k, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, s + i), inv));
     }
 }
 
@@ -555,13 +603,9 @@ static void prefill_attend_chunk(void *arg, int64_t begin, int64_t end) {
                 rows_times_tile((int)(m - r), qi + r * stride, stride, D, kp + j * (D / 2) * 2 * TILE_N,
                                 NULL, NULL, sc + r * kpad + j * TILE_N, kpad, 0);
         for (int64_t r = 0; r < m; r++) {
-            float *row = sc + r * kpad;
             const int64_t valid = first + i0 + r + 1;
-            for (int64_t t = 0; t < valid; t++) row[t] *= a->scale;
-            softmax_inplace(row, valid);
-            bf16 *prow = pb + r * kpad;
-            for (int64_t t = 0; t < valid; t += 16) store16_masked(prow + t, lanes(valid - t), _mm512_loadu_ps(row + t));
-            memset(prow + valid, 0, sizeof(bf16) * (size_t)(kpad - valid));
+            softmax_rounded(sc + r * kpad, valid, a->scale, pb + r * kpad);
+            memset(pb + r * kpad + valid, 0, sizeof(bf16) * (size_t)(kpad - valid));
         }
         bf16 *oi = a->out + (q0 + i0) * H * D + hq * D;
         for (int64_t dj = 0; dj < D / TILE_N; dj++)
