@@ -502,7 +502,7 @@ static void pack_kv_head(const bf16 *kv, const int32_t *table, int64_t ctx, int6
     memset(kp, 0, sizeof(bf16) * (size_t)(ctx_pad * D));
     memset(vp, 0, sizeof(bf16) * (size_t)(ctx_pad * D));
     uint32_t *kp2 = (uint32_t *)kp, *vp2 = (uint32_t *)vp;  /* bf16 pairs */
-    __m512i interleave;                                     /* (a0 b0 a1 b1 ... a31 b31) */
+    __m512i interleave;  /* a0 b0 a1 b1 ... a15 b15; interleave_hi: a16 b16 ... a31 b31 */
     {
         int16_t idx[32];
         for (int i = 0; i < 16; i++) idx[2 * i] = (int16_t)i, idx[2 * i + 1] = (int16_t)(32 + i);
@@ -514,9 +514,10 @@ static void pack_kv_head(const bf16 *kv, const int32_t *table, int64_t ctx, int6
         const bf16 *k1 = t + 1 < ctx ? kv + (int64_t)table[(t + 1) / block_size] * block_stride + off +
                                            ((t + 1) % block_size) * tok_stride : NULL;
         /* K[t][d] as W[n=t][k=d]: token t's d-pairs, 32 tokens apart */
-        for (int64_t e = 0; e < 2 && (e == 0 || k1); e++) {
-            const int64_t te = t + e, j = te / TILE_N, c = te % TILE_N;
-            const uint32_t *src = (const uint32_t *)(e ? k1 : k0);
+        const bf16 *rows[2] = {k0, k1};
+        for (int64_t e = 0; e < 2 && rows[e]; e++) {
+            const int64_t j = (t + e) / TILE_N, c = (t + e) % TILE_N;
+            const uint32_t *src = (const uint32_t *)rows[e];
             for (int64_t p = 0; p < D / 2; p++) kp2[(j * (D / 2) + p) * TILE_N + c] = src[p];
         }
         /* V[t][d] as W[n=d][k=t]: tokens t, t+1 interleaved, 32 d per 64-byte row */
