@@ -205,7 +205,8 @@ static inline void prefetch_rows(const bf16 *p, int64_t rows, int64_t stride, in
  * sequence and a range of its kv heads (all of them once there are enough
  * sequences to keep every thread busy, so each block's rows stream whole).
  * Two passes over the sequence's blocks: fp32 scores (bf16 dot products),
- * softmax, then the probability-weighted sum of V in fp32. */
+ * softmax, then the probability-weighted sum of V in fp32.  decode_chunk is
+ * the general path; decode_chunk_fast below serves head_dim 64 and 128. */
 typedef struct {
     const bf16 *q, *kv;
     bf16 *out;
