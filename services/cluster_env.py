@@ -13,9 +13,10 @@ already set wins.
   gateway's CPU per token by half and raised 16-way streaming throughput by
   ~22% on 2 cores (issue 7 note).  Serve's own direct ingress, which it
   would also turn on, stays off: with ``ingress: gateway`` (the default) the
-  gateway serves the configured port itself (services/gateway_http.py).  The driver (``pdcluster up``, the tests, a script holding a
-  handle) keeps Serve's router on its own loop, so handles still work from
-  plain synchronous code; replicas get the router on their main loop
+  gateway serves the configured port itself (services/gateway_http.py).
+  The driver (``pdcluster up``, the tests, a script holding a handle) keeps
+  Serve's router on its own loop, so handles still work from plain
+  synchronous code; replicas get the router on their main loop
   (``REPLICA_ENV``, passed through Ray's runtime_env).
 - Large tensors (weights, the KV pool) on 2 MiB pages: same-host KV pulls pin
   every page, and huge pages about double their bandwidth (transfer/pool_alloc.py).

@@ -511,18 +511,18 @@ static void pack_kv_head(const bf16 *kv, const int32_t *table, int64_t ctx, int6
     }
     const __m512i interleave_hi = _mm512_add_epi16(interleave, _mm512_set1_epi16(16));
     for (int64_t t = 0; t < ctx; t += 2) {
-        const bf16 *k0 = kv + (int64_t)table[t / block_size] * block_stride + off + (t % block_size) * tok_stride;
-        const bf16 *k1 = t + 1 < ctx ? kv + (int64_t)table[(t + 1) / block_size] * block_stride + off +
-                                           ((t + 1) % block_size) * tok_stride : NULL;
+        const bf16 *rows[2];  /* tokens t and t + 1 (NULL past the end): their K rows */
+        for (int64_t e = 0; e < 2; e++)
+            rows[e] = t + e < ctx ? kv + (int64_t)table[(t + e) / block_size] * block_stride + off +
+                                        ((t + e) % block_size) * tok_stride : NULL;
         /* K[t][d] as W[n=t][k=d]: token t's d-pairs, 32 tokens apart */
-        const bf16 *rows[2] = {k0, k1};
         for (int64_t e = 0; e < 2 && rows[e]; e++) {
             const int64_t j = (t + e) / TILE_N, c = (t + e) % TILE_N;
             const uint32_t *src = (const uint32_t *)rows[e];
             for (int64_t p = 0; p < D / 2; p++) kp2[(j * (D / 2) + p) * TILE_N + c] = src[p];
         }
         /* V[t][d] as W[n=d][k=t]: tokens t, t+1 interleaved, 32 d per 64-byte row */
-        const bf16 *v0 = k0 + half, *v1 = k1 ? k1 + half : NULL;
+        const bf16 *v0 = rows[0] + half, *v1 = rows[1] ? rows[1] + half : NULL;
         for (int64_t dj = 0; dj < D / TILE_N; dj++) {
             const __m512i a = _mm512_loadu_si512(v0 + dj * TILE_N);
             const __m512i b = v1 ? _mm512_loadu_si512(v1 + dj * TILE_N) : _mm512_setzero_si512();

@@ -133,8 +133,7 @@ class AsyncEngine:
         except BaseException as exc:  # noqa: BLE001 - every waiter must hear of it
             log.exception("engine loop died")
             self._dead = exc
-            for rid in list(self._streams):
-                self._deliver(rid, EngineDeadError(f"engine loop died: {exc!r}"))
+            self._deliver_all([(rid, EngineDeadError(f"engine loop died: {exc!r}")) for rid in self._streams])
             for _, fut in self._commands:
                 fut.set_exception(EngineDeadError(f"engine loop died: {exc!r}"))
 
@@ -147,27 +146,22 @@ class AsyncEngine:
                 fut.set_exception(exc)
 
     def _deliver_step(self, outputs: list[RequestOutput]) -> None:
-        """One step's outputs, handed to each event loop in one callback (one
-        wake-up per step rather than one per sequence)."""
-        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
+        self._deliver_all([(out.request_id, out) for out in outputs])
         for out in outputs:
-            stream = self._streams.get(out.request_id)
-            if stream is not None:
-                batches.setdefault(stream[0], []).append((stream[1], out))
             if out.finished:
                 self._streams.pop(out.request_id, None)
+
+    def _deliver_all(self, items: list[tuple[str, Any]]) -> None:
+        """Hands each (request id, item) to its stream, in one callback per
+        event loop (one wake-up per step rather than one per sequence)."""
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
+        for request_id, item in items:
+            stream = self._streams.get(request_id)
+            if stream is not None:
+                batches.setdefault(stream[0], []).append((stream[1], item))
         for loop, batch in batches.items():
             try:
                 loop.call_soon_threadsafe(_put_all, batch)
-            except RuntimeError:  # that event loop is closed
-                pass
-
-    def _deliver(self, request_id: str, item: Any) -> None:
-        stream = self._streams.get(request_id)
-        if stream is not None:
-            loop, queue = stream
-            try:
-                loop.call_soon_threadsafe(queue.put_nowait, item)
             except RuntimeError:  # that event loop is closed
                 pass
 
