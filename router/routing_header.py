@@ -10,7 +10,8 @@ router finds the header, in this order:
 
 A header may be a ``RoutingHeader`` or a plain dict with the same keys
 (``block_hashes`` required; ``num_prompt_tokens``, ``block_size``,
-``max_new_tokens`` optional).  A call without one is routed by load only.
+``max_new_tokens``, ``target_worker`` optional).  ``target_worker`` pins a
+call to one replica (releasing a lease that replica holds).  A call without one is routed by load only.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ class RoutingHeader:
     num_prompt_tokens: int
     block_size: int = 16
     max_new_tokens: int = 0
+    target_worker: str | None = None  # only this replica (by worker name): a call about state it holds
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "block_hashes", tuple(int(h) for h in self.block_hashes))
@@ -49,8 +51,9 @@ class RoutingHeader:
     def from_mapping(cls, data: Mapping[str, Any]) -> "RoutingHeader":
         hashes = data["block_hashes"]
         block_size = int(data.get("block_size", 16))
+        target = data.get("target_worker")
         return cls(tuple(hashes), int(data.get("num_prompt_tokens", len(hashes) * block_size)),
-                   block_size, int(data.get("max_new_tokens", 0)))
+                   block_size, int(data.get("max_new_tokens", 0)), target if isinstance(target, str) else None)
 
 
 def _as_header(obj: Any) -> RoutingHeader | None:

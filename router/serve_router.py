@@ -86,6 +86,9 @@ class PrefixAwareRequestRouter(RequestRouter):
             header = find_routing_header(pending_request.args, pending_request.kwargs)
         if header is None:
             self.counters.without_header += 1
+        elif header.target_worker is not None:
+            # About state one replica holds: that replica or none (the caller bounds the wait).
+            return [[r] for r in candidate_replicas if self.worker_name(r) == header.target_worker][:1]
         lookup = await self._lookup(header)
         request_id = pending_request.metadata.internal_request_id if pending_request is not None else ""
         snapshot = self._snapshot(by_id, header, lookup, request_id)

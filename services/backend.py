@@ -19,6 +19,7 @@ class GenerateRequest:
     params: SamplingParams
     block_hashes: tuple[int, ...] = ()     # chained hashes of the prompt's full blocks (routing)
     trace_context: dict[str, str] = field(default_factory=dict)  # W3C carrier
+    faults: tuple[str, ...] = ()           # test-only fault injection (services/faults.py)
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,17 @@ class BackendInvalidRequest(BackendError):
 class BackendFailure(BackendError):
     """A replica failed mid-request (a stream ends with an error event)."""
     status, code, type = 502, "replica_failed", "server_error"
+
+
+class BackendTimeout(BackendError):
+    """A deadline passed (end-to-end, or the inter-token gap); the request was aborted everywhere."""
+    status, code, type = 504, "deadline_exceeded", "server_error"
+
+
+class BackendLeaseExpired(BackendError):
+    """The prefill hand-off's KV lease ran out before the decode side could
+    pull it: refusing is the alternative to reading recycled blocks."""
+    status, code, type = 503, "kv_lease_expired", "server_error"
 
 
 class Backend(abc.ABC):

@@ -25,12 +25,13 @@ def _state() -> dict:
 
 
 def format_board(board: list[dict]) -> list[str]:
-    """One line per replica: role, name, running/waiting, KV used/total, hits."""
-    lines = [f"{'pool':<10} {'replica':<34} {'run':>4} {'wait':>4} {'kv used/total':>14} {'leased':>6} "
-             f"{'prompt hit/computed':>20}"]
+    """One line per replica: role, name, engine state, running/waiting, KV used/total, hits."""
+    lines = [f"{'pool':<10} {'replica':<34} {'engine':<6} {'run':>4} {'wait':>4} {'kv used/total':>14} "
+             f"{'leased':>6} {'prompt hit/computed':>20}"]
     for s in board:
         used = s["kv_blocks_total"] - s["kv_blocks_free"]
-        lines.append(f"{s['role']:<10} {s['name'][-34:]:<34} {s['running']:>4} {s['waiting']:>4} "
+        engine = "alive" if s.get("engine_alive", True) else "DEAD"
+        lines.append(f"{s['role']:<10} {s['name'][-34:]:<34} {engine:<6} {s['running']:>4} {s['waiting']:>4} "
                      f"{used:>6}/{s['kv_blocks_total']:<7} {s['leased_blocks']:>6} "
                      f"{s['prompt_tokens_cached']:>9}/{s['prompt_tokens_computed']:<10}")
     return lines

@@ -52,6 +52,7 @@ class LocalCluster:
     _ray_roots: list = field(default_factory=list)  # processes ray.init started (gcs, raylet, dashboard)
     ready_s: float = 0.0
     log: list[str] = field(default_factory=list)
+    wait_until: str = "serving"  # "serving": /health 200 and a real request served; "gateway": HTTP answers
 
     def start(self, progress=print, on_ray_started=None) -> LocalCluster:
         """``on_ray_started``: called right after ray.init (which installs its
@@ -96,18 +97,29 @@ class LocalCluster:
         return self
 
     def _wait_ready(self, progress, timeout_s: float = 600.0) -> None:
+        """Until /health says ready and one real one-token request succeeds:
+        "ready" is printed only when a request sent now succeeds."""
         import httpx
 
         deadline = time.monotonic() + timeout_s
-        url = f"http://{self.config.host}:{self.config.port}/health"
+        base = f"http://{self.config.host}:{self.config.port}"
+        probe = {"prompt": [1, 2, 3], "max_tokens": 2, "temperature": 0}  # 2: through decode too
+        last = "no answer yet"
         while time.monotonic() < deadline:
             try:
-                if httpx.get(url, timeout=2.0).status_code == 200:
+                health = httpx.get(f"{base}/health", timeout=2.0)
+                last = f"/health {health.status_code}: {health.text[:200]}"
+                if self.wait_until == "gateway" and health.status_code in (200, 503):
                     return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise TimeoutError(f"cluster not ready after {timeout_s:.0f} s: see `ray status` and the Serve logs")
+                if health.status_code == 200:
+                    answer = httpx.post(f"{base}/v1/completions", json=probe, timeout=60.0)
+                    last = f"probe request {answer.status_code}: {answer.text[:200]}"
+                    if answer.status_code == 200:
+                        return
+            except httpx.HTTPError as exc:
+                last = f"{type(exc).__name__}: {exc}"
+            time.sleep(0.25)
+        raise TimeoutError(f"cluster not ready after {timeout_s:.0f} s ({last}): see `ray status` and the Serve logs")
 
     def _write_state(self, url: str) -> None:
         STATE_FILE.parent.mkdir(parents=True, exist_ok=True)

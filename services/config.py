@@ -44,6 +44,18 @@ class RouterSettings(_Strict):
                              "pool.  0: every prompt goes to the prefill pool")
 
 
+class AdmissionSettings(_Strict):
+    """What the gateway admits, and how long a request may take."""
+    ttft_slo_s: float = Field(2.0, gt=0, description="refuse (429 + Retry-After) a request whose predicted TTFT, "
+                                                     "from the pool's queued prompt tokens and its measured "
+                                                     "prefill rate, exceeds this")
+    shed: bool = Field(True, description="false: admit everything (no SLO-based 429s)")
+    max_in_flight: int = Field(1024, ge=1, description="requests the gateway serves at once before 429")
+    request_timeout_s: float = Field(300.0, gt=0, description="end-to-end deadline of one request")
+    inter_token_timeout_s: float = Field(30.0, gt=0, description="longest wait for the next token once "
+                                                                 "the first has arrived")
+
+
 class TracingSettings(_Strict):
     enabled: bool = True
     jsonl_dir: str = "runs/traces"
@@ -63,6 +75,7 @@ class ClusterConfig(_Strict):
     colocated: PoolConfig = PoolConfig(num_replicas=2)
     scheduler: SchedulerSettings = SchedulerSettings()
     router: RouterSettings = RouterSettings()
+    admission: AdmissionSettings = AdmissionSettings()
     index_url: str | None = Field(None, description="redis://host:port; None: REDIS_URL or an embedded Redis")
     cluster_name: str = "local"
     transfer_backend: Literal["auto", "nixl", "fallback"] = "auto"

@@ -11,6 +11,7 @@ from ray import serve
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from services import telemetry
+from services.admission import Admission
 from services.cluster_backend import ClusterBackend
 from services.config import ClusterConfig
 from services.engine.model.config import ModelConfig
@@ -73,11 +74,15 @@ class Gateway:
             served_model_names=(cfg.served_model_name,),
             block_hash_seed=block_hash_seed(weights_id(path), parse_dtype(cfg.dtype), cfg.block_size),
             block_size=cfg.block_size, max_body_bytes=cfg.max_body_bytes)
+        adm = cfg.admission
         backend = ClusterBackend(handles, mode=cfg.mode, model_name=cfg.served_model_name,
                                  max_model_len=max_len, block_size=cfg.block_size,
                                  liveness=PoolLiveness(cfg.index_url, cfg.cluster_name),
                                  fallback_to_colocated=cfg.fallback_to_colocated,
-                                 local_prefill_max_tokens=cfg.router.local_prefill_max_tokens)
+                                 local_prefill_max_tokens=cfg.router.local_prefill_max_tokens,
+                                 admission=Admission(adm.ttft_slo_s, adm.max_in_flight, adm.shed),
+                                 request_timeout_s=adm.request_timeout_s,
+                                 inter_token_timeout_s=adm.inter_token_timeout_s)
         _HOST.update(backend=backend, tokenizer=tokenizer, settings=settings)
         self.http: GatewayHTTPServer | None = None
         if cfg.ingress == "gateway":

@@ -14,6 +14,7 @@ class PrefillRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     trace_context: dict[str, str] = field(default_factory=dict)
+    faults: tuple[str, ...] = ()   # test-only fault injection (services/faults.py)
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,7 @@ class PrefillResponse:
     peer: bytes                    # the prefill replica's transfer descriptor
     worker_name: str
     prefill_s: float
+    lease_deadline_unix: float = 0.0  # time.time() after which the owner refuses reads of block_ids
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,7 @@ class DecodeRequest:
     params: SamplingParams
     prefill: PrefillResponse
     trace_context: dict[str, str] = field(default_factory=dict)
+    faults: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

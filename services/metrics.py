@@ -22,6 +22,10 @@ the Ray dashboard and its Prometheus endpoint, as ``ray_<name>`` (counters
     pdcluster_decode_pool_prefills       counter    reason                 gateway: whole requests sent to the
                                                                            decode pool in disaggregated mode;
                                                                            short_prompt | no_prefill_replica
+    pdcluster_admission_rejections       counter    reason                 gateway: slo | in_flight_cap
+    pdcluster_deadlines_exceeded         counter    kind                   gateway: request | inter_token
+    pdcluster_lease_events               counter    event                  prefill: late_notification (a release
+                                                                           for a lease already gone)
 
 ``pool`` is gateway | prefill | decode | colocated.  Metrics exist only in a
 Ray driver or worker and are created on first use; anywhere else (unit
@@ -83,6 +87,12 @@ SPECS: dict[str, MetricSpec] = {
     "pdcluster_decode_pool_prefills": MetricSpec(
         "counter", "Disaggregated requests prefilled on the decode pool (short prompt, or no live prefill replica)",
         ("reason",)),
+    "pdcluster_admission_rejections": MetricSpec(
+        "counter", "Requests refused at the gateway (predicted TTFT over the SLO, or the in-flight cap)",
+        ("reason",)),
+    "pdcluster_deadlines_exceeded": MetricSpec("counter", "Requests aborted at a deadline", ("kind",)),
+    "pdcluster_lease_events": MetricSpec(
+        "counter", "KV lease outcomes on prefill replicas besides a pull's release", ("event",)),
 }
 
 _metrics: dict[str, Any] = {}
@@ -202,6 +212,18 @@ def count_http_response(status: int) -> None:
 
 def count_decode_pool_prefill(reason: str) -> None:
     _inc("pdcluster_decode_pool_prefills", 1, reason=reason)
+
+
+def count_admission_rejection(reason: str) -> None:
+    _inc("pdcluster_admission_rejections", 1, reason=reason)
+
+
+def count_deadline(kind: str) -> None:
+    _inc("pdcluster_deadlines_exceeded", 1, kind=kind)
+
+
+def count_lease_event(event: str) -> None:
+    _inc("pdcluster_lease_events", 1, event=event)
 
 
 def count_index_lookup_failure(pool: str, reason: str) -> None:

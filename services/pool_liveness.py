@@ -1,5 +1,6 @@
 """How many replicas of a pool are alive, from the Redis status board
-(every worker refreshes its key every 0.5 s with a 5 s TTL).  The gateway
+(every worker refreshes its key every 0.5 s with a 5 s TTL, saying whether
+its engine loop is alive).  The gateway
 asks before a disaggregated request, so a request never waits for a prefill
 pool that has no replica: it fails with 503, or falls back to colocated."""
 
@@ -43,7 +44,8 @@ class PoolLiveness:
         keys = [k async for k in self._client.scan_iter(f"pdc:status:{self.cluster}:*")]
         counts: dict[str, int] = {}
         for raw in await self._client.mget(keys) if keys else []:
-            if raw:
-                role = json.loads(raw).get("role", "")
+            status = json.loads(raw) if raw else None
+            if status and status.get("engine_alive", True):  # a replica whose engine died does not count
+                role = status.get("role", "")
                 counts[role] = counts.get(role, 0) + 1
         return counts

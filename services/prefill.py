@@ -8,12 +8,13 @@ import time
 
 from ray import serve
 
-from services.backend import BackendInvalidRequest
+from services import faults
 from services.config import ClusterConfig
-from services.engine.errors import InvalidRequestError
 from services.messages import PrefillRequest, PrefillResponse
 from services.stage_telemetry import PrefillStages
-from services.worker import Worker, WorkerEndpoints
+from services.worker import Worker, WorkerEndpoints, engine_errors_as_backend_errors
+
+_SHORT_LEASE_S = 0.5  # the short_lease fault's TTL
 
 
 def _replica_name(role: str) -> str:
@@ -33,16 +34,18 @@ class PrefillServer(WorkerEndpoints):
         w = self.worker
         started = time.perf_counter()
         stages = PrefillStages(request.trace_context, w.name, self.cfg.block_size)
+        if faults.has(request.faults, "kill_prefill_engine"):
+            w.aengine.inject_fault("kill")
         try:
             # A prefill replica's queue is everything not yet prefilled.
-            with w.admitted(self.cfg.prefill.max_queue):
-                try:
-                    last = None
-                    async for out in w.aengine.generate(request.request_id, request.prompt_token_ids,
-                                                        request.params, prefill_only=True):
-                        last = out
-                except InvalidRequestError as exc:
-                    raise BackendInvalidRequest(str(exc)) from exc
+            with w.admitted(self.cfg.prefill.max_queue), engine_errors_as_backend_errors():
+                last = None
+                async for out in w.aengine.generate(request.request_id, request.prompt_token_ids,
+                                                    request.params, prefill_only=True):
+                    last = out
+                if last.prefill is not None and faults.has(request.faults, "short_lease"):
+                    last.prefill = await w.aengine.run(
+                        lambda e: e.shorten_lease(request.request_id, _SHORT_LEASE_S, last.prefill))
         except BaseException as exc:
             stages.failed(exc)
             raise
@@ -57,10 +60,12 @@ class PrefillServer(WorkerEndpoints):
             request_id=request.request_id, first_token_id=last.new_token_ids[0], text=last.text_delta,
             finish_reason=done, block_ids=last.prefill.block_ids if last.prefill else (),
             num_tokens=last.num_prompt_tokens, num_cached_tokens=last.num_cached_tokens,
-            peer=w.transfer.describe(), worker_name=w.name, prefill_s=seconds)
+            peer=w.transfer.describe(), worker_name=w.name, prefill_s=seconds,
+            lease_deadline_unix=last.prefill.lease_deadline_unix if last.prefill else 0.0)
 
-    async def release(self, request_id: str) -> bool:
-        """Drops a lease (the gateway's path when no pull will happen)."""
+    async def release(self, request_id: str, routing: dict | None = None) -> bool:
+        """Drops a lease (the gateway's path when no pull will happen); the
+        gateway's ``routing`` header pins the call to the replica holding it."""
         return await self.worker.aengine.release_lease(request_id)
 
 

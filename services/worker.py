@@ -18,16 +18,20 @@ from prefix_store.publisher import KVEventPublisher
 from prefix_store.worker_id import WorkerId
 from router.replica_stats import ReplicaStats
 from services import metrics, telemetry
-from services.backend import BackendOverloaded
+from services.backend import BackendFailure, BackendInvalidRequest, BackendOverloaded, BackendUnavailable
 from services.config import ClusterConfig, PoolConfig
 from services.engine.async_engine import AsyncEngine
 from services.engine.engine import Engine
+from services.engine.errors import EngineDeadError, InvalidRequestError, RequestFailedError
 from services.replica_loopback import bind_replica_grpc_to_loopback
 from services.status_board import publish_forever
 from transfer import KVLayout, create_backend
 
 log = logging.getLogger("pdcluster.worker")
 _NOTIF_POLL_S = 0.005
+# A step takes well under a second (chunked prefill bounds it); an engine
+# loop silent for this long is stuck, and Serve should replace the replica.
+_STUCK_LOOP_S = 60.0
 
 
 @dataclass
@@ -41,6 +45,7 @@ class WorkerCounters:
     bytes_pulled: int = 0
     transfer_seconds: float = 0.0
     leases_released: int = 0
+    late_notifications: int = 0
 
 
 class Worker:
@@ -63,7 +68,9 @@ class Worker:
             self.transfer = create_backend(config.transfer_backend, peer_id=self.name.replace(":", "-"),
                                            timeout_s=config.transfer_timeout_s)
             kv = self.engine.kv.kv_pool
-            self.transfer.register_pool(kv, KVLayout.of_pool(kv, self.engine.hash_seed))
+            # The lease table vets every owner-side read (a late pull never reads recycled blocks).
+            self.transfer.register_pool(kv, KVLayout.of_pool(kv, self.engine.hash_seed),
+                                        lease_guard=self.engine.leases)
         self.counters = WorkerCounters()
         self.in_flight = 0
         self._prefill_rate_tps = 0.0
@@ -90,6 +97,9 @@ class Worker:
                 for n in await asyncio.to_thread(self.transfer.poll_notifications):
                     if await self.aengine.release_lease(n.lease_id):
                         self.counters.leases_released += 1
+                    else:  # already released (gateway) or expired: the puller vetted its own deadline
+                        self.counters.late_notifications += 1
+                        metrics.count_lease_event("late_notification")
             except Exception:  # noqa: BLE001 - keep releasing whatever happens
                 log.exception("polling transfer notifications failed")
             await asyncio.sleep(_NOTIF_POLL_S)
@@ -118,6 +128,17 @@ class Worker:
             rate = num_tokens / seconds
             self._prefill_rate_tps = rate if not self._prefill_rate_tps else 0.8 * self._prefill_rate_tps + 0.2 * rate
 
+    # ---- health --------------------------------------------------------------
+    def check_health(self) -> None:
+        """Raises when this replica cannot serve: its engine loop died or is stuck."""
+        self.aengine.check_alive()
+        age = self.aengine.heartbeat_age_s()
+        if age > _STUCK_LOOP_S:
+            raise RuntimeError(f"{self.name}: the engine loop has not completed a turn for {age:.0f} s")
+
+    def engine_alive(self) -> bool:
+        return self.aengine.alive and self.aengine.heartbeat_age_s() <= _STUCK_LOOP_S
+
     # ---- views -------------------------------------------------------------
     def routing_stats(self) -> dict:
         s = self.aengine.stats
@@ -128,7 +149,7 @@ class Worker:
     def status(self) -> dict:
         s = self.aengine.stats
         return {
-            "name": self.name, "role": self.role, "pid": os.getpid(),
+            "name": self.name, "role": self.role, "pid": os.getpid(), "engine_alive": self.engine_alive(),
             "running": s.num_running, "waiting": s.num_waiting, "awaiting_kv": s.num_awaiting_kv,
             "kv_blocks_total": s.kv_blocks_total, "kv_blocks_free": s.kv_blocks_free,
             "kv_blocks_cached": s.kv_blocks_cached, "leased_blocks": s.leased_blocks,
@@ -143,12 +164,16 @@ class Worker:
         """Waits (at most one lease TTL) until decode replicas have pulled every
         pinned block, so scaling a prefill pool down never strands a hand-off."""
         deadline = time.monotonic() + self.config.lease_ttl_s
-        while time.monotonic() < deadline and await self.aengine.run(lambda e: len(e.leases)):
+        while (time.monotonic() < deadline and self.aengine.alive
+               and await self.aengine.run(lambda e: len(e.leases))):
             await asyncio.sleep(0.05)
 
     async def shutdown(self) -> None:
-        if self.transfer is not None:
-            await self.drain_leases()
+        if self.transfer is not None and self.aengine.alive:
+            try:
+                await self.drain_leases()
+            except Exception:  # noqa: BLE001 - the engine died meanwhile: nothing left to drain
+                log.warning("lease drain stopped: the engine loop is gone")
         for t in self._tasks:
             t.cancel()
         await self.publisher.stop()
@@ -157,27 +182,42 @@ class Worker:
             self.transfer.close()
 
 
+def as_backend_error(exc: BaseException) -> BaseException:
+    """The engine's typed errors as the BackendError that carries their HTTP
+    meaning across the Serve hop; anything else unchanged."""
+    if isinstance(exc, InvalidRequestError):
+        return BackendInvalidRequest(str(exc))
+    if isinstance(exc, RequestFailedError):
+        return BackendFailure(str(exc))
+    if isinstance(exc, EngineDeadError):
+        return BackendUnavailable(f"{exc}; the replica is being replaced: retry")
+    return exc
+
+
+@contextlib.contextmanager
+def engine_errors_as_backend_errors():
+    try:
+        yield
+    except (InvalidRequestError, RequestFailedError, EngineDeadError) as exc:
+        raise as_backend_error(exc) from exc
+
+
 async def stream_whole_request(worker: Worker, request, capacity: int):
     """Both phases on this replica's engine (colocated mode, and the decode
     pool's fallback when no prefill replica is alive)."""
-    from services.backend import BackendInvalidRequest
-    from services.engine.errors import InvalidRequestError
     from services.messages import TokenDelta
 
     timer = metrics.RequestTimer(worker.role)
-    with worker.admitted(capacity):
-        try:
-            async for out in worker.aengine.generate(request.request_id, request.prompt_token_ids, request.params):
-                if timer.num_tokens == 0:
-                    metrics.count_prompt_tokens(worker.role, worker.name, out.num_prompt_tokens,
-                                                out.num_cached_tokens)
-                timer.on_tokens(len(out.new_token_ids))
-                yield TokenDelta(out.new_token_ids, out.text_delta,
-                                 out.finish_reason.value if out.finished else None,
-                                 num_prompt_tokens=out.num_prompt_tokens, num_cached_tokens=out.num_cached_tokens)
-        except InvalidRequestError as exc:
-            raise BackendInvalidRequest(str(exc)) from exc
-        timer.finish()
+    with worker.admitted(capacity), engine_errors_as_backend_errors():
+        async for out in worker.aengine.generate(request.request_id, request.prompt_token_ids, request.params):
+            if timer.num_tokens == 0:
+                metrics.count_prompt_tokens(worker.role, worker.name, out.num_prompt_tokens,
+                                            out.num_cached_tokens)
+            timer.on_tokens(len(out.new_token_ids))
+            yield TokenDelta(out.new_token_ids, out.text_delta,
+                             out.finish_reason.value if out.finished else None,
+                             num_prompt_tokens=out.num_prompt_tokens, num_cached_tokens=out.num_cached_tokens)
+    timer.finish()
 
 
 class WorkerEndpoints:
@@ -188,6 +228,10 @@ class WorkerEndpoints:
 
     async def status(self) -> dict:
         return self.worker.status()
+
+    def check_health(self) -> None:
+        """Serve calls this every health_check_period_s; raising makes Serve replace the replica."""
+        self.worker.check_health()
 
     def record_routing_stats(self) -> dict:
         return self.worker.routing_stats()

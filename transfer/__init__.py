@@ -3,23 +3,27 @@ fallback behind one interface (see transfer.base for the call sequence).
 
     backend = create_backend(config_name)            # "auto" | "nixl" | "fallback"
     kv_pool = allocate_kv_pool(num_blocks, layout)   # optional: huge pages double same-host NIXL bandwidth
-    backend.register_pool(kv_pool, KVLayout.of_pool(kv_pool, model_fingerprint))
+    backend.register_pool(kv_pool, KVLayout.of_pool(kv_pool, model_fingerprint), lease_guard=lease_table)
     descriptor = backend.describe()                  # owner: hand out once
-    stats = backend.pull(descriptor, remote_ids, local_ids, notif=lease_id)  # puller
+    stats = backend.pull(descriptor, remote_ids, local_ids, notif=lease_id,
+                         lease_deadline_unix=deadline)  # puller; LeaseExpiredError: prefill again
+    backend.release(descriptor, lease_id)            # puller that will not pull after all
     for n in backend.poll_notifications(): lease_table.release(n.lease_id)  # owner
 """
 
 from transfer.base import TransferBackend, TransferStats
-from transfer.errors import BackendUnavailableError, LayoutMismatchError, TransferError
+from transfer.errors import BackendUnavailableError, LayoutMismatchError, LeaseExpiredError, TransferError
 from transfer.layout import KVLayout, check_compatible
+from transfer.lease_guard import LEASE_SAFETY_MARGIN_S, OWNER_FREE_GRACE_S, LeaseGuard
 from transfer.peer import Notification, PeerDescriptor
 from transfer.pool_alloc import allocate_kv_pool
 from transfer.registry import backend_class, backend_names, create_backend, register_backend
 from transfer.runs import BlockRun, coalesce_block_runs
 
 __all__ = [
-    "BackendUnavailableError", "BlockRun", "KVLayout", "LayoutMismatchError", "Notification", "PeerDescriptor",
-    "TransferBackend", "TransferError", "TransferStats", "allocate_kv_pool", "backend_class", "backend_names",
-    "check_compatible",
-    "coalesce_block_runs", "create_backend", "register_backend",
+    "LEASE_SAFETY_MARGIN_S", "OWNER_FREE_GRACE_S",
+    "BackendUnavailableError", "BlockRun", "KVLayout", "LayoutMismatchError", "LeaseExpiredError", "LeaseGuard",
+    "Notification", "PeerDescriptor", "TransferBackend", "TransferError", "TransferStats", "allocate_kv_pool",
+    "backend_class", "backend_names", "check_compatible", "coalesce_block_runs", "create_backend",
+    "register_backend",
 ]

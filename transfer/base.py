@@ -2,16 +2,33 @@
 
     owner (prefill)                            puller (decode)
     ---------------                            ---------------
-    register_pool(kv_pool, layout)             register_pool(kv_pool, layout)
+    register_pool(kv_pool, layout,             register_pool(kv_pool, layout)
+                  lease_guard=leases)
     describe() -> bytes  ---- out of band ---> pull(descriptor, remote_ids, local_ids,
-                                                    notif=lease_id) -> TransferStats
-    poll_notifications() <--- lease_id ------  (sent once the bytes have landed)
-      -> LeaseTable.release(lease_id)
+    (+ lease_id, lease_deadline_unix)               notif=lease_id,
+                                                    lease_deadline_unix=...) -> TransferStats
+    poll_notifications() <--- lease_id ------  (sent once the bytes have landed in time)
+      -> LeaseTable.release(lease_id)          release(descriptor, lease_id): "I will not pull"
+
+How the lease keeps a read from seeing recycled blocks (transfer.lease_guard):
+
+    socket fallback   the owner serves every read: it asks the LeaseGuard before
+                      the first byte (live lease, every block in it) and keeps the
+                      blocks pinned until the last byte left (begin_read..end_read);
+                      a refused read raises LeaseExpiredError on the puller.
+    NIXL              reads are one-sided: the owner's CPU never sees them, so the
+                      guard is not consulted.  The puller starts no read later than
+                      deadline - LEASE_SAFETY_MARGIN_S, bounds it by the lease, and
+                      discards bytes that landed after the deadline; the owner
+                      frees the blocks only OWNER_FREE_GRACE_S after the deadline.
+    both              the puller's checks run on every backend; a pull that
+                      fails them sends no notification (see pull).
 
 The base class owns what every backend shares: validating block ids,
 coalescing runs, the per-peer handshake cache (layout check, re-handshake on a
-new epoch), deadlines, stats and notification decoding.  A backend supplies
-the transport through the ``_``-prefixed hooks."""
+new epoch), deadlines (the transfer's and the lease's), stats and
+notifications.  A backend supplies the transport through the ``_``-prefixed
+hooks."""
 
 from __future__ import annotations
 
@@ -23,14 +40,16 @@ import socket
 import threading
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 
 from transfer.deadline import Deadline
-from transfer.errors import TransferError
+from transfer.errors import LeaseExpiredError, TransferError
 from transfer.layout import KVLayout, check_compatible, check_pool
+from transfer.lease_guard import LeaseClock, LeaseGuard
 from transfer.peer import (Notification, PeerDescriptor, agent_name, check_peer_id,
                            decode_notification, encode_notification)
 from transfer.runs import BlockRun, as_block_ids, check_block_ids, coalesce_block_runs
@@ -68,8 +87,10 @@ class TransferBackend(ABC):
                         (RDMA, same-host CMA); a stalled owner does not stall it.
     ``device_memory``   accelerator pools move without staging through host memory.
     ``needs_listener``  the owner opens a TCP port (127.0.0.1 unless configured).
+    ``checks_lease_on_read``  the owner consults its LeaseGuard on every read;
+                        when False only the puller's deadline checks protect it.
 
-    pull, describe and poll_notifications may be called from several threads.
+    pull, release, describe and poll_notifications may be called from several threads.
     pull blocks the calling thread (run it in an executor from async code) and
     never takes longer than its timeout plus one transport call."""
 
@@ -77,6 +98,7 @@ class TransferBackend(ABC):
     one_sided: ClassVar[bool]
     device_memory: ClassVar[bool]
     needs_listener: ClassVar[bool]
+    checks_lease_on_read: ClassVar[bool]
 
     def __init__(self, peer_id: str | None = None, timeout_s: float = 10.0) -> None:
         if not timeout_s > 0:
@@ -98,11 +120,14 @@ class TransferBackend(ABC):
 
     # ---- public API -------------------------------------------------------
 
-    def register_pool(self, kv_pool: torch.Tensor, layout: KVLayout) -> None:
+    def register_pool(self, kv_pool: torch.Tensor, layout: KVLayout, lease_guard: LeaseGuard | None = None) -> None:
+        """Serves ``kv_pool`` to pullers.  With ``lease_guard`` a backend that
+        ``checks_lease_on_read`` serves a read only under a live lease covering
+        every block read (and refuses reads that name no lease)."""
         if self._pool is not None:
             raise RuntimeError(f"{self.name} backend {self.peer_id} already serves a pool; create one backend per pool")
         check_pool(kv_pool, layout)
-        self._register(kv_pool, layout)
+        self._register(kv_pool, layout, lease_guard)
         self._pool, self._layout = kv_pool, layout
 
     def descriptor(self) -> PeerDescriptor:
@@ -115,40 +140,60 @@ class TransferBackend(ABC):
         return self.descriptor().encode()
 
     def pull(self, peer: PeerDescriptor | bytes, remote_block_ids: Any, local_block_ids: Any,
-             notif: str | None = None, timeout_s: float | None = None) -> TransferStats:
+             notif: str | None = None, timeout_s: float | None = None,
+             lease_deadline_unix: float | None = None) -> TransferStats:
         """Copies remote block ``remote_block_ids[i]`` into local block
         ``local_block_ids[i]`` and returns once every byte has landed; then, if
-        ``notif`` (a lease id) is given, tells the owner so it can release them.
+        ``notif`` (the lease id the blocks were lent under) is given, tells the
+        owner so it can release them.  With no blocks it only notifies.
+
+        ``lease_deadline_unix`` (owner's time.time() when the lease ends) bounds
+        a pull that reads: none starts within LEASE_SAFETY_MARGIN_S of it, the
+        timeout shrinks to fit, bytes landing after it are refused.  Such a pull
+        raises LeaseExpiredError and sends no notification: the lease expires
+        anyway, and a late release could free a new lease of the same id (the
+        request prefilled again) under the puller reading it.
 
         Raises TransferError (LayoutMismatchError at a first handshake) when the
         pull cannot complete within ``timeout_s``; the local blocks then hold
         garbage and go back to the pool.  ValueError means a caller bug (ids out
         of range, a local block named twice)."""
         pool, _ = self._require_pool()
-        desc = peer if isinstance(peer, PeerDescriptor) else PeerDescriptor.decode(peer)
+        desc = _as_descriptor(peer)
         remote_ids, local_ids = as_block_ids(remote_block_ids), as_block_ids(local_block_ids)
         check_block_ids(remote_ids, local_ids, desc.num_blocks, pool.shape[0])
         payload = encode_notification(notif) if notif is not None else b""
         runs = coalesce_block_runs(remote_ids, local_ids)
-        deadline = Deadline(timeout_s or self.timeout_s, f"pull of {len(remote_ids)} blocks "
-                            f"from {desc.peer_id} over {self.name}")
+        # Nothing read, nothing to protect: a notify-only pull ignores the deadline.
+        lease = LeaseClock(lease_deadline_unix if runs else None, notif, desc.peer_id)
+        deadline = Deadline(lease.clamp_timeout_s(timeout_s or self.timeout_s),
+                            f"pull of {len(remote_ids)} blocks from {desc.peer_id} over {self.name}")
         started = time.perf_counter()
-        conn = self._connection(desc, deadline)
-        try:
+
+        def transfer(conn: Any) -> None:
             if runs:
-                self._read_runs(conn, desc, runs, payload, deadline)
-            elif payload:
+                self._read_runs(conn, desc, runs, notif, deadline)
+                lease.check_landed()
+            if payload:
                 self._notify(conn, desc, payload, deadline)
-        except (TransferError, OSError) as e:
-            self._forget(desc, conn)
-            log.warning("kv transfer failed: peer=%s backend=%s blocks=%d error=%s",
-                        desc.peer_id, self.name, len(remote_ids), e)
-            if isinstance(e, TransferError):
-                raise
-            raise TransferError(f"{deadline.what} failed: {e}; free the local blocks and retry") from e
+
+        self._exchange(desc, deadline, lease, len(remote_ids), transfer)
         seconds = time.perf_counter() - started
         return TransferStats(self.name, desc.peer_id, len(remote_ids), len(remote_ids) * desc.block_bytes,
                              seconds, len(runs))
+
+    def release(self, peer: PeerDescriptor | bytes, lease_id: str, timeout_s: float | None = None) -> None:
+        """Tells the owner this side will not pull (more) under ``lease_id``, so
+        it frees the blocks now rather than at expiry.  Unacknowledged: raises
+        TransferError only when the transport notices the owner is gone; an
+        undelivered release costs nothing but the wait for the lease to expire."""
+        self._require_pool()  # the handshake compares layouts
+        desc = _as_descriptor(peer)
+        payload = encode_notification(lease_id)
+        deadline = Deadline(timeout_s or self.timeout_s,
+                            f"release of lease {lease_id!r} on {desc.peer_id} over {self.name}")
+        self._exchange(desc, deadline, LeaseClock(None, lease_id, desc.peer_id), 0,
+                       lambda conn: self._notify(conn, desc, payload, deadline))
 
     def poll_notifications(self) -> list[Notification]:
         """Lease ids pullers have finished with since the last call (never blocks)."""
@@ -177,6 +222,31 @@ class TransferBackend(ABC):
         self.close()
 
     # ---- peer cache -------------------------------------------------------
+
+    def _exchange(self, desc: PeerDescriptor, deadline: Deadline, lease: LeaseClock, num_blocks: int,
+                  transfer: Callable[[Any], None]) -> None:
+        """Runs ``transfer`` on the peer's connection: a failed connection is
+        dropped (the next call re-handshakes), and any failure after the lease's
+        read time ran out becomes LeaseExpiredError."""
+        conn = None
+        try:
+            conn = self._connection(desc, deadline)
+            transfer(conn)
+        except LeaseExpiredError as e:  # the connection is fine: the owner refused, or we did
+            log.warning("kv transfer lease expired: peer=%s backend=%s lease=%s blocks=%d error=%s",
+                        desc.peer_id, self.name, lease.lease_id, num_blocks, e)
+            raise
+        except (TransferError, OSError) as e:
+            if conn is not None:
+                self._forget(desc, conn)
+            log.warning("kv transfer failed: peer=%s backend=%s blocks=%d error=%s",
+                        desc.peer_id, self.name, num_blocks, e)
+            if lease.ran_out(deadline):  # a timeout's own advice (retry, raise the timeout) would mislead
+                cause = "" if deadline.expired() else f": {e}"
+                raise lease.expired(f"the read did not finish in the lease's time{cause}") from e
+            if isinstance(e, TransferError):
+                raise
+            raise TransferError(f"{deadline.what} failed: {e}; free the local blocks and retry") from e
 
     def _connection(self, desc: PeerDescriptor, deadline: Deadline) -> Any:
         with self._peers_lock:
@@ -235,7 +305,8 @@ class TransferBackend(ABC):
     # ---- backend hooks ----------------------------------------------------
 
     @abstractmethod
-    def _register(self, kv_pool: torch.Tensor, layout: KVLayout) -> None: ...
+    def _register(self, kv_pool: torch.Tensor, layout: KVLayout, lease_guard: LeaseGuard | None) -> None:
+        """Starts serving the pool; a backend that ``checks_lease_on_read`` keeps the guard."""
 
     @abstractmethod
     def _describe_fields(self) -> dict[str, Any]:
@@ -249,9 +320,11 @@ class TransferBackend(ABC):
     def _disconnect(self, conn: Any) -> None: ...
 
     @abstractmethod
-    def _read_runs(self, conn: Any, desc: PeerDescriptor, runs: list[BlockRun], notif_payload: bytes,
+    def _read_runs(self, conn: Any, desc: PeerDescriptor, runs: list[BlockRun], lease_id: str | None,
                    deadline: Deadline) -> None:
-        """Copies the runs; sends ``notif_payload`` (if any) only after every byte landed."""
+        """Copies the runs, returning once every byte landed; ``lease_id`` is the
+        lease they are read under (for an owner that checks it).  Notifying is
+        the base class's job: only it knows whether the bytes landed in time."""
 
     @abstractmethod
     def _notify(self, conn: Any, desc: PeerDescriptor, notif_payload: bytes, deadline: Deadline) -> None: ...
@@ -262,6 +335,10 @@ class TransferBackend(ABC):
 
     @abstractmethod
     def _close(self) -> None: ...
+
+
+def _as_descriptor(peer: PeerDescriptor | bytes) -> PeerDescriptor:
+    return peer if isinstance(peer, PeerDescriptor) else PeerDescriptor.decode(peer)
 
 
 def default_peer_id() -> str:

@@ -4,10 +4,18 @@ whose per-connection threads stream block bytes to pullers.
 Protocol, one connection per puller thread, frames as in transfer.wire:
 
     puller -> {"op": "hello", "peer_id", "epoch", "layout"}  -> {"ok": true} | {"ok": false, "error"}
-    puller -> {"op": "read", "runs": [[start, n], ...]}      -> {"ok": true, "num_bytes": N} + N raw bytes
+    puller -> {"op": "read", "runs": [[start, n], ...],     -> {"ok": true, "num_bytes": N} + N raw bytes
+               "lease": lease_id (optional)}                  | {"ok": false, "error", "code"?}
     puller -> {"op": "notify", "payload": bytes}             (no reply)
 
-The raw bytes are the runs' blocks back to back, in request order."""
+The raw bytes are the runs' blocks back to back, in request order.
+
+With a LeaseGuard, a read names the lease its blocks were lent under and is
+served only if the guard allows it (code "lease_expired" otherwise, and
+"lease_required" for a read naming no lease); the guard keeps the blocks
+pinned from before the reply until the last byte was handed to the kernel,
+or the stream failed (begin_read .. end_read).  A refusal leaves the
+connection usable."""
 
 from __future__ import annotations
 
@@ -20,6 +28,7 @@ from typing import Any
 from transfer.deadline import Deadline
 from transfer.errors import ConnectionClosedError, TransferError
 from transfer.layout import KVLayout
+from transfer.lease_guard import LeaseGuard
 from transfer.pool_bytes import PoolBytes
 from transfer.runs import BlockRun
 from transfer.wire import MAX_NOTIFICATION_BYTES, recv_frame, send_frame
@@ -30,8 +39,9 @@ log = logging.getLogger("pdcluster.transfer")
 class BlockServer:
     def __init__(self, pool_bytes: PoolBytes, layout: KVLayout, peer_id: str, epoch: int,
                  on_notification: Callable[[str, bytes], None], host: str = "127.0.0.1", port: int = 0,
-                 send_timeout_s: float = 30.0) -> None:
+                 send_timeout_s: float = 30.0, lease_guard: LeaseGuard | None = None) -> None:
         self._pool_bytes = pool_bytes
+        self._lease_guard = lease_guard
         self._layout = layout
         self._peer_id = peer_id
         self._epoch = epoch
@@ -78,7 +88,7 @@ class BlockServer:
                 request = recv_frame(conn, None, f"request from {puller}")
                 op = request.get("op") if isinstance(request, dict) else None
                 if op == "read":
-                    self._send_runs(conn, request.get("runs"))
+                    self._send_runs(conn, request.get("runs"), request.get("lease"))
                 elif op == "notify" and isinstance(request.get("payload"), bytes) \
                         and len(request["payload"]) <= MAX_NOTIFICATION_BYTES:
                     self._on_notification(puller, request["payload"])
@@ -117,16 +127,39 @@ class BlockServer:
             return f"KV layout mismatch: {self._peer_id} holds {self._layout}, {hello['peer_id']} has {theirs}"
         return None
 
-    def _send_runs(self, conn: socket.socket, raw_runs: Any) -> None:
+    def _send_runs(self, conn: socket.socket, raw_runs: Any, lease_id: Any) -> None:
         runs = self._parse_runs(raw_runs)
         if isinstance(runs, str):
             self._reply(conn, {"ok": False, "error": runs})
             return
-        total = sum(r.num_blocks for r in runs) * self._pool_bytes.block_bytes
-        self._reply(conn, {"ok": True, "num_bytes": total})
-        conn.settimeout(self._send_timeout_s)
-        for chunk in self._pool_bytes.chunks(runs):
-            conn.sendall(self._pool_bytes.read(chunk.remote_start, chunk.num_blocks))
+        refusal = self._begin_read(lease_id, runs)
+        if refusal is not None:
+            self._reply(conn, refusal)
+            return
+        try:
+            total = sum(r.num_blocks for r in runs) * self._pool_bytes.block_bytes
+            self._reply(conn, {"ok": True, "num_bytes": total})
+            conn.settimeout(self._send_timeout_s)
+            for chunk in self._pool_bytes.chunks(runs):
+                conn.sendall(self._pool_bytes.read(chunk.remote_start, chunk.num_blocks))
+        finally:
+            if self._lease_guard is not None:
+                self._lease_guard.end_read(lease_id)
+
+    def _begin_read(self, lease_id: Any, runs: list[BlockRun]) -> dict[str, Any] | None:
+        """None when the read may go ahead (the guard now pins its blocks), else the refusal to send."""
+        if self._lease_guard is None:
+            return None
+        if not isinstance(lease_id, str) or not lease_id:
+            return {"ok": False, "code": "lease_required",
+                    "error": f"{self._peer_id} serves reads only under a lease: pass the hand-off's lease id "
+                             "as pull(..., notif=lease_id)"}
+        block_ids = [b for r in runs for b in range(r.remote_start, r.remote_start + r.num_blocks)]
+        reason = self._lease_guard.begin_read(lease_id, block_ids)
+        if reason is None:
+            return None
+        log.info("kv block server refused a read: lease=%s blocks=%d reason=%s", lease_id, len(block_ids), reason)
+        return {"ok": False, "code": "lease_expired", "error": f"lease {lease_id!r} on {self._peer_id}: {reason}"}
 
     def _parse_runs(self, raw_runs: Any) -> list[BlockRun] | str:
         """The runs, or an error message for the puller."""

@@ -21,3 +21,10 @@ class BackendUnavailableError(TransferError):
 
 class ConnectionClosedError(TransferError):
     """The other side closed a socket mid-message (it died, or gave up)."""
+
+
+class LeaseExpiredError(TransferError):
+    """The owner's lease on the blocks ran out before (or while) they were read,
+    or the owner does not know it: the blocks may already hold another
+    request's KV.  Nothing read may be used; the request must be prefilled
+    again (a retry of the same pull cannot succeed)."""

@@ -14,6 +14,9 @@ How it is set up, and why (measured with nixl 1.5.1 on a 2-core CPU host):
 - Same-host READs copy inside ``transfer()`` (process_vm_readv), so the
   deadline is checked around NIXL calls, not inside that copy; the copy is
   bounded by the pull's size.
+- Leases: the owner's CPU never sees a READ, so a LeaseGuard cannot be asked;
+  the base class's lease deadline checks on the puller protect the read, and
+  the notification goes out as a separate message only after they passed.
 
 Remote descriptors are built from the peer descriptor's ``pool_addr`` rather
 than NIXL's pickled descriptor lists: nothing from the wire is unpickled."""
@@ -32,6 +35,7 @@ from transfer.base import TransferBackend
 from transfer.deadline import Deadline
 from transfer.errors import BackendUnavailableError, TransferError
 from transfer.layout import KVLayout
+from transfer.lease_guard import LeaseGuard
 from transfer.peer import PeerDescriptor, peer_id_of_agent
 from transfer.registry import register_backend
 from transfer.runs import BlockRun, runs_to_regions
@@ -58,6 +62,7 @@ class NixlBackend(TransferBackend):
     one_sided = True  # on same-host CMA and RDMA; over plain TCP the owner's ticker serves it
     device_memory = True
     needs_listener = False
+    checks_lease_on_read = False  # one-sided: the puller's deadline checks stand in (see transfer.base)
 
     def __init__(self, peer_id: str | None = None, timeout_s: float = 10.0,
                  progress_interval_s: float | None = 0.005, ucx_error_handling: str = "none") -> None:
@@ -81,7 +86,7 @@ class NixlBackend(TransferBackend):
 
     # ---- owner side -------------------------------------------------------
 
-    def _register(self, kv_pool: torch.Tensor, layout: KVLayout) -> None:
+    def _register(self, kv_pool: torch.Tensor, layout: KVLayout, lease_guard: LeaseGuard | None) -> None:
         self._mem_type = "DRAM" if kv_pool.device.type == "cpu" else "VRAM"
         self._device_id = kv_pool.device.index or 0
         with self._lock:
@@ -165,7 +170,7 @@ class NixlBackend(TransferBackend):
             if self._agent is not None:
                 self._drop_remote_agent(conn)
 
-    def _read_runs(self, conn: str, desc: PeerDescriptor, runs: list[BlockRun], notif_payload: bytes,
+    def _read_runs(self, conn: str, desc: PeerDescriptor, runs: list[BlockRun], lease_id: str | None,
                    deadline: Deadline) -> None:
         assert self._pool is not None
         block_bytes = desc.block_bytes
@@ -177,7 +182,7 @@ class NixlBackend(TransferBackend):
             with self._lock:
                 local_descs = self._agent.get_xfer_descs(local, self._mem_type)
                 remote_descs = self._agent.get_xfer_descs(remote, desc.mem_type)
-                handle = self._agent.initialize_xfer("READ", local_descs, remote_descs, conn, notif_payload)
+                handle = self._agent.initialize_xfer("READ", local_descs, remote_descs, conn)
                 state = self._agent.transfer(handle)
             self._wait(handle, state, deadline)
         except TransferError:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import socket
 import threading
 from collections import deque
+from typing import Any
 
 import torch
 
@@ -19,6 +20,7 @@ from transfer.block_server import BlockServer
 from transfer.deadline import Deadline
 from transfer.errors import LayoutMismatchError, TransferError
 from transfer.layout import KVLayout
+from transfer.lease_guard import LeaseGuard, lease_expired_error
 from transfer.peer import PeerDescriptor
 from transfer.pool_bytes import PoolBytes
 from transfer.registry import register_backend
@@ -75,6 +77,7 @@ class SocketBackend(TransferBackend):
     one_sided = False  # the owner's server thread sends every byte
     device_memory = False  # accelerator pools are staged through host memory
     needs_listener = True
+    checks_lease_on_read = True  # the owner's server thread asks the LeaseGuard before each read
 
     def __init__(self, peer_id: str | None = None, timeout_s: float = 10.0, host: str = "127.0.0.1",
                  port: int = 0, max_stage_bytes: int = 64 << 20) -> None:
@@ -85,11 +88,11 @@ class SocketBackend(TransferBackend):
         self._server: BlockServer | None = None
         self._notifications: deque[tuple[str, bytes]] = deque()
 
-    def _register(self, kv_pool: torch.Tensor, layout: KVLayout) -> None:
+    def _register(self, kv_pool: torch.Tensor, layout: KVLayout, lease_guard: LeaseGuard | None) -> None:
         self._bytes = PoolBytes(kv_pool, layout.block_bytes, self._max_stage_bytes)
         self._server = BlockServer(self._bytes, layout, self.peer_id, self.epoch,
                                    lambda sender, payload: self._notifications.append((sender, payload)),
-                                   host=self._host, port=self._port)
+                                   host=self._host, port=self._port, lease_guard=lease_guard)
 
     def _describe_fields(self) -> dict:
         assert self._server is not None and self._bytes is not None
@@ -108,25 +111,35 @@ class SocketBackend(TransferBackend):
         conn.close()
 
     def _read_runs(self, conn: _SocketPeer, desc: PeerDescriptor, runs: list[BlockRun],
-                   notif_payload: bytes, deadline: Deadline) -> None:
+                   lease_id: str | None, deadline: Deadline) -> None:
         assert self._bytes is not None
         sock = conn.checkout(deadline)
+        request: dict[str, Any] = {"op": "read", "runs": [[r.remote_start, r.num_blocks] for r in runs]}
+        if lease_id is not None:
+            request["lease"] = lease_id
         try:
-            send_frame(sock, {"op": "read", "runs": [[r.remote_start, r.num_blocks] for r in runs]}, deadline)
+            send_frame(sock, request, deadline)
             reply = recv_frame(sock, deadline, f"read reply from {desc.peer_id}")
             expected = sum(r.num_blocks for r in runs) * desc.block_bytes
-            if not isinstance(reply, dict) or reply.get("ok") is not True or reply.get("num_bytes") != expected:
-                raise TransferError(f"peer {desc.peer_id} refused the read: {reply!r:.300}")
-            for chunk in self._bytes.chunks(runs):
-                buf = self._bytes.write_buffer(chunk.local_start, chunk.num_blocks)
-                recv_exactly(sock, buf, deadline, f"blocks from {desc.peer_id}")
-                self._bytes.commit(chunk.local_start, chunk.num_blocks, buf)
-            if notif_payload:
-                send_frame(sock, {"op": "notify", "payload": notif_payload}, deadline)
+            refused = not isinstance(reply, dict) or reply.get("ok") is not True
+            if not refused and reply.get("num_bytes") != expected:
+                raise TransferError(f"peer {desc.peer_id} announced {reply.get('num_bytes')!r} bytes "
+                                    f"for a read of {expected}; both sides must run the same pdcluster")
+            if not refused:
+                self._receive(sock, desc, runs, deadline)
         except BaseException:
             sock.close()  # mid-stream: the connection cannot be reused
             raise
-        conn.checkin(sock)
+        conn.checkin(sock)  # a refusal is a whole reply: the connection stays usable
+        if refused:
+            raise _refusal_error(desc, lease_id, reply)
+
+    def _receive(self, sock: socket.socket, desc: PeerDescriptor, runs: list[BlockRun], deadline: Deadline) -> None:
+        assert self._bytes is not None
+        for chunk in self._bytes.chunks(runs):
+            buf = self._bytes.write_buffer(chunk.local_start, chunk.num_blocks)
+            recv_exactly(sock, buf, deadline, f"blocks from {desc.peer_id}")
+            self._bytes.commit(chunk.local_start, chunk.num_blocks, buf)
 
     def _notify(self, conn: _SocketPeer, desc: PeerDescriptor, notif_payload: bytes, deadline: Deadline) -> None:
         sock = conn.checkout(deadline)
@@ -146,3 +159,9 @@ class SocketBackend(TransferBackend):
     def _close(self) -> None:
         if self._server is not None:
             self._server.close()
+
+
+def _refusal_error(desc: PeerDescriptor, lease_id: str | None, reply: Any) -> TransferError:
+    if isinstance(reply, dict) and reply.get("code") == "lease_expired":
+        return lease_expired_error(lease_id, desc.peer_id, f"the owner refused the read: {reply.get('error')}")
+    return TransferError(f"peer {desc.peer_id} refused the read: {reply!r:.300}")

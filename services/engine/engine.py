@@ -1,10 +1,23 @@
 """The synchronous engine: ``add_request`` -> ``step`` (schedule, run,
 post-process) -> ``RequestOutput``s; ``abort`` at any time.  Also the two
 disaggregation hooks: prefill-only requests whose blocks stay leased, and
-requests whose prompt K/V is written from outside."""
+requests whose prompt K/V is written from outside (reserved blocks that
+expire if the K/V never comes).
+
+No request can hurt another: a request whose logits are not finite, or
+whose post-processing raises, fails alone; a step that raises fails the
+requests it scheduled.  Each failed request ends with an output carrying
+``error`` (finish_reason ABORT), its blocks go back, and the engine goes on.
+Only when the failure is not one request's (the KV bookkeeping no longer
+adds up, or several steps in a row fail) does ``step`` raise EngineDeadError.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import logging
+import time
+from collections import Counter
 from collections.abc import Sequence
 
 import torch
@@ -13,7 +26,7 @@ from kernels import cpu_native
 
 from services.engine.config import EngineConfig
 from services.engine.detokenizer import IncrementalDetokenizer
-from services.engine.errors import InvalidRequestError, RequestTooLongError, UnknownRequestError
+from services.engine.errors import EngineDeadError, InvalidRequestError, RequestTooLongError, UnknownRequestError
 from services.engine.kv_cache import KVCache, KVCacheSpec, KVEventCallback
 from services.engine.lease import LeaseTable
 from services.engine.model.loader import LoadedModel, block_hash_seed, load_model
@@ -21,7 +34,12 @@ from services.engine.outputs import EngineStats, ExternalKVAllocation, PrefillRe
 from services.engine.request import FinishReason, Request, RequestStatus
 from services.engine.runner import ModelRunner
 from services.engine.sampling_params import SamplingParams
-from services.engine.scheduler import Scheduler
+from services.engine.scheduler import Scheduler, SchedulerOutput
+
+log = logging.getLogger(__name__)
+# Steps that raise, in a row, before the engine gives up: one bad request
+# fails one step; a fault that outlives the requests it failed is not theirs.
+MAX_CONSECUTIVE_FAILED_STEPS = 3
 
 
 def kv_spec_for(config: EngineConfig, loaded: LoadedModel) -> KVCacheSpec:
@@ -56,14 +74,26 @@ class Engine:
         self.leases = LeaseTable(self.kv.free, config.lease_ttl_s)
         self.requests: dict[str, Request] = {}
         self.awaiting_kv: dict[str, Request] = {}
+        # A reservation waits at most as long as the lease it will pull from.
+        self.reservation_ttl_s = config.lease_ttl_s
+        self._reservation_expiry: dict[str, float] = {}  # request id -> time.monotonic()
         self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._in_flight: list[Request] | None = None  # this step's requests, once scheduled
+        self._step_outputs: list[RequestOutput] = []
         self.num_steps = 0
+        self.num_failed_requests = 0
+        self.num_failed_steps = 0
+        self.num_expired_reservations = 0
+        self._consecutive_failed_steps = 0
 
     # ---- intake --------------------------------------------------------
     def _make_request(self, request_id: str, prompt: str | Sequence[int],
                       params: SamplingParams, prefill_only: bool = False) -> Request:
         if request_id in self.requests or request_id in self.awaiting_kv:
             raise InvalidRequestError(f"request id {request_id!r} is already in use; pick a unique id")
+        if prefill_only and self.leases.get(request_id) is not None:
+            raise InvalidRequestError(f"request id {request_id!r} still holds the lease of an earlier prefill; "
+                                      "pick a unique id, or release that lease first")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.validate(ids, params)
         return Request(request_id, ids, params, prefill_only=prefill_only)
@@ -100,9 +130,13 @@ class Engine:
 
     # ---- disaggregation: K/V written from outside ------------------------
     def reserve_external(self, request_id: str, prompt_token_ids: Sequence[int],
-                         params: SamplingParams) -> ExternalKVAllocation | None:
+                         params: SamplingParams, ttl_s: float | None = None) -> ExternalKVAllocation | None:
         """Allocates blocks for a prompt whose K/V someone else computed.
-        None if the pool cannot hold it now (retry later)."""
+        None if the pool cannot hold it now (retry later).  Unless committed
+        within ``ttl_s`` (default ``reservation_ttl_s``), the reservation is
+        aborted and its blocks freed."""
+        if ttl_s is not None and not 0 < ttl_s < float("inf"):
+            raise InvalidRequestError(f"ttl_s must be a finite number of seconds > 0, got {ttl_s!r}")
         req = self._make_request(request_id, prompt_token_ids, params)
         sched, bs = self.scheduler, self.kv_spec.block_size
         match = self.kv.match_prefix(sched.update_hashes(req))
@@ -114,14 +148,21 @@ class Engine:
         req.num_cached_tokens = match.num_blocks * bs
         req.status = RequestStatus.WAITING_FOR_KV
         self.awaiting_kv[request_id] = req
+        self._reservation_expiry[request_id] = time.monotonic() + (ttl_s or self.reservation_ttl_s)
         return ExternalKVAllocation(request_id, tuple(req.block_ids), match.num_blocks)
 
     def commit_external(self, request_id: str, first_token_id: int) -> Request:
         """The reserved blocks now hold the prompt's K/V: decode from
         ``first_token_id`` (already sent to the client by the prefill side)."""
+        vocab = self.loaded.config.vocab_size
+        if isinstance(first_token_id, bool) or not isinstance(first_token_id, int) or not 0 <= first_token_id < vocab:
+            raise InvalidRequestError(
+                f"first token id {first_token_id!r} is outside this model's vocabulary [0, {vocab})")
         req = self.awaiting_kv.pop(request_id, None)
+        self._reservation_expiry.pop(request_id, None)
         if req is None:
-            raise UnknownRequestError(f"no reserved request {request_id!r}: call reserve_external first")
+            raise UnknownRequestError(f"no reserved request {request_id!r} (never reserved, aborted, or expired "
+                                      "before the K/V came): call reserve_external again")
         req.num_computed_tokens = req.num_prompt_tokens
         self.scheduler.commit_computed_blocks(req)
         self.requests[request_id] = req
@@ -133,16 +174,37 @@ class Engine:
         reason = self._stop_reason(req, first_token_id, detok)
         if reason is not None:
             self._finish(req, reason)
+            self._forget(request_id)
         else:
             self.scheduler.running.append(req)
         return req
+
+    def expire_stale(self, now: float | None = None) -> None:
+        """The periodic pass (every step, and every idle wake of the async
+        loop): leases past their grace, and reservations past their TTL."""
+        self.leases.expire(now)
+        if self._reservation_expiry:
+            now = time.monotonic() if now is None else now
+            for request_id in [rid for rid, at in self._reservation_expiry.items() if at <= now]:
+                self.abort(request_id)
+                self.num_expired_reservations += 1
+                log.warning("reservation expired before its KV came: request_id=%s", request_id)
 
     # ---- leases (prefill side) --------------------------------------------
     def release_lease(self, request_id: str) -> bool:
         return self.leases.release(request_id)
 
+    def shorten_lease(self, request_id: str, ttl_s: float, prefill: PrefillResult) -> PrefillResult:
+        """Makes the lease end ``ttl_s`` from now (never later than it would);
+        returns ``prefill`` with the new deadline.  A fault-injection hook."""
+        lease = self.leases.shorten(request_id, ttl_s)
+        if lease is None:
+            raise UnknownRequestError(f"no lease {request_id!r}: it was released or has expired")
+        return dataclasses.replace(prefill, lease_deadline_unix=lease.deadline_unix)
+
     # ---- control ----------------------------------------------------------
     def abort(self, request_id: str) -> bool:
+        self._reservation_expiry.pop(request_id, None)
         req = self.awaiting_kv.pop(request_id, None) or self.requests.get(request_id)
         if req is None:
             return self.leases.release(request_id)
@@ -157,8 +219,17 @@ class Engine:
 
     # ---- one step ----------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        if not self._native:
-            return self._step()
+        """Schedules, runs and post-processes one batch.  A step that raises
+        fails the requests it scheduled (outputs with ``error``) and returns;
+        EngineDeadError when the engine cannot go on."""
+        try:
+            outputs = self._step_native_threads() if self._native else self._step()
+        except Exception as exc:  # noqa: BLE001 - model, scheduler, anything: contained to this step
+            return self._recover(exc)
+        self._consecutive_failed_steps = 0
+        return outputs
+
+    def _step_native_threads(self) -> list[RequestOutput]:
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
@@ -167,14 +238,68 @@ class Engine:
             torch.set_num_threads(threads)
 
     def _step(self) -> list[RequestOutput]:
-        self.leases.expire()
+        self._in_flight, self._step_outputs = None, []
+        outputs = self._step_outputs  # kept on self: a step that raises still hands these out
+        self.expire_stale()
         out = self.scheduler.schedule()
+        self._in_flight = [s.request for s in out.scheduled]
         if out.is_empty:
             return []
         self.num_steps += 1
-        results = self.runner.execute(out)
-        got = self.scheduler.update(out, {rid: tok for rid, (tok, _) in results.items()})
-        return [self._postprocess(req) for req in got]
+        sampled = self.runner.execute(out)
+        if sampled.failed:
+            outputs += [self._fail(s.request, sampled.failed[s.request.request_id])
+                        for s in out.scheduled if s.request.request_id in sampled.failed]
+            out = _without(out, sampled.failed)  # their blocks of this step never reach the prefix cache
+        got = self.scheduler.update(out, sampled.token_ids)
+        for req in got:
+            outputs.append(self._postprocess_or_fail(req))
+        self._in_flight = None
+        return outputs
+
+    def _recover(self, exc: Exception) -> list[RequestOutput]:
+        """After a step raised: fails the requests it scheduled (if scheduling
+        itself raised, those it was working on), then checks that every KV
+        block is still accounted for."""
+        self.num_failed_steps += 1
+        self._consecutive_failed_steps += 1
+        log.error("engine step failed; failing its requests: error=%r", exc, exc_info=exc)
+        s = self.scheduler
+        suspects = self._in_flight if self._in_flight is not None else list(s.running) + list(s.waiting)[:1]
+        self._in_flight = None
+        why = (f"the engine step running this request failed ({type(exc).__name__}: {exc}); "
+               "other requests are unaffected: retry")
+        try:
+            outputs = self._step_outputs + [self._fail(r, why) for r in suspects
+                                            if self.requests.get(r.request_id) is r]
+            self.check_integrity()
+        except Exception as broken:  # noqa: BLE001 - whatever it is, the engine cannot be trusted now
+            raise EngineDeadError(f"the KV bookkeeping is inconsistent after a failed step ({broken!r}; the step "
+                                  f"failed with {exc!r}): restart the replica") from exc
+        if self._consecutive_failed_steps >= MAX_CONSECUTIVE_FAILED_STEPS:
+            raise EngineDeadError(f"{self._consecutive_failed_steps} engine steps in a row failed, the last with "
+                                  f"{exc!r}: the fault is not in one request; restart the replica") from exc
+        return outputs
+
+    def _fail(self, req: Request, why: str) -> RequestOutput:
+        """Ends one request with an error: its blocks go back, the engine forgets it."""
+        if not req.is_finished:
+            self.scheduler.finish(req, FinishReason.ABORT)
+        self._forget(req.request_id)
+        self.num_failed_requests += 1
+        log.warning("request failed: request_id=%s error=%s", req.request_id, why)
+        return RequestOutput(req.request_id, finished=True, finish_reason=FinishReason.ABORT,
+                             num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=req.num_cached_tokens,
+                             num_output_tokens=len(req.output_token_ids), first_scheduled_s=req.first_scheduled_s,
+                             error=why)
+
+    def _postprocess_or_fail(self, req: Request) -> RequestOutput:
+        try:
+            return self._postprocess(req)
+        except Exception as exc:  # noqa: BLE001 - one request's detokenizer or lease: fail it alone
+            log.error("post-processing failed: request_id=%s error=%r", req.request_id, exc, exc_info=exc)
+            return self._fail(req, f"the engine failed to post-process this request ({type(exc).__name__}: "
+                                   f"{exc}); other requests are unaffected: retry")
 
     def _stop_reason(self, req: Request, token: int, detok: IncrementalDetokenizer) -> FinishReason | None:
         p = req.params
@@ -196,9 +321,10 @@ class Engine:
                             num_cached_tokens=req.num_cached_tokens, num_output_tokens=len(req.output_token_ids),
                             first_scheduled_s=req.first_scheduled_s)
         if reason is None and req.prefill_only:
+            lease = self.leases.pin(req.request_id, list(req.block_ids))  # may raise: the request still owns them
             blocks = self.scheduler.finish(req, FinishReason.PREFILLED, keep_blocks=True)
-            self.leases.pin(req.request_id, blocks)
-            out.prefill = PrefillResult(token, tuple(blocks), req.num_prompt_tokens, req.num_cached_tokens)
+            out.prefill = PrefillResult(token, tuple(blocks), req.num_prompt_tokens, req.num_cached_tokens,
+                                        lease.deadline_unix)
             reason = FinishReason.PREFILLED
         elif reason is not None:
             self._finish(req, reason)
@@ -224,12 +350,24 @@ class Engine:
             kv_blocks_total=self.kv.num_total_blocks, kv_blocks_free=self.kv.num_free_blocks,
             kv_blocks_cached=self.kv.num_cached_blocks, leased_blocks=self.leases.num_pinned_blocks,
             prompt_tokens_computed=s.num_prompt_tokens_computed, prompt_tokens_cached=s.num_prompt_tokens_cached,
-            num_preemptions=s.num_preemptions, num_steps=self.num_steps)
+            num_preemptions=s.num_preemptions, num_steps=self.num_steps,
+            num_failed_requests=self.num_failed_requests, num_failed_steps=self.num_failed_steps,
+            num_expired_reservations=self.num_expired_reservations, num_refused_reads=self.leases.num_refused_reads)
 
     def check_integrity(self) -> None:
+        """Asserts the pool is consistent and every block reference has an
+        owner: a request (running, waiting or reserved) or the lease table."""
         self.kv.check_integrity()
-        for req in list(self.scheduler.running) + list(self.scheduler.waiting) + list(self.awaiting_kv.values()):
+        reqs = list(self.scheduler.running) + list(self.scheduler.waiting) + list(self.awaiting_kv.values())
+        owners: Counter[int] = Counter(self.leases.held_block_ids())
+        for req in reqs:
             req.check_invariants(self.kv_spec.block_size)
+            owners.update(req.block_ids)
+        wrong = [b for b in range(self.kv.num_total_blocks) if self.kv.ref_count(b) != owners[b]]
+        if wrong:
+            b = wrong[0]
+            raise AssertionError(f"{len(wrong)} blocks have a ref count their owners do not explain, e.g. block "
+                                 f"{b}: ref {self.kv.ref_count(b)}, held {owners[b]} times")
 
     # ---- offline ---------------------------------------------------------------
     def generate(self, prompts: Sequence[str | Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
@@ -245,7 +383,14 @@ class Engine:
                 m = merged[o.request_id]
                 m.new_token_ids += o.new_token_ids
                 m.text_delta += o.text_delta
-                m.finished, m.finish_reason = o.finished, o.finish_reason
+                m.finished, m.finish_reason, m.error = o.finished, o.finish_reason, o.error
                 m.num_prompt_tokens, m.num_cached_tokens = o.num_prompt_tokens, o.num_cached_tokens
                 m.num_output_tokens = o.num_output_tokens
         return [merged[rid] for rid in ids]
+
+
+def _without(out: SchedulerOutput, failed: dict[str, str]) -> SchedulerOutput:
+    """The step's schedule less the requests that already failed."""
+    def keep(entries):
+        return [s for s in entries if s.request.request_id not in failed]
+    return SchedulerOutput(keep(out.decodes), keep(out.prefills), out.preempted)

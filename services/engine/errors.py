@@ -19,3 +19,9 @@ class UnknownRequestError(EngineError, KeyError):
 
 class EngineDeadError(EngineError, RuntimeError):
     """The engine loop died; the replica should be restarted."""
+
+
+class RequestFailedError(EngineError, RuntimeError):
+    """This request failed inside the engine (a numerical error in its logits,
+    or a step that raised while it was scheduled); the engine and every other
+    request carry on, so retrying it is safe (HTTP 500)."""

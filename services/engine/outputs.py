@@ -15,6 +15,9 @@ class PrefillResult:
     block_ids: tuple[int, ...]
     num_tokens: int          # prompt tokens whose K/V the blocks hold
     num_cached_tokens: int   # of those, found in the prefix cache
+    # time.time() from which the owner refuses reads of block_ids (0 = unknown:
+    # treat as expired); the blocks stay unrecycled EXPIRY_GRACE_S longer.
+    lease_deadline_unix: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,9 @@ class RequestOutput:
     num_output_tokens: int = 0
     prefill: PrefillResult | None = None
     first_scheduled_s: float | None = None  # time.monotonic() of its first scheduled step
+    # Set on a request the engine failed (finished, finish_reason ABORT): the
+    # message of the RequestFailedError that AsyncEngine raises in its stream.
+    error: str | None = None
 
     def followed_by(self, later: "RequestOutput") -> "RequestOutput":
         """This output and the next one of the same request as one."""
@@ -50,7 +56,8 @@ class RequestOutput:
             self.request_id, self.new_token_ids + later.new_token_ids, self.text_delta + later.text_delta,
             later.finished, later.finish_reason, later.num_prompt_tokens, later.num_cached_tokens,
             later.num_output_tokens, self.prefill or later.prefill,
-            self.first_scheduled_s if self.first_scheduled_s is not None else later.first_scheduled_s)
+            self.first_scheduled_s if self.first_scheduled_s is not None else later.first_scheduled_s,
+            later.error)
 
 
 @dataclass(frozen=True)
@@ -66,6 +73,10 @@ class EngineStats:
     prompt_tokens_cached: int
     num_preemptions: int
     num_steps: int
+    num_failed_requests: int = 0        # failed alone (bad logits, or in a step that raised)
+    num_failed_steps: int = 0           # steps that raised and were recovered from
+    num_expired_reservations: int = 0   # reserve_external blocks whose K/V never came within the TTL
+    num_refused_reads: int = 0          # lease reads refused (unknown, released or expired lease)
 
     @property
     def kv_usage(self) -> float:

@@ -8,7 +8,7 @@ from services.engine.forward_batch import ForwardBatch
 from services.engine.kv_cache import KVCache
 from services.engine.model.llama import LlamaModel
 from services.engine.request import Request
-from services.engine.sampler import Sampler
+from services.engine.sampler import SampleResult, Sampler
 from services.engine.scheduler import ScheduledRequest, SchedulerOutput
 
 
@@ -82,11 +82,11 @@ class ModelRunner:
         )
         return batch, sampled
 
-    def execute(self, out: SchedulerOutput) -> dict[str, tuple[int, torch.Tensor]]:
-        """Runs the step; returns request id -> (sampled token, its logits row)."""
+    def execute(self, out: SchedulerOutput) -> SampleResult:
+        """Runs the step; returns the sampled token of each request whose
+        prompt is done, and which of them failed (non-finite logits)."""
         batch, to_sample = self.build_batch(out)
         logits = self.model(batch, self.kv.kv_pool)
         if not to_sample:
-            return {}
-        tokens = self.sampler.sample(logits, [r.request_id for r in to_sample], [r.params for r in to_sample])
-        return {r.request_id: (tok, logits[i]) for i, (r, tok) in enumerate(zip(to_sample, tokens))}
+            return SampleResult({}, {})
+        return self.sampler.sample_batch(logits, [r.request_id for r in to_sample], [r.params for r in to_sample])

@@ -1,11 +1,31 @@
 """Next-token choice per request: greedy, or temperature / top-k / top-p
-sampling with a per-request seeded generator."""
+sampling with a per-request seeded generator.
+
+A row whose logits are not finite (NaN or inf out of the forward pass), or
+whose probabilities are not after temperature / top-k / top-p, fails that
+request alone; the other rows of the batch are sampled as usual.  Finiteness
+is one batched ``isfinite(...).all(dim=-1)``; the all-greedy path stays one
+argmax and one host transfer."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from services.engine.errors import RequestFailedError
 from services.engine.sampling_params import SamplingParams
+
+NONFINITE_LOGITS = ("numerical error in this request's logits (NaN or inf out of the model); "
+                    "the engine and other requests are unaffected: retry")
+
+
+@dataclass(frozen=True)
+class SampleResult:
+    """One step's choices: a token per healthy row, and per failed row why
+    it failed (the message of the RequestFailedError its caller will get)."""
+    token_ids: dict[str, int]
+    failed: dict[str, str]
 
 
 class Sampler:
@@ -15,10 +35,10 @@ class Sampler:
     def forget(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
 
-    def _generator(self, request_id: str, params: SamplingParams) -> torch.Generator:
+    def _generator(self, request_id: str, params: SamplingParams, device: torch.device) -> torch.Generator:
         g = self._generators.get(request_id)
         if g is None:
-            g = torch.Generator()
+            g = torch.Generator(device=device)  # multinomial wants it where the probabilities are
             if params.seed is not None:
                 g.manual_seed(params.seed)
             else:
@@ -26,19 +46,50 @@ class Sampler:
             self._generators[request_id] = g
         return g
 
-    def sample(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]) -> list[int]:
+    def sample_batch(self, logits: torch.Tensor, request_ids: list[str],
+                     params: list[SamplingParams]) -> SampleResult:
         """``logits``: fp32 [N, vocab], one row per request."""
-        if all(p.greedy for p in params):
-            return logits.argmax(dim=-1).tolist()
-        greedy_ids = logits.argmax(dim=-1).tolist()
-        out = []
+        finite = torch.isfinite(logits).all(dim=-1)
+        # -1 marks a non-finite row (argmax of a NaN row is a garbage token);
+        # one masked tensor keeps it to one device sync.
+        best = logits.argmax(dim=-1).masked_fill(~finite, -1).tolist()
+        if all(p.greedy for p in params) and min(best, default=0) >= 0:
+            return SampleResult(dict(zip(request_ids, best)), {})
+        tokens: dict[str, int] = {}
+        failed: dict[str, str] = {}
         for row, (rid, p) in enumerate(zip(request_ids, params)):
-            if p.greedy:
-                out.append(greedy_ids[row])
-                continue
-            probs = probabilities(logits[row], p)
-            out.append(int(torch.multinomial(probs, 1, generator=self._generator(rid, p)).item()))
-        return out
+            if best[row] < 0:
+                failed[rid] = NONFINITE_LOGITS
+            elif p.greedy:
+                tokens[rid] = best[row]
+            else:
+                token = self._draw(logits[row], rid, p)
+                if isinstance(token, str):
+                    failed[rid] = token
+                else:
+                    tokens[rid] = token
+        return SampleResult(tokens, failed)
+
+    def _draw(self, row: torch.Tensor, request_id: str, p: SamplingParams) -> int | str:
+        """A sampled token, or why none could be drawn."""
+        why = (f"numerical error sampling this request (temperature={p.temperature!r}, top_p={p.top_p!r}, "
+               f"top_k={p.top_k}) gave no valid probabilities; retry, or use temperature 0")
+        try:
+            probs = probabilities(row, p)
+            if not bool(torch.isfinite(probs).all()) or not float(probs.sum()) > 0:
+                return why
+            return int(torch.multinomial(probs, 1, generator=self._generator(request_id, p, row.device)).item())
+        except RuntimeError as exc:  # multinomial's own check, or a generator that will not seed
+            return f"{why} ({exc})"
+
+    def sample(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]) -> list[int]:
+        """One token per row, in row order; RequestFailedError if any row failed
+        (the engine uses ``sample_batch``, which fails only that row)."""
+        result = self.sample_batch(logits, request_ids, params)
+        if result.failed:
+            rid, why = next(iter(result.failed.items()))
+            raise RequestFailedError(f"request {rid!r}: {why}")
+        return [result.token_ids[rid] for rid in request_ids]
 
 
 def probabilities(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
@@ -49,9 +100,12 @@ def probabilities(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         keep = torch.topk(x, p.top_k).indices  # exactly k, even when logits tie
         x = torch.full_like(x, float("-inf")).scatter(0, keep, x[keep])
     if p.top_p < 1.0:
-        sorted_x, order = torch.sort(x, descending=True)
-        cum = torch.softmax(sorted_x, dim=-1).cumsum(dim=-1)
-        drop = cum - torch.softmax(sorted_x, dim=-1) >= p.top_p  # mass before this token already enough
+        sorted_x, order = torch.sort(x, descending=True, stable=True)  # ties in argmax's order
+        probs = torch.softmax(sorted_x, dim=-1)
+        drop = probs.cumsum(dim=-1) - probs >= p.top_p  # mass before this token already enough
+        # The best token always stays: a denormal top_p rounds to 0 in fp32, and
+        # 0 >= 0 would drop every token and leave nothing to sample.
+        drop[0] = False
         sorted_x = sorted_x.masked_fill(drop, float("-inf"))
         x = torch.full_like(x, float("-inf")).scatter(0, order, sorted_x)
     return torch.softmax(x, dim=-1)

@@ -1,13 +1,41 @@
-"""How to pick tokens and when to stop, validated at construction."""
+"""How to pick tokens and when to stop, validated at construction.
+
+Everything a request can ask of the engine thread is bounded here, before it
+gets there: a value that would make the sampler divide by zero (or by a
+denormal), or make the per-token stop check scan megabytes, is refused with
+an error naming the limit and the fix."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from services.engine.errors import InvalidRequestError
 
+# Caps on what one request may ask the engine thread to check every token:
+# the stop strings are scanned after each token, for every running request.
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 512
+MAX_STOP_TOKEN_IDS = 256
+# Below this, temperature sampling is argmax in every float format we use
+# (logits / 1e-300 overflow to inf and softmax turns them into NaN).
+GREEDY_TEMPERATURE = 1e-5
+# torch.Generator.manual_seed takes a signed or unsigned 64-bit integer.
+_SEED_RANGE = range(-2**63, 2**64)
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)  # True is an int to Python, not to a client
+
+
+def _is_real(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
+    """Every error message starts with the field's name (the OpenAI layer
+    turns it into the 400's ``param``)."""
     max_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
@@ -18,32 +46,56 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise InvalidRequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            raise InvalidRequestError(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+        if not _is_real(self.temperature) or self.temperature < 0:
+            raise InvalidRequestError(f"temperature must be >= 0 and finite (0 = greedy), got {self.temperature!r}")
+        if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        if not _is_int(self.top_k) or self.top_k < 0:
             raise InvalidRequestError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
-        stop = self.stop
-        if isinstance(stop, str):
-            object.__setattr__(self, "stop", (stop,))
-        elif not isinstance(stop, (tuple, list)) or not all(isinstance(s, str) for s in stop):
-            raise InvalidRequestError(f"stop must be a string or a list of strings, got {stop!r}")
-        else:
-            object.__setattr__(self, "stop", tuple(stop))
-        if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
-            raise InvalidRequestError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if self.seed is not None and (not _is_int(self.seed) or self.seed not in _SEED_RANGE):
+            raise InvalidRequestError(f"seed must be a 64-bit integer or null, got {self.seed!r}")
+        object.__setattr__(self, "stop", _checked_stop(self.stop))
+        object.__setattr__(self, "stop_token_ids", _checked_stop_token_ids(self.stop_token_ids))
 
     @property
     def greedy(self) -> bool:
-        """Temperature 0, or top-k 1 (the same choice, with argmax's tie-break)."""
-        return self.temperature == 0 or self.top_k == 1
+        """Temperature 0 (or so small that sampling is argmax anyway), or top-k 1
+        (the same choice, with argmax's tie-break)."""
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
+
+
+def _checked_stop(stop: object) -> tuple[str, ...]:
+    if isinstance(stop, str):
+        stop = (stop,)
+    if not isinstance(stop, (tuple, list)) or not all(isinstance(s, str) for s in stop):
+        raise InvalidRequestError(f"stop must be a string or a list of strings, got {stop!r:.200}")
+    if len(stop) > MAX_STOP_STRINGS:
+        raise InvalidRequestError(
+            f"stop has {len(stop)} strings; the limit is {MAX_STOP_STRINGS}: keep the stop strings that matter")
+    for s in stop:
+        if not s:
+            raise InvalidRequestError("stop holds an empty string: drop it (stop strings must be non-empty)")
+        if len(s) > MAX_STOP_STRING_CHARS:
+            raise InvalidRequestError(
+                f"stop holds a string of {len(s)} characters; the limit is {MAX_STOP_STRING_CHARS}: shorten it")
+    return tuple(stop)
+
+
+def _checked_stop_token_ids(ids: object) -> tuple[int, ...]:
+    if not isinstance(ids, (tuple, list)):
+        raise InvalidRequestError(f"stop_token_ids must be a list of token ids, got {ids!r:.200}")
+    if len(ids) > MAX_STOP_TOKEN_IDS:
+        raise InvalidRequestError(
+            f"stop_token_ids has {len(ids)} ids; the limit is {MAX_STOP_TOKEN_IDS}: keep the ids that matter")
+    if not all(_is_int(t) and t >= 0 for t in ids):
+        raise InvalidRequestError(f"stop_token_ids must be non-negative integers, got {ids!r:.200}")
+    return tuple(ids)
+
 
 GREEDY = SamplingParams(temperature=0.0)
 
+
 def greedy(max_tokens: int, **kw) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw)
-

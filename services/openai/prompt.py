@@ -2,24 +2,109 @@
 their block hashes, and a max_tokens that fits the context.
 
 ``prepare_prompt`` is all the CPU work (chat template, tokenization,
-hashing) in one function, so it can move to a thread once prompts get long."""
+hashing) in one function; ``prompt_for`` first refuses a prompt that can
+never fit (by its length alone, without tokenizing it), then runs that work
+in a worker thread when the prompt is long, so one big prompt never stalls
+the other streams on the gateway's event loop.
+
+The bound without tokenizing: no token of a vocabulary stands for more
+characters of input than its own token string has (byte-level BPE spells
+each byte as one character, SentencePiece spells text as itself and a byte
+as ``<0xNN>``), so a prompt needs at least ``chars / longest_token_chars``
+tokens, and more than ``max_model_len * longest_token_chars`` characters can
+never fit."""
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
+from weakref import WeakKeyDictionary
 
 from jinja2 import TemplateError
 
 from prefix_store.hashing import hash_prompt_blocks
 from services.engine.tokenizer import Tokenizer
-from services.openai.errors import invalid_request
+from services.openai.errors import OpenAIError, invalid_request
 from services.openai.protocol import AnyRequest, ChatCompletionRequest
+
+# Prompts bigger than this (characters, or token ids) are tokenized and
+# hashed in a worker thread: ~1 ms of CPU, the most one request may hold the loop.
+OFF_LOOP_PROMPT_SIZE = 4096
+# About what a chat template adds around each message; it counts toward the
+# work of rendering a chat with many short messages.
+TEMPLATE_CHARS_PER_MESSAGE = 32
+
+_LONGEST_TOKEN_CHARS: WeakKeyDictionary[Tokenizer, int] = WeakKeyDictionary()
 
 
 @dataclass(frozen=True)
 class Prompt:
     token_ids: list[int]
     block_hashes: tuple[int, ...]
+
+
+def longest_token_chars(tokenizer: Tokenizer) -> int:
+    """The length in characters of the longest token string in this
+    tokenizer's vocabulary (special tokens included); computed once per
+    tokenizer, on first use."""
+    chars = _LONGEST_TOKEN_CHARS.get(tokenizer)
+    if chars is None:
+        tokens = tokenizer.convert_ids_to_tokens(range(tokenizer.vocab_size))
+        chars = max((len(t) for t in tokens if t), default=1)
+        _LONGEST_TOKEN_CHARS[tokenizer] = chars
+    return chars
+
+
+def prompt_chars(req: AnyRequest) -> int:
+    """Characters of text in the prompt: the completion prompt string, or all
+    chat message contents together (0 for a token-id prompt)."""
+    if isinstance(req, ChatCompletionRequest):
+        return sum(len(m.template_dict()["content"]) for m in req.messages)
+    return len(req.prompt) if isinstance(req.prompt, str) else 0
+
+
+def _prompt_size(req: AnyRequest) -> int:
+    """How much CPU the prompt will cost, in characters or token ids."""
+    if isinstance(req, ChatCompletionRequest):
+        return prompt_chars(req) + TEMPLATE_CHARS_PER_MESSAGE * len(req.messages)
+    return len(req.prompt)
+
+
+async def prompt_for(tokenizer: Tokenizer, req: AnyRequest, max_model_len: int, hash_seed: int,
+                     block_size: int) -> Prompt:
+    """``prepare_prompt`` after ``check_prompt_length``; off the event loop
+    when the prompt is long."""
+    if prompt_chars(req) > max_model_len and tokenizer not in _LONGEST_TOKEN_CHARS:
+        await asyncio.to_thread(longest_token_chars, tokenizer)   # a pass over the vocabulary, once
+    check_prompt_length(tokenizer, req, max_model_len)
+    if _prompt_size(req) > OFF_LOOP_PROMPT_SIZE:
+        return await asyncio.to_thread(prepare_prompt, tokenizer, req, hash_seed, block_size)
+    return prepare_prompt(tokenizer, req, hash_seed, block_size)
+
+
+def check_prompt_length(tokenizer: Tokenizer, req: AnyRequest, max_model_len: int) -> None:
+    """A 400 for a prompt that can never fit the context, without tokenizing it."""
+    if not isinstance(req, ChatCompletionRequest) and isinstance(req.prompt, list):
+        if len(req.prompt) >= max_model_len:
+            raise _no_room_for_output(req, len(req.prompt), max_model_len)
+        return
+    chars = prompt_chars(req)
+    if chars <= max_model_len:      # every token stands for at least one character
+        return
+    per_token = longest_token_chars(tokenizer)
+    if chars > max_model_len * per_token:
+        what, verb = ("the messages", "hold") if isinstance(req, ChatCompletionRequest) else ("the prompt", "has")
+        raise invalid_request(
+            f"{what} {verb} {chars} characters; this model's context is {max_model_len} tokens of at most "
+            f"{per_token} characters each, {max_model_len * per_token} characters at most: shorten {what}",
+            param=prompt_param(req), code="context_length_exceeded")
+
+
+def _no_room_for_output(req: AnyRequest, num_prompt_tokens: int, max_model_len: int) -> OpenAIError:
+    return invalid_request(
+        f"the prompt has {num_prompt_tokens} tokens; this model's context is {max_model_len} tokens "
+        "and leaves no room for output: shorten the prompt",
+        param=prompt_param(req), code="context_length_exceeded")
 
 
 def prepare_prompt(tokenizer: Tokenizer, req: AnyRequest, hash_seed: int, block_size: int) -> Prompt:
@@ -59,13 +144,10 @@ def fit_max_tokens(req: AnyRequest, requested: int | None, max_tokens_param: str
     of the context"."""
     room = max_model_len - num_prompt_tokens
     if room < 1:
-        raise invalid_request(
-            f"the prompt has {num_prompt_tokens} tokens; this model's context is {max_model_len} tokens "
-            "and leaves no room for output: shorten the prompt",
-            param=prompt_param(req), code="context_length_exceeded")
+        raise _no_room_for_output(req, num_prompt_tokens, max_model_len)
     if requested is None:
         return room if default_max_tokens is None else min(default_max_tokens, room)
-    if requested > room:   # requested < 1 was already refused by SamplingParams
+    if requested > room:   # requested < 1 was already refused by limits.check_limits
         raise invalid_request(
             f"the prompt has {num_prompt_tokens} tokens and {max_tokens_param} is {requested}, "
             f"together {num_prompt_tokens + requested}; this model's context is {max_model_len} tokens: "

@@ -4,19 +4,31 @@ conversion to the engine's ``SamplingParams``.
 Strict on purpose: wrong JSON types are a 400 (no string-to-number
 coercion), unknown fields are a 400 naming the field, and OpenAI features
 this server does not implement are a 400 saying so -- never silently
-ignored."""
+ignored.  Ranges and caps are limits.py's: written there once, published in
+these models' JSON schemas, enforced by ``limits.check_limits``."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 
 from services.engine.errors import InvalidRequestError
 from services.engine.sampling_params import SamplingParams
 from services.openai.errors import OpenAIError, invalid_request
+from services.openai.limits import RANGES, STOP_LIST_SCHEMA, STOP_STRING_SCHEMA, STOP_TOKEN_IDS_SCHEMA
 
-_INT64 = {"ge": -(2**63), "le": 2**64 - 1}
+_NULL = {"type": "null"}
+# The published schemas carry the bounds that limits.check_limits enforces.
+Stop = Annotated[str | list[str] | None, WithJsonSchema({"anyOf": [STOP_STRING_SCHEMA, STOP_LIST_SCHEMA, _NULL]})]
+PromptInput = Annotated[str | list[int], WithJsonSchema({"anyOf": [
+    {"type": "string", "minLength": 1},
+    {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}]})]
+StopTokenIds = Annotated[list[int] | None, WithJsonSchema({"anyOf": [STOP_TOKEN_IDS_SCHEMA, _NULL]})]
+
+
+def _bounded(name: str, default: Any) -> Any:
+    return Field(default, json_schema_extra=RANGES[name].schema())
 
 
 class _Strict(BaseModel):
@@ -30,27 +42,27 @@ class StreamOptions(_Strict):
 class _SamplingFields(_Strict):
     """Fields the two endpoints share."""
     model: str | None = None           # None: the (first) served model
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    seed: int | None = Field(None, **_INT64)
-    stop: str | list[str] | None = None
+    max_tokens: int | None = _bounded("max_tokens", None)
+    temperature: float | None = _bounded("temperature", None)
+    top_p: float | None = _bounded("top_p", None)
+    seed: int | None = _bounded("seed", None)
+    stop: Stop = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None            # accepted for compatibility; not used
     # Accepted only at values that mean "off" (checked in reject_unsupported):
-    n: int = 1
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    n: int = _bounded("n", 1)
+    presence_penalty: float = _bounded("presence_penalty", 0.0)
+    frequency_penalty: float = _bounded("frequency_penalty", 0.0)
     logit_bias: dict[str, float] | None = None
     # vLLM extensions
     ignore_eos: bool = False
-    top_k: int | None = None           # 0 or -1: off
-    stop_token_ids: list[int] | None = None
+    top_k: int | None = _bounded("top_k", None)   # 0 or -1: off
+    stop_token_ids: StopTokenIds = None
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[int]
+    prompt: PromptInput
     suffix: str | None = None
     echo: bool = False
     best_of: int | None = None
@@ -74,8 +86,8 @@ class ChatMessage(_Strict):
 
 
 class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
+    messages: list[ChatMessage] = Field(json_schema_extra={"minItems": 1})
+    max_completion_tokens: int | None = _bounded("max_completion_tokens", None)
     # Accepted only at values that mean "off":
     logprobs: bool = False
     top_logprobs: int | None = None
@@ -96,9 +108,9 @@ def _unsupported(param: str, what: str, fix: str = "remove it from the request")
 
 
 def reject_unsupported(req: AnyRequest) -> None:
-    """Raise a 400 for any OpenAI feature asked for that this server does not implement."""
-    if req.n < 1:
-        raise invalid_request(f"n must be 1 (one choice per request), got {req.n}", param="n", code="invalid_value")
+    """Raise a 400 for any OpenAI feature asked for that this server does not
+    implement.  Call after ``limits.check_limits``: a value out of range is
+    refused as such, not as unsupported."""
     if req.n > 1:
         raise _unsupported("n", f"n={req.n} (several choices per request)", f"send {req.n} separate requests instead")
     if req.presence_penalty != 0 or req.frequency_penalty != 0:
@@ -108,8 +120,6 @@ def reject_unsupported(req: AnyRequest) -> None:
         raise _unsupported("logit_bias", "logit_bias")
     if req.stream_options is not None and not req.stream:
         raise invalid_request("stream_options is only allowed with stream: true", param="stream_options")
-    if req.stop is not None and any(s == "" for s in ([req.stop] if isinstance(req.stop, str) else req.stop)):
-        raise invalid_request("stop strings must be non-empty", param="stop", code="invalid_value")
     if isinstance(req, CompletionRequest):
         _reject_unsupported_completion(req)
     else:

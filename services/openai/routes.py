@@ -7,6 +7,7 @@
 
 ``create_app()`` builds such an app; ``configure_app()`` sets the three.
 
+    GET  /openapi.json         this API's OpenAPI document (see openapi.py)
     GET  /health               the backend's health (503 when it is not ok)
     GET  /v1/models            the served model names
     POST /v1/completions       prompt: a string or a list of token ids
@@ -23,7 +24,7 @@ from typing import Any
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from services import telemetry
+from services import faults, telemetry
 from services.openai.tracing import TracingMiddleware
 from services.stage_telemetry import observe_gateway_stream
 from services.backend import Backend, GenerateRequest
@@ -32,13 +33,17 @@ from services.openai.errors import OpenAIError, install_error_handlers
 from services.openai.formats import ChatFormat, CompletionFormat, ResponseFormat, Tally
 from services.openai.generation import complete, stream
 from services.openai.intake import read_request
-from services.openai.prompt import fit_max_tokens, prepare_prompt
+from services.openai.limits import check_limits
+from services.openai.openapi import error_responses, generation_responses, install_openapi, request_body
+from services.openai.prompt import fit_max_tokens, prompt_for
 from services.openai.protocol import (
     AnyRequest, ChatCompletionRequest, CompletionRequest, reject_unsupported, requested_max_tokens,
     to_sampling_params,
 )
 from services.openai.request_id import RequestIdMiddleware
-from services.openai.responses import ModelCard, ModelList
+from services.openai.responses import (
+    ChatCompletionChunk, ChatCompletionResponse, CompletionResponse, ModelCard, ModelList,
+)
 from services.openai.settings import OpenAISettings
 
 router = APIRouter()
@@ -61,6 +66,7 @@ def install_openai_api(app: FastAPI, *, request_id_header: bool = True) -> None:
     app.add_middleware(TracingMiddleware)
     install_error_handlers(app, request_id_header=request_id_header)
     app.include_router(router)
+    install_openapi(app, [CompletionRequest, ChatCompletionRequest], [ChatCompletionChunk])
 
 
 def configure_app(app: FastAPI, backend: Backend, tokenizer: Tokenizer, settings: OpenAISettings) -> None:
@@ -95,13 +101,19 @@ def _resolve_model(requested: str | None, settings: OpenAISettings) -> str:
     return requested
 
 
-@router.get("/health")
+_HEALTH_STATUS = {"content": {"application/json": {"schema": {"type": "object"}}}}
+
+
+@router.get("/health", responses={
+    200: {**_HEALTH_STATUS, "description": "the backend's status: ok"},
+    503: {**_HEALTH_STATUS, "description": "the backend's status (not ok), or the gateway's error body"},
+    **error_responses(500)})
 async def health(request: Request) -> JSONResponse:
     status: dict[str, Any] = await _host(request).backend.health()
     return JSONResponse(status, status_code=200 if status.get("status") == "ok" else 503)
 
 
-@router.get("/v1/models")
+@router.get("/v1/models", responses=error_responses(500, 503))
 async def list_models(request: Request) -> ModelList:
     host = _host(request)
     cards = [ModelCard(id=name, created=_STARTED_AT, owned_by=host.settings.owned_by,
@@ -109,12 +121,14 @@ async def list_models(request: Request) -> ModelList:
     return ModelList(data=cards)
 
 
-@router.post("/v1/completions")
+@router.post("/v1/completions", openapi_extra=request_body(CompletionRequest),
+             responses=generation_responses(CompletionResponse, CompletionResponse))
 async def create_completion(request: Request) -> Response:
     return await _generate(request, CompletionRequest)
 
 
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionRequest),
+             responses=generation_responses(ChatCompletionResponse, ChatCompletionChunk))
 async def create_chat_completion(request: Request) -> Response:
     return await _generate(request, ChatCompletionRequest)
 
@@ -123,13 +137,15 @@ async def _generate(request: Request, kind: type[CompletionRequest] | type[ChatC
     host = _host(request)
     settings = host.settings
     req: AnyRequest = await read_request(request, kind, settings.max_body_bytes)
+    check_limits(req)
     reject_unsupported(req)
     model = _resolve_model(req.model, settings)
     requested, max_tokens_param = requested_max_tokens(req)
     # Refuse bad sampling parameters before spending CPU on the prompt.
     to_sampling_params(req, 1 if requested is None else requested, max_tokens_param)
 
-    prompt = prepare_prompt(host.tokenizer, req, settings.block_hash_seed, settings.block_size)
+    prompt = await prompt_for(host.tokenizer, req, host.backend.max_model_len, settings.block_hash_seed,
+                              settings.block_size)
     chat = isinstance(req, ChatCompletionRequest)
     default = settings.default_chat_max_tokens if chat else settings.default_completion_max_tokens
     max_tokens = fit_max_tokens(req, requested, max_tokens_param, len(prompt.token_ids),
@@ -142,7 +158,7 @@ async def _generate(request: Request, kind: type[CompletionRequest] | type[ChatC
     telemetry.set_attrs({telemetry.REQUEST_ID: request_id, telemetry.ENGINE_ID: engine_id, "request.model": model,
                          "request.stream": bool(req.stream), "request.max_tokens": max_tokens})
     chunks = host.backend.generate(GenerateRequest(engine_id, prompt.token_ids, params, prompt.block_hashes,
-                                                   telemetry.inject()))
+                                                   telemetry.inject(), faults.parse(request.headers.get(faults.HEADER))))
     chunks = observe_gateway_stream(chunks, len(prompt.token_ids))  # TTFT/TPOT/E2E, finish reason on the root
     tally = Tally(prompt_tokens=len(prompt.token_ids))
     fmt: ResponseFormat = (ChatFormat(f"chatcmpl-{request_id}", int(time.time()), model) if chat

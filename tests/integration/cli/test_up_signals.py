@@ -2,8 +2,10 @@
 (its daemons, workers and agents), Serve and the embedded Redis; nothing of
 its process tree survives; and everything it started listens on loopback
 only, with no loopback settings inherited from the test's environment.
-One run has the gateway serve HTTP itself (the default ingress), the other
-Serve's proxy in front; both echo exactly one x-request-id."""
+One run is the default disaggregated cluster with the gateway serving HTTP
+itself (the default ingress): the moment its /health first says 200, ten
+requests sent at once all succeed (readiness never lies).  The other is a
+colocated cluster behind Serve's proxy.  Both echo exactly one x-request-id."""
 
 import os
 import signal
@@ -22,11 +24,12 @@ REPO = Path(__file__).resolve().parents[3]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sig, ingress", [(signal.SIGTERM, "gateway"), (signal.SIGINT, "serve_proxy")])
-def test_up_stops_everything_on_signal(sig, ingress, tmp_path):
+@pytest.mark.parametrize("sig, mode, ingress", [(signal.SIGTERM, "disaggregated", "gateway"),
+                                                (signal.SIGINT, "colocated", "serve_proxy")])
+def test_up_stops_everything_on_signal(sig, mode, ingress, tmp_path):
     port = free_port()
     log = open(tmp_path / "up.log", "w")
-    (tmp_path / "cluster.yaml").write_text(f"mode: colocated\ningress: {ingress}\n")
+    (tmp_path / "cluster.yaml").write_text(f"mode: {mode}\ningress: {ingress}\n")
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "UCX_NET_DEVICES")}
     proc = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--config", str(tmp_path / "cluster.yaml"),
                              "--port", str(port)],
@@ -35,13 +38,15 @@ def test_up_stops_everything_on_signal(sig, ingress, tmp_path):
         deadline = time.monotonic() + 180
         while True:
             assert proc.poll() is None, (tmp_path / "up.log").read_text()
-            if "ready in" in (tmp_path / "up.log").read_text():
+            if health_is_200(port):
+                statuses = first_requests(port, 10)
+                assert statuses == [200] * 10, statuses
                 r = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10, headers={"x-request-id": "mine-1"})
                 assert r.status_code == 200
                 assert r.headers.get_list("x-request-id") == ["mine-1"]
                 break
             assert time.monotonic() < deadline, "cluster not ready"
-            time.sleep(0.5)
+            time.sleep(0.1)  # catch the first 200
         started = psutil.Process(proc.pid).children(recursive=True)
         assert any("raylet" in " ".join(p.cmdline()) for p in started)
         assert non_loopback_listeners([psutil.Process(proc.pid), *started]) == []
@@ -54,6 +59,27 @@ def test_up_stops_everything_on_signal(sig, ingress, tmp_path):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         log.close()
+
+
+def health_is_200(port: int) -> bool:
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def first_requests(port: int, n: int) -> list[int]:
+    """``n`` chat requests sent at once (as a client that trusts /health would)."""
+    import asyncio
+
+    async def send_all() -> list[int]:
+        body = {"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4, "temperature": 0}
+        async with httpx.AsyncClient(timeout=120) as http:
+            rs = await asyncio.gather(*(http.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body)
+                                        for _ in range(n)))
+        return [r.status_code for r in rs]
+
+    return asyncio.run(send_all())
 
 
 def non_loopback_listeners(procs) -> list[str]:

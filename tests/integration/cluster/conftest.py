@@ -40,7 +40,7 @@ def cluster(trace_file):
     # Replicas inherit the driver's environment: all spans land in one file.
     os.environ["PDCLUSTER_TRACE_FILE"] = str(trace_file)
     config = ClusterConfig(port=free_port(), prefill=small_pool(num_replicas=2), decode=small_pool(),
-                           lease_ttl_s=20.0)
+                           lease_ttl_s=120.0)  # far above any wait: a stranded lease fails the leak checks
     c = LocalCluster(config, num_cpus=8, dashboard=False, metrics_port=free_port())
     try:
         c.start(progress=lambda m: print(m, flush=True))

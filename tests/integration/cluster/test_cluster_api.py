@@ -13,8 +13,9 @@ pytestmark = pytest.mark.integration
 MODEL = "SmolLM2-135M-Instruct"
 
 
-def wait_no_leaks(cluster, timeout_s: float = 30.0) -> list[dict]:
-    """Every replica's free KV blocks back to total (leases released, aborts done)."""
+def wait_no_leaks(cluster, timeout_s: float = 5.0) -> list[dict]:
+    """Every replica's free KV blocks back to total (leases released, aborts done), well
+    inside the lease TTL (120 s), so a stranded lease cannot hide behind its expiry."""
     deadline = time.monotonic() + timeout_s
     while True:
         time.sleep(0.6)  # > one status period, so the board is fresh

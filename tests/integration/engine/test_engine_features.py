@@ -70,7 +70,7 @@ def test_prefill_only_then_external_kv_decode_equals_one_engine(smol_fp32):
 
 def test_expired_lease_frees_blocks(smol_bf16):
     engine = make_engine(smol_bf16)
-    engine.leases.default_ttl_s = 0.01
+    engine.leases.default_ttl_s, engine.leases.expiry_grace_s = 0.01, 0.0
     engine.add_request("x", [1, 2, 3, 4, 5] * 10, greedy(4), prefill_only=True)
     while engine.has_unfinished():
         engine.step()

@@ -29,7 +29,8 @@ def cluster():
     config = ClusterConfig(
         port=free_port(), decode=small_pool(),
         prefill=small_pool(autoscaling={"min_replicas": 0, "initial_replicas": 0, "max_replicas": 1}))
-    c = LocalCluster(config, num_cpus=8, dashboard=False, metrics_port=free_port())
+    # Not "serving": without a prefill replica /health rightly stays 503.
+    c = LocalCluster(config, num_cpus=8, dashboard=False, metrics_port=free_port(), wait_until="gateway")
     try:
         c.start(progress=lambda m: print(m, flush=True))
         yield c
@@ -53,6 +54,8 @@ def test_503_then_counted_fallback_without_leaks(cluster):
         assert time.monotonic() < deadline, "no replica on the status board"
         time.sleep(0.5)
     assert roles == ["decode"]  # the prefill pool is at zero replicas
+    health = httpx.get(f"http://127.0.0.1:{cluster.config.port}/health", timeout=10)
+    assert health.status_code == 503 and "prefill" in health.json()["reason"]  # readiness does not lie
     r = post(cluster)
     assert r.status_code == 503, r.text
     error = r.json()["error"]

@@ -1,6 +1,6 @@
 """A scripted Backend for testing the HTTP layer (yields a few chunks, raises
 any backend error on request, records how each generation ended), the app
-built around it, and an SSE reader."""
+built around it, an SSE reader, and the check of an OpenAI error body."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+import httpx
 from fastapi import FastAPI
 
 from services.backend import Backend, BackendError, BackendFailure, GenerateRequest, StreamChunk
@@ -93,3 +94,16 @@ def sse_events(text: str) -> list:
             data = line[len("data: "):]
             out.append(data if data == "[DONE]" else json.loads(data))
     return out
+
+
+def assert_openai_error(r: httpx.Response, status: int, param: str | None = None) -> dict:
+    """``r`` is a ``status`` answer with a whole OpenAI error body naming ``param``; returns the error."""
+    assert r.status_code == status, (r.status_code, r.text)
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert isinstance(err["message"], str) and len(err["message"]) > 10
+    assert err["type"] == "invalid_request_error"
+    if param is not None:
+        assert err["param"] == param, err
+    assert r.headers["x-request-id"]
+    return err

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from openai_fakes import CHAT, make_app, sse_events
+from openai_fakes import CHAT, assert_openai_error, make_app, sse_events
 
 from services.backend import BackendFailure, BackendInvalidRequest, BackendOverloaded, BackendUnavailable
 
@@ -70,18 +70,6 @@ BAD_JSON_BODIES = [
     (CC, {"messages": MSGS, "top_p": 1.5}, 400, "top_p"),
     (CC, {"messages": MSGS, "model": "nope"}, 404, "model"),
 ]
-
-
-def assert_openai_error(r: httpx.Response, status: int, param: str | None = None) -> dict:
-    assert r.status_code == status, (r.status_code, r.text)
-    err = r.json()["error"]
-    assert set(err) == {"message", "type", "param", "code"}
-    assert isinstance(err["message"], str) and len(err["message"]) > 10
-    assert err["type"] == "invalid_request_error"
-    if param is not None:
-        assert err["param"] == param, err
-    assert r.headers["x-request-id"]
-    return err
 
 
 @pytest.mark.parametrize("path, body, status, param", BAD_JSON_BODIES,

@@ -25,6 +25,9 @@ def _call_everything() -> None:
     metrics.count_http_response(429)
     metrics.count_index_lookup_failure("prefill", "degraded")
     metrics.count_decode_pool_prefill("no_prefill_replica")
+    metrics.count_admission_rejection("slo")
+    metrics.count_deadline("inter_token")
+    metrics.count_lease_event("late_notification")
 
 
 def test_noop_without_ray() -> None:
@@ -65,6 +68,8 @@ def test_every_metric_gets_its_declared_tags(fake_ray: dict[str, Any]) -> None:
     assert fake_ray["pdcluster_requests_waiting"].calls[0][0] == 2.0
     assert fake_ray["pdcluster_http_responses"].calls == [(1.0, {"status_class": "429"})]
     assert fake_ray["pdcluster_decode_pool_prefills"].calls == [(1.0, {"reason": "no_prefill_replica"})]
+    assert fake_ray["pdcluster_admission_rejections"].calls == [(1.0, {"reason": "slo"})]
+    assert fake_ray["pdcluster_deadlines_exceeded"].calls == [(1.0, {"kind": "inter_token"})]
 
 
 def test_zero_counts_are_skipped_and_failures_never_raise(fake_ray: dict[str, Any],

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from services.engine.lease import LeaseTable
-from transfer import KVLayout, LayoutMismatchError, TransferError, create_backend
+from transfer import KVLayout, LayoutMismatchError, LeaseExpiredError, TransferError, create_backend
 from transfer.peer import PeerDescriptor
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, dtype="bfloat16", block_size=4, model_fingerprint=7)
@@ -85,8 +85,27 @@ def test_notification_releases_the_lease_and_expiry_frees_the_rest(pair):
     for n in wait_for_notifications(owner, 1):
         assert leases.release(n.lease_id)
     assert len(free_blocks) == 62
-    assert leases.expire(now=leases.get("abandoned").expires_at) == ["abandoned"]
+    assert leases.expire(now=leases.get("abandoned").expires_at + leases.expiry_grace_s) == ["abandoned"]
     assert len(free_blocks) == 64 and len(leases) == 0
+
+
+def test_the_engines_lease_table_guards_socket_reads():
+    free_blocks = set(range(64))
+    leases = LeaseTable(free_blocks.update, default_ttl_s=30.0)
+    with create_backend("fallback", peer_id="prefill-0") as owner, \
+            create_backend("fallback", peer_id="decode-0", timeout_s=5.0) as puller:
+        owner_pool, puller_pool = make_pool(64, 1), make_pool(8, 2)
+        owner.register_pool(owner_pool, LAYOUT, lease_guard=leases)
+        puller.register_pool(puller_pool, LAYOUT)
+        free_blocks.difference_update([4, 5])
+        lease = leases.pin("req-1", [4, 5])
+        puller.pull(owner.describe(), [4, 5], [0, 1], notif="req-1", lease_deadline_unix=lease.deadline_unix)
+        assert same_bytes(puller_pool[:2], owner_pool[4:6])
+        for n in wait_for_notifications(owner, 1):
+            assert leases.release(n.lease_id)
+        assert len(free_blocks) == 64 and leases.num_pinned_blocks == 0
+        with pytest.raises(LeaseExpiredError, match="unknown or already released lease"):
+            puller.pull(owner.describe(), [4, 5], [0, 1], notif="req-1")
 
 
 def test_bad_block_ids_are_caller_errors_and_move_nothing(pair):

@@ -1,0 +1,54 @@
+"""Fault injection for the tests of the serving layer's failure paths.
+
+Off unless the gateway's environment has ``PDCLUSTER_FAULTS=1``: then a
+request's ``x-pdcluster-fault`` header (comma-separated kinds, some with
+``:seconds``) travels with it to the replicas, which act on it at the
+named point.  Per request, so a test hits exactly the replica serving its
+request, whatever the pool sizes.
+
+    short_lease            prefill: the hand-off's lease runs out 0.5 s after it is pinned
+    delay_pull:S           decode: wait S seconds before pulling the blocks
+    fail_pull              decode: the pull fails as if the connection broke
+    die_before_pull        decode: the replica process exits before pulling
+    reject_decode          decode: answer 429 as a full decode replica would
+    stall_decode:S         decode: the engine loop stalls S seconds after the first decoded token
+    kill_prefill_engine    prefill: the engine loop dies (as if a bug fired in a step)
+    kill_decode_engine     decode: the same on the decode replica
+"""
+
+from __future__ import annotations
+
+import os
+
+ENV = "PDCLUSTER_FAULTS"
+HEADER = "x-pdcluster-fault"
+KINDS = frozenset({"short_lease", "delay_pull", "fail_pull", "die_before_pull", "reject_decode", "stall_decode",
+                   "kill_prefill_engine", "kill_decode_engine"})
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV) == "1"
+
+
+def parse(header_value: str | None) -> tuple[str, ...]:
+    """The faults a request asks for; () when injection is off or none is named.
+    Unknown kinds are ignored (the header is a test hook, not an API)."""
+    if not header_value or not enabled():
+        return ()
+    return tuple(f.strip() for f in header_value.split(",")[:8]
+                 if f.strip().partition(":")[0] in KINDS)
+
+
+def has(faults: tuple[str, ...], kind: str) -> bool:
+    return any(f.partition(":")[0] == kind for f in faults)
+
+
+def seconds(faults: tuple[str, ...], kind: str, default: float = 1.0) -> float:
+    for f in faults:
+        name, _, value = f.partition(":")
+        if name == kind:
+            try:
+                return min(max(float(value), 0.0), 600.0) if value else default
+            except ValueError:
+                return default
+    return default

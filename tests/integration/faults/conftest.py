@@ -1,0 +1,94 @@
+"""One real cluster for the failure-path tests: 1 prefill + 1 decode replica,
+fault injection on (services/faults.py), a lease TTL of 120 s so that no
+test can pass because a stranded lease timed out, and a short inter-token
+deadline.  Tests here may kill replicas; each leaves the cluster serving
+(``wait_serving``) before it ends."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import httpx
+import pytest
+
+from prefix_store.redis_server import free_port
+from services.config import AdmissionSettings, ClusterConfig
+from tests.integration.cluster.conftest import board, small_pool
+
+MODEL = "SmolLM2-135M-Instruct"
+INTER_TOKEN_TIMEOUT_S = 2.0
+TTFT_SLO_S = 2.0
+_RUNNING: list = []
+
+
+def pytest_runtest_teardown(item, nextitem):
+    """Stops the cluster after this directory's last test (Ray must be down
+    before other directories start theirs)."""
+    here = item.path.parent
+    if _RUNNING and (nextitem is None or nextitem.path.parent != here):
+        _RUNNING.pop().stop()
+
+
+@pytest.fixture(scope="session")
+def faults_cluster():
+    from services.cluster_runtime import LocalCluster
+
+    os.environ["PDCLUSTER_FAULTS"] = "1"  # replicas (and the gateway) inherit the driver's environment
+    config = ClusterConfig(port=free_port(), prefill=small_pool(), decode=small_pool(), lease_ttl_s=120.0,
+                           admission=AdmissionSettings(ttft_slo_s=TTFT_SLO_S,
+                                                       inter_token_timeout_s=INTER_TOKEN_TIMEOUT_S))
+    c = LocalCluster(config, num_cpus=8, dashboard=False, metrics_port=free_port())
+    try:
+        c.start(progress=lambda m: print(m, flush=True))
+        _RUNNING.append(c)
+        yield c
+    finally:
+        if c in _RUNNING:
+            _RUNNING.remove(c)
+            c.stop()
+        os.environ.pop("PDCLUSTER_FAULTS", None)
+
+
+@pytest.fixture(scope="session")
+def url(faults_cluster) -> str:
+    return f"http://127.0.0.1:{faults_cluster.config.port}"
+
+
+def post(url: str, body: dict, fault: str | None = None, timeout: float = 120) -> httpx.Response:
+    headers = {"x-pdcluster-fault": fault} if fault else {}
+    return httpx.post(url + "/v1/completions", json={"model": MODEL, **body}, headers=headers, timeout=timeout)
+
+
+def ok_request(url: str) -> None:
+    r = post(url, {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 4
+
+
+def wait_no_leaks(cluster, timeout_s: float = 2.0, roles=("prefill", "decode")) -> list[dict]:
+    """Every live replica of ``roles`` back to free == total KV blocks within
+    ``timeout_s`` (the board refreshes every 0.5 s; far below the lease TTL)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = [s for s in board(cluster) if s["role"] in roles]
+        if stats and all(s["kv_blocks_free"] == s["kv_blocks_total"] and s["running"] == 0
+                         and s["awaiting_kv"] == 0 and s["leased_blocks"] == 0 for s in stats):
+            return stats
+        if time.monotonic() > deadline:
+            raise AssertionError(f"KV blocks still held {timeout_s} s after the failure: {stats}")
+        time.sleep(0.1)
+
+
+def wait_serving(url: str, timeout_s: float = 180.0) -> None:
+    """Until /health is 200 and a real request succeeds (after a replica was replaced)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                ok_request(url)
+                return
+        except (httpx.HTTPError, AssertionError):
+            pass
+        assert time.monotonic() < deadline, "the cluster did not serve again"
+        time.sleep(0.5)

@@ -1,0 +1,52 @@
+"""KV leases that cannot lie, on a real cluster with a 120 s lease TTL: a
+pull after the lease ran out fails loudly (no text), and on every path
+where no pull happens the prefill blocks come back within 2 s, not at
+the TTL."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tests.integration.faults.conftest import MODEL, ok_request, post, wait_no_leaks, wait_serving
+
+pytestmark = pytest.mark.integration
+BODY = {"prompt": "Explain in one paragraph why the sky is blue. " * 4, "max_tokens": 16, "temperature": 0}
+
+
+def test_a_pull_after_the_lease_expired_fails_without_text(url, faults_cluster):
+    r = post(url, BODY, fault="short_lease,delay_pull:1.5")
+    assert r.status_code == 503, r.text
+    assert r.json()["error"]["code"] == "kv_lease_expired"
+    assert "choices" not in r.json()
+    wait_no_leaks(faults_cluster)
+    ok_request(url)
+
+
+def test_client_disconnect_right_after_the_first_token(url, faults_cluster):
+    body = {"model": MODEL, **BODY, "max_tokens": 200, "stream": True}
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", url + "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    break  # the first token; leave now
+    wait_no_leaks(faults_cluster)
+
+
+@pytest.mark.parametrize("fault, status, code", [("reject_decode", 429, "overloaded"),
+                                                 ("fail_pull", 502, "replica_failed")])
+def test_decode_refusal_and_pull_failure_release_the_lease(url, faults_cluster, fault, status, code):
+    r = post(url, BODY, fault=fault)
+    assert r.status_code == status, r.text
+    assert r.json()["error"]["code"] == code
+    wait_no_leaks(faults_cluster)
+    ok_request(url)
+
+
+def test_decode_death_before_the_pull_releases_the_lease(url, faults_cluster):
+    r = post(url, BODY, fault="die_before_pull")
+    assert r.status_code >= 500, r.text
+    wait_no_leaks(faults_cluster, roles=("prefill",))  # the decode replica is gone; its blocks with it
+    wait_serving(url)
+    wait_no_leaks(faults_cluster)

@@ -1,0 +1,154 @@
+"""ClusterBackend off the happy path, with fake Serve handles: the prefill
+lease is released on the replica that holds it whenever no decode token
+came back, and the deadlines abort a stalled stream (the real cluster runs
+the same paths in tests/integration/faults)."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+
+import pytest
+
+from services.backend import BackendOverloaded, BackendTimeout, GenerateRequest
+from services.cluster_backend import ClusterBackend, with_deadlines
+from services.engine.sampling_params import greedy
+from services.decode import DecodeServer
+from services.messages import PrefillResponse, TokenDelta
+from services.prefill import PrefillServer
+
+SERVERS = {"prefill": PrefillServer, "decode": DecodeServer}
+
+HANDOFF = PrefillResponse(request_id="r1", first_token_id=5, text="a", finish_reason=None, block_ids=(3, 4),
+                          num_tokens=20, num_cached_tokens=0, peer=b"peer", worker_name="prefill-x", prefill_s=0.1,
+                          lease_deadline_unix=1e12)
+
+
+class _Response:
+    """A DeploymentResponse: awaitable, cancellable."""
+
+    def __init__(self, value):
+        self.value, self.cancelled = value, False
+
+    def __await__(self):
+        async def get():
+            return self.value
+        return get().__await__()
+
+    def cancel(self):
+        self.cancelled = True
+
+
+class _Stream:
+    def __init__(self, deltas=(), error=None, stall_after=None):
+        self.deltas, self.error, self.stall_after, self.cancelled = list(deltas), error, stall_after, False
+
+    def __aiter__(self):
+        async def gen():
+            for i, d in enumerate(self.deltas):
+                if i == self.stall_after:
+                    await asyncio.sleep(3600)
+                yield d
+            if self.error is not None:
+                raise self.error
+        return gen()
+
+    def cancel(self):
+        self.cancelled = True
+
+
+class _Handles:
+    def __init__(self, decode_stream):
+        self.calls: list[tuple[str, tuple, dict]] = []
+        self.decode_stream = decode_stream
+
+    def pool(self, name):
+        handles = self
+
+        class Handle:
+            def options(self, **_):
+                return self
+
+            def __getattr__(self, method):
+                class Method:
+                    def remote(self, *args, **kwargs):
+                        # The call must fit the real deployment method's signature.
+                        inspect.signature(getattr(SERVERS[name], method)).bind(None, *args, **kwargs)
+                        handles.calls.append((f"{name}.{method}", args, kwargs))
+                        if method == "prefill":
+                            return _Response(HANDOFF)
+                        if method == "release":
+                            return _Response(True)
+                        return handles.decode_stream
+                return Method()
+        return Handle()
+
+
+def _backend(decode_stream, **kw):
+    fake = _Handles(decode_stream)
+    backend = ClusterBackend({"prefill": fake.pool("prefill"), "decode": fake.pool("decode")},
+                             mode="disaggregated", model_name="m", max_model_len=64, block_size=16, **kw)
+    return backend, fake
+
+
+async def _drain(backend):
+    chunks = []
+    async for c in backend.generate(GenerateRequest("r1", list(range(20)), greedy(8))):
+        chunks.append(c)
+    return chunks
+
+
+async def _settle(backend):
+    await asyncio.gather(*backend._background)
+
+
+def _releases(fake):
+    return [(args, kwargs["routing"]["target_worker"]) for name, args, kwargs in fake.calls
+            if name == "prefill.release"]
+
+
+async def test_decode_429_releases_the_lease_on_its_prefill_replica():
+    backend, fake = _backend(_Stream(error=BackendOverloaded("full")))
+    with pytest.raises(BackendOverloaded):
+        await _drain(backend)
+    await _settle(backend)
+    assert _releases(fake) == [(("r1",), "prefill-x")] and backend.num_lease_releases == 1
+    assert backend.admission.in_flight == 0
+
+
+async def test_client_gone_after_the_first_token_releases():
+    backend, fake = _backend(_Stream([TokenDelta([6], "b")]))
+    chunks = backend.generate(GenerateRequest("r1", list(range(20)), greedy(8)))
+    first = await anext(chunks)
+    assert first.token_ids == [5]
+    await chunks.aclose()  # the client left before the decode call
+    await _settle(backend)
+    assert _releases(fake) == [(("r1",), "prefill-x")]
+    assert [name for name, *_ in fake.calls] == ["prefill.prefill", "prefill.release"]
+
+
+async def test_a_decoded_stream_leaves_the_lease_to_the_puller():
+    backend, fake = _backend(_Stream([TokenDelta([6], "b"), TokenDelta([7], "c", "length")]))
+    chunks = await _drain(backend)
+    await _settle(backend)
+    assert [c.text for c in chunks] == ["a", "b", "c"] and _releases(fake) == []
+
+
+async def test_inter_token_deadline_aborts_the_stalled_stream_and_releases():
+    stream = _Stream([TokenDelta([6], "b"), TokenDelta([7], "c", "length")], stall_after=0)
+    backend, fake = _backend(stream, inter_token_timeout_s=0.2)
+    with pytest.raises(BackendTimeout, match="no token for 0.2 s"):
+        await _drain(backend)
+    await _settle(backend)
+    assert stream.cancelled  # the decode call was cancelled: the replica aborts
+    assert _releases(fake) == [(("r1",), "prefill-x")]
+
+
+async def test_request_deadline_covers_the_wait_for_the_first_token():
+    async def slow():
+        await asyncio.sleep(3600)
+        yield "never"
+
+    with pytest.raises(BackendTimeout, match="deadline"):
+        async for _ in with_deadlines(slow(), 0.1, 10.0):
+            pass

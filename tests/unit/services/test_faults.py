@@ -1,0 +1,20 @@
+"""Fault injection is inert unless the gateway's environment enables it."""
+
+from __future__ import annotations
+
+from services import faults
+
+
+def test_off_without_the_environment_switch(monkeypatch):
+    monkeypatch.delenv(faults.ENV, raising=False)
+    assert faults.parse("kill_prefill_engine") == ()
+
+
+def test_parsed_when_enabled_and_unknown_kinds_dropped(monkeypatch):
+    monkeypatch.setenv(faults.ENV, "1")
+    got = faults.parse("short_lease, delay_pull:1.5,rm -rf,stall_decode:x")
+    assert got == ("short_lease", "delay_pull:1.5", "stall_decode:x")
+    assert faults.has(got, "delay_pull") and not faults.has(got, "fail_pull")
+    assert faults.seconds(got, "delay_pull") == 1.5
+    assert faults.seconds(got, "stall_decode", default=2.0) == 2.0  # unparsable: the default
+    assert faults.seconds(("delay_pull:1e9",), "delay_pull") == 600.0  # bounded

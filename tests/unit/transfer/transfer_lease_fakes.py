@@ -1,0 +1,89 @@
+"""Shared by the lease tests: a LeaseGuard over a dict that records every
+call, small pools with known bytes, and a wait helper for owner threads."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+
+import torch
+
+from transfer import KVLayout
+
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, dtype="bfloat16", block_size=4, model_fingerprint=7)
+BACKENDS = ["nixl", "fallback"]
+
+
+class FakeLeases:
+    """The LeaseGuard contract of the engine's LeaseTable, over a dict of
+    lease id -> (block ids, unix deadline).  ``check_integrity`` asserts that
+    every read the guard allowed has ended."""
+
+    def __init__(self, begin_delay_s: float = 0.0) -> None:
+        self.begin_delay_s = begin_delay_s  # an owner that stalls after allowing a read
+        self.leases: dict[str, tuple[frozenset[int], float]] = {}
+        self.calls: list[tuple] = []  # ("begin", lease, block ids, refusal) | ("end", lease)
+        self.reading: Counter[str] = Counter()
+        self._lock = threading.Lock()
+
+    def lend(self, lease_id: str, block_ids: Sequence[int], ttl_s: float = 30.0) -> float:
+        """Pins the blocks under ``lease_id``; returns its lease_deadline_unix."""
+        deadline = time.time() + ttl_s
+        self.leases[lease_id] = (frozenset(block_ids), deadline)
+        return deadline
+
+    def begin_read(self, lease_id: str, block_ids: Sequence[int]) -> str | None:
+        with self._lock:
+            lease = self.leases.get(lease_id)
+            if lease is None:
+                refusal = "unknown or released lease"
+            elif time.time() >= lease[1]:
+                refusal = "lease expired"
+            elif not set(block_ids) <= lease[0]:
+                refusal = f"blocks {sorted(set(block_ids) - lease[0])} are not in the lease"
+            else:
+                refusal = None
+            self.calls.append(("begin", lease_id, tuple(block_ids), refusal))
+            if refusal is None:
+                self.reading[lease_id] += 1
+        time.sleep(self.begin_delay_s)
+        return refusal
+
+    def end_read(self, lease_id: str) -> None:
+        with self._lock:
+            self.calls.append(("end", lease_id))
+            self.reading[lease_id] -= 1
+
+    def check_integrity(self) -> None:
+        assert all(n == 0 for n in self.reading.values()), f"reads begun but never ended: {self.reading}"
+
+
+def make_pool(num_blocks: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    raw = torch.randint(0, 256, (num_blocks * LAYOUT.block_bytes,), dtype=torch.uint8, generator=g)
+    return raw.view(LAYOUT.torch_dtype).view(num_blocks, *LAYOUT.block_shape)
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def wait_until(predicate: Callable[[], bool], timeout_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.002)
+    return True
+
+
+def lease_ids_notified(owner, settle_s: float = 0.0, count: int | None = None, timeout_s: float = 5.0) -> list[str]:
+    """Lease ids the owner heard of: waits for ``count`` of them, or ``settle_s`` when none are expected."""
+    got: list[str] = []
+    end = time.monotonic() + (timeout_s if count else settle_s)
+    while time.monotonic() < end and (count is None or len(got) < count):
+        got += [n.lease_id for n in owner.poll_notifications()]
+        time.sleep(0.002)
+    return got
