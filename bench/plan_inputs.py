@@ -1,14 +1,21 @@
-"""The planner's inputs: model shape, accelerator, deployment, traffic, SLOs,
-with datasheet presets and a reader for a model's own files."""
+"""The planner's inputs: model shape, accelerator, deployment, traffic, SLOs
+and the optional questions (prefix cache, speculation, pipeline, per-instance
+facts), with datasheet presets and a reader for a model's own files.
+
+Every input type checks its own values and raises ``ValueError`` naming the
+`pdcluster plan` flag that sets it, so a bad plan never gets as far as the
+arithmetic."""
 
 from __future__ import annotations
 
 import json
+import math
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-GiB = 1024**3
+GiB = 1024**3  # memory sizes as runtimes report them
+GB = 1e9  # bandwidths and datasheet sizes are decimal
 DTYPE_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "int8": 1.0, "int4": 0.5}
 
 
@@ -23,8 +30,14 @@ class ModelShape:
     max_context: int | None = None
 
     def __post_init__(self) -> None:
+        _positive(self.params, "--params")
+        for value, flag in ((self.num_layers, "--layers"), (self.num_heads, "--heads"),
+                            (self.num_kv_heads, "--kv-heads"), (self.head_dim, "--head-dim")):
+            if value < 1:
+                raise ValueError(f"{flag} must be >= 1, got {value}")
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"{self.name}: {self.num_heads} query heads are not a multiple of {self.num_kv_heads} KV heads")
+            raise ValueError(f"{self.name}: {self.num_heads} query heads (--heads) are not a multiple of "
+                             f"{self.num_kv_heads} KV heads (--kv-heads)")
 
 
 @dataclass(frozen=True)
@@ -33,6 +46,11 @@ class Accelerator:
     memory_bytes: float  # per device
     bandwidth_bytes_s: float  # per device
     flops: float  # dense bf16 FLOP/s per device
+
+    def __post_init__(self) -> None:
+        _positive(self.memory_bytes, "--memory-gib/--memory-gb")
+        _positive(self.bandwidth_bytes_s, "--bandwidth-gbs")
+        _positive(self.flops, "--tflops")
 
 
 @dataclass(frozen=True)
@@ -53,26 +71,128 @@ class Deployment:
     def __post_init__(self) -> None:
         for name in ("safety", "mbu", "mfu"):
             if not 0 < getattr(self, name) <= 1:
-                raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)}")
+                raise ValueError(f"--{name} must be in (0, 1], got {getattr(self, name)}")
         if not 0 <= self.reserve_fraction < 1:
-            raise ValueError(f"reserve_fraction must be in [0, 1), got {self.reserve_fraction}")
-        if self.tp < 1 or self.block_size < 1 or self.redundancy < 1:
-            raise ValueError("tp and block_size must be >= 1 and redundancy >= 1")
+            raise ValueError(f"--reserve-fraction must be in [0, 1), got {self.reserve_fraction}")
+        if self.reserve_bytes < 0 or self.price_per_instance_hour < 0:
+            raise ValueError("--reserve-gib and --price-per-hour must be >= 0")
+        if self.tp < 1 or self.block_size < 1 or self.max_num_seqs < 1:
+            raise ValueError("--tp, --block-size and --max-num-seqs must be >= 1")
+        if not self.redundancy >= 1:
+            raise ValueError(f"--redundancy must be >= 1, got {self.redundancy}")
+        _positive(self.weight_bytes, "--weight-dtype")
+        _positive(self.kv_bytes, "--kv-dtype")
 
 
 @dataclass(frozen=True)
 class Traffic:
     peak_rps: float
-    input_mean: float
+    input_mean: float  # tokens per prompt (system + user)
     input_p95: float
-    output_mean: float
+    output_mean: float  # tokens generated per request
     output_p95: float
+
+    def __post_init__(self) -> None:
+        _positive(self.peak_rps, "--rps")
+        for value, flag in ((self.input_mean, "--input-mean"), (self.input_p95, "--input-p95"),
+                            (self.output_mean, "--output-mean"), (self.output_p95, "--output-p95")):
+            if not (math.isfinite(value) and value >= 1):
+                raise ValueError(f"{flag} must be >= 1 token, got {value}")
 
 
 @dataclass(frozen=True)
 class Slos:
     ttft_s: float
     tpot_s: float
+
+    def __post_init__(self) -> None:
+        _positive(self.ttft_s, "--ttft")
+        _positive(self.tpot_s, "--tpot")
+
+
+# --- the optional questions -------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PrefixCache:
+    shared_prefix_tokens: float  # tokens of a prompt shared with earlier ones (system prompt, few-shot)
+    hit_rate: float  # fraction of requests whose shared prefix is found cached
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.shared_prefix_tokens) and self.shared_prefix_tokens >= 0):
+            raise ValueError(f"--shared-prefix-tokens must be >= 0, got {self.shared_prefix_tokens}")
+        if not 0 <= self.hit_rate <= 1:
+            raise ValueError(f"--prefix-hit-rate must be in [0, 1], got {self.hit_rate}")
+
+
+@dataclass(frozen=True)
+class Speculation:
+    k: int  # draft tokens proposed per verification step
+    accept: float  # probability the target accepts one draft token (i.i.d.)
+    cost: float  # one draft token's cost relative to one target forward pass
+
+    def __post_init__(self) -> None:
+        if self.k < 1:
+            raise ValueError(f"--spec-k must be >= 1, got {self.k}")
+        if not 0 <= self.accept <= 1:
+            raise ValueError(f"--spec-accept must be in [0, 1], got {self.accept}")
+        if not 0 < self.cost <= 1:
+            raise ValueError(f"--spec-cost must be in (0, 1], got {self.cost}")
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    stages: int  # s, pipeline-parallel stages
+    micro_batches: int  # m, micro-batches per batch (GPipe)
+
+    def __post_init__(self) -> None:
+        if self.stages < 1 or self.micro_batches < 1:
+            raise ValueError("--pp and --micro-batches must be >= 1")
+
+
+@dataclass(frozen=True)
+class PerInstance:
+    """What a user measured on one running instance; ``None`` where not measured."""
+
+    tok_s: float | None = None  # output tok/s one instance sustains
+    active: float | None = None  # requests one instance holds in flight within the SLOs
+    kv_safe: float | None = None  # requests whose KV one instance holds safely
+
+    def __post_init__(self) -> None:
+        for value, flag in ((self.tok_s, "--instance-tok-s"), (self.active, "--active-per-instance"),
+                            (self.kv_safe, "--kv-safe-per-instance")):
+            if value is not None:
+                _positive(value, flag)
+
+    @property
+    def given(self) -> bool:
+        return any(v is not None for v in (self.tok_s, self.active, self.kv_safe))
+
+
+@dataclass(frozen=True)
+class Questions:
+    """Inputs of the figures beyond the core sizing; the defaults ask nothing extra."""
+
+    concurrency: int | None = None  # N requests in flight at once, if the user knows it
+    queue_s: float = 0.0  # mean queueing delay before prefill starts
+    dwell_s: float | None = None  # measured time a request stays in an instance (else E2E at the SLOs)
+    prefix: PrefixCache | None = None
+    spec: Speculation | None = None
+    pipeline: Pipeline | None = None
+    per_instance: PerInstance = PerInstance()
+
+    def __post_init__(self) -> None:
+        if self.concurrency is not None and self.concurrency < 1:
+            raise ValueError(f"--concurrency must be >= 1, got {self.concurrency}")
+        if not (math.isfinite(self.queue_s) and self.queue_s >= 0):
+            raise ValueError(f"--queue-s must be >= 0, got {self.queue_s}")
+        if self.dwell_s is not None:
+            _positive(self.dwell_s, "--dwell-s")
+
+
+def _positive(value: float, flag: str) -> None:
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{flag} must be a finite number > 0, got {value}")
 
 
 MODEL_PRESETS = {
@@ -159,8 +279,18 @@ def _hf_shape(directory: Path) -> ModelShape:
     )
 
 
-def read_model_shape(spec: str) -> ModelShape:
-    """A preset name, a .gguf file, or a Hugging Face model directory."""
+# The bundled default model (services/engine/model/default.py ships its GGUF):
+# SmolLM2-135M: 30 layers, hidden 576, 9 heads, 3 KV heads, head_dim 64,
+# vocab 49,152, tied embeddings -> 49,152 x 576 + 30 x 3,540,096 + 576 params.
+DEFAULT_MODEL_ALIASES = ("default", "SmolLM2-135M-Instruct")
+DEFAULT_MODEL_PRESET = "smollm2-135m"
+
+
+def read_model_shape(spec: str | None) -> ModelShape:
+    """A preset name, "default" (or nothing) for the bundled model, a .gguf
+    file, or a Hugging Face model directory."""
+    if spec is None or spec in DEFAULT_MODEL_ALIASES:
+        return MODEL_PRESETS[DEFAULT_MODEL_PRESET]
     if spec in MODEL_PRESETS:
         return MODEL_PRESETS[spec]
     path = Path(spec)
@@ -169,5 +299,6 @@ def read_model_shape(spec: str) -> ModelShape:
     if path.is_dir() and (path / "config.json").is_file():
         return _hf_shape(path)
     raise FileNotFoundError(
-        f"model {spec!r}: not a preset ({', '.join(MODEL_PRESETS)}), a .gguf file, or a directory with config.json"
+        f"--model {spec!r}: not 'default', a preset ({', '.join(MODEL_PRESETS)}), a .gguf file, "
+        f"or a directory with config.json"
     )

@@ -9,7 +9,10 @@ Block lists are fragmented the way a busy pool is (runs of 1..32 consecutive
 blocks in random order on both sides); the descriptor column shows how many
 descriptors coalescing leaves of one per block.  "nixl 1-run" pulls the same
 bytes as one consecutive run.  Times are medians of interleaved repetitions,
-measured around the whole pull() call (id handling, notification included)."""
+measured around the whole pull() call (id handling, notification included).
+Both sides hold a cluster secret, as the serving layer's do (signed
+descriptors, tagged notifications, authenticated connections); --no-secret
+measures without."""
 
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ if __name__ == "__main__" and sys.path and os.path.abspath(sys.path[0]) == os.pa
 import argparse
 import multiprocessing as mp
 import random
+import secrets
 import statistics
 import time
 from collections.abc import Callable
@@ -59,13 +63,13 @@ def fill_pattern(pool: torch.Tensor) -> None:
         u8[b] = ramp.roll(b)
 
 
-def owner_main(conn, backends: list[str], pool_blocks: int) -> None:
+def owner_main(conn, backends: list[str], pool_blocks: int, secret: bytes | None) -> None:
     torch.set_num_threads(1)
     pool = allocate_kv_pool(pool_blocks, SMOLLM2)
     fill_pattern(pool)
     owners: list[TransferBackend] = []
     for name in backends:
-        backend = create_backend(name, peer_id=f"bench-owner-{name}")
+        backend = create_backend(name, peer_id=f"bench-owner-{name}", secret=secret)
         backend.register_pool(pool, SMOLLM2)
         owners.append(backend)
     conn.send({b.name: b.describe() for b in owners})
@@ -125,7 +129,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", default="1,16,64,256,4096", help="block counts per pull")
     parser.add_argument("--backends", default="nixl,fallback")
     parser.add_argument("--reps-scale", type=float, default=1.0, help="multiply repetitions (noise vs time)")
+    parser.add_argument("--no-secret", action="store_true", help="run without the cluster secret (no authentication)")
     args = parser.parse_args(argv)
+    secret = None if args.no_secret else secrets.token_bytes(32)  # one bench run = one cluster
     sizes = [int(s) for s in args.sizes.split(",")]
     backends = args.backends.split(",")
     columns = [*backends, *(["nixl 1-run"] if "nixl" in backends else [])]
@@ -136,12 +142,13 @@ def main(argv: list[str] | None = None) -> int:
     print("  [1/3] starting the owner process and filling its pool ...", flush=True)
     ctx = mp.get_context("spawn")
     conn, child = ctx.Pipe()
-    owner = ctx.Process(target=owner_main, args=(child, backends, pool_blocks), daemon=True)
+    owner = ctx.Process(target=owner_main, args=(child, backends, pool_blocks, secret), daemon=True)
     owner.start()
     pool = allocate_kv_pool(pool_blocks, SMOLLM2)  # 2 MiB pages, as the engine's pool should be
     memcpy_src = allocate_kv_pool(pool_blocks, SMOLLM2)
     memcpy_src.fill_(1.0)
-    pullers = {name: create_backend(name, peer_id=f"bench-puller-{name}", timeout_s=60.0) for name in backends}
+    pullers = {name: create_backend(name, peer_id=f"bench-puller-{name}", timeout_s=60.0, secret=secret)
+               for name in backends}
     for backend in pullers.values():
         backend.register_pool(pool, SMOLLM2)
     if not conn.poll(300):
@@ -178,8 +185,10 @@ def print_header(args: argparse.Namespace, pool_blocks: int) -> None:
     print("  block lists: runs of 1..32 blocks in random order on both sides; descriptors = one per block -> "
           "after coalescing; 'nixl 1-run' = the same bytes as one consecutive run")
     print(f"  host: {os.cpu_count()} CPUs (shared), torch threads 1, UCX_NET_DEVICES={os.environ.get('UCX_NET_DEVICES')}")
+    print("  authentication: " + ("none (--no-secret)" if args.no_secret else
+                                  "cluster secret on both sides (signed descriptor, tagged notifications)"))
     print(f"  reproduce: python -m bench.transfer --sizes {args.sizes} --backends {args.backends} "
-          f"--reps-scale {args.reps_scale:g}")
+          f"--reps-scale {args.reps_scale:g}" + (" --no-secret" if args.no_secret else ""))
 
 
 def print_row(n: int, r: dict[str, float], columns: list[str]) -> None:

@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from prefix_store.events import EventBatch
+from prefix_store.redis_url import redact_url
 from prefix_store.worker_id import WorkerId
 
 
@@ -126,12 +127,12 @@ def register_index(scheme: str) -> Callable[[IndexFactory], IndexFactory]:
 
 
 def make_index(url: str | None, *, cluster: str, model: str, **options) -> PrefixIndex:
-    """``url`` is ``redis://host:port[/db]`` or ``memory://`` (or None)."""
+    """``url`` is ``redis://[:password@]host:port[/db]`` or ``memory://`` (or None)."""
     import prefix_store.memory_index  # noqa: F401  (registers "memory")
     import prefix_store.redis_index  # noqa: F401  (registers "redis")
 
     scheme = "memory" if not url else url.split("://", 1)[0]
     if scheme not in _REGISTRY:
-        raise ValueError(f"prefix index URL {url!r}: unknown scheme {scheme!r}; use one of "
+        raise ValueError(f"prefix index URL {redact_url(url)!r}: unknown scheme {scheme!r}; use one of "
                          f"{sorted(_REGISTRY)} (e.g. redis://127.0.0.1:6379 or memory://)")
     return _REGISTRY[scheme](url, cluster=cluster, model=model, **options)

@@ -7,6 +7,9 @@ Layout and scripts live in ``redis_layout``.  Failure policy:
   window answer "no matches" at once (counted as skipped) instead of paying
   a connect timeout per request.
 * writes raise ``IndexUnavailable`` after ``write_timeout_s``.
+
+Every message and warning names the store by its redacted URL: the URL
+carries the password.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from prefix_store.index import (
 from prefix_store.redis_layout import (
     DEREGISTER_LUA, HEARTBEAT_LUA, LOOKUP_LUA, PURGE_LUA, RedisKeys, hex16, packed_hex, parse_lookup_reply,
 )
+from prefix_store.redis_url import redact_url
 from prefix_store.worker_id import WorkerId
 
 log = logging.getLogger(__name__)
@@ -51,6 +55,9 @@ async def _bounded(op: Awaitable[T], timeout_s: float) -> T:
 
 
 class RedisPrefixIndex(PrefixIndex):
+    """``url`` may carry a password (``redis://:PASSWORD@host:port/db``); it
+    is only ever shown through ``redact_url``."""
+
     def __init__(
         self, url: str, *, cluster: str, model: str, lookup_timeout_s: float = 0.05,
         write_timeout_s: float = 1.0, retry_after_s: float = 1.0, max_connections: int = 64,
@@ -93,7 +100,7 @@ class RedisPrefixIndex(PrefixIndex):
 
     def _note_failure(self, what: str, err: BaseException) -> str:
         self._down_until = time.monotonic() + self.retry_after_s
-        msg = f"{what}: redis at {self.url} failed ({type(err).__name__}: {err or 'timeout'})"
+        msg = f"{what}: redis at {redact_url(self.url)} failed ({type(err).__name__}: {err or 'timeout'})"
         if msg != self.counters.last_error:
             log.warning("prefix index %s; routing falls back to load only, retry in %.1fs",
                         msg, self.retry_after_s)

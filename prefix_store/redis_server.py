@@ -6,6 +6,14 @@ package directory, so no venv path is hard-coded), with persistence off:
     with RedisServer() as server:
         index = make_index(server.url, cluster="local", model="m")
 
+The server binds loopback and requires a generated password; ``url``
+carries it (``redis://:PASSWORD@127.0.0.1:PORT/0``), so print
+``redact_url(server.url)``, never the URL itself.  The password reaches the
+server through a config file in the server's private (0700) directory,
+deleted once it answers, not on its command line (which every local user
+can read).  ``require_password=False`` starts one without (for a test of
+that case only).
+
 ``stop()`` terminates, then kills after a grace period, and always reaps the
 process; on Linux the server also dies with its parent (PDEATHSIG), so a
 crashed test run leaves no stray server behind.  ``kill()``/``start()`` on
@@ -18,6 +26,7 @@ from __future__ import annotations
 import atexit
 import importlib.util
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -56,20 +65,40 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-def ping(host: str, port: int, timeout_s: float = 0.5) -> bool:
+def _command(*words: str) -> bytes:
+    """One command in RESP (an array of bulk strings): safe for any password."""
+    out = [f"*{len(words)}\r\n".encode()]
+    for w in words:
+        data = w.encode()
+        out.append(b"$%d\r\n%s\r\n" % (len(data), data))
+    return b"".join(out)
+
+
+def ping(host: str, port: int, timeout_s: float = 0.5, password: str | None = None) -> bool:
+    """True when a Redis answers PING on ``host:port`` (after AUTH with ``password``)."""
+    request = (_command("AUTH", password) if password else b"") + _command("PING")
+    expected = [b"+OK", b"+PONG"] if password else [b"+PONG"]
+    reply = b""
     try:
         with socket.create_connection((host, port), timeout=timeout_s) as s:
-            s.sendall(b"PING\r\n")
-            return s.recv(16).startswith(b"+PONG")
+            s.sendall(request)
+            while reply.count(b"\r\n") < len(expected):
+                chunk = s.recv(64)
+                if not chunk:
+                    break
+                reply += chunk
     except OSError:
         return False
+    return reply.split(b"\r\n")[:len(expected)] == expected
 
 
 class RedisServer:
     def __init__(self, port: int | None = None, *, host: str = "127.0.0.1",
                  binary: str | None = None, startup_timeout_s: float = 10.0,
-                 extra_args: tuple[str, ...] = ()) -> None:
+                 extra_args: tuple[str, ...] = (), require_password: bool = True) -> None:
         self.host = host
+        # Kept across kill()/start(): clients reconnect after an outage with the same URL.
+        self.password = secrets.token_urlsafe(24) if require_password else None
         self.port = port
         self.binary = binary or find_redis_server_binary()
         self.startup_timeout_s = startup_timeout_s
@@ -82,7 +111,8 @@ class RedisServer:
     def url(self) -> str:
         if self.port is None:
             raise RuntimeError("RedisServer has no port yet: call start() first")
-        return f"redis://{self.host}:{self.port}/0"
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}{self.host}:{self.port}/0"
 
     @property
     def pid(self) -> int | None:
@@ -90,6 +120,9 @@ class RedisServer:
 
     def is_running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
+
+    def ping(self, timeout_s: float = 0.5) -> bool:
+        return self.port is not None and ping(self.host, self.port, timeout_s, self.password)
 
     def start(self) -> "RedisServer":
         if self.is_running():
@@ -107,20 +140,33 @@ class RedisServer:
 
     def _launch(self, port: int) -> bool:
         log_path = os.path.join(self._workdir, "redis.log")
-        args = [self.binary, "--port", str(port), "--bind", self.host, "--save", "",
-                "--appendonly", "no", "--daemonize", "no", "--dir", self._workdir,
+        conf_path = self._write_conf()
+        args = [self.binary, conf_path, "--port", str(port), "--bind", self.host, "--protected-mode", "yes",
+                "--save", "", "--appendonly", "no", "--daemonize", "no", "--dir", self._workdir,
                 "--logfile", log_path, *self.extra_args]
-        self._proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                      stderr=subprocess.DEVNULL, preexec_fn=_die_with_parent)
-        deadline = time.monotonic() + self.startup_timeout_s
-        while time.monotonic() < deadline:
-            if self._proc.poll() is not None:
-                break
-            if ping(self.host, port):
-                return True
-            time.sleep(0.02)
+        try:
+            self._proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                          stderr=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+            deadline = time.monotonic() + self.startup_timeout_s
+            while time.monotonic() < deadline:
+                if self._proc.poll() is not None:
+                    break
+                if ping(self.host, port, password=self.password):
+                    return True
+                time.sleep(0.02)
+        finally:
+            os.unlink(conf_path)  # read once at start-up; the password lives on only in memory
         self.stop()
         return False
+
+    def _write_conf(self) -> str:
+        """The settings that must not appear on the command line, in a 0600 file."""
+        path = os.path.join(self._workdir, "redis.conf")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            if self.password:
+                f.write(f"requirepass {self.password}\n")
+        return path
 
     def stop(self, grace_s: float = 5.0) -> None:
         """Terminate (then kill after ``grace_s``) and reap the server."""

@@ -8,10 +8,12 @@ The rule (Little's law on prompt tokens, per pool that prefills):
     predicted_ttft = (queued_tokens + this request's cost) / rate_tps
 
     admit  when  fewer than MIN_SAMPLES completions are measured, or the queue is
-                 empty, or predicted_ttft <= ttft_slo_s
+                 empty, or predicted_ttft <= ttft_slo_s x headroom
     refuse with 429 and Retry-After = the time for the excess to drain, otherwise
 
-The overhead keeps tiny prompts (a one-step prefill costs about as much as
+The headroom (0.6 by default) absorbs the prediction's noise (a rate
+measured over recent completions, scheduling jitter), so that admitted
+requests meet the SLO rather than straddle it.  The overhead keeps tiny prompts (a one-step prefill costs about as much as
 a few dozen prompt tokens) from making the pool look slow, and the first
 completions (cold caches, a readiness probe) from poisoning the rate.
 
@@ -114,8 +116,10 @@ class Ticket:
 
 
 class Admission:
-    def __init__(self, ttft_slo_s: float, max_in_flight: int, shed: bool = True):
-        self.ttft_slo_s, self.max_in_flight, self.shed = ttft_slo_s, max_in_flight, shed
+    def __init__(self, ttft_slo_s: float, max_in_flight: int, shed: bool = True, headroom: float = 0.6):
+        if not 0 < headroom <= 1:
+            raise ValueError(f"headroom must be in (0, 1], got {headroom}")
+        self.ttft_slo_s, self.max_in_flight, self.shed, self.headroom = ttft_slo_s, max_in_flight, shed, headroom
         self.in_flight = 0
         self.rates: dict[str, PoolRate] = {}
         self.num_shed = 0
@@ -131,14 +135,15 @@ class Admission:
                                     f"= {self.max_in_flight}); retry shortly", retry_after_s=1.0)
         rate = self.rates.setdefault(pool, PoolRate())
         if self.shed:
-            d = decide(rate.queued_tokens, cost, rate.rate_tps, self.ttft_slo_s)
+            d = decide(rate.queued_tokens, cost, rate.rate_tps, self.ttft_slo_s * self.headroom)
             if not d.admit:
                 self.num_shed += 1
                 metrics.count_admission_rejection("slo")
                 raise BackendOverloaded(
                     f"the {pool} pool is overloaded: {rate.queued_tokens} prompt tokens (with per-request "
-                    f"overhead) queued at {rate.rate_tps:.0f} tokens/s predict a time to first token of {d.predicted_ttft_s:.1f} s, "
-                    f"over the {self.ttft_slo_s:g} s SLO (admission.ttft_slo_s); retry after "
+                    f"overhead) queued at {rate.rate_tps:.0f} tokens/s predict a time to first token of "
+                    f"{d.predicted_ttft_s:.1f} s, "
+                    f"over {self.headroom:g} x the {self.ttft_slo_s:g} s SLO (admission.ttft_slo_s); retry after "
                     f"{d.retry_after_s:.0f} s or add {pool} replicas", retry_after_s=d.retry_after_s)
         rate.enqueue(cost, time.monotonic())
         self.in_flight += 1

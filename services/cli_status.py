@@ -1,11 +1,15 @@
-"""`pdcluster status` and `pdcluster scale POOL N` against a running `pdcluster up`."""
+"""`pdcluster status` and `pdcluster scale POOL N` against a running `pdcluster up`.
+
+The state file holds the Redis URL with its password: these commands print
+it only through ``redact_url``, and `scale` rewrites the file 0600."""
 
 from __future__ import annotations
 
 import argparse
 import json
 
-from services.cluster_runtime import STATE_FILE
+from prefix_store.redis_url import redact_url
+from services.cluster_runtime import STATE_FILE, write_state
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -38,14 +42,21 @@ def format_board(board: list[dict]) -> list[str]:
 
 
 def run_status(args: argparse.Namespace) -> int:
+    from redis.exceptions import RedisError
+
     from services.status_board import read_board
 
     state = _state()
-    board = read_board(state["redis_url"], state.get("cluster", "local"))
+    try:
+        board = read_board(state["redis_url"], state.get("cluster", "local"))
+    except (RedisError, OSError) as exc:  # its message names host and port, never the password
+        raise SystemExit(f"cannot read the status board at {redact_url(state['redis_url'])} "
+                         f"({type(exc).__name__}: {exc}): is `pdcluster up` (pid {state['pid']}) still running?")
     if args.json:
         print(json.dumps(board, indent=2))
         return 0
-    print(f"cluster: {state['mode']} on 127.0.0.1:{state['port']} (pid {state['pid']})")
+    print(f"cluster: {state['mode']} on 127.0.0.1:{state['port']} (pid {state['pid']}), "
+          f"index {redact_url(state['redis_url'])}")
     print("\n".join(format_board(board)) if board else "no replica has reported yet")
     return 0
 
@@ -69,6 +80,6 @@ def run_scale(args: argparse.Namespace) -> int:
     ray.init(address="auto", log_to_driver=False)
     serve.run(build_app(config), name=APP_NAME, route_prefix="/", blocking=False)
     state["config"] = config.model_dump()
-    STATE_FILE.write_text(json.dumps(state))
+    write_state(state)
     print(f"{args.pool}: {args.replicas} replicas requested; in-flight requests finish on the old ones")
     return 0

@@ -20,6 +20,10 @@ already set wins.
   (``REPLICA_ENV``, passed through Ray's runtime_env).
 - Large tensors (weights, the KV pool) on 2 MiB pages: same-host KV pulls pin
   every page, and huge pages about double their bandwidth (transfer/pool_alloc.py).
+- Secrets (the cluster secret, API keys, a Redis URL with its password) are
+  never in ``replica_env()``: Ray's runtime-env agent logs every runtime_env
+  it sets up.  They reach the replicas the way the defaults above do, by
+  inheritance from the driver's environment (services/cluster_secret.py).
 """
 
 from __future__ import annotations
@@ -41,7 +45,8 @@ REPLICA_ENV = {"RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
 
 
 def replica_env() -> dict[str, str]:
-    """Environment variables for Ray's runtime_env: the cluster's, as set now, for the replicas."""
+    """Environment variables for Ray's runtime_env: the cluster's, as set now,
+    for the replicas.  Ray writes these to its logs: nothing secret here."""
     return {**{k: os.environ[k] for k in DEFAULTS}, **REPLICA_ENV}
 
 

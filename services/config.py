@@ -3,13 +3,85 @@ one place.  ``engine_config()`` maps it onto the engine's frozen dataclass."""
 
 from __future__ import annotations
 
+import hashlib
+import ipaddress
+import os
+import re
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 from services.engine.config import EngineConfig, SchedulerConfig
+
+
+API_KEY_ENV = "PDCLUSTER_API_KEY"   # one key, or several separated by commas
+_API_KEY = re.compile(r"[\x21-\x2b\x2d-\x7e]+")  # printable ASCII but space and comma: fits `Bearer <key>` and the env
+_API_KEY_DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
+
+
+def api_key_digest(key: str | bytes) -> str:
+    """``sha256:<hex>``: what the gateway compares a presented key against,
+    so the keys themselves never travel (deployment args) or rest (the state
+    file) in clear."""
+    return "sha256:" + hashlib.sha256(key.encode() if isinstance(key, str) else key).hexdigest()
+
+
+def is_api_key_digest(value: object) -> bool:
+    return isinstance(value, str) and _API_KEY_DIGEST.fullmatch(value) is not None
+
+
+def is_loopback(host: str) -> bool:
+    """127.0.0.0/8, ::1 (also IPv4-mapped) and ``localhost``; no name is resolved."""
+    host = host.strip().strip("[]").rstrip(".").lower()
+    if host == "localhost":
+        return True
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    mapped = getattr(address, "ipv4_mapped", None)
+    return (mapped or address).is_loopback
+
+
+def exposure_problem(host: str, has_keys: bool, insecure: bool) -> str | None:
+    """Why serving the OpenAI API on ``host`` would be unsafe, or None: a
+    non-loopback address needs an API key unless the operator insists."""
+    if has_keys or insecure or is_loopback(host):
+        return None
+    return (f"refusing to serve the gateway on {host} without an API key: anyone who can reach it could use "
+            f"the cluster.  Set {API_KEY_ENV} (or api_keys / api_key_file in the config) so clients must send "
+            "`Authorization: Bearer <key>`, or pass --insecure-no-auth (config: insecure_no_auth: true) to "
+            "serve it open anyway")
+
+
+def _checked_key(value: object, source: str) -> SecretStr:
+    """Never echoes the value: it may be a real key."""
+    key = value.get_secret_value() if isinstance(value, SecretStr) else value
+    if not isinstance(key, str) or _API_KEY.fullmatch(key) is None:
+        raise ValueError(f"{source} is not a usable API key: use printable ASCII without spaces or commas, "
+                         "e.g. `python -c 'import secrets; print(secrets.token_urlsafe(32))'`")
+    return SecretStr(key)
+
+
+def _file_keys(path: str) -> list[SecretStr]:
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as exc:
+        raise ValueError(f"api_key_file {path}: cannot read it ({exc.strerror}); "
+                         "it holds one key per line (blank lines and # comments are skipped)") from None
+    return [_checked_key(line.strip(), f"api_key_file {path} line {n}") for n, line in enumerate(lines, 1)
+            if line.strip() and not line.strip().startswith("#")]
+
+
+def _env_keys() -> list[SecretStr]:
+    parts = [p.strip() for p in os.environ.get(API_KEY_ENV, "").split(",")]
+    return [_checked_key(p, f"{API_KEY_ENV} entry {n}") for n, p in enumerate(parts, 1) if p]
+
+
+def _unique(items: list) -> tuple:
+    return tuple(dict.fromkeys(items))
 
 
 class _Strict(BaseModel):
@@ -49,6 +121,9 @@ class AdmissionSettings(_Strict):
     ttft_slo_s: float = Field(2.0, gt=0, description="refuse (429 + Retry-After) a request whose predicted TTFT, "
                                                      "from the pool's queued prompt tokens and its measured "
                                                      "prefill rate, exceeds this")
+    ttft_headroom: float = Field(0.6, gt=0, le=1, description="admit while the predicted TTFT is at most this "
+                                                               "fraction of the SLO: the margin that absorbs the "
+                                                               "prediction's noise, so admitted requests meet the SLO")
     shed: bool = Field(True, description="false: admit everything (no SLO-based 429s)")
     max_in_flight: int = Field(1024, ge=1, description="requests the gateway serves at once before 429")
     request_timeout_s: float = Field(300.0, gt=0, description="end-to-end deadline of one request")
@@ -63,6 +138,9 @@ class TracingSettings(_Strict):
 
 
 class ClusterConfig(_Strict):
+    # A validation error must never print its input: it may hold an API key.
+    model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
+
     mode: Literal["disaggregated", "colocated"] = "disaggregated"
     model: str | None = Field(None, description="None: the bundled SmolLM2-135M-Instruct GGUF")
     served_model_name: str = "SmolLM2-135M-Instruct"
@@ -89,20 +167,64 @@ class ClusterConfig(_Strict):
                                "(one Serve hop less per streamed token); serve_proxy: Serve's HTTP proxy in front")
     max_body_bytes: int = Field(1 * 2**20, ge=1024)
     tracing: TracingSettings = TracingSettings()
+    # API keys: from here, api_key_file and PDCLUSTER_API_KEY together.  Only
+    # their digests are dumped (deployment args, the state file); the clear
+    # keys stay in the process that read them (its readiness probe uses one).
+    api_keys: tuple[SecretStr, ...] = Field(
+        (), exclude=True, repr=False, description="keys clients send as `Authorization: Bearer <key>`; with any "
+                                                  "key (or digest) set, every /v1 request needs one")
+    api_key_file: str | None = Field(None, exclude=True, description="one key per line; blank lines and "
+                                                                     "# comments are skipped")
+    api_key_digests: tuple[str, ...] = Field(
+        (), repr=False, description="sha256:<hex> of each accepted key: filled from the three sources above, "
+                                    "or given directly to keep the keys themselves out of config files")
+    insecure_no_auth: bool = Field(False, description="serve a non-loopback host without API keys anyway")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _gather_api_keys(cls, data: Any) -> Any:
+        """Folds api_key_file and PDCLUSTER_API_KEY into ``api_keys``, and
+        every key into ``api_key_digests``."""
+        if not isinstance(data, dict):
+            return data
+        given = data.get("api_keys") or ()
+        if isinstance(given, (str, SecretStr)):
+            given = (given,)
+        keys = [_checked_key(k, f"api_keys[{n}]") for n, k in enumerate(given)]
+        if data.get("api_key_file"):
+            keys += _file_keys(str(data["api_key_file"]))
+        keys += _env_keys()
+        keys = list(_unique([k.get_secret_value() for k in keys]))
+        digests = list(data.get("api_key_digests") or ())
+        for n, digest in enumerate(digests):
+            if not is_api_key_digest(digest):
+                raise ValueError(f"api_key_digests[{n}] is not `sha256:<64 lowercase hex digits>` (the hex is what "
+                                 "`printf %s \"$KEY\" | sha256sum` prints), or list the key itself under api_keys")
+        return {**data, "api_keys": tuple(SecretStr(k) for k in keys),
+                "api_key_digests": _unique(digests + [api_key_digest(k) for k in keys])}
 
     @model_validator(mode="after")
     def _check(self) -> "ClusterConfig":
         EngineConfig(block_size=self.block_size)  # raises ValueError naming the fix
         if self.scheduler.kv_watermark_low > self.scheduler.kv_watermark_high:
             raise ValueError("scheduler.kv_watermark_low must be <= kv_watermark_high")
+        problem = exposure_problem(self.host, bool(self.api_key_digests), self.insecure_no_auth)
+        if problem:
+            raise ValueError(problem)
         return self
 
+    def client_api_key(self) -> str | None:
+        """A key this process can authenticate with (its own readiness probe);
+        None when auth is off, or when only digests are known here."""
+        return self.api_keys[0].get_secret_value() if self.api_keys else None
+
     @classmethod
-    def from_yaml(cls, path: str | Path) -> "ClusterConfig":
+    def from_yaml(cls, path: str | Path, overrides: dict | None = None) -> "ClusterConfig":
+        """``overrides``: top-level keys that win over the file's (command-line flags)."""
         data = yaml.safe_load(Path(path).read_text()) or {}
         if not isinstance(data, dict):
             raise ValueError(f"{path}: expected a mapping of config keys at the top level")
-        return cls.model_validate(data)
+        return cls.model_validate({**data, **(overrides or {})})
 
     def engine_config(self, pool: PoolConfig) -> EngineConfig:
         s = self.scheduler

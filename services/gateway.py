@@ -73,14 +73,16 @@ class Gateway:
         settings = OpenAISettings(
             served_model_names=(cfg.served_model_name,),
             block_hash_seed=block_hash_seed(weights_id(path), parse_dtype(cfg.dtype), cfg.block_size),
-            block_size=cfg.block_size, max_body_bytes=cfg.max_body_bytes)
+            block_size=cfg.block_size, max_body_bytes=cfg.max_body_bytes,
+            api_key_digests=cfg.api_key_digests)  # validating cfg refused an exposed host without keys
         adm = cfg.admission
         backend = ClusterBackend(handles, mode=cfg.mode, model_name=cfg.served_model_name,
                                  max_model_len=max_len, block_size=cfg.block_size,
                                  liveness=PoolLiveness(cfg.index_url, cfg.cluster_name),
                                  fallback_to_colocated=cfg.fallback_to_colocated,
                                  local_prefill_max_tokens=cfg.router.local_prefill_max_tokens,
-                                 admission=Admission(adm.ttft_slo_s, adm.max_in_flight, adm.shed),
+                                 admission=Admission(adm.ttft_slo_s, adm.max_in_flight, adm.shed,
+                                                     adm.ttft_headroom),
                                  request_timeout_s=adm.request_timeout_s,
                                  inter_token_timeout_s=adm.inter_token_timeout_s)
         _HOST.update(backend=backend, tokenizer=tokenizer, settings=settings)
@@ -88,7 +90,8 @@ class Gateway:
         if cfg.ingress == "gateway":
             self.http = GatewayHTTPServer(app, cfg.host, cfg.port)
             self.http.start()
-        log.info("gateway ready: mode=%s model=%s ingress=%s", cfg.mode, cfg.served_model_name, cfg.ingress)
+        log.info("gateway ready: mode=%s model=%s ingress=%s api_keys=%d", cfg.mode, cfg.served_model_name,
+                 cfg.ingress, len(cfg.api_key_digests))
 
     async def __del__(self):
         """Serve awaits this when it stops the replica: in-flight streams finish first."""

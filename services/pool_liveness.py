@@ -2,7 +2,8 @@
 (every worker refreshes its key every 0.5 s with a 5 s TTL, saying whether
 its engine loop is alive).  The gateway
 asks before a disaggregated request, so a request never waits for a prefill
-pool that has no replica: it fails with 503, or falls back to colocated."""
+pool that has no replica: it fails with 503, or falls back to colocated.
+``redis_url`` may carry the password; it is never logged."""
 
 from __future__ import annotations
 

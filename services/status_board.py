@@ -1,6 +1,8 @@
 """Per-replica status in Redis, for `pdcluster status` and tests: every
 worker writes its status JSON under a key with a short TTL, so a dead
-replica disappears from the board by itself."""
+replica disappears from the board by itself.  ``redis_url`` may carry the
+password (``redis://:PASSWORD@host:port/db``): it goes to redis-py as it is
+and is never logged."""
 
 from __future__ import annotations
 

@@ -19,6 +19,7 @@ from prefix_store.worker_id import WorkerId
 from router.replica_stats import ReplicaStats
 from services import metrics, telemetry
 from services.backend import BackendFailure, BackendInvalidRequest, BackendOverloaded, BackendUnavailable
+from services.cluster_secret import cluster_secret
 from services.config import ClusterConfig, PoolConfig
 from services.engine.async_engine import AsyncEngine
 from services.engine.engine import Engine
@@ -65,8 +66,10 @@ class Worker:
         self.aengine = AsyncEngine(self.engine)
         self.transfer = None
         if with_transfer:
+            # Every block-server connection, descriptor and lease release is
+            # authenticated with the per-cluster secret `pdcluster up` generated.
             self.transfer = create_backend(config.transfer_backend, peer_id=self.name.replace(":", "-"),
-                                           timeout_s=config.transfer_timeout_s)
+                                           timeout_s=config.transfer_timeout_s, secret=cluster_secret())
             kv = self.engine.kv.kv_pool
             # The lease table vets every owner-side read (a late pull never reads recycled blocks).
             self.transfer.register_pool(kv, KVLayout.of_pool(kv, self.engine.hash_seed),

@@ -1,7 +1,7 @@
 """KV block transfer between replicas: a NIXL backend and a portable socket
 fallback behind one interface (see transfer.base for the call sequence).
 
-    backend = create_backend(config_name)            # "auto" | "nixl" | "fallback"
+    backend = create_backend(config_name, secret=cluster_secret)  # "auto" | "nixl" | "fallback"; >= 16 bytes
     kv_pool = allocate_kv_pool(num_blocks, layout)   # optional: huge pages double same-host NIXL bandwidth
     backend.register_pool(kv_pool, KVLayout.of_pool(kv_pool, model_fingerprint), lease_guard=lease_table)
     descriptor = backend.describe()                  # owner: hand out once
@@ -12,7 +12,8 @@ fallback behind one interface (see transfer.base for the call sequence).
 """
 
 from transfer.base import TransferBackend, TransferStats
-from transfer.errors import BackendUnavailableError, LayoutMismatchError, LeaseExpiredError, TransferError
+from transfer.errors import (AuthenticationError, BackendUnavailableError, LayoutMismatchError, LeaseExpiredError,
+                             TransferError)
 from transfer.layout import KVLayout, check_compatible
 from transfer.lease_guard import LEASE_SAFETY_MARGIN_S, OWNER_FREE_GRACE_S, LeaseGuard
 from transfer.peer import Notification, PeerDescriptor
@@ -22,7 +23,8 @@ from transfer.runs import BlockRun, coalesce_block_runs
 
 __all__ = [
     "LEASE_SAFETY_MARGIN_S", "OWNER_FREE_GRACE_S",
-    "BackendUnavailableError", "BlockRun", "KVLayout", "LayoutMismatchError", "LeaseExpiredError", "LeaseGuard",
+    "AuthenticationError", "BackendUnavailableError", "BlockRun", "KVLayout", "LayoutMismatchError",
+    "LeaseExpiredError", "LeaseGuard",
     "Notification", "PeerDescriptor", "TransferBackend", "TransferError", "TransferStats", "allocate_kv_pool",
     "backend_class", "backend_names", "check_compatible", "coalesce_block_runs", "create_backend",
     "register_backend",

@@ -24,6 +24,34 @@ How the lease keeps a read from seeing recycled blocks (transfer.lease_guard):
     both              the puller's checks run on every backend; a pull that
                       fails them sends no notification (see pull).
 
+What the cluster secret protects (``secret=``, >= 16 random bytes, the same on
+every replica; the serving layer always passes one: only unit tests, the
+bench and single-process use run without, and then nothing below holds and
+anyone who reaches the port or agent is served as before):
+
+    socket fallback   every connection to the block server opens with a mutual
+                      HMAC challenge (transfer.block_server) before any hello,
+                      epoch, layout, block or lease message; a client without
+                      the secret gets one fixed refusal and a closed socket.
+                      The server caps connections, times out idle and
+                      handshaking ones, and bounds every frame by its pool.
+                      Bytes are authenticated per connection, not encrypted:
+                      whoever can sniff the link (loopback by default) sees KV.
+    NIXL              describe() signs the descriptor and pull() checks the
+                      signature before loading its agent metadata, so a forged
+                      descriptor cannot point a puller at another agent or
+                      address.  READs are one-sided and never see the secret:
+                      the pool is only as protected as the UCX endpoint (any
+                      process that holds the agent metadata, which is signed,
+                      not hidden, can read it; on one host, any process of the
+                      same user can read it anyway).  Keep UCX on loopback or a
+                      private fabric.
+    both              a release notification carries an HMAC tag over (sender,
+                      owner, owner epoch, lease id); poll_notifications drops
+                      and counts those without a valid one.  Not covered: a
+                      captured notification replayed to the same owner before
+                      it restarts (it could release a re-lent lease of that id).
+
 The base class owns what every backend shares: validating block ids,
 coalescing runs, the per-peer handshake cache (layout check, re-handshake on a
 new epoch), deadlines (the transfer's and the lease's), stats and
@@ -46,15 +74,18 @@ from typing import Any, ClassVar
 
 import torch
 
+from transfer.auth import DESCRIPTOR, LEASE_RELEASE, ClusterSecret
 from transfer.deadline import Deadline
-from transfer.errors import LeaseExpiredError, TransferError
+from transfer.errors import AuthenticationError, LeaseExpiredError, TransferError
 from transfer.layout import KVLayout, check_compatible, check_pool
 from transfer.lease_guard import LeaseClock, LeaseGuard
-from transfer.peer import (Notification, PeerDescriptor, agent_name, check_peer_id,
+from transfer.peer import (Notification, PeerDescriptor, agent_name, check_lease_id, check_peer_id,
                            decode_notification, encode_notification)
 from transfer.runs import BlockRun, as_block_ids, check_block_ids, coalesce_block_runs
 
 log = logging.getLogger("pdcluster.transfer")
+
+_MAX_CHECKED_DESCRIPTORS = 256  # a few per peer and epoch; more only after many restarts
 
 
 @dataclass(frozen=True)
@@ -100,18 +131,23 @@ class TransferBackend(ABC):
     needs_listener: ClassVar[bool]
     checks_lease_on_read: ClassVar[bool]
 
-    def __init__(self, peer_id: str | None = None, timeout_s: float = 10.0) -> None:
+    def __init__(self, peer_id: str | None = None, timeout_s: float = 10.0, secret: bytes | None = None) -> None:
+        """``secret``: the cluster's (see the top of this module); with it every
+        peer must prove it holds the same one, without it nobody has to."""
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self._secret = ClusterSecret.of(secret)
         self.peer_id = check_peer_id(peer_id or default_peer_id())
         self.epoch = secrets.randbits(63) | 1  # new on every start: pullers re-handshake
         self.timeout_s = timeout_s
         self.num_handshakes = 0
+        self.num_rejected_notifications = 0  # dropped: malformed, or (with a secret) a missing or wrong tag
         self._pool: torch.Tensor | None = None
         self._layout: KVLayout | None = None
         self._peers: dict[str, _CachedPeer] = {}
         self._peer_locks: dict[str, threading.Lock] = {}
         self._peers_lock = threading.Lock()
+        self._checked_descriptors: dict[bytes, PeerDescriptor] = {}  # encoded -> decoded, signature checked
         self._closed = False
 
     @property
@@ -130,10 +166,17 @@ class TransferBackend(ABC):
         self._register(kv_pool, layout, lease_guard)
         self._pool, self._layout = kv_pool, layout
 
+    @property
+    def authenticated(self) -> bool:
+        """True when this backend was given the cluster secret (peers must prove it)."""
+        return self._secret is not None
+
     def descriptor(self) -> PeerDescriptor:
+        """This side's descriptor, signed when a secret is set."""
         pool, layout = self._require_pool()
-        return PeerDescriptor(backend=self.name, peer_id=self.peer_id, epoch=self.epoch, layout=layout,
+        desc = PeerDescriptor(backend=self.name, peer_id=self.peer_id, epoch=self.epoch, layout=layout,
                               num_blocks=pool.shape[0], **self._describe_fields())
+        return desc if self._secret is None else desc.signed(self._secret.mac(DESCRIPTOR, desc.body()))
 
     def describe(self) -> bytes:
         """The msgpack descriptor a puller needs; hand it over out of band once."""
@@ -159,10 +202,10 @@ class TransferBackend(ABC):
         garbage and go back to the pool.  ValueError means a caller bug (ids out
         of range, a local block named twice)."""
         pool, _ = self._require_pool()
-        desc = _as_descriptor(peer)
+        desc = self._peer_descriptor(peer)
         remote_ids, local_ids = as_block_ids(remote_block_ids), as_block_ids(local_block_ids)
         check_block_ids(remote_ids, local_ids, desc.num_blocks, pool.shape[0])
-        payload = encode_notification(notif) if notif is not None else b""
+        payload = self._notification(desc, notif) if notif is not None else b""
         runs = coalesce_block_runs(remote_ids, local_ids)
         # Nothing read, nothing to protect: a notify-only pull ignores the deadline.
         lease = LeaseClock(lease_deadline_unix if runs else None, notif, desc.peer_id)
@@ -188,21 +231,31 @@ class TransferBackend(ABC):
         TransferError only when the transport notices the owner is gone; an
         undelivered release costs nothing but the wait for the lease to expire."""
         self._require_pool()  # the handshake compares layouts
-        desc = _as_descriptor(peer)
-        payload = encode_notification(lease_id)
+        desc = self._peer_descriptor(peer)
+        payload = self._notification(desc, lease_id)
         deadline = Deadline(timeout_s or self.timeout_s,
                             f"release of lease {lease_id!r} on {desc.peer_id} over {self.name}")
         self._exchange(desc, deadline, LeaseClock(None, lease_id, desc.peer_id), 0,
                        lambda conn: self._notify(conn, desc, payload, deadline))
 
     def poll_notifications(self) -> list[Notification]:
-        """Lease ids pullers have finished with since the last call (never blocks)."""
+        """Lease ids pullers have finished with since the last call (never blocks).
+        A malformed one, or with a secret one whose tag is missing or wrong, is
+        dropped, counted in ``num_rejected_notifications`` and logged without
+        its payload."""
         out = []
         for sender, payload in self._raw_notifications():
             try:
-                out.append(decode_notification(sender, payload))
+                note = decode_notification(sender, payload)
             except TransferError as e:
-                log.warning("ignoring malformed transfer notification: from=%s error=%s", sender, e)
+                self._reject_notification("ignoring a malformed transfer notification: %s", e)
+                continue
+            if self._secret is not None and not self._secret.verify(
+                    note.tag, LEASE_RELEASE, note.from_peer, self.peer_id, self.epoch, note.lease_id):
+                self._reject_notification("dropping a lease release that failed authentication: from=%r reason=%s",
+                                          sender[:140], "no tag" if note.tag is None else "wrong tag")
+                continue
+            out.append(Notification(note.from_peer, note.lease_id))
         return out
 
     def close(self) -> None:
@@ -294,6 +347,35 @@ class TransferBackend(ABC):
                 cached = None
         if cached is not None:
             self._disconnect(conn)
+
+    def _peer_descriptor(self, peer: PeerDescriptor | bytes) -> PeerDescriptor:
+        """The descriptor, its signature checked when a secret is set (before any field is used).
+        Encoded descriptors already checked are remembered: a pull decodes and verifies nothing twice."""
+        if isinstance(peer, bytes) and (known := self._checked_descriptors.get(peer)) is not None:
+            return known
+        desc = _as_descriptor(peer)
+        if self._secret is not None and not self._secret.verify(desc.signature, DESCRIPTOR, desc.body()):
+            state = "is not signed" if not desc.signature else "carries a wrong signature"
+            raise AuthenticationError(
+                f"the descriptor of peer {desc.peer_id} {state}: it was not made by a replica holding this "
+                "cluster's secret. Check that every replica is given the same secret; never pull from it")
+        if isinstance(peer, bytes):
+            if len(self._checked_descriptors) >= _MAX_CHECKED_DESCRIPTORS:
+                self._checked_descriptors.clear()  # peers restarted many times: start over
+            self._checked_descriptors[peer] = desc
+        return desc
+
+    def _reject_notification(self, message: str, *args: Any) -> None:
+        with self._peers_lock:
+            self.num_rejected_notifications += 1
+            rejected = self.num_rejected_notifications
+        log.warning(message + " backend=%s rejected_total=%d", *args, self.name, rejected)
+
+    def _notification(self, desc: PeerDescriptor, lease_id: str) -> bytes:
+        check_lease_id(lease_id)
+        tag = None if self._secret is None else self._secret.mac(LEASE_RELEASE, self.peer_id, desc.peer_id,
+                                                                  desc.epoch, lease_id)
+        return encode_notification(lease_id, tag)
 
     def _require_pool(self) -> tuple[torch.Tensor, KVLayout]:
         if self._closed:

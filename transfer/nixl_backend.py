@@ -17,6 +17,10 @@ How it is set up, and why (measured with nixl 1.5.1 on a 2-core CPU host):
 - Leases: the owner's CPU never sees a READ, so a LeaseGuard cannot be asked;
   the base class's lease deadline checks on the puller protect the read, and
   the notification goes out as a separate message only after they passed.
+- With a cluster secret the base class signs the descriptor (whose agent
+  metadata says which agent to connect to) and checks it in pull() before
+  ``add_remote_agent``; notifications carry a tag.  The READs themselves are
+  not authenticated: see transfer.base for what that leaves open.
 
 Remote descriptors are built from the peer descriptor's ``pool_addr`` rather
 than NIXL's pickled descriptor lists: nothing from the wire is unpickled."""
@@ -64,9 +68,9 @@ class NixlBackend(TransferBackend):
     needs_listener = False
     checks_lease_on_read = False  # one-sided: the puller's deadline checks stand in (see transfer.base)
 
-    def __init__(self, peer_id: str | None = None, timeout_s: float = 10.0,
+    def __init__(self, peer_id: str | None = None, timeout_s: float = 10.0, secret: bytes | None = None,
                  progress_interval_s: float | None = 0.005, ucx_error_handling: str = "none") -> None:
-        super().__init__(peer_id, timeout_s)
+        super().__init__(peer_id, timeout_s, secret)
         nixl_agent, nixl_agent_config = _load_nixl()
         try:
             self._agent = nixl_agent(self.agent_name, nixl_agent_config(enable_prog_thread=False, backends=[]))

@@ -39,14 +39,16 @@ def backend_class(name: str) -> type[TransferBackend]:
         raise ValueError(f"unknown transfer backend {name!r}; choose one of {backend_names()} or 'auto'") from None
 
 
-def create_backend(name: str = "auto", **options: Any) -> TransferBackend:
-    """A new backend; ``options`` go to its constructor (peer_id, timeout_s, ...)."""
+def create_backend(name: str = "auto", *, secret: bytes | None = None, **options: Any) -> TransferBackend:
+    """A new backend; ``secret`` is the cluster's (>= 16 bytes, the same on every
+    replica: the serving layer always passes one, see transfer.base), and
+    ``options`` go to its constructor (peer_id, timeout_s, ...)."""
     if name != "auto":
-        return backend_class(name)(**options)
+        return backend_class(name)(secret=secret, **options)
     failures = []
     for candidate in AUTO_ORDER:
         try:
-            backend = backend_class(candidate)(**options)
+            backend = backend_class(candidate)(secret=secret, **options)
         except BackendUnavailableError as e:
             failures.append(f"{candidate}: {e}")
             continue

@@ -1,7 +1,11 @@
 """msgpack on the wire, never trusted: every decode is size-limited and every
 socket read honours a deadline.
 
-Socket frames are a 4-byte big-endian length followed by a msgpack map."""
+Socket frames are a 4-byte big-endian length followed by a msgpack map.  The
+reader names the largest frame it accepts (``recv_frame(max_bytes=...)``) and
+the length prefix is checked against it before a byte of the body is
+allocated: the block server sizes its request limit to its pool
+(block_server.max_request_bytes), the puller reads replies of MAX_REPLY_BYTES."""
 
 from __future__ import annotations
 
@@ -12,11 +16,11 @@ from typing import Any
 import msgpack
 
 from transfer.deadline import Deadline
-from transfer.errors import ConnectionClosedError, TransferError
+from transfer.errors import ConnectionClosedError, FrameTooLargeError, TransferError
 
 MAX_DESCRIPTOR_BYTES = 64 * 1024  # a peer descriptor (NIXL agent metadata is ~0.5 KiB)
 MAX_NOTIFICATION_BYTES = 4 * 1024
-MAX_FRAME_BYTES = 8 * 1024 * 1024  # a request naming ~1M scattered blocks
+MAX_REPLY_BYTES = 16 * 1024  # the block server's replies: a status and an error message
 _FRAME_HEADER = struct.Struct(">I")
 
 
@@ -48,28 +52,28 @@ def send_frame(sock: socket.socket, obj: Any, deadline: Deadline) -> None:
         raise deadline.timeout_error() from e
 
 
-def recv_frame(sock: socket.socket, deadline: Deadline | None, what: str,
-               max_bytes: int = MAX_FRAME_BYTES) -> Any:
-    """Reads one frame; ``deadline=None`` blocks until one arrives or the socket closes."""
+def recv_frame(sock: socket.socket, deadline: Deadline, what: str, *, max_bytes: int) -> Any:
+    """Reads one frame of at most ``max_bytes``; a longer one raises
+    FrameTooLargeError before its body is read (the stream is then unusable)."""
     header = bytearray(_FRAME_HEADER.size)
     recv_exactly(sock, memoryview(header), deadline, what)
     (length,) = _FRAME_HEADER.unpack(header)
     if length > max_bytes:
-        raise TransferError(f"{what} announces {length} bytes, over the {max_bytes}-byte frame limit")
+        raise FrameTooLargeError(f"{what} announces {length} bytes, over the {max_bytes}-byte frame limit")
     body = bytearray(length)
     recv_exactly(sock, memoryview(body), deadline, what)
     return unpack(bytes(body), max_bytes, what)
 
 
-def recv_exactly(sock: socket.socket, buf: memoryview, deadline: Deadline | None, what: str) -> None:
+def recv_exactly(sock: socket.socket, buf: memoryview, deadline: Deadline, what: str) -> None:
     """Fills ``buf`` from ``sock``; raises TransferError on EOF or when the deadline passes."""
     view = buf.cast("B") if buf.format != "B" or buf.ndim != 1 else buf
     while view.nbytes:
-        sock.settimeout(None if deadline is None else deadline.socket_timeout_s())
+        sock.settimeout(deadline.socket_timeout_s())
         try:
             n = sock.recv_into(view)
         except socket.timeout as e:
-            raise (deadline.timeout_error() if deadline else TransferError(f"timed out reading {what}")) from e
+            raise deadline.timeout_error() from e
         if n == 0:
             raise ConnectionClosedError(f"connection closed while reading {what} ({view.nbytes} bytes missing)")
         view = view[n:]

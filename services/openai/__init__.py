@@ -1,5 +1,5 @@
 """The OpenAI-compatible REST/SSE layer: request validation, tokenization and
-block hashing, streaming, and OpenAI-style errors, in front of a
+block hashing, streaming, API keys and OpenAI-style errors, in front of a
 ``services.backend.Backend``."""
 
 from services.openai.routes import configure_app, create_app, install_openai_api

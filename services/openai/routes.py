@@ -3,15 +3,18 @@
 
     app.state.backend          a services.backend.Backend
     app.state.tokenizer        a services.engine.tokenizer.Tokenizer (same model as the backend)
-    app.state.openai_settings  an OpenAISettings (served names, body limit, block hashing)
+    app.state.openai_settings  an OpenAISettings (served names, body limit, block hashing, API keys)
 
 ``create_app()`` builds such an app; ``configure_app()`` sets the three.
 
-    GET  /openapi.json         this API's OpenAPI document (see openapi.py)
-    GET  /health               the backend's health (503 when it is not ok)
+    GET  /openapi.json         this API's OpenAPI document (see openapi.py)       open
+    GET  /health               the backend's health (503 when it is not ok)      open
     GET  /v1/models            the served model names
     POST /v1/completions       prompt: a string or a list of token ids
     POST /v1/chat/completions  messages, through the model's chat template
+
+With API keys in the settings every path but the open ones needs
+``Authorization: Bearer <key>`` (auth.py).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from services.openai.tracing import TracingMiddleware
 from services.stage_telemetry import observe_gateway_stream
 from services.backend import Backend, GenerateRequest
 from services.engine.tokenizer import Tokenizer
+from services.openai.auth import ApiKeyMiddleware
 from services.openai.errors import OpenAIError, install_error_handlers
 from services.openai.formats import ChatFormat, CompletionFormat, ResponseFormat, Tally
 from services.openai.generation import complete, stream
@@ -59,9 +63,10 @@ def create_app(*, request_id_header: bool = True) -> FastAPI:
 
 
 def install_openai_api(app: FastAPI, *, request_id_header: bool = True) -> None:
-    """Routes, OpenAI-style error handlers and x-request-id.  Call before the
-    app starts.  ``request_id_header=False`` when a proxy in front already
-    echoes x-request-id (Ray Serve's does)."""
+    """Routes, OpenAI-style error handlers, API keys and x-request-id.  Call
+    before the app starts.  ``request_id_header=False`` when a proxy in front
+    already echoes x-request-id (Ray Serve's does)."""
+    app.add_middleware(ApiKeyMiddleware)  # innermost of the three: a 401 still gets its x-request-id and span
     app.add_middleware(RequestIdMiddleware, echo_header=request_id_header)
     app.add_middleware(TracingMiddleware)
     install_error_handlers(app, request_id_header=request_id_header)

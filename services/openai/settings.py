@@ -3,14 +3,18 @@ model it serves.  Set as ``app.state.openai_settings``."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from services.config import is_api_key_digest
 
 
 @dataclass(frozen=True)
 class OpenAISettings:
     """``block_hash_seed`` and ``block_size`` must be the engine's own
     (``Engine.hash_seed``, ``EngineConfig.block_size``), or the router's
-    prefix lookups never hit."""
+    prefix lookups never hit.  ``api_key_digests``: ``sha256:<hex>`` of each
+    accepted API key (``services.config.api_key_digest``); empty, no key is
+    asked for (see auth.py)."""
     served_model_names: tuple[str, ...]
     block_hash_seed: int
     block_size: int = 16
@@ -18,6 +22,7 @@ class OpenAISettings:
     default_completion_max_tokens: int = 16       # OpenAI's default for /v1/completions
     default_chat_max_tokens: int | None = None    # None: whatever context the prompt leaves
     owned_by: str = "pdcluster"
+    api_key_digests: tuple[str, ...] = field(default=(), repr=False)
 
     def __post_init__(self) -> None:
         names = self.served_model_names
@@ -36,3 +41,6 @@ class OpenAISettings:
             raise ValueError("default_completion_max_tokens must be >= 1")
         if self.default_chat_max_tokens is not None and self.default_chat_max_tokens < 1:
             raise ValueError("default_chat_max_tokens must be >= 1, or None for the rest of the context")
+        object.__setattr__(self, "api_key_digests", tuple(self.api_key_digests))
+        if not all(is_api_key_digest(d) for d in self.api_key_digests):
+            raise ValueError("api_key_digests must be `sha256:<64 hex digits>` each (services.config.api_key_digest)")

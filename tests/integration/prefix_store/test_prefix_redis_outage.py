@@ -10,7 +10,7 @@ import time
 from prefix_store.index import HeartbeatStatus
 from prefix_store.publisher import KVEventPublisher
 from prefix_store.redis_index import RedisPrefixIndex
-from prefix_store.redis_server import RedisServer, ping
+from prefix_store.redis_server import RedisServer
 from prefix_store.worker_id import WorkerId
 
 H = [500 + i for i in range(6)]
@@ -59,8 +59,10 @@ async def test_killing_redis_degrades_lookups_and_republish_restores_them(redis_
 
 def _debug_sleep(server, seconds):
     with socket.create_connection((server.host, server.port)) as s:
-        s.sendall(f"DEBUG SLEEP {seconds}\r\n".encode())
-        s.recv(16)
+        s.sendall(f"AUTH {server.password}\r\nDEBUG SLEEP {seconds}\r\n".encode())
+        reply = b""
+        while reply.count(b"\r\n") < 2:  # +OK, then DEBUG's reply once the server wakes
+            reply += s.recv(16)
 
 
 async def test_slow_redis_times_out_to_no_matches(redis_server, unique_model):
@@ -82,12 +84,12 @@ async def test_slow_redis_times_out_to_no_matches(redis_server, unique_model):
 
 def test_redis_server_utility_starts_restarts_and_leaves_no_process():
     with RedisServer() as server:
-        pid, port = server.pid, server.port
-        assert ping(server.host, port) and server.url == f"redis://127.0.0.1:{port}/0"
+        pid, port, password = server.pid, server.port, server.password
+        assert server.ping() and server.url == f"redis://:{password}@127.0.0.1:{port}/0"
         server.kill()
-        assert not server.is_running() and not ping(server.host, port)
-        server.start()
-        assert server.port == port and ping(server.host, port) and server.pid != pid
+        assert not server.is_running() and not server.ping()
+        server.start()                                           # same port, same password
+        assert server.port == port and server.password == password and server.ping() and server.pid != pid
         pid = server.pid
     assert not server.is_running()
     assert not os.path.exists(f"/proc/{pid}")  # reaped, not a zombie

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from transfer import KVLayout, LayoutMismatchError, TransferError, create_backend
-from transfer_peer_proc import LAYOUT, SPAWN, FreeList, OwnerProcess, make_pool, pull_jobs, puller_main, same_bytes
+from transfer_peer_proc import (LAYOUT, SECRET, SPAWN, FreeList, OwnerProcess, make_pool, pull_jobs, puller_main,
+                                same_bytes)
 
 pytestmark = pytest.mark.integration
 BACKENDS = ["nixl", "fallback"]
@@ -31,7 +32,7 @@ def owners():
 
 @pytest.fixture
 def puller(request):
-    backend = create_backend(request.param, peer_id="decode-0", timeout_s=5.0)
+    backend = create_backend(request.param, peer_id="decode-0", secret=SECRET, timeout_s=5.0)
     pool = torch.zeros(OWNER_BLOCKS, *LAYOUT.block_shape, dtype=LAYOUT.torch_dtype)
     backend.register_pool(pool, LAYOUT)
     yield backend, pool
@@ -110,7 +111,7 @@ def test_owner_leases_are_released_by_notification_or_expiry(owners, puller):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_layout_mismatch_is_refused_with_both_sides_named(owners, backend):
     other = KVLayout(num_layers=2, num_kv_heads=1, head_dim=32, dtype="bfloat16", block_size=4, model_fingerprint=8)
-    with create_backend(backend, peer_id="decode-9") as puller:
+    with create_backend(backend, peer_id="decode-9", secret=SECRET) as puller:
         puller.register_pool(make_pool(4, 0, other), other)
         with pytest.raises(LayoutMismatchError) as e:
             puller.pull(owners[backend].descriptor, [0], [0])
@@ -139,7 +140,7 @@ def test_killing_the_owner_mid_pull_raises_within_the_timeout(backend):
     owner = OwnerProcess(backend, num_blocks=4096).wait_ready()  # 4 MiB: each pull takes milliseconds
     timeout_s = 2.0
     try:
-        with create_backend(backend, peer_id="decode-0", timeout_s=timeout_s) as puller:
+        with create_backend(backend, peer_id="decode-0", secret=SECRET, timeout_s=timeout_s) as puller:
             puller.register_pool(torch.zeros(4096, *LAYOUT.block_shape, dtype=LAYOUT.torch_dtype), LAYOUT)
             free, remote = FreeList(4096), list(range(4096))
             killed_at: list[float] = []
@@ -177,7 +178,7 @@ def test_a_stalled_owner_times_out_or_is_not_needed(backend, env, stalls, monkey
         monkeypatch.setenv(key, value)  # read when this process's NIXL agent is created
     owner = OwnerProcess(backend, num_blocks=64, env=env).wait_ready()
     try:
-        with create_backend(backend, peer_id="decode-0", timeout_s=1.0) as puller:
+        with create_backend(backend, peer_id="decode-0", secret=SECRET, timeout_s=1.0) as puller:
             pool = torch.zeros(64, *LAYOUT.block_shape, dtype=LAYOUT.torch_dtype)
             puller.register_pool(pool, LAYOUT)
             puller.pull(owner.descriptor, [0], [0])

@@ -20,6 +20,7 @@ from transfer import KVLayout, create_backend
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, dtype="bfloat16", block_size=4, model_fingerprint=7)
 SPAWN = mp.get_context("spawn")
+SECRET = b"integration-test-cluster-secret-42"  # every process of these tests is one cluster
 
 
 def make_pool(num_blocks: int, seed: int, layout: KVLayout = LAYOUT) -> torch.Tensor:
@@ -57,7 +58,7 @@ def owner_main(conn: Any, backend_name: str, num_blocks: int, seed: int, env: di
     torch.set_num_threads(1)
 
     def start(seed: int):
-        backend = create_backend(backend_name, peer_id="prefill-0")
+        backend = create_backend(backend_name, peer_id="prefill-0", secret=SECRET)
         backend.register_pool(make_pool(num_blocks, seed), LAYOUT)
         return backend
 
@@ -92,7 +93,7 @@ def owner_main(conn: Any, backend_name: str, num_blocks: int, seed: int, env: di
 def puller_main(conn: Any, backend_name: str, descriptor: bytes, owner_seed: int, owner_blocks: int,
                 jobs: list[tuple[list[int], list[int]]], start: Any, run_s: float) -> None:
     torch.set_num_threads(1)
-    backend = create_backend(backend_name, peer_id=f"decode-{os.getpid()}", timeout_s=10.0)
+    backend = create_backend(backend_name, peer_id=f"decode-{os.getpid()}", secret=SECRET, timeout_s=10.0)
     pool = torch.zeros(owner_blocks, *LAYOUT.block_shape, dtype=LAYOUT.torch_dtype)
     backend.register_pool(pool, LAYOUT)
     reference = make_pool(owner_blocks, owner_seed)

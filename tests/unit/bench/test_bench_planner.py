@@ -12,7 +12,11 @@ import math
 import pytest
 
 from bench.perf_model import PrefillModel, StepModel, fit_prefill, fit_step
-from bench.plan_inputs import Accelerator, Deployment, ModelShape, Slos, Traffic, read_model_shape
+from bench.plan_fleet import fleet_instances, fleet_needs
+from bench.plan_inputs import (
+    Accelerator, Deployment, ModelShape, PerInstance, Pipeline, PrefixCache, Questions, Slos, Speculation, Traffic,
+    read_model_shape,
+)
 from bench.planner import Figure, final_instances, make_plan
 from bench.tokenizer import locate_default_gguf
 
@@ -159,3 +163,40 @@ def test_measured_prefill_overhead_adds_latency_not_load():
     assert plan.value("prefill_s_mean") == pytest.approx(0.55)  # 0.05 + 500 x 1e-3
     assert plan.value("prefill_tok_s") == pytest.approx(1000)  # 500 / (0.55 - 0.05)
     assert plan.prefill.throughput == 2  # ceil(3 x 500 / 1000 = 1.5)
+
+
+def test_no_request_fits_is_an_error_not_a_plan():
+    # 1,718,750 tokens of KV per instance: a 2M-token context does not fit once
+    with pytest.raises(ValueError, match="no request fits"):
+        make_plan(MODEL, DEVICE, DEPLOY, TRAFFIC, SLOS, context_tokens=2_000_000)
+
+
+@pytest.mark.parametrize("build, flag", [
+    (lambda: Traffic(peak_rps=0, input_mean=1, input_p95=1, output_mean=1, output_p95=1), "--rps"),
+    (lambda: Traffic(peak_rps=1, input_mean=0, input_p95=1, output_mean=1, output_p95=1), "--input-mean"),
+    (lambda: Accelerator("x", 1e9, -1.0, 1e12), "--bandwidth-gbs"),
+    (lambda: ModelShape("x", 1e9, 0, 8, 8, 64), "--layers"),
+    (lambda: ModelShape("x", 1e9, 2, 8, 3, 64), "--kv-heads"),
+    (lambda: Slos(ttft_s=0, tpot_s=0.1), "--ttft"),
+    (lambda: Deployment(max_num_seqs=0), "--max-num-seqs"),
+    (lambda: Speculation(k=4, accept=0.5, cost=0), "--spec-cost"),
+    (lambda: PrefixCache(shared_prefix_tokens=10, hit_rate=2), "--prefix-hit-rate"),
+    (lambda: Pipeline(stages=0, micro_batches=1), "--pp"),
+    (lambda: PerInstance(tok_s=0), "--instance-tok-s"),
+    (lambda: Questions(queue_s=-1), "--queue-s"),
+])
+def test_inputs_check_themselves_and_name_the_flag(build, flag):
+    with pytest.raises(ValueError, match=flag):
+        build()
+
+
+def test_fleet_is_the_max_of_three_each_rounded_up_times_redundancy():
+    output_tok_s = Figure("output_tok_s", "", 8000, "tok/s", "")
+    active = Figure("active_requests", "", 420, "requests", "")
+    safe = Figure("safe_concurrency", "", 51, "requests", "")
+    needs = fleet_needs(PerInstance(tok_s=2500, active=64, kv_safe=48), output_tok_s, active, None, safe)
+    assert [f.value for f in needs] == [4, 7, 9]  # ceil(3.2), ceil(6.56), ceil(8.75)
+    size, fig = fleet_instances(needs, Deployment(redundancy=1.25))
+    assert (size.final, fig.value, size.binding) == (12, 12, "KV")
+    only_kv = fleet_needs(PerInstance(kv_safe=None), output_tok_s, active, 100, safe)
+    assert [(f.key, f.value) for f in only_kv] == [("fleet_by_kv", 2)]  # 100 requests / 51 computed safe

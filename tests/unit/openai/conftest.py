@@ -4,16 +4,12 @@ the same app served by uvicorn on 127.0.0.1 for the official client."""
 
 from __future__ import annotations
 
-import socket
-import threading
-import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 
 import httpx
 import pytest
-import uvicorn
-from openai_fakes import FakeBackend, make_app
+from openai_fakes import FakeBackend, make_app, serve_app
 
 from services.engine.tokenizer import Tokenizer
 
@@ -49,22 +45,8 @@ class LiveServer:
 @pytest.fixture(scope="module")
 def _live_server(tokenizer: Tokenizer) -> Iterator[LiveServer]:
     backend = FakeBackend()
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(make_app(backend, tokenizer), log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start within 10 s"
-        time.sleep(0.02)
-    try:
-        yield LiveServer(f"http://127.0.0.1:{port}", backend)
-    finally:
-        server.should_exit = True
-        thread.join(10)
-        sock.close()
+    with serve_app(make_app(backend, tokenizer)) as base_url:
+        yield LiveServer(base_url, backend)
 
 
 @pytest.fixture

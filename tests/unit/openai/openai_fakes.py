@@ -1,16 +1,20 @@
 """A scripted Backend for testing the HTTP layer (yields a few chunks, raises
 any backend error on request, records how each generation ended), the app
-built around it, an SSE reader, and the check of an OpenAI error body."""
+built around it, uvicorn serving it, an SSE reader, and the check of an OpenAI error body."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import threading
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import httpx
+import uvicorn
 from fastapi import FastAPI
 
 from services.backend import Backend, BackendError, BackendFailure, GenerateRequest, StreamChunk
@@ -84,6 +88,27 @@ def make_app(backend: FakeBackend, tokenizer: Tokenizer, **overrides) -> FastAPI
                     max_body_bytes=MAX_BODY_BYTES)
     configure_app(app, backend, tokenizer, OpenAISettings(**{**settings, **overrides}))
     return app
+
+
+@contextmanager
+def serve_app(app: FastAPI) -> Iterator[str]:
+    """``app`` served by uvicorn on a free 127.0.0.1 port, in a thread; yields its base URL."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start within 10 s"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        sock.close()
 
 
 def sse_events(text: str) -> list:

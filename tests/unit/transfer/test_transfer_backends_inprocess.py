@@ -1,6 +1,8 @@
-"""Both backends, owner and puller in one process: byte identity, stats,
+"""Both backends, owner and puller in one process, holding the cluster
+secret as the serving layer's always do: byte identity, stats,
 notifications, validation, handshakes and their refusals.  The same
-scenarios across real processes live in tests/integration/transfer."""
+scenarios across real processes live in tests/integration/transfer; what
+the secret keeps out is in test_transfer_auth*.py."""
 
 import random
 import time
@@ -11,6 +13,7 @@ import torch
 from services.engine.lease import LeaseTable
 from transfer import KVLayout, LayoutMismatchError, LeaseExpiredError, TransferError, create_backend
 from transfer.peer import PeerDescriptor
+from transfer_raw_client import SECRET
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, dtype="bfloat16", block_size=4, model_fingerprint=7)
 BACKENDS = ["nixl", "fallback"]
@@ -28,8 +31,8 @@ def same_bytes(a, b):
 
 @pytest.fixture(params=BACKENDS)
 def pair(request):
-    owner = create_backend(request.param, peer_id="prefill-0")
-    puller = create_backend(request.param, peer_id="decode-0", timeout_s=5.0)
+    owner = create_backend(request.param, peer_id="prefill-0", secret=SECRET)
+    puller = create_backend(request.param, peer_id="decode-0", secret=SECRET, timeout_s=5.0)
     owner_pool, puller_pool = make_pool(64, 1), make_pool(48, 2)
     owner.register_pool(owner_pool, LAYOUT)
     puller.register_pool(puller_pool, LAYOUT)
@@ -92,8 +95,8 @@ def test_notification_releases_the_lease_and_expiry_frees_the_rest(pair):
 def test_the_engines_lease_table_guards_socket_reads():
     free_blocks = set(range(64))
     leases = LeaseTable(free_blocks.update, default_ttl_s=30.0)
-    with create_backend("fallback", peer_id="prefill-0") as owner, \
-            create_backend("fallback", peer_id="decode-0", timeout_s=5.0) as puller:
+    with create_backend("fallback", peer_id="prefill-0", secret=SECRET) as owner, \
+            create_backend("fallback", peer_id="decode-0", secret=SECRET, timeout_s=5.0) as puller:
         owner_pool, puller_pool = make_pool(64, 1), make_pool(8, 2)
         owner.register_pool(owner_pool, LAYOUT, lease_guard=leases)
         puller.register_pool(puller_pool, LAYOUT)
@@ -122,8 +125,8 @@ def test_bad_block_ids_are_caller_errors_and_move_nothing(pair):
 def test_layout_mismatch_is_refused_naming_both_sides(backend):
     other = KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, dtype="bfloat16", block_size=4,
                      model_fingerprint=7)
-    with create_backend(backend, peer_id="prefill-0") as owner, \
-            create_backend(backend, peer_id="decode-0") as puller:
+    with create_backend(backend, peer_id="prefill-0", secret=SECRET) as owner, \
+            create_backend(backend, peer_id="decode-0", secret=SECRET) as puller:
         owner.register_pool(make_pool(8, 1), LAYOUT)
         puller.register_pool(make_pool(8, 2, other), other)
         with pytest.raises(LayoutMismatchError, match="head_dim: 32 here vs 16 on prefill-0"):
@@ -131,8 +134,8 @@ def test_layout_mismatch_is_refused_naming_both_sides(backend):
 
 
 def test_a_descriptor_of_the_other_backend_is_refused():
-    with create_backend("fallback", peer_id="prefill-0") as owner, \
-            create_backend("nixl", peer_id="decode-0") as puller:
+    with create_backend("fallback", peer_id="prefill-0", secret=SECRET) as owner, \
+            create_backend("nixl", peer_id="decode-0", secret=SECRET) as puller:
         owner.register_pool(make_pool(8, 1), LAYOUT)
         puller.register_pool(make_pool(8, 2), LAYOUT)
         with pytest.raises(TransferError, match="over the 'fallback' transfer backend but this side .* 'nixl'"):
@@ -141,15 +144,15 @@ def test_a_descriptor_of_the_other_backend_is_refused():
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_restarted_peer_is_rehandshaken_and_its_stale_descriptor_refused(backend):
-    with create_backend(backend, peer_id="decode-0", timeout_s=2.0) as puller:
+    with create_backend(backend, peer_id="decode-0", secret=SECRET, timeout_s=2.0) as puller:
         puller_pool = make_pool(8, 0)
         puller.register_pool(puller_pool, LAYOUT)
-        first = create_backend(backend, peer_id="prefill-0")
+        first = create_backend(backend, peer_id="prefill-0", secret=SECRET)
         first.register_pool(make_pool(8, 1), LAYOUT)
         stale = first.describe()
         puller.pull(stale, [0], [0])
         first.close()
-        with create_backend(backend, peer_id="prefill-0") as second:
+        with create_backend(backend, peer_id="prefill-0", secret=SECRET) as second:
             second_pool = make_pool(8, 2)
             second.register_pool(second_pool, LAYOUT)
             fresh = PeerDescriptor.decode(second.describe())
@@ -158,6 +161,19 @@ def test_restarted_peer_is_rehandshaken_and_its_stale_descriptor_refused(backend
             assert same_bytes(puller_pool[3], second_pool[3]) and puller.num_handshakes == 2
             with pytest.raises(TransferError):
                 puller.pull(stale, [4], [4])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_without_a_secret_nothing_is_signed_and_pulls_work_as_before(backend):
+    with create_backend(backend, peer_id="prefill-0") as owner, \
+            create_backend(backend, peer_id="decode-0", timeout_s=5.0) as puller:
+        owner_pool, puller_pool = make_pool(16, 1), make_pool(16, 2)
+        owner.register_pool(owner_pool, LAYOUT)
+        puller.register_pool(puller_pool, LAYOUT)
+        assert not owner.authenticated and owner.descriptor().signature == b""
+        puller.pull(owner.describe(), [3, 4, 9], [0, 1, 2], notif="lease-a")
+        assert same_bytes(puller_pool[:3], owner_pool[[3, 4, 9]])
+        assert [n.lease_id for n in wait_for_notifications(owner, 1)] == ["lease-a"]
 
 
 def test_lifecycle_misuse_is_reported():

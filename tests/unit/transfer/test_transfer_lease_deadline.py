@@ -7,6 +7,7 @@ import time
 
 import pytest
 from transfer_lease_fakes import BACKENDS, LAYOUT, lease_ids_notified, make_pool, same_bytes
+from transfer_raw_client import SECRET
 
 from transfer import LEASE_SAFETY_MARGIN_S, LeaseExpiredError, TransferError, create_backend
 from transfer.lease_guard import LeaseClock
@@ -14,8 +15,8 @@ from transfer.lease_guard import LeaseClock
 
 @pytest.fixture(params=BACKENDS)
 def pair(request):
-    owner = create_backend(request.param, peer_id="prefill-0")
-    puller = create_backend(request.param, peer_id="decode-0", timeout_s=5.0)
+    owner = create_backend(request.param, peer_id="prefill-0", secret=SECRET)
+    puller = create_backend(request.param, peer_id="decode-0", secret=SECRET, timeout_s=5.0)
     owner_pool, puller_pool = make_pool(64, 1), make_pool(48, 2)
     owner.register_pool(owner_pool, LAYOUT)
     puller.register_pool(puller_pool, LAYOUT)
@@ -105,8 +106,8 @@ def test_release_tells_the_owner_to_drop_the_lease(pair):
 def test_release_to_a_closed_socket_owner_raises_a_transfer_error():
     """Unacknowledged on both backends; the socket at least notices a closed owner
     (an in-process NIXL owner's UCX worker outlives close(), so it cannot here)."""
-    with create_backend("fallback", peer_id="prefill-0") as owner, \
-            create_backend("fallback", peer_id="decode-0", timeout_s=1.0) as puller:
+    with create_backend("fallback", peer_id="prefill-0", secret=SECRET) as owner, \
+            create_backend("fallback", peer_id="decode-0", secret=SECRET, timeout_s=1.0) as puller:
         owner.register_pool(make_pool(8, 1), LAYOUT)
         puller.register_pool(make_pool(8, 2), LAYOUT)
         descriptor = owner.describe()

@@ -10,19 +10,20 @@ import time
 
 import pytest
 from transfer_lease_fakes import LAYOUT, FakeLeases, lease_ids_notified, make_pool, same_bytes, wait_until
+from transfer_raw_client import SECRET, open_session
 
 from transfer import LeaseExpiredError, TransferError, backend_class, create_backend
 from transfer.deadline import Deadline
 from transfer.peer import PeerDescriptor
-from transfer.wire import recv_exactly, recv_frame, send_frame
+from transfer.wire import MAX_REPLY_BYTES, recv_exactly, recv_frame, send_frame
 
 
 @pytest.fixture
 def guarded():
     """A fallback owner of 64 blocks behind a FakeLeases guard, and a puller of 48."""
     leases = FakeLeases()
-    owner = create_backend("fallback", peer_id="prefill-0")
-    puller = create_backend("fallback", peer_id="decode-0", timeout_s=5.0)
+    owner = create_backend("fallback", peer_id="prefill-0", secret=SECRET)
+    puller = create_backend("fallback", peer_id="decode-0", secret=SECRET, timeout_s=5.0)
     owner_pool, puller_pool = make_pool(64, 1), make_pool(48, 2)
     owner.register_pool(owner_pool, LAYOUT, lease_guard=leases)
     puller.register_pool(puller_pool, LAYOUT)
@@ -82,8 +83,8 @@ def test_a_read_naming_no_lease_is_refused_as_a_caller_error(guarded):
 
 def test_an_owner_stalling_past_the_lease_fails_the_pull_and_still_ends_its_read():
     leases = FakeLeases(begin_delay_s=0.5)
-    with create_backend("fallback", peer_id="prefill-0") as owner, \
-            create_backend("fallback", peer_id="decode-0", timeout_s=5.0) as puller:
+    with create_backend("fallback", peer_id="prefill-0", secret=SECRET) as owner, \
+            create_backend("fallback", peer_id="decode-0", secret=SECRET, timeout_s=5.0) as puller:
         owner.register_pool(make_pool(16, 1), LAYOUT, lease_guard=leases)
         puller.register_pool(make_pool(16, 2), LAYOUT)
         deadline = leases.lend("req-1", [3], ttl_s=0.3)
@@ -101,20 +102,15 @@ def test_end_read_runs_when_the_puller_dies_mid_stream(caplog):
     caplog.set_level(logging.INFO, logger="pdcluster.transfer")
     leases = FakeLeases()
     num_blocks = (16 << 20) // LAYOUT.block_bytes  # more than the socket buffers of both ends hold
-    with create_backend("fallback", peer_id="prefill-0") as owner:
+    with create_backend("fallback", peer_id="prefill-0", secret=SECRET) as owner:
         owner.register_pool(make_pool(num_blocks, 1), LAYOUT, lease_guard=leases)
         desc = PeerDescriptor.decode(owner.describe())
         leases.lend("req-1", range(num_blocks))
-        host, port = desc.endpoint.rsplit(":", 1)
         deadline = Deadline(5.0, "test client")
-        sock = socket.socket()
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # keeps the owner blocked in sendall
-        sock.connect((host, int(port)))
-        send_frame(sock, {"op": "hello", "peer_id": "decode-9", "epoch": desc.epoch, "layout": LAYOUT.to_dict()},
-                   deadline)
-        assert recv_frame(sock, deadline, "hello reply")["ok"] is True
+        sock = open_session(desc, SECRET, LAYOUT, rcvbuf=4096)  # a small buffer keeps the owner in sendall
         send_frame(sock, {"op": "read", "runs": [[0, num_blocks]], "lease": "req-1"}, deadline)
-        assert recv_frame(sock, deadline, "read reply") == {"ok": True, "num_bytes": num_blocks * LAYOUT.block_bytes}
+        assert recv_frame(sock, deadline, "read reply", max_bytes=MAX_REPLY_BYTES) == \
+            {"ok": True, "num_bytes": num_blocks * LAYOUT.block_bytes}
         recv_exactly(sock, memoryview(bytearray(1024)), deadline, "first bytes")
         assert leases.calls[-1] == ("begin", "req-1", tuple(range(num_blocks)), None)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close with a reset
@@ -126,8 +122,8 @@ def test_end_read_runs_when_the_puller_dies_mid_stream(caplog):
 
 def test_a_nixl_owner_accepts_a_guard_and_never_asks_it():
     leases = FakeLeases()
-    with create_backend("nixl", peer_id="prefill-0") as owner, \
-            create_backend("nixl", peer_id="decode-0", timeout_s=5.0) as puller:
+    with create_backend("nixl", peer_id="prefill-0", secret=SECRET) as owner, \
+            create_backend("nixl", peer_id="decode-0", secret=SECRET, timeout_s=5.0) as puller:
         owner.register_pool(make_pool(16, 1), LAYOUT, lease_guard=leases)
         puller.register_pool(make_pool(16, 2), LAYOUT)
         puller.pull(owner.describe(), [3], [0], notif="req-1", lease_deadline_unix=time.time() + 30)

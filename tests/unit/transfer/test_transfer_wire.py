@@ -8,7 +8,7 @@ import msgpack
 import pytest
 
 from transfer.deadline import Deadline
-from transfer.errors import TransferError
+from transfer.errors import FrameTooLargeError, TransferError
 from transfer.layout import KVLayout
 from transfer.peer import (Notification, PeerDescriptor, decode_notification, encode_notification,
                            peer_id_of_agent)
@@ -69,15 +69,21 @@ def test_frames_round_trip_over_a_socket():
     a, b = socket.socketpair()
     with a, b:
         send_frame(a, {"op": "read", "runs": [[1, 2]]}, Deadline(1.0, "send"))
-        assert recv_frame(b, Deadline(1.0, "recv"), "frame") == {"op": "read", "runs": [[1, 2]]}
+        assert recv_frame(b, Deadline(1.0, "recv"), "frame", max_bytes=64) == {"op": "read", "runs": [[1, 2]]}
 
 
-def test_an_oversized_frame_header_is_refused():
+def test_a_frame_over_the_readers_limit_is_refused_from_its_length_prefix():
+    body = pack({"op": "read", "runs": [[1, 2]]})
     a, b = socket.socketpair()
     with a, b:
-        a.sendall(struct.pack(">I", 1 << 30))
-        with pytest.raises(TransferError, match="over the .*-byte frame limit"):
-            recv_frame(b, Deadline(1.0, "recv"), "request")
+        a.sendall(struct.pack(">I", len(body)) + body)
+        with pytest.raises(FrameTooLargeError, match=f"announces {len(body)} bytes, over the {len(body) - 1}-byte"):
+            recv_frame(b, Deadline(1.0, "recv"), "request", max_bytes=len(body) - 1)
+    a, b = socket.socketpair()
+    with a, b:
+        a.sendall(struct.pack(">I", 1 << 30))  # no body follows: refused without waiting for (or allocating) it
+        with pytest.raises(FrameTooLargeError, match="announces 1073741824 bytes, over the 4096-byte frame limit"):
+            recv_frame(b, Deadline(1.0, "recv"), "request", max_bytes=4096)
 
 
 def test_a_silent_peer_times_out_and_a_closed_one_is_reported():

@@ -1,0 +1,100 @@
+"""API keys on a real cluster: its own colocated cluster (one replica) with
+one key in the config and one in PDCLUSTER_API_KEY (the gateway replica gets
+the config's as digests in its deployment args, the env's by inheritance).
+Without a right key every /v1 request is a 401 OpenAI body; with either key
+the official openai client works unchanged, streaming too; /health stays
+open; the state file holds digests, never a key."""
+
+from __future__ import annotations
+
+import os
+
+import httpx
+import openai
+import pytest
+
+from prefix_store.redis_server import free_port
+from services.config import API_KEY_ENV, ClusterConfig, api_key_digest
+from tests.integration.cluster.conftest import small_pool
+from tests.integration.cluster.test_cluster_api import MODEL
+
+pytestmark = pytest.mark.integration
+CONFIG_KEY = "sk-cluster-config-0123456789abcdef"
+ENV_KEY = "sk-cluster-env-fedcba9876543210"
+WRONG = "sk-cluster-wrong-000000000000000"
+MESSAGES = [{"role": "user", "content": "Say hello."}]
+
+
+def _progress(message: str) -> None:
+    print(message, flush=True)
+
+
+@pytest.fixture(scope="module")
+def authed_cluster():
+    from services.cluster_runtime import LocalCluster
+
+    os.environ[API_KEY_ENV] = ENV_KEY  # before Ray starts: its workers inherit it
+    c = None
+    try:
+        config = ClusterConfig(port=free_port(), mode="colocated", colocated=small_pool(num_replicas=1),
+                               api_keys=[CONFIG_KEY])
+        c = LocalCluster(config, num_cpus=4, dashboard=False)
+        c.start(progress=_progress)
+        yield c
+    finally:
+        if c is not None:
+            c.stop()
+        os.environ.pop(API_KEY_ENV, None)
+
+
+@pytest.fixture(scope="module")
+def base_url(authed_cluster) -> str:
+    return f"http://127.0.0.1:{authed_cluster.config.port}"
+
+
+def oai(base_url: str, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key=key, max_retries=0, timeout=120)
+
+
+@pytest.mark.parametrize("headers", [{}, {"authorization": f"Bearer {WRONG}"}, {"authorization": CONFIG_KEY}],
+                         ids=["no-key", "wrong-key", "malformed"])
+def test_without_a_right_key_every_v1_request_is_refused(base_url, headers):
+    for method, path, body in (("GET", "/v1/models", None),
+                               ("POST", "/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 2})):
+        r = httpx.request(method, f"{base_url}{path}", json=body, headers=headers, timeout=30)
+        assert r.status_code == 401, r.text
+        assert r.headers["www-authenticate"].startswith("Bearer") and r.headers["x-request-id"]
+        err = r.json()["error"]
+        assert (err["type"], err["code"], err["param"]) == ("invalid_request_error", "invalid_api_key", None)
+        assert not any(k in r.text for k in (CONFIG_KEY, ENV_KEY, WRONG))
+
+
+@pytest.mark.parametrize("key", [CONFIG_KEY, ENV_KEY], ids=["config-key", "env-key"])
+def test_the_openai_client_with_a_right_key(base_url, key):
+    with oai(base_url, key) as client:
+        chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0)
+        assert chat.choices[0].message.content and chat.usage.completion_tokens >= 1
+        chunks = list(client.completions.create(model=MODEL, prompt="Once upon a time,", max_tokens=6,
+                                                temperature=0, stream=True, extra_body={"ignore_eos": True}))
+        assert "".join(c.choices[0].text for c in chunks if c.choices)
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_the_openai_client_with_a_wrong_key(base_url):
+    with oai(base_url, WRONG) as client, pytest.raises(openai.AuthenticationError) as refused:
+        list(client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, stream=True))
+    assert refused.value.body["code"] == "invalid_api_key"
+
+
+def test_health_stays_open(base_url):
+    r = httpx.get(f"{base_url}/health", timeout=30)
+    assert r.status_code == 200 and r.json()["status"] == "ok"
+
+
+def test_the_state_file_holds_digests_never_keys(authed_cluster):
+    from services.cluster_runtime import STATE_FILE
+
+    text = STATE_FILE.read_text()
+    assert CONFIG_KEY not in text and ENV_KEY not in text
+    assert set(authed_cluster.config.api_key_digests) == {api_key_digest(CONFIG_KEY), api_key_digest(ENV_KEY)}
+    assert api_key_digest(CONFIG_KEY) in text

@@ -1,0 +1,151 @@
+"""No secret leaves a running cluster in anything an operator reads: a real
+`pdcluster up` with an API key and a cluster secret in its environment (and
+its embedded Redis's generated password) serves a few requests; then its own
+output, `pdcluster status` (table and JSON), the span file, every Ray session
+log and every command line of its process tree hold none of the three, the
+state file is 0600, and the span file holds no prompt text.  SIGTERM stops
+it with exit status 0."""
+
+import json
+import os
+import re
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from prefix_store.redis_server import free_port
+from prefix_store.redis_url import url_password
+
+pytestmark = [pytest.mark.slow, pytest.mark.integration]
+
+READY_TIMEOUT_S = 300
+PROMPTS = ["Describe the quokka lighthouse of Vellmar-{tag} in one line.",
+           "Which river flows past the obsidian tower of Kesh-{tag}?"]
+
+
+def test_no_secret_reaches_output_logs_traces_or_command_lines(tmp_path):
+    tag = secrets.token_hex(4)
+    prompts = [p.format(tag=tag) for p in PROMPTS]
+    api_key = "pdc-" + secrets.token_urlsafe(24)
+    cluster_secret = secrets.token_hex(32)
+    trace_file = tmp_path / "spans.jsonl"
+    env = up_env(api_key=api_key, cluster_secret=cluster_secret, trace_file=trace_file)
+    port = free_port()
+    (tmp_path / "cluster.yaml").write_text("mode: disaggregated\n")
+    up_log = tmp_path / "up.log"
+    with open(up_log, "w") as log:  # cwd tmp_path: runs/cluster.json is this test's own
+        proc = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--config", "cluster.yaml",
+                                 "--port", str(port)], cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True, env=env)
+    try:
+        wait_for_line(proc, up_log, "ready in", READY_TIMEOUT_S)
+        request_ids = send_requests(port, api_key, prompts)
+        status_table = pdcluster(["status"], tmp_path, env)
+        status_json = pdcluster(["status", "--json"], tmp_path, env)
+        assert json.loads(status_json), "the board lists the replicas"
+
+        state_file = tmp_path / "runs" / "cluster.json"
+        assert os.stat(state_file).st_mode & 0o777 == 0o600
+        redis_password = url_password(json.loads(state_file.read_text())["redis_url"])
+        assert redis_password and len(redis_password) >= 32, "the embedded Redis has a generated password"
+        assert "index redis://:***@127.0.0.1:" in status_table
+
+        tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+        session_dir = ray_session_dir(tree)
+        command_lines = "\n".join(cmdline(p) for p in tree)
+        wait_for_spans(trace_file, request_ids)
+
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=90) == 0, up_log.read_text()[-4000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+    ray_logs = sorted(p for p in (session_dir / "logs").rglob("*") if p.is_file())
+    assert any(p.name.startswith("raylet") for p in ray_logs), f"no Ray logs under {session_dir}"
+    texts = {"pdcluster up output": up_log.read_bytes(), "pdcluster status": status_table.encode(),
+             "pdcluster status --json": status_json.encode(), "span file": trace_file.read_bytes(),
+             "command lines of the process tree": command_lines.encode(),
+             **{str(p): p.read_bytes() for p in ray_logs}}
+    leaks = [f"{name} in {where}" for where, text in texts.items()
+             for name, secret in (("the API key", api_key), ("the cluster secret", cluster_secret),
+                                  ("the Redis password", redis_password))
+             if secret.encode() in text]
+    assert leaks == []
+    spans = trace_file.read_text()
+    assert [p for p in [*prompts, "quokka lighthouse", "obsidian tower"] if p in spans] == [], \
+        "prompt text in the span file"
+
+
+def up_env(*, api_key: str, cluster_secret: str, trace_file: Path) -> dict[str, str]:
+    """The test's environment minus what would change the cluster under test
+    (loopback settings, an external Redis, tracing switches), plus the secrets."""
+    drop = ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "UCX_NET_DEVICES", "REDIS_URL", "OTEL_SDK_DISABLED",
+            "OTEL_TRACES_EXPORTER", "PDCLUSTER_TRACING", "PDCLUSTER_TRACE_TEXT")
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    return env | {"PDCLUSTER_API_KEY": api_key, "PDCLUSTER_CLUSTER_SECRET": cluster_secret,
+                  "PDCLUSTER_TRACE_FILE": str(trace_file)}
+
+
+def wait_for_line(proc: subprocess.Popen, log: Path, needle: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while needle not in log.read_text():
+        assert proc.poll() is None, log.read_text()[-4000:]
+        assert time.monotonic() < deadline, f"no {needle!r} after {timeout_s} s: {log.read_text()[-4000:]}"
+        time.sleep(0.5)
+
+
+def send_requests(port: int, api_key: str, prompts: list[str]) -> list[str]:
+    """A chat and a text completion, each with the key the gateway may ask
+    for; returns their request ids (the spans carry them)."""
+    base = f"http://127.0.0.1:{port}/v1"
+    ids = [f"no-secrets-{i}-{secrets.token_hex(4)}" for i in range(2)]
+    with httpx.Client(timeout=120, headers={"authorization": f"Bearer {api_key}"}) as http:
+        chat = http.post(f"{base}/chat/completions", headers={"x-request-id": ids[0]}, json={
+            "messages": [{"role": "user", "content": prompts[0]}], "max_tokens": 4, "temperature": 0})
+        text = http.post(f"{base}/completions", headers={"x-request-id": ids[1]},
+                         json={"prompt": prompts[1], "max_tokens": 4, "temperature": 0})
+    assert (chat.status_code, text.status_code) == (200, 200), (chat.text[:300], text.text[:300])
+    return ids
+
+
+def pdcluster(args: list[str], cwd: Path, env: dict[str, str]) -> str:
+    done = subprocess.run([sys.executable, "-m", "services.cli", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout + done.stderr
+
+
+def cmdline(p: psutil.Process) -> str:
+    try:
+        return " ".join(p.cmdline())
+    except psutil.Error:
+        return ""
+
+
+def ray_session_dir(tree: list[psutil.Process]) -> Path:
+    """This cluster's Ray session directory, from its daemons' command lines
+    (not /tmp/ray/session_latest: another cluster may have started since)."""
+    for p in tree:
+        found = re.search(r"--session[-_]dir=(\S+)", cmdline(p))
+        if found:
+            return Path(found.group(1))
+    raise AssertionError("no Ray daemon with --session-dir among `pdcluster up`'s processes")
+
+
+def wait_for_spans(trace_file: Path, request_ids: list[str], timeout_s: float = 15.0) -> None:
+    """Until the spans of the requests are in the file (flushed every 100 ms),
+    so the prompt check below looks at them."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if trace_file.exists() and all(i in trace_file.read_text() for i in request_ids):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"no spans of requests {request_ids} in {trace_file} after {timeout_s} s")
