@@ -19,6 +19,8 @@ from services.engine.model.default import resolve_model_path
 from services.engine.model.loader import block_hash_seed, parse_dtype, weights_id
 from services.engine.tokenizer import Tokenizer
 from services.gateway_http import GatewayHTTPServer
+from services.openai.gateway_metrics import GatewayMetrics
+from services.openai.replica_board import StatusBoardReader
 from services.openai.routes import configure_app, create_app
 from services.openai.settings import OpenAISettings
 from services.pool_liveness import PoolLiveness
@@ -42,7 +44,7 @@ class _AttachHost:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         target = scope.get("app")
         if _HOST and target is not None and getattr(target.state, "backend", None) is None:
-            configure_app(target, _HOST["backend"], _HOST["tokenizer"], _HOST["settings"])
+            configure_app(target, _HOST["backend"], _HOST["tokenizer"], _HOST["settings"], _HOST["metrics"])
         await self.asgi(scope, receive, send)
 
 
@@ -85,7 +87,10 @@ class Gateway:
                                                      adm.ttft_headroom),
                                  request_timeout_s=adm.request_timeout_s,
                                  inter_token_timeout_s=adm.inter_token_timeout_s)
-        _HOST.update(backend=backend, tokenizer=tokenizer, settings=settings)
+        # /metrics: the admission counters, and every replica's KV numbers from the status board.
+        self.board = StatusBoardReader(cfg.index_url, cfg.cluster_name)
+        gateway_metrics = GatewayMetrics(board=self.board, admission_view=backend.admission.view)
+        _HOST.update(backend=backend, tokenizer=tokenizer, settings=settings, metrics=gateway_metrics)
         self.http: GatewayHTTPServer | None = None
         if cfg.ingress == "gateway":
             self.http = GatewayHTTPServer(app, cfg.host, cfg.port)
@@ -97,6 +102,7 @@ class Gateway:
         """Serve awaits this when it stops the replica: in-flight streams finish first."""
         if self.http is not None:
             await self.http.stop()
+        await self.board.aclose()
 
 
 GatewayDeployment = serve.deployment(Gateway, name="gateway")

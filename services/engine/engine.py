@@ -70,9 +70,11 @@ class Engine:
         self.hash_seed = block_hash_seed(self.loaded.weights_id, self.kv_spec.dtype, config.block_size)
         self.kv = KVCache(self.kv_spec, config.device, on_kv_event, config.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.hash_seed)
-        self.runner = ModelRunner(self.loaded.model, self.kv, config.device)
-        self.leases = LeaseTable(self.kv.free, config.lease_ttl_s)
         self.requests: dict[str, Request] = {}
+        # The sampler reads a penalised request's tokens from this table, by id.
+        self.runner = ModelRunner(self.loaded.model, self.kv, config.device,
+                                  eos_token_ids=tuple(self.tokenizer.eos_token_ids), histories=self.requests)
+        self.leases = LeaseTable(self.kv.free, config.lease_ttl_s)
         self.awaiting_kv: dict[str, Request] = {}
         # A reservation waits at most as long as the lease it will pull from.
         self.reservation_ttl_s = config.lease_ttl_s
@@ -107,6 +109,10 @@ class Engine:
         bad = next((t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
         if bad is not None:
             raise InvalidRequestError(f"prompt token id {bad!r} is outside this model's vocabulary [0, {vocab})")
+        bad = next((t for t, _ in params.logit_bias if t >= vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(f"logit_bias names token id {bad}, outside this model's vocabulary "
+                                      f"[0, {vocab}): remove it")
         if n >= self.max_model_len:
             raise RequestTooLongError(
                 f"prompt has {n} tokens; this model's context is {self.max_model_len}: shorten it")

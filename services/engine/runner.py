@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
 import torch
 
 from services.engine.forward_batch import ForwardBatch
 from services.engine.kv_cache import KVCache
 from services.engine.model.llama import LlamaModel
+from services.engine.penalties import TokenHistory
 from services.engine.request import Request
 from services.engine.sampler import SampleResult, Sampler
 from services.engine.scheduler import ScheduledRequest, SchedulerOutput
@@ -30,12 +33,15 @@ def _table(rows: list[list[int]]) -> torch.Tensor:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, kv: KVCache, device: str | torch.device = "cpu"):
+    def __init__(self, model: LlamaModel, kv: KVCache, device: str | torch.device = "cpu",
+                 eos_token_ids: Sequence[int] = (), histories: Mapping[str, TokenHistory] | None = None):
+        """``eos_token_ids`` and ``histories`` (the live requests by id) are
+        what the sampler's min_tokens and penalties read."""
         self.model = model
         self.kv = kv
         self.device = torch.device(device)
         self.block_size = kv.spec.block_size
-        self.sampler = Sampler()
+        self.sampler = Sampler(eos_token_ids, histories)
 
     def build_batch(self, out: SchedulerOutput) -> tuple[ForwardBatch, list[Request]]:
         """The step's ForwardBatch and, in row order, the requests to sample."""

@@ -1,19 +1,23 @@
 """Next-token choice per request: greedy, or temperature / top-k / top-p
-sampling with a per-request seeded generator.
+sampling with a per-request seeded generator, after the request's penalties,
+``logit_bias`` and ``min_tokens`` (penalties.py) have changed its logits.
 
 A row whose logits are not finite (NaN or inf out of the forward pass), or
 whose probabilities are not after temperature / top-k / top-p, fails that
 request alone; the other rows of the batch are sampled as usual.  Finiteness
-is one batched ``isfinite(...).all(dim=-1)``; the all-greedy path stays one
-argmax and one host transfer."""
+is one batched ``isfinite(...).all(dim=-1)`` on the model's logits (the -inf
+that min_tokens writes is on purpose); the all-greedy path stays one argmax
+and one host transfer, and a batch without penalties adds no tensor work."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from services.engine.errors import RequestFailedError
+from services.engine.penalties import Penalties, TokenHistory
 from services.engine.sampling_params import SamplingParams
 
 NONFINITE_LOGITS = ("numerical error in this request's logits (NaN or inf out of the model); "
@@ -29,11 +33,16 @@ class SampleResult:
 
 
 class Sampler:
-    def __init__(self) -> None:
+    def __init__(self, eos_token_ids: Sequence[int] = (), histories: Mapping[str, TokenHistory] | None = None):
+        """``eos_token_ids``: what min_tokens masks besides stop_token_ids;
+        ``histories``: each live request's tokens by id, read only for the
+        rows with penalties (the engine passes its request table)."""
         self._generators: dict[str, torch.Generator] = {}
+        self.penalties = Penalties(eos_token_ids, histories)
 
     def forget(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
+        self.penalties.forget(request_id)
 
     def _generator(self, request_id: str, params: SamplingParams, device: torch.device) -> torch.Generator:
         g = self._generators.get(request_id)
@@ -50,6 +59,8 @@ class Sampler:
                      params: list[SamplingParams]) -> SampleResult:
         """``logits``: fp32 [N, vocab], one row per request."""
         finite = torch.isfinite(logits).all(dim=-1)
+        if any(p.adjusts_logits for p in params):
+            logits = self.penalties.apply(logits, request_ids, params)
         # -1 marks a non-finite row (argmax of a NaN row is a garbage token);
         # one masked tensor keeps it to one device sync.
         best = logits.argmax(dim=-1).masked_fill(~finite, -1).tolist()

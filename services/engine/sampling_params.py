@@ -3,12 +3,14 @@
 Everything a request can ask of the engine thread is bounded here, before it
 gets there: a value that would make the sampler divide by zero (or by a
 denormal), or make the per-token stop check scan megabytes, is refused with
-an error naming the limit and the fix."""
+an error naming the limit and the fix.  What the penalties, ``logit_bias``
+and ``min_tokens`` do to the logits is written in penalties.py."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from services.engine.errors import InvalidRequestError
 
@@ -22,6 +24,14 @@ MAX_STOP_TOKEN_IDS = 256
 GREEDY_TEMPERATURE = 1e-5
 # torch.Generator.manual_seed takes a signed or unsigned 64-bit integer.
 _SEED_RANGE = range(-2**63, 2**64)
+# OpenAI's bounds on the penalties and on logit_bias.
+PENALTY_RANGE = (-2, 2)                  # presence_penalty, frequency_penalty
+LOGIT_BIAS_RANGE = (-100, 100)
+MAX_LOGIT_BIAS_ENTRIES = 300
+# repetition_penalty divides positive logits and multiplies negative ones;
+# inside this window both stay finite in fp32 for any logit a model makes
+# (1e4 / 1e-30 is far below fp32's 3.4e38, and 0 * p is never inf * 0).
+REPETITION_PENALTY_RANGE = (1e-30, 1e30)
 
 
 def _is_int(x: object) -> bool:
@@ -44,6 +54,14 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    presence_penalty: float = 0.0    # OpenAI: subtracted once from each token already in the output
+    frequency_penalty: float = 0.0   # OpenAI: minus this times the token's count in the output
+    repetition_penalty: float = 1.0  # vLLM: 1 = off; > 1 discourages tokens of the prompt or output
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) by id; a mapping is accepted
+    min_tokens: int = 0              # vLLM: EOS and stop_token_ids are masked until this many are out
+    # Whether the sampler must touch this request's logits row (derived):
+    # False lets a batch without penalties skip penalties.py entirely.
+    adjusts_logits: bool = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -58,6 +76,25 @@ class SamplingParams:
             raise InvalidRequestError(f"seed must be a 64-bit integer or null, got {self.seed!r}")
         object.__setattr__(self, "stop", _checked_stop(self.stop))
         object.__setattr__(self, "stop_token_ids", _checked_stop_token_ids(self.stop_token_ids))
+        self._check_penalties()
+        object.__setattr__(self, "logit_bias", _checked_logit_bias(self.logit_bias))
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise InvalidRequestError(f"min_tokens must be an integer from 0 to max_tokens ({self.max_tokens}), "
+                                      f"got {self.min_tokens!r}: lower it, or raise max_tokens")
+        object.__setattr__(self, "adjusts_logits", bool(
+            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+            or self.logit_bias or self.min_tokens))
+
+    def _check_penalties(self) -> None:
+        low, high = PENALTY_RANGE
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_real(value) or not low <= value <= high:
+                raise InvalidRequestError(f"{name} must be between {low:g} and {high:g} (0 = off), got {value!r}")
+        low, high = REPETITION_PENALTY_RANGE
+        if not _is_real(self.repetition_penalty) or not low <= self.repetition_penalty <= high:
+            raise InvalidRequestError(f"repetition_penalty must be between {low:g} and {high:g} (1 = off; "
+                                      f"> 1 discourages repeats), got {self.repetition_penalty!r}")
 
     @property
     def greedy(self) -> bool:
@@ -92,6 +129,27 @@ def _checked_stop_token_ids(ids: object) -> tuple[int, ...]:
     if not all(_is_int(t) and t >= 0 for t in ids):
         raise InvalidRequestError(f"stop_token_ids must be non-negative integers, got {ids!r:.200}")
     return tuple(ids)
+
+
+def _checked_logit_bias(bias: object) -> tuple[tuple[int, float], ...]:
+    """``{token id: bias}`` or (id, bias) pairs -> pairs sorted by id, each id once."""
+    pairs = list(bias.items()) if isinstance(bias, Mapping) else bias
+    if not isinstance(pairs, (tuple, list)) or not all(isinstance(e, (tuple, list)) and len(e) == 2 for e in pairs):
+        raise InvalidRequestError(f"logit_bias must map token ids to biases, got {bias!r:.200}")
+    if len(pairs) > MAX_LOGIT_BIAS_ENTRIES:
+        raise InvalidRequestError(f"logit_bias has {len(pairs)} entries; the limit is {MAX_LOGIT_BIAS_ENTRIES}: "
+                                  "keep the tokens that matter")
+    low, high = LOGIT_BIAS_RANGE
+    for token_id, value in pairs:
+        if not _is_int(token_id) or token_id < 0:
+            raise InvalidRequestError(f"logit_bias keys must be token ids (integers >= 0), got {token_id!r:.60}")
+        if not _is_real(value) or not low <= value <= high:
+            raise InvalidRequestError(
+                f"logit_bias of token {token_id} is {value!r}; biases must be between {low:g} and {high:g}")
+    out = tuple(sorted((t, float(v)) for t, v in pairs))
+    if len({t for t, _ in out}) != len(out):
+        raise InvalidRequestError("logit_bias names a token id twice: give each token one bias")
+    return out
 
 
 GREEDY = SamplingParams(temperature=0.0)

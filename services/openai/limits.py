@@ -13,10 +13,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from services.engine.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
+from services.engine.sampling_params import (
+    LOGIT_BIAS_RANGE,
+    MAX_LOGIT_BIAS_ENTRIES,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    PENALTY_RANGE,
+    REPETITION_PENALTY_RANGE,
+)
 from services.openai.errors import invalid_request
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+# A logit_bias key is a token id written in decimal; 19 digits hold any int64.
+_MAX_TOKEN_ID_DIGITS = 19
 
 
 @dataclass(frozen=True)
@@ -56,8 +66,10 @@ RANGES: dict[str, Range] = {
     "temperature": Range(0, 2, note="0 = greedy"),
     "top_p": Range(0, 1, low_open=True),
     "top_k": Range(-1, note="-1 or 0 = off"),
-    "presence_penalty": Range(-2, 2),
-    "frequency_penalty": Range(-2, 2),
+    "presence_penalty": Range(*PENALTY_RANGE, note="0 = off"),
+    "frequency_penalty": Range(*PENALTY_RANGE, note="0 = off"),
+    "repetition_penalty": Range(*REPETITION_PENALTY_RANGE, note="1 = off; above 1 discourages repeats"),
+    "min_tokens": Range(0),
     "max_tokens": Range(1),
     "max_completion_tokens": Range(1),
     "n": Range(1),
@@ -68,6 +80,10 @@ STOP_STRING_SCHEMA = {"type": "string", "minLength": 1, "maxLength": MAX_STOP_ST
 STOP_LIST_SCHEMA = {"type": "array", "items": STOP_STRING_SCHEMA, "maxItems": MAX_STOP_STRINGS}
 STOP_TOKEN_IDS_SCHEMA = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": INT64_MAX},
                          "maxItems": MAX_STOP_TOKEN_IDS}
+LOGIT_BIAS_SCHEMA = {"type": "object", "propertyNames": {"pattern": f"^[0-9]{{1,{_MAX_TOKEN_ID_DIGITS}}}$"},
+                     "additionalProperties": {"type": "number", "minimum": LOGIT_BIAS_RANGE[0],
+                                              "maximum": LOGIT_BIAS_RANGE[1]},
+                     "maxProperties": MAX_LOGIT_BIAS_ENTRIES}
 
 
 def check_limits(req: Any) -> None:
@@ -80,6 +96,8 @@ def check_limits(req: Any) -> None:
                                   param=name, code="invalid_value")
     _check_stop(req.stop)
     _check_stop_token_ids(req.stop_token_ids)
+    logit_bias_by_id(req.logit_bias)
+    _check_min_tokens(req)
 
 
 def _check_stop(stop: str | list[str] | None) -> None:
@@ -106,3 +124,39 @@ def _check_stop_token_ids(ids: list[int] | None) -> None:
     if bad is not None:
         raise invalid_request(f"stop_token_ids holds {bad}, not a token id (0 to {INT64_MAX}): remove it",
                               param="stop_token_ids", code="invalid_value")
+
+
+def logit_bias_by_id(bias: dict[str, float] | None) -> dict[int, float]:
+    """OpenAI's ``{"token id": bias}`` keyed by int; a 400 for a key that is
+    not a token id, a bias out of range, or too many entries.  Whether each
+    id is in the model's vocabulary is the engine's check (a 400 too)."""
+    if not bias:
+        return {}
+    if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise invalid_request(f"logit_bias has {len(bias)} entries; the limit is {MAX_LOGIT_BIAS_ENTRIES}: "
+                              "keep the tokens that matter", param="logit_bias", code="invalid_value")
+    low, high = LOGIT_BIAS_RANGE
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        if not (key.isascii() and key.isdigit() and len(key) <= _MAX_TOKEN_ID_DIGITS):
+            raise invalid_request(f"logit_bias key {key[:40]!r} is not a token id: keys must be token ids written "
+                                  'as decimal strings, e.g. {"50256": -100}', param="logit_bias", code="invalid_value")
+        if not low <= value <= high:
+            raise invalid_request(f"logit_bias of token {key} is {value!r}, out of range: it must be between "
+                                  f"{low:g} and {high:g}", param="logit_bias", code="invalid_value")
+        token_id = int(key)
+        if token_id in out:
+            raise invalid_request(f"logit_bias names token {token_id} twice ({key!r}): give each token one bias",
+                                  param="logit_bias", code="invalid_value")
+        out[token_id] = value
+    return out
+
+
+def _check_min_tokens(req: Any) -> None:
+    """min_tokens at most the output cap, when the client set one (without
+    one, min_tokens counts up to the cap the server picks)."""
+    name = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None else "max_tokens"
+    cap = getattr(req, name)
+    if cap is not None and req.min_tokens > cap:
+        raise invalid_request(f"min_tokens is {req.min_tokens}, more than {name} ({cap}): min_tokens must be at "
+                              f"most {name}; lower it or raise {name}", param="min_tokens", code="invalid_value")

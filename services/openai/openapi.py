@@ -35,10 +35,12 @@ def _ref(model: type[BaseModel]) -> dict[str, str]:
     return {"$ref": REF_TEMPLATE.format(model=model.__name__)}
 
 
-def request_body(model: type[BaseModel]) -> dict[str, Any]:
-    """``openapi_extra`` for a route that reads ``model`` as its JSON body
-    (list ``model`` in ``install_openapi``'s ``request_models`` too)."""
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": _ref(model)}}}}
+def request_body(*models: type[BaseModel]) -> dict[str, Any]:
+    """``openapi_extra`` for a route that reads one of ``models`` as its JSON
+    body (list them in ``install_openapi``'s ``request_models`` too).  Several
+    models: the body is any one of them (the handler tells which apart)."""
+    schema = _ref(models[0]) if len(models) == 1 else {"anyOf": [_ref(m) for m in models]}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
 
 
 def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:

@@ -145,8 +145,9 @@ def fit_max_tokens(req: AnyRequest, requested: int | None, max_tokens_param: str
     room = max_model_len - num_prompt_tokens
     if room < 1:
         raise _no_room_for_output(req, num_prompt_tokens, max_model_len)
-    if requested is None:
-        return room if default_max_tokens is None else min(default_max_tokens, room)
+    if requested is None:  # the default cap, raised to what min_tokens asks for
+        floor = getattr(req, "min_tokens", None) or 0
+        return room if default_max_tokens is None else min(max(default_max_tokens, floor), room)
     if requested > room:   # requested < 1 was already refused by limits.check_limits
         raise invalid_request(
             f"the prompt has {num_prompt_tokens} tokens and {max_tokens_param} is {requested}, "

@@ -16,7 +16,14 @@ from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 from services.engine.errors import InvalidRequestError
 from services.engine.sampling_params import SamplingParams
 from services.openai.errors import OpenAIError, invalid_request
-from services.openai.limits import RANGES, STOP_LIST_SCHEMA, STOP_STRING_SCHEMA, STOP_TOKEN_IDS_SCHEMA
+from services.openai.limits import (
+    LOGIT_BIAS_SCHEMA,
+    RANGES,
+    STOP_LIST_SCHEMA,
+    STOP_STRING_SCHEMA,
+    STOP_TOKEN_IDS_SCHEMA,
+    logit_bias_by_id,
+)
 
 _NULL = {"type": "null"}
 # The published schemas carry the bounds that limits.check_limits enforces.
@@ -25,6 +32,7 @@ PromptInput = Annotated[str | list[int], WithJsonSchema({"anyOf": [
     {"type": "string", "minLength": 1},
     {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}]})]
 StopTokenIds = Annotated[list[int] | None, WithJsonSchema({"anyOf": [STOP_TOKEN_IDS_SCHEMA, _NULL]})]
+LogitBias = Annotated[dict[str, float] | None, WithJsonSchema({"anyOf": [LOGIT_BIAS_SCHEMA, _NULL]})]
 
 
 def _bounded(name: str, default: Any) -> Any:
@@ -50,15 +58,17 @@ class _SamplingFields(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None            # accepted for compatibility; not used
-    # Accepted only at values that mean "off" (checked in reject_unsupported):
-    n: int = _bounded("n", 1)
     presence_penalty: float = _bounded("presence_penalty", 0.0)
     frequency_penalty: float = _bounded("frequency_penalty", 0.0)
-    logit_bias: dict[str, float] | None = None
+    logit_bias: LogitBias = None       # {"token id": bias}
+    # Accepted only at values that mean "off" (checked in reject_unsupported):
+    n: int = _bounded("n", 1)
     # vLLM extensions
     ignore_eos: bool = False
     top_k: int | None = _bounded("top_k", None)   # 0 or -1: off
     stop_token_ids: StopTokenIds = None
+    repetition_penalty: float | None = _bounded("repetition_penalty", None)  # None: 1, off
+    min_tokens: int = _bounded("min_tokens", 0)
 
 
 class CompletionRequest(_SamplingFields):
@@ -113,11 +123,6 @@ def reject_unsupported(req: AnyRequest) -> None:
     refused as such, not as unsupported."""
     if req.n > 1:
         raise _unsupported("n", f"n={req.n} (several choices per request)", f"send {req.n} separate requests instead")
-    if req.presence_penalty != 0 or req.frequency_penalty != 0:
-        param = "presence_penalty" if req.presence_penalty != 0 else "frequency_penalty"
-        raise _unsupported(param, f"{param} other than 0")
-    if req.logit_bias:
-        raise _unsupported("logit_bias", "logit_bias")
     if req.stream_options is not None and not req.stream:
         raise invalid_request("stream_options is only allowed with stream: true", param="stream_options")
     if isinstance(req, CompletionRequest):
@@ -159,20 +164,27 @@ def requested_max_tokens(req: AnyRequest) -> tuple[int | None, str]:
     return req.max_tokens, "max_tokens"
 
 
-_PARAMS_NAMED_IN_ERRORS = ("max_tokens", "temperature", "top_p", "top_k", "stop", "stop_token_ids")
+_PARAMS_NAMED_IN_ERRORS = ("max_tokens", "temperature", "top_p", "top_k", "stop", "stop_token_ids",
+                           "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens")
 
 
 def to_sampling_params(req: AnyRequest, max_tokens: int, max_tokens_param: str = "max_tokens") -> SamplingParams:
     """``SamplingParams`` for ``req``; its validation errors become a 400 naming the field."""
     top_k = req.top_k if req.top_k not in (None, -1) else 0
+    # Without a client cap, min_tokens counts up to the cap the server picks.
+    min_tokens = req.min_tokens if requested_max_tokens(req)[0] is not None else min(req.min_tokens, max_tokens)
     kwargs: dict[str, Any] = {"max_tokens": max_tokens, "top_k": top_k, "seed": req.seed,
                               "ignore_eos": req.ignore_eos,
                               "stop": () if req.stop is None else req.stop,
-                              "stop_token_ids": tuple(req.stop_token_ids or ())}
+                              "stop_token_ids": tuple(req.stop_token_ids or ()),
+                              "presence_penalty": req.presence_penalty, "frequency_penalty": req.frequency_penalty,
+                              "logit_bias": logit_bias_by_id(req.logit_bias), "min_tokens": min_tokens}
     if req.temperature is not None:
         kwargs["temperature"] = req.temperature
     if req.top_p is not None:
         kwargs["top_p"] = req.top_p
+    if req.repetition_penalty is not None:
+        kwargs["repetition_penalty"] = req.repetition_penalty
     try:
         return SamplingParams(**kwargs)
     except InvalidRequestError as exc:

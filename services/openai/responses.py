@@ -106,6 +106,19 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
+# -- /tokenize, /detokenize (vLLM's shapes) ----------------------------------------------------
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = _omit_none()   # with return_token_strs: true
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
 # -- errors -----------------------------------------------------------------------------------
 
 class ErrorDetail(BaseModel):

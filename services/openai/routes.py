@@ -1,27 +1,26 @@
 """The OpenAI-compatible endpoints, installed on a FastAPI app whose host
-(the gateway deployment, or a test) sets three attributes:
+(the gateway deployment, or a test) sets what host.py lists: the backend,
+its tokenizer, the OpenAISettings and the gateway's metrics registry.
 
-    app.state.backend          a services.backend.Backend
-    app.state.tokenizer        a services.engine.tokenizer.Tokenizer (same model as the backend)
-    app.state.openai_settings  an OpenAISettings (served names, body limit, block hashing, API keys)
+``create_app()`` builds such an app; ``configure_app()`` sets those.
 
-``create_app()`` builds such an app; ``configure_app()`` sets the three.
-
-    GET  /openapi.json         this API's OpenAPI document (see openapi.py)       open
-    GET  /health               the backend's health (503 when it is not ok)      open
-    GET  /v1/models            the served model names
-    POST /v1/completions       prompt: a string or a list of token ids
-    POST /v1/chat/completions  messages, through the model's chat template
+    GET  /openapi.json            this API's OpenAPI document (see openapi.py)       open
+    GET  /health                  the backend's health (503 when it is not ok)      open
+    GET  /v1/models               the served model names
+    GET  /v1/models/{model_id}    one model's card, or 404
+    POST /v1/completions          prompt: a string or a list of token ids
+    POST /v1/chat/completions     messages, through the model's chat template
+    POST /tokenize, /detokenize   vLLM's, in utility_routes.py
+    GET  /metrics                 Prometheus text, in utility_routes.py
 
 With API keys in the settings every path but the open ones needs
-``Authorization: Bearer <key>`` (auth.py).
+``Authorization: Bearer <key>`` (auth.py), /metrics included.
 """
 
 from __future__ import annotations
 
 import secrets
 import time
-from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
@@ -33,9 +32,11 @@ from services.stage_telemetry import observe_gateway_stream
 from services.backend import Backend, GenerateRequest
 from services.engine.tokenizer import Tokenizer
 from services.openai.auth import ApiKeyMiddleware
-from services.openai.errors import OpenAIError, install_error_handlers
+from services.openai.errors import install_error_handlers
 from services.openai.formats import ChatFormat, CompletionFormat, ResponseFormat, Tally
+from services.openai.gateway_metrics import EndpointLabels, GatewayMetrics, ResponseCounter
 from services.openai.generation import complete, stream
+from services.openai.host import host_of, resolve_model
 from services.openai.intake import read_request
 from services.openai.limits import check_limits
 from services.openai.openapi import error_responses, generation_responses, install_openapi, request_body
@@ -49,6 +50,8 @@ from services.openai.responses import (
     ChatCompletionChunk, ChatCompletionResponse, CompletionResponse, ModelCard, ModelList,
 )
 from services.openai.settings import OpenAISettings
+from services.openai.utility_routes import REQUEST_MODELS as UTILITY_REQUEST_MODELS
+from services.openai.utility_routes import router as utility_router
 
 router = APIRouter()
 _STARTED_AT = int(time.time())
@@ -63,47 +66,26 @@ def create_app(*, request_id_header: bool = True) -> FastAPI:
 
 
 def install_openai_api(app: FastAPI, *, request_id_header: bool = True) -> None:
-    """Routes, OpenAI-style error handlers, API keys and x-request-id.  Call
-    before the app starts.  ``request_id_header=False`` when a proxy in front
-    already echoes x-request-id (Ray Serve's does)."""
-    app.add_middleware(ApiKeyMiddleware)  # innermost of the three: a 401 still gets its x-request-id and span
+    """Routes, OpenAI-style error handlers, API keys, x-request-id, tracing
+    and the response counter of /metrics.  Call before the app starts.
+    ``request_id_header=False`` when a proxy in front already echoes
+    x-request-id (Ray Serve's does)."""
+    app.add_middleware(ApiKeyMiddleware)  # innermost: a 401 still gets its x-request-id, span and count
     app.add_middleware(RequestIdMiddleware, echo_header=request_id_header)
     app.add_middleware(TracingMiddleware)
+    endpoints = EndpointLabels([*router.routes, *utility_router.routes], paths=[app.openapi_url or "/openapi.json"])
+    app.add_middleware(ResponseCounter, endpoints=endpoints)   # outermost: counts 401s and Starlette's 500s too
     install_error_handlers(app, request_id_header=request_id_header)
     app.include_router(router)
-    install_openapi(app, [CompletionRequest, ChatCompletionRequest], [ChatCompletionChunk])
+    app.include_router(utility_router)
+    install_openapi(app, [CompletionRequest, ChatCompletionRequest, *UTILITY_REQUEST_MODELS], [ChatCompletionChunk])
 
 
-def configure_app(app: FastAPI, backend: Backend, tokenizer: Tokenizer, settings: OpenAISettings) -> None:
+def configure_app(app: FastAPI, backend: Backend, tokenizer: Tokenizer, settings: OpenAISettings,
+                  metrics: GatewayMetrics | None = None) -> None:
+    """``metrics`` None: a registry of the app's own, with no status board or admission numbers."""
     app.state.backend, app.state.tokenizer, app.state.openai_settings = backend, tokenizer, settings
-
-
-@dataclass(frozen=True)
-class _Host:
-    backend: Backend
-    tokenizer: Tokenizer
-    settings: OpenAISettings
-
-
-def _host(request: Request) -> _Host:
-    state = request.app.state
-    parts = {name: getattr(state, name, None) for name in ("backend", "tokenizer", "openai_settings")}
-    missing = [f"app.state.{name}" for name, value in parts.items() if value is None]
-    if missing:
-        raise OpenAIError(503, f"the gateway is not ready ({', '.join(missing)} not set yet); retry shortly",
-                          type="server_error", code="not_ready", headers={"Retry-After": "1"})
-    return _Host(parts["backend"], parts["tokenizer"], parts["openai_settings"])
-
-
-def _resolve_model(requested: str | None, settings: OpenAISettings) -> str:
-    names = settings.served_model_names
-    if requested is None:
-        return names[0]
-    if requested not in names:
-        raise OpenAIError(404, f"the model {requested!r} does not exist here; this server serves "
-                               f"{', '.join(repr(n) for n in names)} (see GET /v1/models)",
-                          param="model", code="model_not_found")
-    return requested
+    app.state.gateway_metrics = metrics if metrics is not None else GatewayMetrics()
 
 
 _HEALTH_STATUS = {"content": {"application/json": {"schema": {"type": "object"}}}}
@@ -114,16 +96,31 @@ _HEALTH_STATUS = {"content": {"application/json": {"schema": {"type": "object"}}
     503: {**_HEALTH_STATUS, "description": "the backend's status (not ok), or the gateway's error body"},
     **error_responses(500)})
 async def health(request: Request) -> JSONResponse:
-    status: dict[str, Any] = await _host(request).backend.health()
+    status: dict[str, Any] = await host_of(request).backend.health()
     return JSONResponse(status, status_code=200 if status.get("status") == "ok" else 503)
+
+
+def _model_card(name: str, backend: Backend, settings: OpenAISettings) -> ModelCard:
+    return ModelCard(id=name, created=_STARTED_AT, owned_by=settings.owned_by, max_model_len=backend.max_model_len)
 
 
 @router.get("/v1/models", responses=error_responses(500, 503))
 async def list_models(request: Request) -> ModelList:
-    host = _host(request)
-    cards = [ModelCard(id=name, created=_STARTED_AT, owned_by=host.settings.owned_by,
-                       max_model_len=host.backend.max_model_len) for name in host.settings.served_model_names]
-    return ModelList(data=cards)
+    host = host_of(request)
+    names = host.settings.served_model_names
+    return ModelList(data=[_model_card(name, host.backend, host.settings) for name in names])
+
+
+# ``:path``: a served name may hold a slash (``org/model``), as the openai client sends it.  The
+# parameter is read from path_params and described by hand: FastAPI would document a 422 we never answer.
+_MODEL_ID = {"parameters": [{"name": "model_id", "in": "path", "required": True, "schema": {"type": "string"},
+                             "description": "a served model name (see GET /v1/models)"}]}
+
+
+@router.get("/v1/models/{model_id:path}", openapi_extra=_MODEL_ID, responses=error_responses(404, 500, 503))
+async def retrieve_model(request: Request) -> ModelCard:
+    host = host_of(request)
+    return _model_card(resolve_model(request.path_params["model_id"], host.settings), host.backend, host.settings)
 
 
 @router.post("/v1/completions", openapi_extra=request_body(CompletionRequest),
@@ -139,12 +136,12 @@ async def create_chat_completion(request: Request) -> Response:
 
 
 async def _generate(request: Request, kind: type[CompletionRequest] | type[ChatCompletionRequest]) -> Response:
-    host = _host(request)
+    host = host_of(request)
     settings = host.settings
     req: AnyRequest = await read_request(request, kind, settings.max_body_bytes)
     check_limits(req)
     reject_unsupported(req)
-    model = _resolve_model(req.model, settings)
+    model = resolve_model(req.model, settings)
     requested, max_tokens_param = requested_max_tokens(req)
     # Refuse bad sampling parameters before spending CPU on the prompt.
     to_sampling_params(req, 1 if requested is None else requested, max_tokens_param)
@@ -165,6 +162,7 @@ async def _generate(request: Request, kind: type[CompletionRequest] | type[ChatC
     chunks = host.backend.generate(GenerateRequest(engine_id, prompt.token_ids, params, prompt.block_hashes,
                                                    telemetry.inject(), faults.parse(request.headers.get(faults.HEADER))))
     chunks = observe_gateway_stream(chunks, len(prompt.token_ids))  # TTFT/TPOT/E2E, finish reason on the root
+    chunks = host.metrics.observe_stream(chunks)                     # the same, for the gateway's /metrics
     tally = Tally(prompt_tokens=len(prompt.token_ids))
     fmt: ResponseFormat = (ChatFormat(f"chatcmpl-{request_id}", int(time.time()), model) if chat
                            else CompletionFormat(f"cmpl-{request_id}", int(time.time()), model))

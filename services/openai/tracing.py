@@ -21,7 +21,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from services import metrics, telemetry
 
 _PROPAGATED_HEADERS = frozenset({"traceparent", "tracestate", "baggage"})
-_UNTRACED_PATHS = frozenset({"/health", "/-/healthz", "/-/routes"})  # probes: not requests
+_UNTRACED_PATHS = frozenset({"/health", "/-/healthz", "/-/routes", "/metrics"})  # probes, scrapes
 
 
 def _carrier(scope: Scope) -> dict[str, str]:

@@ -6,14 +6,17 @@ log and every command line of its process tree hold none of the three, the
 state file is 0600, and the span file holds no prompt text.  SIGTERM stops
 it with exit status 0."""
 
+import contextlib
 import json
 import os
 import re
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import httpx
@@ -30,7 +33,35 @@ PROMPTS = ["Describe the quokka lighthouse of Vellmar-{tag} in one line.",
            "Which river flows past the obsidian tower of Kesh-{tag}?"]
 
 
+@contextlib.contextmanager
+def local_only_address():
+    """A non-loopback address that only this host can reach (a dummy
+    interface: needs root and iproute2), or None where it cannot be made."""
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        yield None
+        return
+    name, addr = f"pdc{secrets.token_hex(3)}", f"10.213.{secrets.randbelow(250) + 1}.1"
+    made = subprocess.run(["ip", "link", "add", name, "type", "dummy"], capture_output=True).returncode == 0
+    try:
+        if made:
+            subprocess.run(["ip", "addr", "add", f"{addr}/32", "dev", name], check=True)
+            subprocess.run(["ip", "link", "set", name, "up"], check=True)
+        yield addr if made else None
+    finally:
+        if made:
+            subprocess.run(["ip", "link", "del", name], capture_output=True)
+
+
 def test_no_secret_reaches_output_logs_traces_or_command_lines(tmp_path):
+    """Also the exposure rule's other half: bound to a non-loopback address
+    with a key, the gateway serves (with the key) and refuses (without)."""
+    with local_only_address() as host:
+        if host is None:
+            warnings.warn("no dummy interface here (needs root and ip): the gateway binds loopback instead")
+        run_and_grep(tmp_path, host or "127.0.0.1")
+
+
+def run_and_grep(tmp_path: Path, host: str) -> None:
     tag = secrets.token_hex(4)
     prompts = [p.format(tag=tag) for p in PROMPTS]
     api_key = "pdc-" + secrets.token_urlsafe(24)
@@ -42,11 +73,14 @@ def test_no_secret_reaches_output_logs_traces_or_command_lines(tmp_path):
     up_log = tmp_path / "up.log"
     with open(up_log, "w") as log:  # cwd tmp_path: runs/cluster.json is this test's own
         proc = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--config", "cluster.yaml",
-                                 "--port", str(port)], cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True, env=env)
+                                 "--host", host, "--port", str(port)], cwd=tmp_path, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True, env=env)
     try:
         wait_for_line(proc, up_log, "ready in", READY_TIMEOUT_S)
-        request_ids = send_requests(port, api_key, prompts)
+        keyless = httpx.post(f"http://{host}:{port}/v1/completions", json={"prompt": "hi", "max_tokens": 1},
+                             timeout=30)
+        assert keyless.status_code == 401, keyless.text
+        request_ids = send_requests(host, port, api_key, prompts)
         status_table = pdcluster(["status"], tmp_path, env)
         status_json = pdcluster(["status", "--json"], tmp_path, env)
         assert json.loads(status_json), "the board lists the replicas"
@@ -102,10 +136,10 @@ def wait_for_line(proc: subprocess.Popen, log: Path, needle: str, timeout_s: flo
         time.sleep(0.5)
 
 
-def send_requests(port: int, api_key: str, prompts: list[str]) -> list[str]:
-    """A chat and a text completion, each with the key the gateway may ask
+def send_requests(host: str, port: int, api_key: str, prompts: list[str]) -> list[str]:
+    """A chat and a text completion, each with the key the gateway asks
     for; returns their request ids (the spans carry them)."""
-    base = f"http://127.0.0.1:{port}/v1"
+    base = f"http://{host}:{port}/v1"
     ids = [f"no-secrets-{i}-{secrets.token_hex(4)}" for i in range(2)]
     with httpx.Client(timeout=120, headers={"authorization": f"Bearer {api_key}"}) as http:
         chat = http.post(f"{base}/chat/completions", headers={"x-request-id": ids[0]}, json={

@@ -22,34 +22,44 @@ def trace_file(tmp_path_factory):
 _RUNNING: list = []
 
 
-def pytest_runtest_teardown(item, nextitem):
-    """Stops the cluster right after the last test of this directory, so Ray
-    is down before tests elsewhere start their own (a session fixture would
-    live until the very end of the run)."""
+def stop_after_directory(item, nextitem, running: list) -> None:
+    """Stops a directory's cluster right after its last test, so Ray is down
+    before tests elsewhere start their own (a session fixture would live
+    until the very end of the run).  Call from pytest_runtest_teardown."""
     here = item.path.parent
-    if _RUNNING and (nextitem is None or nextitem.path.parent != here):
-        _RUNNING.pop().stop()
+    if running and (nextitem is None or nextitem.path.parent != here):
+        running.pop().stop()
+
+
+def directory_cluster(config: ClusterConfig, running: list):
+    """A session fixture's body: the cluster, started, registered in
+    ``running`` for stop_after_directory, and stopped however the run ends."""
+    from services.cluster_runtime import LocalCluster
+
+    c = LocalCluster(config, num_cpus=8, dashboard=False, metrics_port=free_port())
+    try:
+        c.start(progress=lambda m: print(m, flush=True))
+        running.append(c)
+        yield c
+    finally:
+        if c in running:
+            running.remove(c)
+            c.stop()
+
+
+def pytest_runtest_teardown(item, nextitem):
+    stop_after_directory(item, nextitem, _RUNNING)
 
 
 @pytest.fixture(scope="session")
 def cluster(trace_file):
     import os
 
-    from services.cluster_runtime import LocalCluster
-
     # Replicas inherit the driver's environment: all spans land in one file.
     os.environ["PDCLUSTER_TRACE_FILE"] = str(trace_file)
     config = ClusterConfig(port=free_port(), prefill=small_pool(num_replicas=2), decode=small_pool(),
                            lease_ttl_s=120.0)  # far above any wait: a stranded lease fails the leak checks
-    c = LocalCluster(config, num_cpus=8, dashboard=False, metrics_port=free_port())
-    try:
-        c.start(progress=lambda m: print(m, flush=True))
-        _RUNNING.append(c)
-        yield c
-    finally:
-        if c in _RUNNING:
-            _RUNNING.remove(c)
-            c.stop()
+    yield from directory_cluster(config, _RUNNING)
 
 
 @pytest.fixture(scope="session")

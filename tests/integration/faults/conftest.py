@@ -14,7 +14,7 @@ import pytest
 
 from prefix_store.redis_server import free_port
 from services.config import AdmissionSettings, ClusterConfig
-from tests.integration.cluster.conftest import board, small_pool
+from tests.integration.cluster.conftest import board, directory_cluster, small_pool, stop_after_directory
 
 MODEL = "SmolLM2-135M-Instruct"
 INTER_TOKEN_TIMEOUT_S = 2.0
@@ -23,30 +23,18 @@ _RUNNING: list = []
 
 
 def pytest_runtest_teardown(item, nextitem):
-    """Stops the cluster after this directory's last test (Ray must be down
-    before other directories start theirs)."""
-    here = item.path.parent
-    if _RUNNING and (nextitem is None or nextitem.path.parent != here):
-        _RUNNING.pop().stop()
+    stop_after_directory(item, nextitem, _RUNNING)
 
 
 @pytest.fixture(scope="session")
 def faults_cluster():
-    from services.cluster_runtime import LocalCluster
-
     os.environ["PDCLUSTER_FAULTS"] = "1"  # replicas (and the gateway) inherit the driver's environment
     config = ClusterConfig(port=free_port(), prefill=small_pool(), decode=small_pool(), lease_ttl_s=120.0,
                            admission=AdmissionSettings(ttft_slo_s=TTFT_SLO_S,
                                                        inter_token_timeout_s=INTER_TOKEN_TIMEOUT_S))
-    c = LocalCluster(config, num_cpus=8, dashboard=False, metrics_port=free_port())
     try:
-        c.start(progress=lambda m: print(m, flush=True))
-        _RUNNING.append(c)
-        yield c
+        yield from directory_cluster(config, _RUNNING)
     finally:
-        if c in _RUNNING:
-            _RUNNING.remove(c)
-            c.stop()
         os.environ.pop("PDCLUSTER_FAULTS", None)
 
 

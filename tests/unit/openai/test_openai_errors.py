@@ -46,9 +46,9 @@ BAD_JSON_BODIES = [
     (C, {"prompt": "Hi", "logprobs": 2}, 400, "logprobs"),
     (C, {"prompt": "Hi", "echo": True}, 400, "echo"),
     (C, {"prompt": "Hi", "suffix": "end"}, 400, "suffix"),
-    (C, {"prompt": "Hi", "presence_penalty": 0.5}, 400, "presence_penalty"),
-    (C, {"prompt": "Hi", "frequency_penalty": -1}, 400, "frequency_penalty"),
-    (C, {"prompt": "Hi", "logit_bias": {"50256": -100}}, 400, "logit_bias"),
+    (C, {"prompt": "Hi", "presence_penalty": 2.5}, 400, "presence_penalty"),
+    (C, {"prompt": "Hi", "frequency_penalty": "1"}, 400, "frequency_penalty"),
+    (C, {"prompt": "Hi", "logit_bias": {"token": -100}}, 400, "logit_bias"),
     (C, {"prompt": "Hi", "max_token": 5}, 400, "max_token"),          # a typo is not silently ignored
     (C, {"prompt": "Hi", "model": "gpt-4o"}, 404, "model"),
     (C, {"prompt": "Hi", "model": 7}, 400, "model"),

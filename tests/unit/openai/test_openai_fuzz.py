@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
-from openai_fakes import CHAT, FakeBackend, make_app
+from openai_fakes import CHAT, MODEL, FakeBackend, make_app
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import (
@@ -27,6 +27,7 @@ CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
           negative_data_rejection]
 EXAMPLES_PER_RUN = 250     # per endpoint and mode: ~3 s each
 C, CC = "/v1/completions", "/v1/chat/completions"
+TOK, DETOK = "/tokenize", "/detokenize"
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +42,7 @@ def call_and_check(app, case) -> int:
 
 
 @pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE], ids=lambda m: m.value)
-@pytest.mark.parametrize("path", [C, CC])
+@pytest.mark.parametrize("path", [C, CC, TOK, DETOK])
 def test_fuzzed_bodies_are_never_5xx_and_conform(fuzz_app, path, mode):
     statuses: set[int] = set()
 
@@ -64,6 +65,9 @@ GOOD_BODIES = [
     (C, {"prompt": [1000, 1001, 1002], "stream": True, "stream_options": {"include_usage": True}}),
     (CC, {"messages": CHAT, "temperature": 1e-300, "top_p": 0.5, "top_k": -1, "seed": -(2**63)}),
     (CC, {"messages": CHAT, "stream": True, "stop": ["\n"] * 64, "stop_token_ids": list(range(256))}),
+    (TOK, {"prompt": "Once upon a time", "return_token_strs": True}),
+    (TOK, {"messages": CHAT, "add_generation_prompt": False, "add_special_tokens": True}),
+    (DETOK, {"tokens": [1000, 1001, 1002]}),
 ]
 
 
@@ -73,22 +77,41 @@ def test_good_bodies_conform(fuzz_app, path, body):
     assert call_and_check(fuzz_app, case) == 200
 
 
-@pytest.mark.parametrize("path", ["/v1/models", "/health"])
+@pytest.mark.parametrize("path", ["/v1/models", "/health", "/metrics"])
 def test_get_endpoints_conform(fuzz_app, path):
     assert call_and_check(fuzz_app, SCHEMA[path]["GET"].Case()) == 200
+
+
+def test_fuzzed_model_ids_conform(fuzz_app):
+    statuses: set[int] = set()
+
+    @settings(max_examples=50, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @given(case=SCHEMA["/v1/models/{model_id}"]["GET"].as_strategy())
+    def run(case):
+        statuses.add(call_and_check(fuzz_app, case))
+
+    run()
+    assert statuses <= {404}, statuses
+    served = SCHEMA["/v1/models/{model_id}"]["GET"].Case(path_parameters={"model_id": MODEL})
+    assert call_and_check(fuzz_app, served) == 200
 
 
 async def test_openapi_document_names_the_request_models(client):
     r = await client.get("/openapi.json")
     assert r.status_code == 200
     doc = r.json()
-    assert set(doc["paths"]) == {"/health", "/v1/models", C, CC}
+    assert set(doc["paths"]) == {"/health", "/v1/models", "/v1/models/{model_id}", C, CC, TOK, DETOK, "/metrics"}
     for path, model in ((C, "CompletionRequest"), (CC, "ChatCompletionRequest")):
         body = doc["paths"][path]["post"]["requestBody"]
         assert body["content"]["application/json"]["schema"] == {"$ref": f"#/components/schemas/{model}"}
         assert {"200", "400", "413", "429", "503"} <= set(doc["paths"][path]["post"]["responses"])
     schemas = doc["components"]["schemas"]
-    assert {"CompletionRequest", "ChatCompletionRequest", "ChatMessage", "ErrorResponse"} <= set(schemas)
+    assert {"CompletionRequest", "ChatCompletionRequest", "ChatMessage", "ErrorResponse", "TokenizeCompletionRequest",
+            "TokenizeChatRequest", "DetokenizeRequest"} <= set(schemas)
+    tokenize_body = doc["paths"][TOK]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert tokenize_body == {"anyOf": [{"$ref": "#/components/schemas/TokenizeCompletionRequest"},
+                                       {"$ref": "#/components/schemas/TokenizeChatRequest"}]}
+    assert "422" not in doc["paths"]["/v1/models/{model_id}"]["get"]["responses"]
     temperature = schemas["CompletionRequest"]["properties"]["temperature"]
     assert (temperature["minimum"], temperature["maximum"]) == (0, 2)
     assert schemas["ChatCompletionRequest"]["properties"]["stop"]["anyOf"][1]["maxItems"] == 64

@@ -13,7 +13,12 @@ import time
 import pytest
 from openai_fakes import CHAT, assert_openai_error
 
-from services.engine.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
+from services.engine.sampling_params import (
+    MAX_LOGIT_BIAS_ENTRIES,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+)
 from services.openai.prompt import OFF_LOOP_PROMPT_SIZE, longest_token_chars
 
 C, CC = "/v1/completions", "/v1/chat/completions"
@@ -48,6 +53,24 @@ OUT_OF_BOUNDS = [
     (CC, {"seed": -(2**63) - 1}, "seed", [str(-(2**63))]),
     (C, {"n": 0}, "n", ["out of range", "at least 1"]),
     (CC, {"n": -1}, "n", ["out of range", "at least 1"]),
+    (C, {"repetition_penalty": 0}, "repetition_penalty", ["out of range", "between 1e-30 and 1e+30", "1 = off"]),
+    (CC, {"repetition_penalty": -1.2}, "repetition_penalty", ["between 1e-30 and 1e+30"]),
+    (C, {"repetition_penalty": 1e31}, "repetition_penalty", ["between 1e-30 and 1e+30"]),
+    (C, {"min_tokens": -1}, "min_tokens", ["out of range", "at least 0"]),
+    (C, {"min_tokens": 6, "max_tokens": 5}, "min_tokens", ["min_tokens is 6", "max_tokens (5)"]),
+    (CC, {"min_tokens": 9, "max_completion_tokens": 8}, "min_tokens", ["max_completion_tokens (8)"]),
+    (CC, {"min_tokens": 9, "max_tokens": 8}, "min_tokens", ["max_tokens (8)"]),
+    (C, {"logit_bias": {"5": 100.5}}, "logit_bias", ["token 5", "out of range", "between -100 and 100"]),
+    (CC, {"logit_bias": {"5": -101}}, "logit_bias", ["between -100 and 100"]),
+    (C, {"logit_bias": {"hello": 1}}, "logit_bias", ["'hello' is not a token id", "decimal strings"]),
+    (C, {"logit_bias": {"-5": 1}}, "logit_bias", ["not a token id"]),
+    (C, {"logit_bias": {"1.5": 1}}, "logit_bias", ["not a token id"]),
+    (CC, {"logit_bias": {" 7": 1}}, "logit_bias", ["not a token id"]),
+    (C, {"logit_bias": {"\u0661": 1}}, "logit_bias", ["not a token id"]),   # an Arabic-Indic digit
+    (C, {"logit_bias": {"9" * 20: 1}}, "logit_bias", ["not a token id"]),
+    (C, {"logit_bias": {"7": 1, "007": 2}}, "logit_bias", ["token 7 twice"]),
+    (CC, {"logit_bias": {str(i): 1 for i in range(MAX_LOGIT_BIAS_ENTRIES + 1)}}, "logit_bias",
+     [str(MAX_LOGIT_BIAS_ENTRIES + 1), f"limit is {MAX_LOGIT_BIAS_ENTRIES}"]),
 ]
 
 
@@ -64,14 +87,15 @@ async def test_out_of_bounds_is_400_naming_field_and_bound(client, backend, path
     assert backend.requests == []
 
 
-@pytest.mark.parametrize("field, value", [("presence_penalty", 1.5), ("frequency_penalty", -2), ("n", 2)])
+@pytest.mark.parametrize("field, value", [("n", 2), ("best_of", 2), ("logprobs", 1)])
 async def test_in_range_but_unimplemented_is_still_unsupported(client, backend, field, value):
     err = assert_openai_error(await client.post(C, json={"prompt": "Hi", field: value}), 400, field)
     assert err["code"] == "unsupported_parameter" and "not supported" in err["message"]
     assert backend.requests == []
 
 
-@pytest.mark.parametrize("field", ["temperature", "top_p", "presence_penalty", "frequency_penalty"])
+@pytest.mark.parametrize("field", ["temperature", "top_p", "presence_penalty", "frequency_penalty",
+                                   "repetition_penalty"])
 @pytest.mark.parametrize("literal", [b"NaN", b"Infinity", b"-Infinity", b"1e999"])
 async def test_nan_and_infinity_are_400(client, backend, field, literal):
     raw = b'{"prompt": "Hi", "' + field.encode() + b'": ' + literal + b"}"
@@ -85,6 +109,10 @@ async def test_nan_and_infinity_are_400(client, backend, field, literal):
     {"top_p": 1}, {"top_p": 1e-9}, {"top_k": -1}, {"top_k": 0}, {"top_k": 10**6},
     {"presence_penalty": 0}, {"frequency_penalty": 0.0}, {"n": 1}, {"max_tokens": 1},
     {"seed": INT64_MAX}, {"seed": -(2**63)},
+    {"presence_penalty": 2}, {"presence_penalty": -2.0}, {"frequency_penalty": 2.0}, {"frequency_penalty": -2},
+    {"repetition_penalty": 1e-30}, {"repetition_penalty": 1e30}, {"min_tokens": 0}, {"min_tokens": 5, "max_tokens": 5},
+    {"logit_bias": {str(i): (100 if i % 2 else -100) for i in range(MAX_LOGIT_BIAS_ENTRIES)}},
+    {"logit_bias": {}}, {"logit_bias": None}, {"logit_bias": {"0": 0}},
     {"stop": ["s" * MAX_STOP_STRING_CHARS] * MAX_STOP_STRINGS}, {"stop_token_ids": list(range(MAX_STOP_TOKEN_IDS))},
 ])
 @pytest.mark.parametrize("path", [C, CC])

@@ -13,32 +13,8 @@ import torch
 from services.engine.lease import LeaseTable
 from transfer import KVLayout, LayoutMismatchError, LeaseExpiredError, TransferError, create_backend
 from transfer.peer import PeerDescriptor
+from transfer_lease_fakes import BACKENDS, LAYOUT, make_pool, pair, same_bytes  # noqa: F401 (pair: fixture)
 from transfer_raw_client import SECRET
-
-LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, dtype="bfloat16", block_size=4, model_fingerprint=7)
-BACKENDS = ["nixl", "fallback"]
-
-
-def make_pool(num_blocks, seed, layout=LAYOUT):
-    g = torch.Generator().manual_seed(seed)
-    raw = torch.randint(0, 256, (num_blocks * layout.block_bytes,), dtype=torch.uint8, generator=g)
-    return raw.view(layout.torch_dtype).view(num_blocks, *layout.block_shape)
-
-
-def same_bytes(a, b):
-    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
-
-
-@pytest.fixture(params=BACKENDS)
-def pair(request):
-    owner = create_backend(request.param, peer_id="prefill-0", secret=SECRET)
-    puller = create_backend(request.param, peer_id="decode-0", secret=SECRET, timeout_s=5.0)
-    owner_pool, puller_pool = make_pool(64, 1), make_pool(48, 2)
-    owner.register_pool(owner_pool, LAYOUT)
-    puller.register_pool(puller_pool, LAYOUT)
-    yield owner, puller, owner_pool, puller_pool
-    puller.close()
-    owner.close()
 
 
 def block_lists(rng, owner_blocks, puller_blocks):

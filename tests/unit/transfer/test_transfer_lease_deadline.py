@@ -6,23 +6,11 @@ refused so sends no notification.  release() is the notify-only call."""
 import time
 
 import pytest
-from transfer_lease_fakes import BACKENDS, LAYOUT, lease_ids_notified, make_pool, same_bytes
+from transfer_lease_fakes import LAYOUT, lease_ids_notified, make_pool, pair, same_bytes  # noqa: F401 (pair: fixture)
 from transfer_raw_client import SECRET
 
 from transfer import LEASE_SAFETY_MARGIN_S, LeaseExpiredError, TransferError, create_backend
 from transfer.lease_guard import LeaseClock
-
-
-@pytest.fixture(params=BACKENDS)
-def pair(request):
-    owner = create_backend(request.param, peer_id="prefill-0", secret=SECRET)
-    puller = create_backend(request.param, peer_id="decode-0", secret=SECRET, timeout_s=5.0)
-    owner_pool, puller_pool = make_pool(64, 1), make_pool(48, 2)
-    owner.register_pool(owner_pool, LAYOUT)
-    puller.register_pool(puller_pool, LAYOUT)
-    yield owner, puller, owner_pool, puller_pool
-    puller.close()
-    owner.close()
 
 
 def test_the_lease_clamps_the_timeout_only_when_it_ends_sooner():

@@ -8,9 +8,11 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 
+import pytest
 import torch
+from transfer_raw_client import SECRET
 
-from transfer import KVLayout
+from transfer import KVLayout, create_backend
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, dtype="bfloat16", block_size=4, model_fingerprint=7)
 BACKENDS = ["nixl", "fallback"]
@@ -60,10 +62,23 @@ class FakeLeases:
         assert all(n == 0 for n in self.reading.values()), f"reads begun but never ended: {self.reading}"
 
 
-def make_pool(num_blocks: int, seed: int) -> torch.Tensor:
+def make_pool(num_blocks: int, seed: int, layout: KVLayout = LAYOUT) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
-    raw = torch.randint(0, 256, (num_blocks * LAYOUT.block_bytes,), dtype=torch.uint8, generator=g)
-    return raw.view(LAYOUT.torch_dtype).view(num_blocks, *LAYOUT.block_shape)
+    raw = torch.randint(0, 256, (num_blocks * layout.block_bytes,), dtype=torch.uint8, generator=g)
+    return raw.view(layout.torch_dtype).view(num_blocks, *layout.block_shape)
+
+
+@pytest.fixture(params=BACKENDS)
+def pair(request):
+    """(owner, puller, owner_pool, puller_pool) on one backend, both holding the cluster secret."""
+    owner = create_backend(request.param, peer_id="prefill-0", secret=SECRET)
+    puller = create_backend(request.param, peer_id="decode-0", secret=SECRET, timeout_s=5.0)
+    owner_pool, puller_pool = make_pool(64, 1), make_pool(48, 2)
+    owner.register_pool(owner_pool, LAYOUT)
+    puller.register_pool(puller_pool, LAYOUT)
+    yield owner, puller, owner_pool, puller_pool
+    puller.close()
+    owner.close()
 
 
 def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -1,0 +1,248 @@
+"""The gateway's own ``GET /metrics``, in Prometheus text format, without
+Ray's dashboard or metrics agent.  One ``CollectorRegistry`` per app (never
+prometheus_client's global one), so two apps in a process never mix numbers.
+
+    name                                     kind       labels                  recorded
+    pdcluster_http_responses_total           counter    endpoint, status_class  every answer (ResponseCounter)
+    pdcluster_ttft_seconds                   histogram                          first token out to the client
+    pdcluster_tpot_seconds                   histogram                          at the finish reason: mean gap
+    pdcluster_e2e_seconds                    histogram                            after the first token, and
+                                                                                  arrival to the finish reason
+    pdcluster_generation_tokens_total        counter                            tokens streamed to clients
+    pdcluster_admission_in_flight            gauge                              at scrape, from Admission.view()
+    pdcluster_admission_rejections_total     counter    reason                  slo (shed) | in_flight_cap
+    pdcluster_admission_queued_tokens        gauge      pool                    prompt tokens awaiting a first token
+    pdcluster_kv_blocks_used                 gauge      pool, replica           at scrape, from the Redis status
+    pdcluster_kv_blocks_total                gauge      pool, replica             board (StatusBoardReader: at most
+    pdcluster_requests_running               gauge      pool, replica             1 s old; absent while Redis is
+    pdcluster_requests_waiting               gauge      pool, replica             unreachable)
+    pdcluster_prompt_tokens_total            counter    pool, replica           hit rate = hit tokens / prompt tokens
+    pdcluster_prefix_cache_hit_tokens_total  counter    pool, replica
+
+Names and buckets are services/metrics.py's where the meaning is the same
+(Ray exports those as ``ray_<name>``, so the two never collide); the latency
+histograms here are the client's view, Ray's ``pool="gateway"`` series.
+``endpoint`` is the route's path template (``/v1/models/{model_id}``), and
+``other`` for any path that is no route, so scanners cannot grow the label set.
+
+Recording on the request path is O(1) and never raises into a request (a
+failure is logged once).  With API keys set, /metrics needs one like /v1/*
+(vLLM leaves it open; its numbers describe the operator's traffic): scrape
+with ``authorization: {type: Bearer, credentials_file: ...}`` in prometheus.yml."""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
+from typing import Any, Protocol
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from starlette.routing import get_route_path
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from services import metrics
+
+log = logging.getLogger("pdcluster.metrics")
+
+_REPLICA_LABELS = ("pool", "replica")
+_BOARD_FIELDS = ("role", "name", "kv_blocks_total", "kv_blocks_free", "running", "waiting", "awaiting_kv",
+                 "prompt_tokens_computed", "prompt_tokens_cached")
+# name, kind, help, value from one replica's status (see services.worker.Worker.status)
+_BOARD_METRICS: tuple[tuple[str, str, str, Callable[[dict], float]], ...] = (
+    ("pdcluster_kv_blocks_used", "gauge", "KV blocks in use", lambda s: s["kv_blocks_total"] - s["kv_blocks_free"]),
+    ("pdcluster_kv_blocks_total", "gauge", "KV blocks in the pool", lambda s: s["kv_blocks_total"]),
+    ("pdcluster_requests_running", "gauge", "Requests running in the engine", lambda s: s["running"]),
+    ("pdcluster_requests_waiting", "gauge", "Requests waiting (queue + awaiting KV)",
+     lambda s: s["waiting"] + s["awaiting_kv"]),
+    ("pdcluster_prompt_tokens", "counter", "Prompt tokens the engine took in (computed + prefix-cache hits)",
+     lambda s: s["prompt_tokens_computed"] + s["prompt_tokens_cached"]),
+    ("pdcluster_prefix_cache_hit_tokens", "counter", "Prompt tokens found in the prefix cache",
+     lambda s: s["prompt_tokens_cached"]),
+)
+
+
+class StatusBoard(Protocol):
+    def read(self) -> Awaitable[list[dict] | None]: ...
+
+
+class GatewayMetrics:
+    """``board``: where replica statuses come from (a replica_board.StatusBoardReader);
+    ``admission_view``: ``Admission.view`` of the backend.  Either None: those
+    metrics are absent."""
+
+    def __init__(self, board: StatusBoard | None = None, admission_view: Callable[[], dict] | None = None):
+        self.board, self.admission_view = board, admission_view
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self._responses = Counter("pdcluster_http_responses", "HTTP responses by endpoint and status class",
+                                  ("endpoint", "status_class"), registry=r)
+        self._ttft = Histogram("pdcluster_ttft_seconds", "Time to first token, as the client sees it",
+                               buckets=metrics.TTFT_BOUNDARIES, registry=r)
+        self._tpot = Histogram("pdcluster_tpot_seconds", "Time per output token after the first, as the "
+                               "client sees it", buckets=metrics.TPOT_BOUNDARIES, registry=r)
+        self._e2e = Histogram("pdcluster_e2e_seconds", "Request latency, arrival to last token, as the client "
+                              "sees it", buckets=metrics.E2E_BOUNDARIES, registry=r)
+        self._generation_tokens = Counter("pdcluster_generation_tokens", "Tokens streamed to clients", registry=r)
+        self._statuses: list[dict] | None = None
+        r.register(_ScrapeCollector(self))
+        self._warned: set[str] = set()
+
+    # ---- the request path: O(1), never raises ------------------------------------------------
+    def count_response(self, endpoint: str, status: int) -> None:
+        try:
+            self._responses.labels(endpoint, metrics.status_class(status)).inc()
+        except Exception as exc:  # noqa: BLE001 - metrics must never fail a request
+            self._warn_once("pdcluster_http_responses", exc)
+
+    def observe_stream(self, chunks: AsyncIterator[Any]) -> AsyncIterator[Any]:
+        """Wraps a StreamChunk stream (closing it closes ``chunks``): TTFT at
+        the first token, TPOT and E2E at the finish reason, tokens at the end."""
+        return self._observed(chunks)
+
+    async def _observed(self, chunks: AsyncIterator[Any]) -> AsyncIterator[Any]:
+        timer = metrics.RequestTimer("gateway")   # its arithmetic only: finish() is observe_gateway_stream's
+        finished = False
+        try:
+            async for chunk in chunks:
+                first = timer.first_token_s is None
+                timer.on_tokens(len(chunk.token_ids))
+                if first and timer.ttft_s is not None:
+                    self._record("pdcluster_ttft_seconds", self._ttft.observe, timer.ttft_s)
+                if chunk.finish_reason is not None and not finished:
+                    finished = True
+                    if timer.tpot_s is not None:
+                        self._record("pdcluster_tpot_seconds", self._tpot.observe, timer.tpot_s)
+                    self._record("pdcluster_e2e_seconds", self._e2e.observe, timer.clock() - timer.start_s)
+                yield chunk
+        finally:
+            if timer.num_tokens:
+                self._record("pdcluster_generation_tokens", self._generation_tokens.inc, timer.num_tokens)
+            aclose = getattr(chunks, "aclose", None)
+            if aclose is not None:
+                await aclose()   # closing the inner stream is what aborts the request
+
+    def _record(self, name: str, record: Callable[[float], None], value: float) -> None:
+        try:
+            record(value)
+        except Exception as exc:  # noqa: BLE001 - metrics must never fail a request
+            self._warn_once(name, exc)
+
+    def _warn_once(self, name: str, exc: Exception) -> None:
+        if name not in self._warned:
+            self._warned.add(name)
+            log.warning("recording metric %s failed: %r (further failures not logged)", name, exc)
+
+    # ---- the scrape -----------------------------------------------------------------------
+    async def exposition(self) -> bytes:
+        """The text a scrape gets; reads the status board first (cached)."""
+        self._statuses = await self.board.read() if self.board is not None else None
+        return generate_latest(self.registry)
+
+
+class _ScrapeCollector:
+    """The metrics read at scrape time: the admission counters and the
+    replicas' board.  A malformed status skips that replica, never the scrape."""
+
+    def __init__(self, owner: GatewayMetrics):
+        self.owner = owner
+
+    def describe(self) -> list[Metric]:
+        return []   # built per scrape; nothing to check for clashes at registration
+
+    def collect(self) -> Iterator[Metric]:
+        if self.owner.admission_view is not None:
+            try:
+                yield from _admission_families(self.owner.admission_view())
+            except Exception as exc:  # noqa: BLE001 - one bad source must not empty the scrape
+                self.owner._warn_once("pdcluster_admission", exc)
+        if self.owner._statuses is not None:
+            yield from _board_families(self.owner._statuses)
+
+
+def _admission_families(view: dict) -> list[Metric]:
+    in_flight = GaugeMetricFamily("pdcluster_admission_in_flight", "Requests admitted and not yet finished",
+                                  value=view["in_flight"])
+    rejections = CounterMetricFamily("pdcluster_admission_rejections", "Requests refused at the gateway "
+                                     "(predicted TTFT over the SLO, or the in-flight cap)", labels=("reason",))
+    rejections.add_metric(("slo",), view["shed"])
+    rejections.add_metric(("in_flight_cap",), view["over_capacity"])
+    queued = GaugeMetricFamily("pdcluster_admission_queued_tokens", "Prompt tokens (with per-request overhead) "
+                               "admitted to a pool and awaiting their first token", labels=("pool",))
+    for pool, rate in sorted(view.get("pools", {}).items()):
+        queued.add_metric((pool,), rate["queued_tokens"])
+    return [in_flight, rejections, queued]
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _board_families(statuses: Iterable[dict]) -> list[Metric]:
+    families = [(GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(name, doc, labels=_REPLICA_LABELS)
+                for name, kind, doc, _ in _BOARD_METRICS]
+    for s in statuses:
+        if not all(k in s for k in _BOARD_FIELDS) or not all(_number(s[k]) for k in _BOARD_FIELDS[2:]):
+            continue
+        labels = (str(s["role"]), str(s["name"]))
+        for family, (_, _, _, value) in zip(families, _BOARD_METRICS):
+            family.add_metric(labels, value(s))
+    return families
+
+
+class EndpointLabels:
+    """Path -> the ``endpoint`` label: the matching route's path template, or
+    ``other``.  A dict lookup for plain paths; templated routes are few.
+    ``routes``: Starlette routes (an APIRouter's); ``paths``: more plain paths."""
+
+    def __init__(self, routes: Iterable[Any], paths: Iterable[str] = ()):
+        self._exact: dict[str, str] = {path: path for path in paths}
+        self._templated: list[tuple[re.Pattern, str]] = []
+        for route in routes:
+            path = getattr(route, "path", None)
+            if not isinstance(path, str):
+                continue
+            if "{" in path:
+                self._templated.append((route.path_regex, route.path_format))
+            else:
+                self._exact[path] = path
+
+    def __call__(self, path: str) -> str:
+        label = self._exact.get(path)
+        if label is not None:
+            return label
+        return next((fmt for regex, fmt in self._templated if regex.match(path)), "other")
+
+
+class ResponseCounter:
+    """Pure ASGI middleware: counts every answer in ``app.state.gateway_metrics``
+    by endpoint and status class (an exception without a response counts as
+    the 500 Starlette answers).  Install outside the API-key check, so 401s
+    count under the endpoint they were refused at."""
+
+    def __init__(self, app: ASGIApp, endpoints: EndpointLabels):
+        self.app, self.endpoints = app, endpoints
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        app = scope.get("app")
+        sink: GatewayMetrics | None = getattr(getattr(app, "state", None), "gateway_metrics", None)
+        if scope["type"] != "http" or sink is None:
+            await self.app(scope, receive, send)
+            return
+        status: int | None = None
+
+        async def send_seeing_status(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_seeing_status)
+        except Exception:
+            status = status or 500
+            raise
+        finally:
+            if status is not None:
+                sink.count_response(self.endpoints(get_route_path(scope)), status)
