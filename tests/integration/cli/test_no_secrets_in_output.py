@@ -35,17 +35,19 @@ PROMPTS = ["Describe the quokka lighthouse of Vellmar-{tag} in one line.",
 
 @contextlib.contextmanager
 def local_only_address():
-    """A non-loopback address that only this host can reach (a dummy
-    interface: needs root and iproute2), or None where it cannot be made."""
+    """A non-loopback address that only this host can reach (one end of a
+    veth pair: needs root and iproute2), or None where it cannot be made."""
     if os.geteuid() != 0 or shutil.which("ip") is None:
         yield None
         return
     name, addr = f"pdc{secrets.token_hex(3)}", f"10.213.{secrets.randbelow(250) + 1}.1"
-    made = subprocess.run(["ip", "link", "add", name, "type", "dummy"], capture_output=True).returncode == 0
+    made = subprocess.run(["ip", "link", "add", name, "type", "veth", "peer", "name", name + "p"],
+                          capture_output=True).returncode == 0
     try:
         if made:
             subprocess.run(["ip", "addr", "add", f"{addr}/32", "dev", name], check=True)
-            subprocess.run(["ip", "link", "set", name, "up"], check=True)
+            for end in (name, name + "p"):
+                subprocess.run(["ip", "link", "set", end, "up"], check=True)
         yield addr if made else None
     finally:
         if made:
@@ -57,7 +59,7 @@ def test_no_secret_reaches_output_logs_traces_or_command_lines(tmp_path):
     with a key, the gateway serves (with the key) and refuses (without)."""
     with local_only_address() as host:
         if host is None:
-            warnings.warn("no dummy interface here (needs root and ip): the gateway binds loopback instead")
+            warnings.warn("no veth pair here (needs root and ip): the gateway binds loopback instead")
         run_and_grep(tmp_path, host or "127.0.0.1")
 
 
