@@ -11,6 +11,8 @@ import json
 import logging
 import time
 
+from services.status_board import board_pattern
+
 log = logging.getLogger("pdcluster.gateway")
 _CACHE_S = 1.0
 
@@ -42,7 +44,7 @@ class PoolLiveness:
 
         if self._client is None:
             self._client = aioredis.from_url(self.redis_url, socket_timeout=0.2, socket_connect_timeout=0.2)
-        keys = [k async for k in self._client.scan_iter(f"pdc:status:{self.cluster}:*")]
+        keys = [k async for k in self._client.scan_iter(board_pattern(self.cluster))]
         counts: dict[str, int] = {}
         for raw in await self._client.mget(keys) if keys else []:
             status = json.loads(raw) if raw else None

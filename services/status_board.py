@@ -20,6 +20,11 @@ def _key(cluster: str, worker: str = "*") -> str:
     return f"pdc:status:{cluster}:{worker}"
 
 
+def board_pattern(cluster: str) -> str:
+    """The SCAN pattern of every replica's status key in ``cluster``."""
+    return _key(cluster)
+
+
 async def publish_forever(redis_url: str, cluster: str, worker: str, status: Callable[[], dict]) -> None:
     """Background task of a worker; survives Redis outages."""
     import redis.asyncio as aioredis

@@ -16,10 +16,9 @@ import logging
 import time
 from typing import Any
 
-log = logging.getLogger("pdcluster.gateway")
+from services.status_board import board_pattern
 
-# services.status_board writes each replica's status under pdc:status:<cluster>:<replica>.
-_KEY_PATTERN = "pdc:status:{cluster}:*"
+log = logging.getLogger("pdcluster.gateway")
 
 
 class StatusBoardReader:
@@ -57,7 +56,7 @@ class StatusBoardReader:
         if self._client is None:
             self._client = aioredis.from_url(self.redis_url, socket_timeout=self.timeout_s,
                                              socket_connect_timeout=self.timeout_s)
-        keys = [k async for k in self._client.scan_iter(_KEY_PATTERN.format(cluster=self.cluster))]
+        keys = [k async for k in self._client.scan_iter(board_pattern(self.cluster))]
         values = await self._client.mget(keys) if keys else []
         statuses = []
         for raw in values:
