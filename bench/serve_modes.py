@@ -30,7 +30,7 @@ from bench.report import metric_samples
 from bench.stats import summarize
 from bench.tokenizer import load_tokenizer
 from bench.workload import load_workload
-from prefix_store.redis_server import free_port
+from prefix_store.redis_server import free_service_port
 from services.cluster_runtime import LocalCluster
 from services.config import ClusterConfig, PoolConfig, RouterSettings
 
@@ -44,10 +44,10 @@ def pool(**kw) -> PoolConfig:
 
 def configs() -> dict[str, ClusterConfig]:
     return {
-        "disaggregated": ClusterConfig(mode="disaggregated", prefill=pool(), decode=pool(), port=free_port()),
-        "disagg+local": ClusterConfig(mode="disaggregated", prefill=pool(), decode=pool(), port=free_port(),
+        "disaggregated": ClusterConfig(mode="disaggregated", prefill=pool(), decode=pool(), port=free_service_port()),
+        "disagg+local": ClusterConfig(mode="disaggregated", prefill=pool(), decode=pool(), port=free_service_port(),
                                       router=RouterSettings(local_prefill_max_tokens=LOCAL_PREFILL_MAX_TOKENS)),
-        "colocated": ClusterConfig(mode="colocated", colocated=pool(num_replicas=2), port=free_port()),
+        "colocated": ClusterConfig(mode="colocated", colocated=pool(num_replicas=2), port=free_service_port()),
     }
 
 

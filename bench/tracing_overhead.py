@@ -15,7 +15,7 @@ import sys
 from bench.loadgen import run_workload
 from bench.tokenizer import load_tokenizer
 from bench.workload import load_workload
-from prefix_store.redis_server import free_port
+from prefix_store.redis_server import free_service_port
 from services.cluster_runtime import LocalCluster
 from services.config import ClusterConfig, PoolConfig
 
@@ -23,7 +23,7 @@ from services.config import ClusterConfig, PoolConfig
 def throughput(tracing: bool, workload, tokenizer) -> float:
     os.environ["PDCLUSTER_TRACING"] = "1" if tracing else "0"
     pool = PoolConfig(num_cpus=1, num_threads=1, kv_cache_mib=256, max_queue=64)
-    cluster = LocalCluster(ClusterConfig(prefill=pool, decode=pool, port=free_port()), num_cpus=8,
+    cluster = LocalCluster(ClusterConfig(prefill=pool, decode=pool, port=free_service_port()), num_cpus=8,
                            dashboard=False).start(progress=lambda m: None)
     try:
         url = f"http://127.0.0.1:{cluster.config.port}"

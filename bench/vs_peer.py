@@ -30,7 +30,7 @@ from bench.report import metric_samples
 from bench.servers import REPO, OurServer, PeerServer
 from bench.tokenizer import load_tokenizer
 from bench.workload import Workload
-from prefix_store.redis_server import free_port
+from prefix_store.redis_server import free_service_port
 
 
 def workload(name: str, input_tokens: int, output_tokens: int, concurrency: int, num_requests: int) -> Workload:
@@ -101,9 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# pdcluster ({Path(args.config).name}) vs vLLM-CPU 0.32 (vllm-cpu.sh), SmolLM2-135M-Instruct bf16, "
           f"same 2 cores, one server at a time, {args.rounds} alternations")
     print(f"# reproduce: python -m bench.vs_peer --rounds {args.rounds} --config {args.config}")
-    ours = OurServer(Path(args.config), free_port(), REPO / "runs" / "vs_peer_ours.log")
+    ours = OurServer(Path(args.config), free_service_port(), REPO / "runs" / "vs_peer_ours.log")
     ours.log.parent.mkdir(parents=True, exist_ok=True)
-    peer = PeerServer(Path(args.peer_script), free_port())
+    peer = PeerServer(Path(args.peer_script), free_service_port())
     peer.setup()
     tokenizer = load_tokenizer(None)
     results = {"ours": Measured(), "vllm": Measured()}

@@ -59,6 +59,27 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+# Below the kernel's ephemeral range (32768+) and above Ray's worker ports (10002-19999).
+SERVICE_PORTS = range(20000, 32000)
+
+
+def free_service_port(host: str = "127.0.0.1") -> int:
+    """A free port for a service another process will bind later (a gateway,
+    a metrics exporter).  ``free_port`` draws from the ephemeral range, where
+    every process that binds port 0 in between (Ray's agents, Redis) may take
+    it first; no one draws from this range by chance."""
+    import random
+
+    for port in random.sample(SERVICE_PORTS, 200):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise OSError(f"no free port in {SERVICE_PORTS.start}-{SERVICE_PORTS.stop - 1} on {host}")
+
+
 def _die_with_parent() -> None:  # runs in the child between fork and exec
     if sys.platform.startswith("linux"):
         import ctypes

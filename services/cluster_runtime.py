@@ -112,7 +112,10 @@ class LocalCluster:
         else:
             serve.start(http_options={"host": self.config.host, "port": self.config.port})
         progress(f"deploying {self.config.mode} pools (loading the model in each replica) ...")
-        serve.run(build_app(self.config), name=APP_NAME, route_prefix="/", blocking=False)
+        try:
+            serve.run(build_app(self.config), name=APP_NAME, route_prefix="/", blocking=False)
+        except RuntimeError as exc:  # Serve names the deployment; its replica's error says why
+            raise RuntimeError(f"{exc}\n{deployment_errors(serve.status(), APP_NAME)}") from exc
         self._wait_ready(progress)
         self.ready_s = time.perf_counter() - t0
         self._write_state(url)
@@ -194,3 +197,14 @@ class LocalCluster:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def deployment_errors(status, app_name: str, limit: int = 4000) -> str:
+    """Each unhealthy deployment's message from ``serve.status()`` (the
+    replica's constructor traceback), so a failed start says why."""
+    app = status.applications.get(app_name)
+    if app is None:
+        return "(Serve reports no status for the application)"
+    lines = [f"deployment {name}: {d.status}: {d.message.strip()}" for name, d in app.deployments.items()
+             if d.message and str(d.status).upper().endswith(("UNHEALTHY", "DEPLOY_FAILED"))]
+    return "\n".join(lines)[-limit:] or f"(application {app.status}: {app.message})"

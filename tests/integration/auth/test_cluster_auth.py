@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from prefix_store.redis_server import free_port
+from prefix_store.redis_server import free_service_port
 from services.config import API_KEY_ENV, ClusterConfig, api_key_digest
 from tests.integration.cluster.conftest import small_pool
 from tests.integration.cluster.test_cluster_api import MODEL
@@ -36,7 +36,7 @@ def authed_cluster():
     os.environ[API_KEY_ENV] = ENV_KEY  # before Ray starts: its workers inherit it
     c = None
     try:
-        config = ClusterConfig(port=free_port(), mode="colocated", colocated=small_pool(num_replicas=1),
+        config = ClusterConfig(port=free_service_port(), mode="colocated", colocated=small_pool(num_replicas=1),
                                api_keys=[CONFIG_KEY])
         c = LocalCluster(config, num_cpus=4, dashboard=False)
         c.start(progress=_progress)

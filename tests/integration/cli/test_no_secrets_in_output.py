@@ -23,7 +23,7 @@ import httpx
 import psutil
 import pytest
 
-from prefix_store.redis_server import free_port
+from prefix_store.redis_server import free_service_port
 from prefix_store.redis_url import url_password
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
@@ -70,7 +70,7 @@ def run_and_grep(tmp_path: Path, host: str) -> None:
     cluster_secret = secrets.token_hex(32)
     trace_file = tmp_path / "spans.jsonl"
     env = up_env(api_key=api_key, cluster_secret=cluster_secret, trace_file=trace_file)
-    port = free_port()
+    port = free_service_port()
     (tmp_path / "cluster.yaml").write_text("mode: disaggregated\n")
     up_log = tmp_path / "up.log"
     with open(up_log, "w") as log:  # cwd tmp_path: runs/cluster.json is this test's own

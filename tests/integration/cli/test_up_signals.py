@@ -18,7 +18,7 @@ import httpx
 import psutil
 import pytest
 
-from prefix_store.redis_server import free_port
+from prefix_store.redis_server import free_service_port
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parents[3]
 @pytest.mark.parametrize("sig, mode, ingress", [(signal.SIGTERM, "disaggregated", "gateway"),
                                                 (signal.SIGINT, "colocated", "serve_proxy")])
 def test_up_stops_everything_on_signal(sig, mode, ingress, tmp_path):
-    port = free_port()
+    port = free_service_port()
     log = open(tmp_path / "up.log", "w")
     (tmp_path / "cluster.yaml").write_text(f"mode: {mode}\ningress: {ingress}\n")
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "UCX_NET_DEVICES")}

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from prefix_store.redis_server import free_port
+from prefix_store.redis_server import free_service_port
 from services.config import ClusterConfig, PoolConfig
 
 
@@ -36,7 +36,7 @@ def directory_cluster(config: ClusterConfig, running: list):
     ``running`` for stop_after_directory, and stopped however the run ends."""
     from services.cluster_runtime import LocalCluster
 
-    c = LocalCluster(config, num_cpus=8, dashboard=False, metrics_port=free_port())
+    c = LocalCluster(config, num_cpus=8, dashboard=False, metrics_port=free_service_port())
     try:
         c.start(progress=lambda m: print(m, flush=True))
         running.append(c)
@@ -57,7 +57,7 @@ def cluster(trace_file):
 
     # Replicas inherit the driver's environment: all spans land in one file.
     os.environ["PDCLUSTER_TRACE_FILE"] = str(trace_file)
-    config = ClusterConfig(port=free_port(), prefill=small_pool(num_replicas=2), decode=small_pool(),
+    config = ClusterConfig(port=free_service_port(), prefill=small_pool(num_replicas=2), decode=small_pool(),
                            lease_ttl_s=120.0)  # far above any wait: a stranded lease fails the leak checks
     yield from directory_cluster(config, _RUNNING)
 

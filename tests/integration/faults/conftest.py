@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from prefix_store.redis_server import free_port
+from prefix_store.redis_server import free_service_port
 from services.config import AdmissionSettings, ClusterConfig
 from tests.integration.cluster.conftest import board, directory_cluster, small_pool, stop_after_directory
 
@@ -29,7 +29,7 @@ def pytest_runtest_teardown(item, nextitem):
 @pytest.fixture(scope="session")
 def faults_cluster():
     os.environ["PDCLUSTER_FAULTS"] = "1"  # replicas (and the gateway) inherit the driver's environment
-    config = ClusterConfig(port=free_port(), prefill=small_pool(), decode=small_pool(), lease_ttl_s=120.0,
+    config = ClusterConfig(port=free_service_port(), prefill=small_pool(), decode=small_pool(), lease_ttl_s=120.0,
                            admission=AdmissionSettings(ttft_slo_s=TTFT_SLO_S,
                                                        inter_token_timeout_s=INTER_TOKEN_TIMEOUT_S))
     try:

@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from prefix_store.redis_server import free_port
+from prefix_store.redis_server import free_service_port
 from services.config import ClusterConfig
 from tests.integration.cluster.conftest import board, small_pool
 from tests.integration.cluster.test_cluster_api import MODEL, wait_no_leaks
@@ -27,10 +27,10 @@ def cluster():
     from services.cluster_runtime import LocalCluster
 
     config = ClusterConfig(
-        port=free_port(), decode=small_pool(),
+        port=free_service_port(), decode=small_pool(),
         prefill=small_pool(autoscaling={"min_replicas": 0, "initial_replicas": 0, "max_replicas": 1}))
     # Not "serving": without a prefill replica /health rightly stays 503.
-    c = LocalCluster(config, num_cpus=8, dashboard=False, metrics_port=free_port(), wait_until="gateway")
+    c = LocalCluster(config, num_cpus=8, dashboard=False, metrics_port=free_service_port(), wait_until="gateway")
     try:
         c.start(progress=lambda m: print(m, flush=True))
         yield c
