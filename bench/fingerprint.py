@@ -1,0 +1,127 @@
+"""The machine a benchmark ran on, printed at the top of every bench script:
+machines of the same kind differ (one tuned figure measured 3x lower on
+another), so two runs can be told apart by what they ran on.
+
+    from bench.fingerprint import print_fingerprint
+    print_fingerprint()          # a few lines starting "machine:"
+
+CPU model, cores torch uses, the ISA flags that decide our kernels
+(avx512f, avx512_bf16, amx_bf16, amx_tile), memory, and two quick
+measurements (under a second each): single-thread copy bandwidth
+(tensor.copy_ of 256 MiB) and bf16 GEMM TFLOP/s through torch (oneDNN;
+AMX where the CPU has it) at M=1024, K=576, N=1536, on the threads torch
+uses."""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass
+from functools import lru_cache
+
+FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    cpu_model: str
+    logical_cpus: int
+    torch_threads: int
+    isa: tuple[str, ...]
+    mem_gib: float
+    copy_gbs: float
+    torch_bf16_gemm_tflops: float
+    gpu: str
+
+    def lines(self) -> list[str]:
+        return [f"machine: {self.cpu_model}, {self.logical_cpus} logical CPUs (torch threads {self.torch_threads}), "
+                f"{self.mem_gib:.1f} GiB, GPU: {self.gpu}",
+                f"machine: ISA {' '.join(self.isa) or '(none of ' + ' '.join(FLAGS) + ')'}",
+                f"machine: copy {self.copy_gbs:.1f} GB/s (1 thread, 256 MiB), torch bf16 GEMM "
+                f"{self.torch_bf16_gemm_tflops:.2f} TFLOP/s (1024x576x1536)"]
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _cpuinfo() -> tuple[str, tuple[str, ...]]:
+    model, flags = platform.processor() or "unknown CPU", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name":
+                    model = value.strip()
+                elif key.strip() == "flags":
+                    flags = set(value.split())
+                    break
+    except OSError:
+        pass
+    return model, tuple(f for f in FLAGS if f in flags)
+
+
+def _mem_gib() -> float:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (ValueError, OSError):
+        return float("nan")
+
+
+def _best_seconds(fn, reps: int) -> float:
+    fn()  # warm-up (page faults, oneDNN primitive creation)
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def measure_copy_gbs(mib: int = 256) -> float:
+    import torch
+    src = torch.ones(mib * 2**20, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return src.numel() / _best_seconds(lambda: dst.copy_(src), 5) / 1e9
+    finally:
+        torch.set_num_threads(threads)
+
+
+def measure_bf16_gemm_tflops(m: int = 1024, k: int = 576, n: int = 1536) -> float:
+    import torch
+    a = torch.randn(m, k).bfloat16()
+    b = torch.randn(k, n).bfloat16()
+    return 2 * m * k * n / _best_seconds(lambda: torch.matmul(a, b), 5) / 1e12
+
+
+def _gpu() -> str:
+    try:
+        import torch
+        if torch.cuda.is_available():
+            return torch.cuda.get_device_name(0)
+    except Exception:  # noqa: BLE001 - a fingerprint never fails a benchmark
+        pass
+    return "none"
+
+
+@lru_cache(maxsize=1)
+def machine_fingerprint() -> Fingerprint:
+    import torch
+    model, isa = _cpuinfo()
+    return Fingerprint(cpu_model=model, logical_cpus=os.cpu_count() or 0, torch_threads=torch.get_num_threads(),
+                       isa=isa, mem_gib=_mem_gib(), copy_gbs=measure_copy_gbs(),
+                       torch_bf16_gemm_tflops=measure_bf16_gemm_tflops(), gpu=_gpu())
+
+
+def print_fingerprint() -> Fingerprint:
+    fp = machine_fingerprint()
+    for line in fp.lines():
+        print(line, flush=True)
+    return fp
+
+
+if __name__ == "__main__":
+    print_fingerprint()
