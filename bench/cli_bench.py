@@ -76,6 +76,9 @@ def output_dir(args: argparse.Namespace, workload) -> Path:
 def main(args: argparse.Namespace) -> int:
     from rich.console import Console
 
+    from bench.fingerprint import print_fingerprint
+
+    print_fingerprint()
     console = Console()
     try:
         return _bench(args, console)

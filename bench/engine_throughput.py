@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from bench.fingerprint import print_fingerprint
 from services.engine.config import EngineConfig, SchedulerConfig
 from services.engine.engine import Engine
 from services.engine.model.default import default_model_path
@@ -94,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="fewer requests (smoke run)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
+    print_fingerprint()
     torch.set_num_threads(args.threads)
     print(f"# engine vs transformers, bf16, {args.threads} threads, prompts {PROMPT_TOKENS} tokens, "
           "outputs 16-256 tokens")

@@ -8,9 +8,9 @@ another), so two runs can be told apart by what they ran on.
 CPU model, cores torch uses, the ISA flags that decide our kernels
 (avx512f, avx512_bf16, amx_bf16, amx_tile), memory, and two quick
 measurements (under a second each): single-thread copy bandwidth
-(tensor.copy_ of 256 MiB) and bf16 GEMM TFLOP/s through torch (oneDNN;
-AMX where the CPU has it) at M=1024, K=576, N=1536, on the threads torch
-uses."""
+(tensor.copy_ of 256 MiB) and bf16 GEMM through torch (oneDNN;
+AMX where the CPU has it) at M=1024, K=576, N=1536 (M=64 where it is
+slow), on the threads torch uses; and which native kernel build loads."""
 
 from __future__ import annotations
 
@@ -32,14 +32,17 @@ class Fingerprint:
     mem_gib: float
     copy_gbs: float
     torch_bf16_gemm_tflops: float
+    gemm_m: int             # rows of that GEMM (576 x 1536 weights)
     gpu: str
+    native_kernels: str     # the kernels.cpu_native build loaded ("avx512_bf16", "avx2"), or "off"
 
     def lines(self) -> list[str]:
         return [f"machine: {self.cpu_model}, {self.logical_cpus} logical CPUs (torch threads {self.torch_threads}), "
                 f"{self.mem_gib:.1f} GiB, GPU: {self.gpu}",
-                f"machine: ISA {' '.join(self.isa) or '(none of ' + ' '.join(FLAGS) + ')'}",
+                f"machine: ISA {' '.join(self.isa) or '(none of ' + ' '.join(FLAGS) + ')'}; "
+                f"native kernels: {self.native_kernels}",
                 f"machine: copy {self.copy_gbs:.1f} GB/s (1 thread, 256 MiB), torch bf16 GEMM "
-                f"{self.torch_bf16_gemm_tflops:.2f} TFLOP/s (1024x576x1536)"]
+                f"{self.torch_bf16_gemm_tflops * 1e3:.1f} GFLOP/s ({self.gemm_m}x576x1536, oneDNN)"]
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -68,8 +71,12 @@ def _mem_gib() -> float:
         return float("nan")
 
 
-def _best_seconds(fn, reps: int) -> float:
+def _best_seconds(fn, reps: int, budget_s: float = 1.0) -> float:
+    """Best of ``reps`` timed calls after a warm-up, fewer when a call is slow
+    (torch's bf16 GEMM without AVX-512 BF16 takes seconds)."""
+    t0 = time.perf_counter()
     fn()  # warm-up (page faults, oneDNN primitive creation)
+    reps = max(1, min(reps, int(budget_s / max(time.perf_counter() - t0, 1e-9))))
     best = float("inf")
     for _ in range(reps):
         t0 = time.perf_counter()
@@ -90,11 +97,23 @@ def measure_copy_gbs(mib: int = 256) -> float:
         torch.set_num_threads(threads)
 
 
-def measure_bf16_gemm_tflops(m: int = 1024, k: int = 576, n: int = 1536) -> float:
+def measure_bf16_gemm_tflops(m: int = 1024, k: int = 576, n: int = 1536) -> tuple[float, int]:
+    """(TFLOP/s, rows used)."""
     import torch
     a = torch.randn(m, k).bfloat16()
     b = torch.randn(k, n).bfloat16()
-    return 2 * m * k * n / _best_seconds(lambda: torch.matmul(a, b), 5) / 1e12
+    seconds = _best_seconds(lambda: torch.matmul(a[:64], b), 1, budget_s=0.0)  # a probe: slow CPUs get a small M
+    if seconds > 0.05:
+        m, a = 64, a[:64]
+    return 2 * m * k * n / _best_seconds(lambda: torch.matmul(a, b), 5) / 1e12, m
+
+
+def _native_kernels() -> str:
+    try:
+        from kernels import cpu_native
+        return cpu_native.loaded_variant() or "off (torch reference ops)"
+    except Exception as exc:  # noqa: BLE001 - a fingerprint never fails a benchmark
+        return f"unknown ({type(exc).__name__})"
 
 
 def _gpu() -> str:
@@ -111,9 +130,11 @@ def _gpu() -> str:
 def machine_fingerprint() -> Fingerprint:
     import torch
     model, isa = _cpuinfo()
+    tflops, gemm_m = measure_bf16_gemm_tflops()
     return Fingerprint(cpu_model=model, logical_cpus=os.cpu_count() or 0, torch_threads=torch.get_num_threads(),
                        isa=isa, mem_gib=_mem_gib(), copy_gbs=measure_copy_gbs(),
-                       torch_bf16_gemm_tflops=measure_bf16_gemm_tflops(), gpu=_gpu())
+                       torch_bf16_gemm_tflops=tflops, gemm_m=gemm_m, gpu=_gpu(),
+                       native_kernels=_native_kernels())
 
 
 def print_fingerprint() -> Fingerprint:

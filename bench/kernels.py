@@ -1,11 +1,13 @@
 """Kernel microbenchmarks at SmolLM2-135M shapes (hidden 576, 9 q heads,
 3 kv heads, head dim 64, 30 layers, block size 16, bf16).
 
-On the CPU it times each op through ``kernels.ops`` (the native AVX-512 BF16
-kernels the CPU engine runs, where the CPU has them) and the torch reference,
-and compares each op's achieved bandwidth with a plain ``copy_`` measured in
-the same run.  On CUDA it times each Triton kernel (through ``kernels.ops``) and
-the torch reference on the same GPU, and compares the kernel's bandwidth with
+On the CPU it times each op through ``kernels.ops`` (the native kernels the
+CPU engine runs: the AVX-512 BF16 or the AVX2 variant, whichever this CPU
+has) and the torch reference, and compares each op's achieved bandwidth with
+a plain ``copy_`` measured in the same run; then the linear layers (torch
+bf16, torch fp32 on upcast weights, ours) at decode and prefill row counts.
+On CUDA it times each Triton kernel (through ``kernels.ops``) and the torch
+reference on the same GPU, and compares the kernel's bandwidth with
 the GPU's peak HBM bandwidth.  Bandwidth counts the bytes an op must move at
 least (inputs read once, outputs written once), not what an implementation
 happens to copy.
@@ -22,6 +24,7 @@ from typing import Callable
 
 import torch
 
+from bench.fingerprint import print_fingerprint
 from kernels import cpu_native, ops
 from kernels.block_copy import gather_blocks_ref, scatter_blocks_ref
 from kernels.kv_write import write_kv_ref
@@ -35,6 +38,8 @@ DTYPE = torch.bfloat16
 ELT = 2  # bytes per bf16
 DECODE_BATCHES, DECODE_CONTEXTS, PREFILL_TOKENS = (1, 16, 64), (256, 1024, 2048), (256, 1024)
 DECODE_TARGET = (64, 2048, 0.60)  # batch, context, fraction of peak HBM
+LINEAR_SHAPES = {"qkv": (960, 576), "gate_up": (3072, 576), "down": (576, 1536)}  # name: (N, K)
+LINEAR_ROWS = (1, 16, 256, 1024)  # decode batch 1 and 16, prefill chunks
 COMMAND = ".venv/bin/python -m bench.kernels"
 
 
@@ -145,6 +150,30 @@ def block_copy_cases(pool: torch.Tensor) -> list[Case]:
     ]
 
 
+def linear_table(min_time_s: float, copy_peak: float) -> None:
+    """The projections of one layer at decode and prefill row counts: the
+    torch bf16 linear (what the CPU engine runs without native kernels), torch
+    fp32 on an upcast copy of the weights (x upcast and y rounded per call),
+    and ``ops.linear`` on packed weights; weight GB/s against copy_ tells how
+    close a decode GEMV is to its bandwidth floor."""
+    cpu = torch.device("cpu")
+    print(f"linear (y = x W^T, bf16; {cpu_native.loaded_variant() or 'no native'} kernels vs torch):")
+    print(f"{'shape M x K -> N':<28}{'torch bf16':>11}{'torch fp32':>11}{'ours ms':>9}{'vs bf16':>9}{'vs fp32':>9}"
+          f"{'GFLOP/s':>9}{'W GB/s':>8}{'of copy_':>9}")
+    for m in LINEAR_ROWS:
+        for name, (n, k) in LINEAR_SHAPES.items():
+            x = torch.randn(m, k, dtype=DTYPE)
+            w = torch.randn(n, k, dtype=DTYPE) * k ** -0.5
+            w32, packed = w.float(), ops.pack_linear_weight(w)
+            bf16_s = _time_s(lambda: torch.nn.functional.linear(x, w), cpu, min_time_s)
+            fp32_s = _time_s(lambda: torch.nn.functional.linear(x.float(), w32).to(DTYPE), cpu, min_time_s)
+            ours_s = _time_s(lambda: ops.linear(x, packed), cpu, min_time_s)
+            w_gbs = n * k * ELT / ours_s / 1e9
+            print(f"{name + f' {m} x {k} -> {n}':<28}{bf16_s * 1e3:>11.3f}{fp32_s * 1e3:>11.3f}{ours_s * 1e3:>9.3f}"
+                  f"{bf16_s / ours_s:>8.2f}x{fp32_s / ours_s:>8.2f}x{2 * m * n * k / ours_s / 1e9:>9.1f}"
+                  f"{w_gbs:>8.1f}{w_gbs / copy_peak:>9.0%}", flush=True)
+
+
 def copy_gbps(device: torch.device, min_time_s: float) -> float:
     """A plain ``copy_`` of 256 MiB (more than any cache): what this device
     streams in practice.  Ops whose working set fits in cache can beat it."""
@@ -167,6 +196,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--min-time-s", type=float, default=0.2, help="time each op at least this long")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
     args = parser.parse_args(argv)
+    print_fingerprint()
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -182,13 +212,15 @@ def main(argv: list[str] | None = None) -> None:
     else:
         peak = copy_gbps(device, args.min_time_s)
         print(f"device: CPU, {torch.get_num_threads()} torch threads; plain copy_ {peak:.1f} GB/s (this run)")
-        print("compares: each op through kernels.ops (the native AVX-512 BF16 kernels where this CPU has them) "
+        print(f"compares: each op through kernels.ops (native kernels: {cpu_native.loaded_variant() or 'none'}) "
               "with the torch reference, and its bandwidth with copy_")
     print(f"shapes: SmolLM2-135M, {HEADS} q / {KV_HEADS} kv heads, head dim {HEAD_DIM}, {LAYERS} layers, "
           f"block size {BLOCK_SIZE}, {DTYPE}; bandwidth = minimum bytes moved / time")
     results = run_cases(decode_cases(pool) + prefill_cases(pool) + elementwise_cases(pool) + block_copy_cases(pool),
                         device, on_gpu, peak, args.min_time_s)
     print_targets(results, on_gpu, peak)
+    if not on_gpu:
+        linear_table(args.min_time_s, peak)
 
 
 def run_cases(cases: list[Case], device: torch.device, on_gpu: bool, peak: float,

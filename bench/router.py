@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 
+from bench.fingerprint import print_fingerprint
 from prefix_store.events import EventBatch
 from prefix_store.hashing import hash_prompt_blocks, model_fingerprint
 from prefix_store.memory_index import InMemoryPrefixIndex
@@ -310,6 +311,7 @@ def target(name: str, measured: float, op: str, goal: float, fmt: str) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    print_fingerprint()
     print(f"bench.router -- reproduce: {REPRODUCE} --seed {args.seed}")
     p99_ms = float("nan")
     if not args.skip_lookup:

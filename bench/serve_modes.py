@@ -25,6 +25,7 @@ import argparse
 import asyncio
 import sys
 
+from bench.fingerprint import print_fingerprint
 from bench.loadgen import run_workload
 from bench.report import metric_samples
 from bench.stats import summarize
@@ -91,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="comma-separated arrival rates (req/s); the targets are judged at the last one")
     ap.add_argument("--modes", default=",".join(configs()), help="comma-separated subset (targets need all three)")
     args = ap.parse_args(argv)
+    print_fingerprint()
     rates = [float(r) for r in args.rates.split(",")]
     print("# disaggregated (1 prefill + 1 decode) vs colocated (2 replicas), 1 torch thread per replica, "
           f"workload serve_modes at {', '.join(map(str, rates))} req/s for {args.duration:.0f} s each")

@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from bench.fingerprint import print_fingerprint
 from services import telemetry
 
 SPANS_PER_REQUEST = 8
@@ -74,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--spans", type=int, default=10000)
     ap.add_argument("--repeat", type=int, default=5, help="rounds; the best round per mode is reported")
     args = ap.parse_args(argv)
+    print_fingerprint()
     n = args.spans
     best: dict[str, tuple[float, float]] = {}
     with tempfile.TemporaryDirectory() as tmp:

@@ -12,6 +12,7 @@ import os
 import statistics
 import sys
 
+from bench.fingerprint import print_fingerprint
 from bench.loadgen import run_workload
 from bench.tokenizer import load_tokenizer
 from bench.workload import load_workload
@@ -41,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--duration", type=float, default=30.0)
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args(argv)
+    print_fingerprint()
     workload = load_workload("steady")
     workload = workload.model_copy(update={"stop": workload.stop.model_copy(update={"duration_s": args.duration})})
     print("# output tok/s of a 1 prefill + 1 decode cluster, tracing on (JSONL exporter) vs off, "

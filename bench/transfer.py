@@ -35,6 +35,7 @@ os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
 import torch
 
+from bench.fingerprint import print_fingerprint
 from transfer import KVLayout, TransferBackend, allocate_kv_pool, coalesce_block_runs, create_backend
 
 SMOLLM2 = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, dtype="bfloat16", block_size=16,
@@ -131,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps-scale", type=float, default=1.0, help="multiply repetitions (noise vs time)")
     parser.add_argument("--no-secret", action="store_true", help="run without the cluster secret (no authentication)")
     args = parser.parse_args(argv)
+    print_fingerprint()
     secret = None if args.no_secret else secrets.token_bytes(32)  # one bench run = one cluster
     sizes = [int(s) for s in args.sizes.split(",")]
     backends = args.backends.split(",")

@@ -25,6 +25,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench.fingerprint import print_fingerprint
 from bench.loadgen import run_workload
 from bench.report import metric_samples
 from bench.servers import REPO, OurServer, PeerServer
@@ -98,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", default=str(REPO / "deploy" / "race.yaml"), help="our cluster's config")
     ap.add_argument("--peer-script", default=str(REPO.parent / "shared" / "peer" / "vllm-cpu.sh"))
     args = ap.parse_args(argv)
+    print_fingerprint()
     print(f"# pdcluster ({Path(args.config).name}) vs vLLM-CPU 0.32 (vllm-cpu.sh), SmolLM2-135M-Instruct bf16, "
           f"same 2 cores, one server at a time, {args.rounds} alternations")
     print(f"# reproduce: python -m bench.vs_peer --rounds {args.rounds} --config {args.config}")

@@ -1,5 +1,6 @@
 """The engine's only entry to kernels: Triton on CUDA, native C kernels for
-bf16 on CPUs with AVX-512 BF16, the torch reference elsewhere.
+bf16 on CPUs with AVX-512 BF16 or AVX2+FMA (:mod:`kernels.cpu_native` picks
+the variant), the torch reference elsewhere.
 
 Each op looks at its tensors: CUDA tensors go to the Triton kernel when
 triton imports; CPU bf16 tensors of a supported shape go to

@@ -10,8 +10,9 @@ router finds the header, in this order:
 
 A header may be a ``RoutingHeader`` or a plain dict with the same keys
 (``block_hashes`` required; ``num_prompt_tokens``, ``block_size``,
-``max_new_tokens``, ``target_worker`` optional).  ``target_worker`` pins a
-call to one replica (releasing a lease that replica holds).  A call without one is routed by load only.
+``max_new_tokens``, ``target_worker``, ``avoid_workers`` optional).  ``target_worker`` pins a
+call to one replica (releasing a lease that replica holds); ``avoid_workers``
+keeps a failover off the replicas its stream lost.  A call without one is routed by load only.
 """
 
 from __future__ import annotations
@@ -30,9 +31,11 @@ class RoutingHeader:
     block_size: int = 16
     max_new_tokens: int = 0
     target_worker: str | None = None  # only this replica (by worker name): a call about state it holds
+    avoid_workers: tuple[str, ...] = ()  # never these replicas (by worker name): a failover's lost ones
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "block_hashes", tuple(int(h) for h in self.block_hashes))
+        object.__setattr__(self, "avoid_workers", tuple(str(w) for w in self.avoid_workers))
         if self.block_size < 1 or self.num_prompt_tokens < 0 or self.max_new_tokens < 0:
             raise ValueError(f"bad routing header {self}: block_size >= 1 and token counts >= 0")
         if len(self.block_hashes) * self.block_size > self.num_prompt_tokens:
@@ -45,15 +48,17 @@ class RoutingHeader:
         return self.block_hashes[0] if self.block_hashes else 0
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self) | {"block_hashes": list(self.block_hashes)}
+        return asdict(self) | {"block_hashes": list(self.block_hashes), "avoid_workers": list(self.avoid_workers)}
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any]) -> "RoutingHeader":
         hashes = data["block_hashes"]
         block_size = int(data.get("block_size", 16))
         target = data.get("target_worker")
+        avoid = data.get("avoid_workers") or ()
         return cls(tuple(hashes), int(data.get("num_prompt_tokens", len(hashes) * block_size)),
-                   block_size, int(data.get("max_new_tokens", 0)), target if isinstance(target, str) else None)
+                   block_size, int(data.get("max_new_tokens", 0)), target if isinstance(target, str) else None,
+                   tuple(w for w in avoid if isinstance(w, str)) if isinstance(avoid, (list, tuple)) else ())
 
 
 def _as_header(obj: Any) -> RoutingHeader | None:

@@ -89,6 +89,13 @@ class PrefixAwareRequestRouter(RequestRouter):
         elif header.target_worker is not None:
             # About state one replica holds: that replica or none (the caller bounds the wait).
             return [[r] for r in candidate_replicas if self.worker_name(r) == header.target_worker][:1]
+        if header is not None and header.avoid_workers:
+            # A failover: never back onto a replica the stream lost (Serve may not know it died
+            # yet).  None left: wait for a new replica (the caller bounds the wait).
+            candidate_replicas = [r for r in candidate_replicas if self.worker_name(r) not in header.avoid_workers]
+            by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+            if not candidate_replicas:
+                return []
         lookup = await self._lookup(header)
         request_id = pending_request.metadata.internal_request_id if pending_request is not None else ""
         snapshot = self._snapshot(by_id, header, lookup, request_id)

@@ -36,7 +36,8 @@ def replica_args(config: ClusterConfig) -> dict:
     a pool then changes only that deployment's options, and Serve resizes it
     in place instead of restarting every deployment with new arguments."""
     sizing = {"num_replicas", "autoscaling"}
-    return config.model_dump(exclude={"prefill": sizing, "decode": sizing, "colocated": sizing})
+    # the autoscaler's settings are the driver's business, not the replicas'
+    return config.model_dump(exclude={"prefill": sizing, "decode": sizing, "colocated": sizing, "autoscaling": True})
 
 
 def _versioned(deployment: Deployment, args: dict) -> Deployment:

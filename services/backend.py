@@ -9,6 +9,7 @@ import abc
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from services.engine.logprobs import TokenLogprob
 from services.engine.sampling_params import SamplingParams
 
 
@@ -20,6 +21,9 @@ class GenerateRequest:
     block_hashes: tuple[int, ...] = ()     # chained hashes of the prompt's full blocks (routing)
     trace_context: dict[str, str] = field(default_factory=dict)  # W3C carrier
     faults: tuple[str, ...] = ()           # test-only fault injection (services/faults.py)
+    # Prefill on this replica (by worker name): it holds the prompt's blocks (choices 2..n of one
+    # request, services/openai/choices.py).  None: the router picks.
+    prefill_worker: str | None = None
 
 
 @dataclass(frozen=True)
@@ -30,6 +34,10 @@ class StreamChunk:
     finish_reason: str | None = None      # "stop" | "length" on the last chunk
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    index: int = 0                        # the choice it belongs to (n > 1)
+    logprobs: list[TokenLogprob] | None = None         # one per token, with params.logprobs
+    prompt_logprobs: list[TokenLogprob] | None = None  # on a choice's first chunk, with params.prompt_logprobs
+    worker_name: str = ""                 # on a choice's first chunk: the replica that prefilled it
 
 
 class BackendError(Exception):
@@ -58,6 +66,11 @@ class BackendInvalidRequest(BackendError):
 class BackendFailure(BackendError):
     """A replica failed mid-request (a stream ends with an error event)."""
     status, code, type = 502, "replica_failed", "server_error"
+
+
+class BackendKVTransferFailed(BackendFailure):
+    """The decode replica's pull of the prefill hand-off broke (the prefill
+    replica died, or the connection did): the request can be recomputed."""
 
 
 class BackendTimeout(BackendError):

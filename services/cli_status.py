@@ -58,7 +58,41 @@ def run_status(args: argparse.Namespace) -> int:
     print(f"cluster: {state['mode']} on 127.0.0.1:{state['port']} (pid {state['pid']}), "
           f"index {redact_url(state['redis_url'])}")
     print("\n".join(format_board(board)) if board else "no replica has reported yet")
+    print_autoscale(state)
+    print_failovers(state)
     return 0
+
+
+def print_failovers(state: dict) -> None:
+    """Streams resumed on another replica since the cluster started, by reason (services/failover_record.py)."""
+    from redis.exceptions import RedisError
+
+    from services.failover_record import read_tally
+
+    try:
+        tally = read_tally(state["redis_url"], state.get("cluster", "local"))
+    except (RedisError, OSError):
+        return  # the board read just succeeded: a failure here is transient
+    resumed = {k: v for k, v in tally.items() if not k.startswith("gave_up:")}
+    gave_up = {k.split(":", 1)[1]: v for k, v in tally.items() if k.startswith("gave_up:")}
+    print(f"failovers: {sum(resumed.values())} resumed" + "".join(f", {k} {v}" for k, v in resumed.items())
+          + (f"; {sum(gave_up.values())} gave up" + "".join(f", {k} {v}" for k, v in gave_up.items())
+             if gave_up else ""))
+
+
+def print_autoscale(state: dict) -> None:
+    """The autoscaler's last decisions, when one runs (services/autoscaler.py)."""
+    from redis.exceptions import RedisError
+
+    from services.autoscale_log import format_recent, read_recent
+
+    try:
+        recent = read_recent(state["redis_url"], state.get("cluster", "local"))
+    except (RedisError, OSError):
+        return  # the board read just succeeded: a failure here is transient, and the board is what matters
+    if recent:
+        print("autoscaler, last decisions (oldest first):")
+        print("\n".join(f"  {line}" for line in format_recent(recent)))
 
 
 def run_scale(args: argparse.Namespace) -> int:

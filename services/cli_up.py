@@ -90,15 +90,22 @@ def run(args: argparse.Namespace) -> int:
 
     on_signal()
     cluster = LocalCluster(config, num_cpus=args.num_cpus)
+    autoscaler = None
     try:
         # ray.init installs its own SIGTERM handler, which would exit without stopping anything
         cluster.start(progress=lambda m: print(m, flush=True), on_ray_started=on_signal)
         pools = "colocated" if config.mode == "colocated" else "prefill, decode"
         print(SNIPPET.format(ready=cluster.ready_s, mode=config.mode, model=config.served_model_name,
                              host=config.host, port=config.port, pools=pools, **_auth_lines(config)), flush=True)
+        if config.autoscaling.enabled:
+            from services.autoscaler import Autoscaler
+            autoscaler = Autoscaler(cluster).start()
+            print("autoscaler on: decisions in `pdcluster status`", flush=True)
         stop.wait()
         print("stopping ...", flush=True)
     finally:
+        if autoscaler is not None:
+            autoscaler.stop()
         cluster.stop()
     print("stopped: Serve, Ray and the embedded Redis are down", flush=True)
     return 0

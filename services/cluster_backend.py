@@ -14,14 +14,25 @@ Every request runs under two deadlines (end-to-end, and the gap between
 tokens once the first arrived); past either, the calls in flight are
 cancelled (the replicas abort and free their blocks) and the client gets
 504 or an SSE error event.  A prefill replica that dies before the
-hand-off is retried once (the router picks again); a decode replica that
-dies mid-stream ends the stream with an error; replica-side typed errors
-keep their HTTP meaning."""
+hand-off is retried once (the router picks again); replica-side typed
+errors keep their HTTP meaning.
+
+A stream that loses its replica after its first token -- the actor died,
+its engine died, the stream broke, the pull from the prefill replica
+failed, or (with another replica to go to) the inter-token deadline
+passed -- fails over: it resumes on another replica from prompt + the
+tokens already sent, at most ``max_failovers`` times (the rule is in
+failover.py, the resume message in resume.py)::
+
+    client   t0 t1 t2 t3 ........ (pause) ........ t4 t5 ...   one id, one usage
+    replica  [prefill][ decode A    ]X  [ decode B: recompute prompt+t0..t3 | t4 t5 ... ]"""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import math
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -31,10 +42,15 @@ from ray.serve.exceptions import BackPressureError
 from router.routing_header import RoutingHeader
 from services import metrics
 from services.admission import Admission
-from services.backend import (Backend, BackendError, BackendFailure, BackendOverloaded, BackendTimeout,
-                              BackendUnavailable, GenerateRequest, StreamChunk)
+from services.backend import (Backend, BackendError, BackendFailure, BackendOverloaded, BackendUnavailable,
+                              GenerateRequest, StreamChunk)
+from services.failover import (AVOIDED, FailoverReason, ReplicaLost, ResumeTarget, decide, gave_up_message,
+                               live_elsewhere, lost_reason, resume_target)
+from services.failover_record import FailoverLog
 from services.messages import DecodeRequest, PrefillRequest, PrefillResponse, TokenDelta
 from services.pool_liveness import PoolLiveness
+from services.resume import StreamProgress, resume_header, resume_request
+from services.stream_deadlines import with_deadlines, with_gap_deadline
 
 log = logging.getLogger("pdcluster.gateway")
 _REPLICA_DIED = (ray_exceptions.RayActorError, ray_exceptions.ActorUnavailableError)
@@ -56,42 +72,15 @@ def prefill_locally(prompt_tokens: int, local_prefill_max_tokens: int) -> bool:
     return 0 < prompt_tokens <= local_prefill_max_tokens
 
 
-async def with_deadlines(chunks: AsyncIterator[StreamChunk], request_timeout_s: float,
-                         inter_token_timeout_s: float) -> AsyncIterator[StreamChunk]:
-    """``chunks``, or BackendTimeout once the end-to-end deadline passes or,
-    after the first chunk, no chunk came for ``inter_token_timeout_s``.  The
-    timeout cancels ``chunks`` where it waits, which cancels the replica
-    calls it has in flight (their ``finally`` blocks abort and release)."""
-    loop = asyncio.get_running_loop()
-    end_s = loop.time() + request_timeout_s
-    first = True
-    try:
-        while True:
-            gap_ends_s = end_s if first else min(end_s, loop.time() + inter_token_timeout_s)
-            try:
-                async with asyncio.timeout_at(gap_ends_s):
-                    chunk = await anext(chunks)
-            except StopAsyncIteration:
-                return
-            except TimeoutError:
-                metrics.count_deadline("request" if gap_ends_s >= end_s else "inter_token")
-                if gap_ends_s >= end_s:
-                    raise BackendTimeout(f"the request ran past its {request_timeout_s:g} s deadline "
-                                         "(admission.request_timeout_s) and was aborted") from None
-                raise BackendTimeout(f"no token for {inter_token_timeout_s:g} s (admission.inter_token_timeout_s); "
-                                     "the request was aborted: retry it") from None
-            first = False
-            yield chunk
-    finally:
-        await chunks.aclose()
-
-
 class ClusterBackend(Backend):
     def __init__(self, handles: dict[str, Any], *, mode: str, model_name: str, max_model_len: int,
                  block_size: int, liveness: PoolLiveness | None = None, fallback_to_colocated: bool = False,
                  local_prefill_max_tokens: int = 0, admission: Admission | None = None,
-                 request_timeout_s: float = 300.0, inter_token_timeout_s: float = 30.0):
+                 request_timeout_s: float = 300.0, inter_token_timeout_s: float = 30.0,
+                 max_failovers: int = 2, failovers: FailoverLog | None = None):
         self.handles = handles
+        self.max_failovers = max_failovers
+        self.failovers = failovers or FailoverLog()
         self.admission = admission or Admission(ttft_slo_s=float("inf"), max_in_flight=1 << 30, shed=False)
         self.request_timeout_s, self.inter_token_timeout_s = request_timeout_s, inter_token_timeout_s
         self.num_lease_releases = 0
@@ -107,9 +96,10 @@ class ClusterBackend(Backend):
         self.block_size = block_size
         self.prefill_retries = 0
 
-    def _header(self, req: GenerateRequest) -> dict:
-        return RoutingHeader(req.block_hashes, len(req.prompt_token_ids), self.block_size,
-                             req.params.max_tokens).to_dict()
+    def _header(self, req: GenerateRequest, prefill: bool = True) -> dict:
+        """``prefill``: a call that prefills, pinned to ``req.prefill_worker`` when set."""
+        return RoutingHeader(req.block_hashes, len(req.prompt_token_ids), self.block_size, req.params.max_tokens,
+                             target_worker=req.prefill_worker if prefill else None).to_dict()
 
     def _prefill_pool(self, req: GenerateRequest) -> str:
         if self.mode == "colocated":
@@ -118,7 +108,8 @@ class ClusterBackend(Backend):
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[StreamChunk]:
         ticket = self.admission.admit(self._prefill_pool(req), len(req.prompt_token_ids))  # or 429
-        chunks = with_deadlines(self._generate(req), self.request_timeout_s, self.inter_token_timeout_s)
+        # The inter-token deadline is per attempt (with_gap_deadline): passing it may fail over.
+        chunks = with_deadlines(self._with_failover(req), self.request_timeout_s, math.inf)
         try:
             async for chunk in chunks:
                 ticket.first_token()
@@ -127,9 +118,66 @@ class ClusterBackend(Backend):
             ticket.close()
             await chunks.aclose()
 
-    async def _generate(self, req: GenerateRequest) -> AsyncIterator[StreamChunk]:
+    async def _with_failover(self, req: GenerateRequest) -> AsyncIterator[StreamChunk]:
+        """The stream, resumed on another replica each time it loses its own
+        (at most ``max_failovers`` times); then the loss's error."""
+        progress = StreamProgress(len(req.prompt_token_ids), req.params.max_tokens)
+        attempt, pending = self._generate(req, progress), None
+        while True:
+            chunks = with_gap_deadline(attempt, self.inter_token_timeout_s, pending is not None, progress)
+            try:
+                async for chunk in chunks:
+                    if pending is not None:  # the new replica's first token: the pause is over
+                        self.failovers.span(pending, req.trace_context, progress.replica)
+                        pending = None
+                    progress.add(chunk)
+                    yield chunk
+                return
+            except ReplicaLost as lost:
+                if pending is not None:
+                    self.failovers.span(pending, req.trace_context, "", error=lost)
+                target = await self._failover_target(req, progress, lost)  # raises when it cannot
+                pending = self.failovers.resumed_on(req.request_id, lost.reason.value, lost.replica, target.pool,
+                                                    progress.num_failovers + 1, len(progress.token_ids))
+                progress.failed_over(lost.reason.value, lost.replica, avoid=lost.reason in AVOIDED)
+                attempt = self._resume(req, progress, target)
+            finally:
+                await chunks.aclose()  # client gone or failed: the attempt's replica call is cancelled
+
+    async def _failover_target(self, req: GenerateRequest, progress: StreamProgress,
+                               lost: ReplicaLost) -> ResumeTarget:
+        """Where the stream resumes; raises the loss's error when it does not."""
+        lost.replica = lost.replica or progress.replica
+        pool = "colocated" if self.mode == "colocated" else "decode"
+        avoided = set(progress.lost_replicas) | ({lost.replica} if lost.replica and lost.reason in AVOIDED else set())
+        elsewhere = live_elsewhere(await self._live_count(pool), len(avoided))
+        decision = decide(lost.reason, progress.num_failovers, self.max_failovers, progress.tokens_left, elsewhere)
+        if not decision.resume:
+            self.failovers.gave_up_on(req.request_id, lost.reason.value, lost.replica, decision.why)
+            if lost.reason is FailoverReason.INTER_TOKEN_DEADLINE or progress.num_failovers == 0:
+                raise lost.final_error() from lost  # as without failover: the loss's own error
+            raise BackendFailure(gave_up_message(lost, decision.why, tuple(progress.lost))) from lost
+        prefill_live = await self._live_count("prefill") if self.fallback_to_colocated else None
+        return resume_target(self.mode, elsewhere, prefill_live, self.fallback_to_colocated)
+
+    async def _live_count(self, pool: str) -> int | None:
+        if self.liveness is None or pool not in self.handles:
+            return None
+        return await self.liveness.live(pool)
+
+    async def _resume(self, req: GenerateRequest, progress: StreamProgress,
+                      target: ResumeTarget) -> AsyncIterator[StreamChunk]:
+        """Continues ``req`` on a replica of ``target.pool`` from prompt + the tokens already sent."""
+        stream = getattr(self.handles[target.pool].options(stream=True), target.method).remote(
+            resume_request(req, progress), routing=resume_header(req, progress, self.block_size))
+        async for chunk in self._relay(stream, progress):
+            # The prompt's logprobs went out with the first attempt's first chunk.
+            yield chunk if chunk.prompt_logprobs is None else dataclasses.replace(chunk, prompt_logprobs=None)
+
+    async def _generate(self, req: GenerateRequest, progress: StreamProgress | None = None
+                        ) -> AsyncIterator[StreamChunk]:
         if self.mode == "colocated":
-            async for chunk in self._whole_request("colocated", "generate", req):
+            async for chunk in self._whole_request("colocated", "generate", req, progress):
                 yield chunk
             return
         if prefill_locally(len(req.prompt_token_ids), self.local_prefill_max_tokens):
@@ -137,7 +185,7 @@ class ClusterBackend(Backend):
             # it runs both phases (counted; long prompts still go to the prefill pool).
             self.num_local_prefills += 1
             metrics.count_decode_pool_prefill("short_prompt")
-            async for chunk in self._whole_request("decode", "generate_colocated", req):
+            async for chunk in self._whole_request("decode", "generate_colocated", req, progress):
                 yield chunk
             return
         if self.liveness is not None and await self.liveness.live("prefill") == 0:
@@ -148,20 +196,22 @@ class ClusterBackend(Backend):
             self.num_colocated_fallbacks += 1
             metrics.count_decode_pool_prefill("no_prefill_replica")
             log.warning("no live prefill replica: request %s runs colocated on the decode pool", req.request_id)
-            async for chunk in self._whole_request("decode", "generate_colocated", req):
+            async for chunk in self._whole_request("decode", "generate_colocated", req, progress):
                 yield chunk
             return
         pre = await self._prefill(req)
         decoded = False  # a decode token back means the decode side pulled and released the lease
         try:
             yield StreamChunk([pre.first_token_id], pre.text, pre.finish_reason,
-                              num_prompt_tokens=pre.num_tokens, num_cached_tokens=pre.num_cached_tokens)
+                              num_prompt_tokens=pre.num_tokens, num_cached_tokens=pre.num_cached_tokens,
+                              logprobs=pre.logprobs, prompt_logprobs=pre.prompt_logprobs,
+                              worker_name=pre.worker_name)
             if pre.finish_reason is not None:
                 return
             stream = self.handles["decode"].options(stream=True).generate.remote(
                 DecodeRequest(req.request_id, req.prompt_token_ids, req.params, pre, req.trace_context,
-                              req.faults), routing=self._header(req))
-            async for chunk in self._relay(stream):
+                              req.faults), routing=self._header(req, prefill=False))
+            async for chunk in self._relay(stream, progress):
                 decoded = True
                 yield chunk
         finally:
@@ -187,12 +237,13 @@ class ClusterBackend(Backend):
             response.cancel()
             log.warning("releasing the lease of %s on %s failed: %r", pre.request_id, pre.worker_name, exc)
 
-    def _whole_request(self, pool: str, method: str, req: GenerateRequest) -> AsyncIterator[StreamChunk]:
+    def _whole_request(self, pool: str, method: str, req: GenerateRequest,
+                       progress: StreamProgress | None = None) -> AsyncIterator[StreamChunk]:
         """Both phases on one replica of ``pool`` (its ``method`` streams TokenDeltas)."""
         stream = getattr(self.handles[pool].options(stream=True), method).remote(
             PrefillRequest(req.request_id, req.prompt_token_ids, req.params, req.trace_context, req.faults),
             routing=self._header(req))
-        return self._relay(stream)
+        return self._relay(stream, progress)
 
     async def _prefill(self, req: GenerateRequest) -> PrefillResponse:
         message = PrefillRequest(req.request_id, req.prompt_token_ids, req.params, req.trace_context, req.faults)
@@ -212,23 +263,33 @@ class ClusterBackend(Backend):
                 raise backend_error(exc) from exc
         raise AssertionError("unreachable")
 
-    async def _relay(self, stream) -> AsyncIterator[StreamChunk]:
-        finished = False
+    async def _relay(self, stream, progress: StreamProgress | None = None) -> AsyncIterator[StreamChunk]:
+        """The replica's TokenDeltas as StreamChunks.  A lost replica raises
+        ReplicaLost (failover.py decides what follows); a request-level
+        error (429, bad request, a failure of this request alone) its typed error."""
+        finished, replica = False, ""
         try:
             async for delta in stream:
                 delta: TokenDelta
                 finished = delta.finish_reason is not None
+                if delta.streamed_by:
+                    replica = delta.streamed_by
+                    if progress is not None:
+                        progress.replica = replica
                 yield StreamChunk(delta.token_ids, delta.text, delta.finish_reason,
                                   num_prompt_tokens=delta.num_prompt_tokens,
-                                  num_cached_tokens=delta.num_cached_tokens)
+                                  num_cached_tokens=delta.num_cached_tokens, logprobs=delta.logprobs,
+                                  prompt_logprobs=delta.prompt_logprobs, worker_name=delta.worker_name)
         except _REPLICA_DIED as exc:
-            raise BackendFailure(f"the replica serving this stream died: {exc}") from exc
-        except BackendError:
-            raise
+            raise ReplicaLost(FailoverReason.REPLICA_DIED, f"the replica serving this stream died: {exc}",
+                              replica) from exc
         except Exception as exc:  # noqa: BLE001 - re-raised typed
-            err = backend_error(exc)
-            if err is exc:
-                raise BackendFailure(f"stream failed: {exc}") from exc
+            err = exc if isinstance(exc, BackendError) else backend_error(exc)
+            if err is exc and not isinstance(exc, BackendError):
+                raise ReplicaLost(FailoverReason.STREAM_BROKEN, f"stream failed: {exc}", replica) from exc
+            reason = lost_reason(err)
+            if reason is not None:
+                raise ReplicaLost(reason, str(err), replica, cause=err) from exc
             raise err from exc
         finally:
             if not finished:

@@ -131,6 +131,57 @@ class AdmissionSettings(_Strict):
                                                                  "the first has arrived")
 
 
+class AutoscalePoolBounds(_Strict):
+    min_replicas: int = Field(1, ge=1)
+    max_replicas: int = Field(2, ge=1)
+
+
+class AutoscaleSpeed(_Strict):
+    """One replica's speed, the planner's model (bench/perf_model.py): the
+    `measured` lines `pdcluster plan --profile URL` prints.  The defaults are
+    a 1-thread replica of the bundled model on this project's 2-core AVX2 CI
+    machine (bf16; profiled by bench/plan_accuracy.py); profile your own."""
+    prefill_overhead_s: float = Field(0.07, ge=0, description="per-request prefill overhead (HTTP, routing, hand-off)")
+    prefill_per_token_s: float = Field(0.0045, gt=0, description="prefill seconds per prompt token")
+    step_base_s: float = Field(0.018, gt=0, description="decode step time at batch 0 (the line's intercept)")
+    step_per_seq_s: float = Field(0.0076, ge=0, description="decode step time added per sequence in the batch")
+
+
+class AutoscalingSettings(_Strict):
+    """pdcluster's own autoscaler (services/autoscaler.py; the rule in
+    services/autoscale_policy.py): sizes the prefill and decode pools apart,
+    from the gateway's live measurements and the planner's speed model.
+    Off by default: on the shared 2-core CI machine (bench/autoscale.py) it
+    lost to a static deployment sized for the peak -- a replica there takes
+    1-2 minutes to start, and its start takes the cores the serving replicas
+    need (peak goodput 0.10 autoscaled vs 1.00 static).  Disaggregated mode
+    only; it replaces the pools' num_replicas while it runs."""
+    enabled: bool = False
+    interval_s: float = Field(3.0, gt=0, description="seconds between measurements (and decisions)")
+    window_s: float = Field(12.0, gt=0, description="measurements are differences over this many seconds")
+    ttft_slo_s: float = Field(2.0, gt=0)
+    tpot_slo_s: float = Field(0.1, gt=0)
+    headroom: float = Field(0.7, gt=0, le=1, description="size for this fraction of each SLO")
+    max_utilization: float = Field(0.8, gt=0, le=1, description="busy fraction a replica is planned at")
+    down_margin: float = Field(1.3, ge=1, description="a scale-down must still fit demand x this (hysteresis)")
+    up_cooldown_s: float = Field(15.0, ge=0, description="after any change, before the next scale-up")
+    down_cooldown_s: float = Field(30.0, ge=0, description="after any change, before a scale-down")
+    down_stable_s: float = Field(20.0, ge=0, description="the need must stay below the replicas this long")
+    min_latency_samples: int = Field(8, ge=1, description="requests behind a p90 before it may force a scale-up")
+    prefill: AutoscalePoolBounds = AutoscalePoolBounds(min_replicas=1, max_replicas=2)
+    decode: AutoscalePoolBounds = AutoscalePoolBounds(min_replicas=1, max_replicas=3)
+    speed: AutoscaleSpeed = AutoscaleSpeed()
+
+    @model_validator(mode="after")
+    def _bounds(self) -> "AutoscalingSettings":
+        for pool in ("prefill", "decode"):
+            b = getattr(self, pool)
+            if b.min_replicas > b.max_replicas:
+                raise ValueError(f"autoscaling.{pool}: min_replicas {b.min_replicas} > max_replicas "
+                                 f"{b.max_replicas}: raise max_replicas or lower min_replicas")
+        return self
+
+
 class TracingSettings(_Strict):
     enabled: bool = True
     jsonl_dir: str = "runs/traces"
@@ -160,6 +211,9 @@ class ClusterConfig(_Strict):
     transfer_timeout_s: float = Field(10.0, gt=0)
     lease_ttl_s: float = Field(30.0, gt=0)
     fallback_to_colocated: bool = False
+    max_failovers: int = Field(2, ge=0, description="times one request may resume on another replica after "
+                                                    "losing its own (death, broken stream, stall); then an "
+                                                    "error event naming the cause.  0: never")
     host: str = "127.0.0.1"
     port: int = 8000
     ingress: Literal["gateway", "serve_proxy"] = Field(
@@ -167,6 +221,7 @@ class ClusterConfig(_Strict):
                                "(one Serve hop less per streamed token); serve_proxy: Serve's HTTP proxy in front")
     max_body_bytes: int = Field(1 * 2**20, ge=1024)
     tracing: TracingSettings = TracingSettings()
+    autoscaling: AutoscalingSettings = AutoscalingSettings()
     # API keys: from here, api_key_file and PDCLUSTER_API_KEY together.  Only
     # their digests are dumped (deployment args, the state file); the clear
     # keys stay in the process that read them (its readiness probe uses one).
@@ -208,6 +263,9 @@ class ClusterConfig(_Strict):
         EngineConfig(block_size=self.block_size)  # raises ValueError naming the fix
         if self.scheduler.kv_watermark_low > self.scheduler.kv_watermark_high:
             raise ValueError("scheduler.kv_watermark_low must be <= kv_watermark_high")
+        if self.autoscaling.enabled and self.mode != "disaggregated":
+            raise ValueError("autoscaling sizes the prefill and decode pools apart: it needs mode disaggregated "
+                             "(for colocated, give colocated.autoscaling a Ray Serve autoscaling_config instead)")
         problem = exposure_problem(self.host, bool(self.api_key_digests), self.insecure_no_auth)
         if problem:
             raise ValueError(problem)

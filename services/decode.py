@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator
 from ray import serve
 
 from services import faults
-from services.backend import BackendFailure, BackendLeaseExpired, BackendOverloaded
+from services.backend import BackendKVTransferFailed, BackendLeaseExpired, BackendOverloaded
 from services.config import ClusterConfig
 from services.messages import DecodeRequest, PrefillRequest, TokenDelta
 from services.prefill import _replica_name
@@ -64,7 +64,10 @@ class DecodeServer(WorkerEndpoints):
 
     async def _pull(self, req: DecodeRequest, alloc, stages: DecodeStages) -> int:
         w, pre = self.worker, req.prefill
-        await _inject_pull_faults(req.faults)
+        try:
+            await _inject_pull_faults(req.faults)
+        except TransferError as exc:  # fail_pull: as a broken connection mid-pull would
+            raise BackendKVTransferFailed(f"KV transfer from {pre.worker_name} failed: {exc}") from exc
         self._check_lease(req)
         remote = list(pre.block_ids[alloc.num_cached_blocks:])
         local = list(alloc.missing_block_ids)
@@ -81,7 +84,7 @@ class DecodeServer(WorkerEndpoints):
         except LeaseExpiredError as exc:
             raise BackendLeaseExpired(f"KV transfer from {pre.worker_name} refused: {exc}") from exc
         except (TransferError, OSError) as exc:
-            raise BackendFailure(f"KV transfer from {pre.worker_name} failed: {exc}") from exc
+            raise BackendKVTransferFailed(f"KV transfer from {pre.worker_name} failed: {exc}") from exc
         stages.pulled(alloc, stats, len(remote))  # kv.transfer span: bytes, seconds, GB/s
         w.counters.blocks_pulled += len(remote)
         w.counters.blocks_reused_locally += alloc.num_cached_blocks
@@ -125,14 +128,18 @@ class DecodeServer(WorkerEndpoints):
         with engine_errors_as_backend_errors():
             async for out in self.worker.aengine.decode_external(req.request_id, req.prefill.first_token_id):
                 stages.on_output(out)
+                faults.drop_stream(req.faults, 0 if first else 1)
                 if first and faults.has(req.faults, "stall_decode"):
                     self.worker.aengine.inject_fault("stall", faults.seconds(req.faults, "stall_decode"))
+                if first and faults.has(req.faults, "kill_decode_engine"):
+                    self.worker.aengine.inject_fault("kill")
                 yield TokenDelta(out.new_token_ids, out.text_delta,
                                  out.finish_reason.value if out.finished else None,
                                  num_prompt_tokens=out.num_prompt_tokens,
                                  num_cached_tokens=req.prefill.num_cached_tokens,
                                  blocks_pulled=pulled if first else 0,
-                                 blocks_reused=alloc.num_cached_blocks if first else 0)
+                                 blocks_reused=alloc.num_cached_blocks if first else 0,
+                                 logprobs=out.logprobs, streamed_by=self.worker.name)
                 first = False
 
     def _release_remote(self, req: DecodeRequest) -> None:

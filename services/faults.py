@@ -13,7 +13,9 @@ request, whatever the pool sizes.
     reject_decode          decode: answer 429 as a full decode replica would
     stall_decode:S         decode: the engine loop stalls S seconds after the first decoded token
     kill_prefill_engine    prefill: the engine loop dies (as if a bug fired in a step)
-    kill_decode_engine     decode: the same on the decode replica
+    kill_decode_engine     decode: the engine loop dies after the first decoded token (mid-stream)
+    drop_stream            any replica streaming it: the stream breaks after its first token, on every
+                           attempt (a request that loses its replica again and again: failover's bound)
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import os
 ENV = "PDCLUSTER_FAULTS"
 HEADER = "x-pdcluster-fault"
 KINDS = frozenset({"short_lease", "delay_pull", "fail_pull", "die_before_pull", "reject_decode", "stall_decode",
-                   "kill_prefill_engine", "kill_decode_engine"})
+                   "kill_prefill_engine", "kill_decode_engine", "drop_stream"})
 
 
 def enabled() -> bool:
@@ -52,3 +54,9 @@ def seconds(faults: tuple[str, ...], kind: str, default: float = 1.0) -> float:
             except ValueError:
                 return default
     return default
+
+
+def drop_stream(faults_: tuple[str, ...], num_deltas_sent: int) -> None:
+    """Raises as a broken stream would, once a delta went out (fault drop_stream)."""
+    if num_deltas_sent and has(faults_, "drop_stream"):
+        raise RuntimeError("the stream broke (injected fault drop_stream)")

@@ -14,6 +14,7 @@ from services import telemetry
 from services.admission import Admission
 from services.cluster_backend import ClusterBackend
 from services.config import ClusterConfig
+from services.failover_record import FailoverLog
 from services.engine.model.config import ModelConfig
 from services.engine.model.default import resolve_model_path
 from services.engine.model.loader import block_hash_seed, parse_dtype, weights_id
@@ -86,10 +87,13 @@ class Gateway:
                                  admission=Admission(adm.ttft_slo_s, adm.max_in_flight, adm.shed,
                                                      adm.ttft_headroom),
                                  request_timeout_s=adm.request_timeout_s,
-                                 inter_token_timeout_s=adm.inter_token_timeout_s)
+                                 inter_token_timeout_s=adm.inter_token_timeout_s,
+                                 max_failovers=cfg.max_failovers,
+                                 failovers=FailoverLog(cfg.index_url, cfg.cluster_name))
         # /metrics: the admission counters, and every replica's KV numbers from the status board.
         self.board = StatusBoardReader(cfg.index_url, cfg.cluster_name)
-        gateway_metrics = GatewayMetrics(board=self.board, admission_view=backend.admission.view)
+        gateway_metrics = GatewayMetrics(board=self.board, admission_view=backend.admission.view,
+                                         failover_view=backend.failovers.view)
         _HOST.update(backend=backend, tokenizer=tokenizer, settings=settings, metrics=gateway_metrics)
         self.http: GatewayHTTPServer | None = None
         if cfg.ingress == "gateway":

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from services.engine.logprobs import TokenLogprob
 from services.engine.sampling_params import SamplingParams
 
 
@@ -15,6 +16,9 @@ class PrefillRequest:
     params: SamplingParams
     trace_context: dict[str, str] = field(default_factory=dict)
     faults: tuple[str, ...] = ()   # test-only fault injection (services/faults.py)
+    # A resumed stream's tokens already sent (another replica generated them): the engine
+    # takes them as the request's output so far, not as prompt (services/resume.py).
+    prior_output_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -30,6 +34,9 @@ class PrefillResponse:
     worker_name: str
     prefill_s: float
     lease_deadline_unix: float = 0.0  # time.time() after which the owner refuses reads of block_ids
+    # The first token is sampled here, so its logprobs (and the prompt's) come from here too.
+    logprobs: list[TokenLogprob] | None = None         # the first token's, with params.logprobs
+    prompt_logprobs: list[TokenLogprob] | None = None  # entry j = prompt token j+1, with params.prompt_logprobs
 
 
 @dataclass(frozen=True)
@@ -52,3 +59,7 @@ class TokenDelta:
     num_cached_tokens: int = 0
     blocks_pulled: int = 0
     blocks_reused: int = 0
+    logprobs: list[TokenLogprob] | None = None         # one per token, with params.logprobs
+    prompt_logprobs: list[TokenLogprob] | None = None  # on the first delta, with params.prompt_logprobs
+    worker_name: str = ""          # the replica that prefilled (set on the first delta of a whole request)
+    streamed_by: str = ""          # the replica streaming this delta: the one a failover moves away from

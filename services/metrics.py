@@ -26,6 +26,8 @@ the Ray dashboard and its Prometheus endpoint, as ``ray_<name>`` (counters
     pdcluster_deadlines_exceeded         counter    kind                   gateway: request | inter_token
     pdcluster_lease_events               counter    event                  prefill: late_notification (a release
                                                                            for a lease already gone)
+    pdcluster_failovers                  counter    reason                 gateway: streams resumed on another
+                                                                           replica (services/failover.py reasons)
 
 ``pool`` is gateway | prefill | decode | colocated.  Metrics exist only in a
 Ray driver or worker and are created on first use; anywhere else (unit
@@ -93,6 +95,8 @@ SPECS: dict[str, MetricSpec] = {
     "pdcluster_deadlines_exceeded": MetricSpec("counter", "Requests aborted at a deadline", ("kind",)),
     "pdcluster_lease_events": MetricSpec(
         "counter", "KV lease outcomes on prefill replicas besides a pull's release", ("event",)),
+    "pdcluster_failovers": MetricSpec(
+        "counter", "Streams resumed on another replica after losing their own", ("reason",)),
 }
 
 _metrics: dict[str, Any] = {}
@@ -224,6 +228,10 @@ def count_deadline(kind: str) -> None:
 
 def count_lease_event(event: str) -> None:
     _inc("pdcluster_lease_events", 1, event=event)
+
+
+def count_failover(reason: str) -> None:
+    _inc("pdcluster_failovers", 1, reason=reason)
 
 
 def count_index_lookup_failure(pool: str, reason: str) -> None:

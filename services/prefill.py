@@ -5,14 +5,15 @@ a lease until the decode replica has pulled them (or the lease expires)."""
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncIterator
 
 from ray import serve
 
 from services import faults
 from services.config import ClusterConfig
-from services.messages import PrefillRequest, PrefillResponse
+from services.messages import PrefillRequest, PrefillResponse, TokenDelta
 from services.stage_telemetry import PrefillStages
-from services.worker import Worker, WorkerEndpoints, engine_errors_as_backend_errors
+from services.worker import Worker, WorkerEndpoints, engine_errors_as_backend_errors, stream_whole_request
 
 _SHORT_LEASE_S = 0.5  # the short_lease fault's TTL
 
@@ -61,7 +62,16 @@ class PrefillServer(WorkerEndpoints):
             finish_reason=done, block_ids=last.prefill.block_ids if last.prefill else (),
             num_tokens=last.num_prompt_tokens, num_cached_tokens=last.num_cached_tokens,
             peer=w.transfer.describe(), worker_name=w.name, prefill_s=seconds,
-            lease_deadline_unix=last.prefill.lease_deadline_unix if last.prefill else 0.0)
+            lease_deadline_unix=last.prefill.lease_deadline_unix if last.prefill else 0.0,
+            logprobs=last.logprobs, prompt_logprobs=last.prompt_logprobs)
+
+    async def generate_colocated(self, request: PrefillRequest, routing: dict | None = None
+                                 ) -> AsyncIterator[TokenDelta]:
+        """Both phases here: where the gateway resumes a stream whose decode
+        replica died when no other decode replica is live and
+        ``fallback_to_colocated`` is set (services/failover.py)."""
+        async for delta in stream_whole_request(self.worker, request, self.cfg.prefill.max_queue):
+            yield delta
 
     async def release(self, request_id: str, routing: dict | None = None) -> bool:
         """Drops a lease (the gateway's path when no pull will happen); the

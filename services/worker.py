@@ -17,7 +17,7 @@ from prefix_store.index import make_index
 from prefix_store.publisher import KVEventPublisher
 from prefix_store.worker_id import WorkerId
 from router.replica_stats import ReplicaStats
-from services import metrics, telemetry
+from services import faults, metrics, telemetry
 from services.backend import BackendFailure, BackendInvalidRequest, BackendOverloaded, BackendUnavailable
 from services.cluster_secret import cluster_secret
 from services.config import ClusterConfig, PoolConfig
@@ -212,14 +212,18 @@ async def stream_whole_request(worker: Worker, request, capacity: int):
 
     timer = metrics.RequestTimer(worker.role)
     with worker.admitted(capacity), engine_errors_as_backend_errors():
-        async for out in worker.aengine.generate(request.request_id, request.prompt_token_ids, request.params):
+        async for out in worker.aengine.generate(request.request_id, request.prompt_token_ids, request.params,
+                                                 prior_output_token_ids=request.prior_output_token_ids):
             if timer.num_tokens == 0:
                 metrics.count_prompt_tokens(worker.role, worker.name, out.num_prompt_tokens,
                                             out.num_cached_tokens)
+            faults.drop_stream(request.faults, timer.num_tokens)
             timer.on_tokens(len(out.new_token_ids))
             yield TokenDelta(out.new_token_ids, out.text_delta,
                              out.finish_reason.value if out.finished else None,
-                             num_prompt_tokens=out.num_prompt_tokens, num_cached_tokens=out.num_cached_tokens)
+                             num_prompt_tokens=out.num_prompt_tokens, num_cached_tokens=out.num_cached_tokens,
+                             logprobs=out.logprobs, prompt_logprobs=out.prompt_logprobs, worker_name=worker.name,
+                             streamed_by=worker.name)
     timer.finish()
 
 

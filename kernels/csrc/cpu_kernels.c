@@ -17,24 +17,10 @@
 
 #include "work_pool.h"
 
-typedef uint16_t bf16;
+#include "bf16_scalar.h"
 
 #define PREFETCH_BYTES 4096 /* how far ahead of the current weight rows to prefetch */
 
-static inline float to_f32(bf16 v) {
-    uint32_t u = (uint32_t)v << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline bf16 to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16)((u >> 16) | 0x40); /* quiet NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (bf16)(u >> 16);
-}
 
 /* 16 bf16 -> 16 fp32 */
 static inline __m512 load16(const bf16 *p) {
@@ -59,18 +45,6 @@ static inline __m512bh load32bh_masked(const bf16 *p, __mmask32 m) {
 #define TILE_N 32
 #define MR_MAX 8      /* x rows per micro-kernel: 8 x 2 accumulators */
 #define M_BLOCK 256   /* x rows sharing one pass over the weights */
-
-void pd_pack_weight_bf16(const bf16 *w, bf16 *wp, int64_t N, int64_t K) {
-    const int64_t kp = K / 2;
-    for (int64_t j = 0; j < N / TILE_N; j++)
-        for (int64_t p = 0; p < kp; p++)
-            for (int64_t c = 0; c < TILE_N; c++) {
-                bf16 *dst = wp + ((j * kp + p) * TILE_N + c) * 2;
-                const bf16 *src = w + (j * TILE_N + c) * K + 2 * p;
-                dst[0] = src[0];
-                dst[1] = src[1];
-            }
-}
 
 /* MR rows of x (row stride ldx, K columns) times one packed 32-column tile:
  * y rows (stride ldy) in bf16, or in fp32 when yf is given. */
@@ -644,100 +618,4 @@ void pd_prefill_attention_bf16(const bf16 *q, int64_t q_row_stride, const bf16 *
     free(pack_off);
 }
 
-/* Rotate-half RoPE in place on the heads of one row-strided tensor, with HF's
- * bf16 rounding steps: out1 = bf16(bf16(x1*c) + bf16(-x2*s)),
- * out2 = bf16(bf16(x2*c) + bf16(x1*s)), c and s rounded to bf16 first. */
-void pd_rope_bf16(bf16 *x, int64_t row_stride, int64_t T, int64_t heads, int64_t D,
-                  const int64_t *positions, const float *cos_cache, const float *sin_cache) {
-    const int64_t hd = D / 2;
-    for (int64_t t = 0; t < T; t++) {
-        const float *c = cos_cache + positions[t] * D, *s = sin_cache + positions[t] * D;
-        for (int64_t h = 0; h < heads; h++) {
-            bf16 *p = x + t * row_stride + h * D;
-            for (int64_t i = 0; i < hd; i++) {
-                const float x1 = to_f32(p[i]), x2 = to_f32(p[i + hd]);
-                const float c1 = to_f32(to_bf16(c[i])), s1 = to_f32(to_bf16(s[i]));
-                const float c2 = to_f32(to_bf16(c[i + hd])), s2 = to_f32(to_bf16(s[i + hd]));
-                const float o1 = to_f32(to_bf16(x1 * c1)) + to_f32(to_bf16(-x2 * s1));
-                const float o2 = to_f32(to_bf16(x2 * c2)) + to_f32(to_bf16(x1 * s2));
-                p[i] = to_bf16(o1);
-                p[i + hd] = to_bf16(o2);
-            }
-        }
-    }
-}
-
-/* K and V rows of the step's tokens (row-strided views) into their slots. */
-void pd_write_kv_bf16(bf16 *kv, const bf16 *k, const bf16 *v, int64_t row_stride, const int64_t *slots,
-                      int64_t T, int64_t KVH, int64_t D, int64_t block_size, int64_t num_layers, int64_t layer) {
-    const int64_t half = block_size * KVH * D;
-    const size_t row_bytes = sizeof(bf16) * (size_t)(KVH * D);
-    for (int64_t t = 0; t < T; t++) {
-        const int64_t blk = slots[t] / block_size, off = slots[t] % block_size;
-        bf16 *dst = kv + (blk * num_layers + layer) * 2 * half + off * KVH * D;
-        memcpy(dst, k + t * row_stride, row_bytes);
-        memcpy(dst + half, v + t * row_stride, row_bytes);
-    }
-}
-
-/* One whole Llama decoder layer on the step's tokens, composed of the kernels
- * above; pd_decoder_stack_bf16 runs every layer in one call from Python:
- *
- *     normed = rmsnorm(residual += prev)       (prev NULL: layer 0, no add)
- *     q, k, v = split(normed @ Wqkv + bias);  rope(q, k);  kv[slots] = k, v
- *     attn = decode attention (first n_decode tokens) | prefill attention (the rest)
- *     normed = rmsnorm(residual += attn @ Wo)
- *     out = (silu(normed @ Wgate) * (normed @ Wup)) @ Wdown
- *
- * Weights packed by pd_pack_weight_bf16; buffers are the caller's scratch. */
-typedef struct {
-    const bf16 *ln1, *w_qkv, *b_qkv, *w_o, *ln2, *w_gate_up, *w_down;
-} pd_layer_weights;
-
-typedef struct {
-    int64_t T, hidden, inter, H, KVH, D, num_layers, block_size;
-    const int64_t *positions, *slots;
-    const float *cos, *sin;
-    int64_t n_decode, decode_max_blocks;
-    const int32_t *decode_tables, *decode_lens;
-    int64_t n_prefill_seqs, prefill_max_blocks;
-    const int32_t *prefill_tables, *prefill_starts, *prefill_lens;
-    float scale, eps;
-    int nthreads;
-    bf16 *normed, *qkv, *attn, *proj, *gate_up, *act;  /* scratch */
-} pd_layer_step;
-
-static void decoder_layer(const pd_layer_weights *w, const pd_layer_step *s, bf16 *kv, int64_t layer,
-                           const bf16 *prev, bf16 *residual, bf16 *out) {
-    const int64_t T = s->T, qs = s->H * s->D, kvs = s->KVH * s->D, width = qs + 2 * kvs;
-    pd_add_rmsnorm_bf16(prev, residual, w->ln1, s->normed, T, s->hidden, s->eps, s->nthreads);
-    pd_linear_packed_bf16(s->normed, w->w_qkv, w->b_qkv, s->qkv, T, width, s->hidden, s->nthreads);
-    pd_rope_bf16(s->qkv, width, T, s->H, s->D, s->positions, s->cos, s->sin);
-    pd_rope_bf16(s->qkv + qs, width, T, s->KVH, s->D, s->positions, s->cos, s->sin);
-    pd_write_kv_bf16(kv, s->qkv + qs, s->qkv + qs + kvs, width, s->slots, T, s->KVH, s->D, s->block_size,
-                     s->num_layers, layer);
-    if (s->n_decode)
-        pd_paged_decode_attention_bf16(s->qkv, width, kv, s->attn, s->decode_tables, s->decode_lens, s->n_decode,
-                                       s->H, s->KVH, s->D, s->decode_max_blocks, s->block_size, s->num_layers,
-                                       layer, s->scale, s->nthreads);
-    if (s->n_prefill_seqs)
-        pd_prefill_attention_bf16(s->qkv + s->n_decode * width, width, kv, s->attn + s->n_decode * qs,
-                                  s->prefill_tables, s->prefill_starts, s->prefill_lens, s->n_prefill_seqs, s->H,
-                                  s->KVH, s->D, s->prefill_max_blocks, s->block_size, s->num_layers, layer,
-                                  s->scale, s->nthreads);
-    pd_linear_packed_bf16(s->attn, w->w_o, NULL, s->proj, T, s->hidden, qs, s->nthreads);
-    pd_add_rmsnorm_bf16(s->proj, residual, w->ln2, s->normed, T, s->hidden, s->eps, s->nthreads);
-    pd_linear_packed_bf16(s->normed, w->w_gate_up, NULL, s->gate_up, T, 2 * s->inter, s->hidden, s->nthreads);
-    pd_silu_mul_bf16(s->gate_up, s->act, T, s->inter, s->nthreads);
-    pd_linear_packed_bf16(s->act, w->w_down, NULL, out, T, s->hidden, s->inter, s->nthreads);
-}
-
-/* The whole stack in one call, so the engine thread releases Python's GIL
- * once per step instead of once per layer: layer i reads the previous
- * layer's output and writes out[i % 2]; the last output is out[(n - 1) % 2]. */
-void pd_decoder_stack_bf16(const pd_layer_weights *layers, int64_t n_layers, const pd_layer_step *s, bf16 *kv,
-                           bf16 *residual, bf16 *out0, bf16 *out1) {
-    bf16 *outs[2] = {out0, out1};
-    for (int64_t i = 0; i < n_layers; i++)
-        decoder_layer(&layers[i], s, kv, i, i ? outs[(i - 1) % 2] : NULL, residual, outs[i % 2]);
-}
+#include "portable_kernels.h"

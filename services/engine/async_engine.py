@@ -131,14 +131,18 @@ class AsyncEngine:
 
     # ---- requests ------------------------------------------------------
     async def generate(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
-                       prefill_only: bool = False) -> AsyncIterator[RequestOutput]:
+                       prefill_only: bool = False, prior_output_token_ids: Sequence[int] = ()
+                       ) -> AsyncIterator[RequestOutput]:
         """Streams a request's outputs; leaving before its last one aborts it.
         A request the engine failed raises RequestFailedError; a dead loop,
-        EngineDeadError."""
+        EngineDeadError.  ``prior_output_token_ids``: see Engine.add_request."""
         queue = self._open_stream(request_id)
         added = ended = False
         try:
-            await self._call(lambda: self.engine.add_request(request_id, prompt, params, prefill_only),
+            await self._compile_grammar(params)
+            # Only a resumed request passes its prior output (engines without resume need not know it).
+            resumed = {"prior_output_token_ids": tuple(prior_output_token_ids)} if prior_output_token_ids else {}
+            await self._call(lambda: self.engine.add_request(request_id, prompt, params, prefill_only, **resumed),
                              undo=self._abort_added)
             added = True
             async for out in self._drain(request_id, queue):
@@ -156,6 +160,7 @@ class AsyncEngine:
                                ttl_s: float | None = None) -> ExternalKVAllocation | None:
         """Blocks for a prompt whose K/V comes from outside (see
         Engine.reserve_external); freed unless committed within ``ttl_s``."""
+        await self._compile_grammar(params)
         return await self._call(lambda: self.engine.reserve_external(request_id, prompt_token_ids, params, ttl_s),
                                 undo=self._abort_reservation)
 
@@ -177,6 +182,14 @@ class AsyncEngine:
             raise
         finally:
             await self._close_stream(request_id, abort=committed and not ended)
+
+    async def _compile_grammar(self, params: SamplingParams) -> None:
+        """Compiles a structured request's grammar in a worker thread, so the
+        engine thread's own compile is a cache hit and never stalls a step
+        (InvalidRequestError when the spec does not compile)."""
+        spec = getattr(params, "guided", None)  # stand-in engines and params in tests have none
+        if spec is not None and self.engine.grammars.get(spec) is None:
+            await asyncio.to_thread(self.engine.grammars.compile, spec)
 
     async def abort(self, request_id: str) -> bool:
         return await self._call(lambda: self.engine.abort(request_id))

@@ -27,12 +27,15 @@ from kernels import cpu_native
 from services.engine.config import EngineConfig
 from services.engine.detokenizer import IncrementalDetokenizer
 from services.engine.errors import EngineDeadError, InvalidRequestError, RequestTooLongError, UnknownRequestError
+from services.engine.grammar import GrammarCache
 from services.engine.kv_cache import KVCache, KVCacheSpec, KVEventCallback
 from services.engine.lease import LeaseTable
 from services.engine.model.loader import LoadedModel, block_hash_seed, load_model
+from services.engine.output_history import check_prior_output, seed_output_history
 from services.engine.outputs import EngineStats, ExternalKVAllocation, PrefillResult, RequestOutput
 from services.engine.request import FinishReason, Request, RequestStatus
 from services.engine.runner import ModelRunner
+from services.engine.sampler import SampleResult
 from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler import Scheduler, SchedulerOutput
 
@@ -74,6 +77,9 @@ class Engine:
         # The sampler reads a penalised request's tokens from this table, by id.
         self.runner = ModelRunner(self.loaded.model, self.kv, config.device,
                                   eos_token_ids=tuple(self.tokenizer.eos_token_ids), histories=self.requests)
+        # Structured output: grammars compiled once per spec, over this engine's tokenizer (grammar.py).
+        self.grammars = GrammarCache(self.tokenizer, mc.vocab_size)
+        self.runner.sampler.grammar.bind(self.grammars)
         self.leases = LeaseTable(self.kv.free, config.lease_ttl_s)
         self.awaiting_kv: dict[str, Request] = {}
         # A reservation waits at most as long as the lease it will pull from.
@@ -113,6 +119,8 @@ class Engine:
         if bad is not None:
             raise InvalidRequestError(f"logit_bias names token id {bad}, outside this model's vocabulary "
                                       f"[0, {vocab}): remove it")
+        if params.guided is not None:
+            self.grammars.compile(params.guided)  # a cache hit when AsyncEngine compiled it at admission
         if n >= self.max_model_len:
             raise RequestTooLongError(
                 f"prompt has {n} tokens; this model's context is {self.max_model_len}: shorten it")
@@ -127,10 +135,15 @@ class Engine:
                 "lower max_tokens, shorten the prompt, or raise kv_cache_bytes")
 
     def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
-                    prefill_only: bool = False) -> Request:
+                    prefill_only: bool = False, prior_output_token_ids: Sequence[int] = ()) -> Request:
+        """``prior_output_token_ids``: a resumed request's output so far (another
+        replica generated it); it counts as output, not prompt (output_history.py)."""
+        if prior_output_token_ids:
+            check_prior_output(prior_output_token_ids, params.max_tokens, self.loaded.config.vocab_size)
         req = self._make_request(request_id, prompt, params, prefill_only)
         self.requests[request_id] = req
         self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop)
+        seed_output_history(req, prior_output_token_ids, self._detok[request_id], self.tokenizer.eos_token_ids)
         self.scheduler.add(req)
         return req
 
@@ -260,6 +273,8 @@ class Engine:
         got = self.scheduler.update(out, sampled.token_ids)
         for req in got:
             outputs.append(self._postprocess_or_fail(req))
+        if sampled.logprobs or sampled.prompt_logprobs:  # only when a row asked
+            _attach_logprobs(outputs, sampled)
         self._in_flight = None
         return outputs
 
@@ -313,6 +328,8 @@ class Engine:
             return FinishReason.STOP
         if detok.stopped:
             return FinishReason.STOP
+        if p.guided is not None and self.runner.sampler.grammar.is_done(req.request_id):
+            return FinishReason.STOP  # the grammar is complete: the output parses
         if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
         return None
@@ -392,7 +409,20 @@ class Engine:
                 m.finished, m.finish_reason, m.error = o.finished, o.finish_reason, o.error
                 m.num_prompt_tokens, m.num_cached_tokens = o.num_prompt_tokens, o.num_cached_tokens
                 m.num_output_tokens = o.num_output_tokens
+                if o.logprobs is not None:
+                    m.logprobs = (m.logprobs or []) + o.logprobs
+                m.prompt_logprobs = m.prompt_logprobs if o.prompt_logprobs is None else o.prompt_logprobs
         return [merged[rid] for rid in ids]
+
+
+def _attach_logprobs(outputs: list[RequestOutput], sampled: SampleResult) -> None:
+    """Hands each output its sampled token's logprobs and, with its first
+    token, its prompt's."""
+    for o in outputs:
+        if o.error is None and o.new_token_ids:
+            if o.request_id in sampled.logprobs:
+                o.logprobs = [sampled.logprobs[o.request_id]]
+            o.prompt_logprobs = sampled.prompt_logprobs.get(o.request_id)
 
 
 def _without(out: SchedulerOutput, failed: dict[str, str]) -> SchedulerOutput:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from services.engine.logprobs import TokenLogprob
 from services.engine.request import FinishReason
 
 
@@ -49,6 +50,10 @@ class RequestOutput:
     # Set on a request the engine failed (finished, finish_reason ABORT): the
     # message of the RequestFailedError that AsyncEngine raises in its stream.
     error: str | None = None
+    # With SamplingParams.logprobs: one per new token; with prompt_logprobs, on the first token's
+    # output: entry j scores prompt token j+1 (services/engine/logprobs.py).
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
 
     def followed_by(self, later: "RequestOutput") -> "RequestOutput":
         """This output and the next one of the same request as one."""
@@ -57,7 +62,12 @@ class RequestOutput:
             later.finished, later.finish_reason, later.num_prompt_tokens, later.num_cached_tokens,
             later.num_output_tokens, self.prefill or later.prefill,
             self.first_scheduled_s if self.first_scheduled_s is not None else later.first_scheduled_s,
-            later.error)
+            later.error, _joined(self.logprobs, later.logprobs),
+            self.prompt_logprobs if self.prompt_logprobs is not None else later.prompt_logprobs)
+
+
+def _joined(a: list | None, b: list | None) -> list | None:
+    return b if a is None else a if b is None else a + b
 
 
 @dataclass(frozen=True)

@@ -51,6 +51,8 @@ class Request:
     num_preemptions: int = 0
     first_scheduled_s: float | None = None
     first_token_s: float | None = None
+    # With params.prompt_logprobs: entry j scores prompt token j+1 (logprobs.py), filled chunk by chunk.
+    prompt_logprobs: list = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:

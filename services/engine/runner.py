@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 
 import torch
 
 from services.engine.forward_batch import ForwardBatch
 from services.engine.kv_cache import KVCache
+from services.engine.logprobs import PromptSpan, SampledLogprobs, prompt_span, record_prompt_logprobs
 from services.engine.model.llama import LlamaModel
 from services.engine.penalties import TokenHistory
 from services.engine.request import Request
@@ -43,18 +45,29 @@ class ModelRunner:
         self.block_size = kv.spec.block_size
         self.sampler = Sampler(eos_token_ids, histories)
 
-    def build_batch(self, out: SchedulerOutput) -> tuple[ForwardBatch, list[Request]]:
-        """The step's ForwardBatch and, in row order, the requests to sample."""
+    def build_batch(self, out: SchedulerOutput) -> tuple[ForwardBatch, list[Request], list[PromptSpan]]:
+        """The step's ForwardBatch, the requests to sample in row order, and
+        the prompt positions whose logits prompt logprobs need.  Their rows
+        follow the sampled rows in ``logits_indices``::
+
+            logits_indices  [ sampled rows (one per request) | prompt-logprob rows (spans, in order) ]
+        """
         bs = self.block_size
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
         logits_rows: list[int] = []
         sampled: list[Request] = []
+        spans: list[PromptSpan] = []
+        prompt_rows: list[int] = []
 
         def place(s: ScheduledRequest) -> None:
             r, start = s.request, s.request.num_computed_tokens
             end = start + s.num_new_tokens
+            span = prompt_span(r, start, end) if r.params.prompt_logprobs is not None else None
+            if span is not None:
+                spans.append(span)
+                prompt_rows.extend(range(len(ids), len(ids) + span.count))
             ids.extend(_tokens(r, start, end) if s.num_new_tokens > 1 else [_token_at(r, start)])
             pos.extend(range(start, end))
             table = r.block_ids
@@ -84,15 +97,28 @@ class ModelRunner:
             prefill_block_tables=_table([s.request.block_ids for s in out.prefills]).to(dev),
             prefill_query_start_loc=t(q_starts, torch.int32),
             prefill_context_lens=t([s.request.num_computed_tokens + s.num_new_tokens for s in out.prefills], torch.int32),
-            logits_indices=t(logits_rows, torch.int64),
+            logits_indices=t(logits_rows + prompt_rows, torch.int64),
         )
-        return batch, sampled
+        return batch, sampled, spans
 
     def execute(self, out: SchedulerOutput) -> SampleResult:
         """Runs the step; returns the sampled token of each request whose
         prompt is done, and which of them failed (non-finite logits)."""
-        batch, to_sample = self.build_batch(out)
+        batch, to_sample, spans = self.build_batch(out)
         logits = self.model(batch, self.kv.kv_pool)
+        if spans:
+            record_prompt_logprobs(logits[len(to_sample):], spans)
+            logits = logits[:len(to_sample)]
         if not to_sample:
             return SampleResult({}, {})
-        return self.sampler.sample_batch(logits, [r.request_id for r in to_sample], [r.params for r in to_sample])
+        request_ids, params = [r.request_id for r in to_sample], [r.params for r in to_sample]
+        asked = SampledLogprobs.of(logits, request_ids, params)  # the raw logits, before the sampler's changes
+        result = self.sampler.sample_batch(logits, request_ids, params)
+        if asked is not None:
+            result = dataclasses.replace(result, logprobs=asked.score(result.token_ids))
+        if any(p.prompt_logprobs is not None for p in params):
+            # Their prompt is done this step: its logprobs leave with the first token.
+            done = {r.request_id: list(r.prompt_logprobs) for r in to_sample
+                    if r.params.prompt_logprobs is not None and not r.output_token_ids}
+            result = dataclasses.replace(result, prompt_logprobs=done)
+        return result

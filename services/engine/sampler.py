@@ -12,12 +12,15 @@ and one host transfer, and a batch without penalties adds no tensor work."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from services.engine.errors import RequestFailedError
+from services.engine.grammar_guide import GrammarGuide
+from services.engine.logprobs import TokenLogprob
 from services.engine.penalties import Penalties, TokenHistory
+from services.engine.random_stream import position_seed
 from services.engine.sampling_params import SamplingParams
 
 NONFINITE_LOGITS = ("numerical error in this request's logits (NaN or inf out of the model); "
@@ -30,6 +33,10 @@ class SampleResult:
     it failed (the message of the RequestFailedError its caller will get)."""
     token_ids: dict[str, int]
     failed: dict[str, str]
+    # Rows that asked (SamplingParams.logprobs): the sampled token's logprobs (the runner fills it in).
+    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
+    # Rows that asked prompt_logprobs and sampled their first token: the prompt's (entry j = token j+1).
+    prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
 
 
 class Sampler:
@@ -39,21 +46,34 @@ class Sampler:
         rows with penalties (the engine passes its request table)."""
         self._generators: dict[str, torch.Generator] = {}
         self.penalties = Penalties(eos_token_ids, histories)
+        self.grammar = GrammarGuide(histories)  # structured output; the engine binds its grammar cache
 
     def forget(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
         self.penalties.forget(request_id)
+        self.grammar.forget(request_id)
 
-    def _generator(self, request_id: str, params: SamplingParams, device: torch.device) -> torch.Generator:
+    def _generator(self, request_id: str, params: SamplingParams, device: torch.device,
+                   position: int) -> torch.Generator:
+        """The request's generator, ready for the draw of output token
+        ``position``.  Seeded: reseeded from (seed, position) before every
+        draw (random_stream.py), so a request resumed on another replica
+        draws what the original would have.  Unseeded: one OS-seeded stream."""
         g = self._generators.get(request_id)
         if g is None:
             g = torch.Generator(device=device)  # multinomial wants it where the probabilities are
-            if params.seed is not None:
-                g.manual_seed(params.seed)
-            else:
+            if params.seed is None:
                 g.seed()
             self._generators[request_id] = g
+        if params.seed is not None:
+            g.manual_seed(position_seed(params.seed, position))
         return g
+
+    def _output_position(self, request_id: str) -> int:
+        """How many output tokens the request has (a resumed one counts those
+        sent before the hop): the position of the token drawn now."""
+        history = self.penalties.histories.get(request_id)
+        return len(history.output_token_ids) if history is not None else 0
 
     def sample_batch(self, logits: torch.Tensor, request_ids: list[str],
                      params: list[SamplingParams]) -> SampleResult:
@@ -61,11 +81,15 @@ class Sampler:
         finite = torch.isfinite(logits).all(dim=-1)
         if any(p.adjusts_logits for p in params):
             logits = self.penalties.apply(logits, request_ids, params)
+        guided = GrammarGuide.wanted(params)  # after penalties, before the choice; False costs nothing
+        if guided:
+            logits = self.grammar.mask(logits, request_ids, params)
         # -1 marks a non-finite row (argmax of a NaN row is a garbage token);
         # one masked tensor keeps it to one device sync.
         best = logits.argmax(dim=-1).masked_fill(~finite, -1).tolist()
         if all(p.greedy for p in params) and min(best, default=0) >= 0:
-            return SampleResult(dict(zip(request_ids, best)), {})
+            result = SampleResult(dict(zip(request_ids, best)), {})
+            return self.grammar.accept(result) if guided else result
         tokens: dict[str, int] = {}
         failed: dict[str, str] = {}
         for row, (rid, p) in enumerate(zip(request_ids, params)):
@@ -79,7 +103,8 @@ class Sampler:
                     failed[rid] = token
                 else:
                     tokens[rid] = token
-        return SampleResult(tokens, failed)
+        result = SampleResult(tokens, failed)
+        return self.grammar.accept(result) if guided else result
 
     def _draw(self, row: torch.Tensor, request_id: str, p: SamplingParams) -> int | str:
         """A sampled token, or why none could be drawn."""
@@ -89,7 +114,8 @@ class Sampler:
             probs = probabilities(row, p)
             if not bool(torch.isfinite(probs).all()) or not float(probs.sum()) > 0:
                 return why
-            return int(torch.multinomial(probs, 1, generator=self._generator(request_id, p, row.device)).item())
+            g = self._generator(request_id, p, row.device, self._output_position(request_id))
+            return int(torch.multinomial(probs, 1, generator=g).item())
         except RuntimeError as exc:  # multinomial's own check, or a generator that will not seed
             return f"{why} ({exc})"
 

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from services.engine.errors import InvalidRequestError
+from services.engine.guided_spec import GuidedSpec
 
 # Caps on what one request may ask the engine thread to check every token:
 # the stop strings are scanned after each token, for every running request.
@@ -32,6 +33,8 @@ MAX_LOGIT_BIAS_ENTRIES = 300
 # inside this window both stay finite in fp32 for any logit a model makes
 # (1e4 / 1e-30 is far below fp32's 3.4e38, and 0 * p is never inf * 0).
 REPETITION_PENALTY_RANGE = (1e-30, 1e30)
+# OpenAI's cap on alternatives per token (top_logprobs, and completions' logprobs).
+MAX_LOGPROBS = 20
 
 
 def _is_int(x: object) -> bool:
@@ -59,6 +62,11 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # vLLM: 1 = off; > 1 discourages tokens of the prompt or output
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) by id; a mapping is accepted
     min_tokens: int = 0              # vLLM: EOS and stop_token_ids are masked until this many are out
+    # Log-probabilities (logprobs.py): None = off; k = the chosen token's and the k likeliest alternatives'.
+    logprobs: int | None = None          # of each sampled token
+    prompt_logprobs: int | None = None   # of each prompt token after the first (echo; skips the prefix cache)
+    # Structured output (guided_spec.py): the grammar every output token must follow; None = free text.
+    guided: GuidedSpec | None = None
     # Whether the sampler must touch this request's logits row (derived):
     # False lets a batch without penalties skip penalties.py entirely.
     adjusts_logits: bool = field(init=False, repr=False, compare=False)
@@ -81,6 +89,12 @@ class SamplingParams:
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise InvalidRequestError(f"min_tokens must be an integer from 0 to max_tokens ({self.max_tokens}), "
                                       f"got {self.min_tokens!r}: lower it, or raise max_tokens")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and (not _is_int(k) or not 0 <= k <= MAX_LOGPROBS):
+                raise InvalidRequestError(f"{name} must be an integer from 0 to {MAX_LOGPROBS} or null, got {k!r}")
+        if self.guided is not None and not isinstance(self.guided, GuidedSpec):
+            raise InvalidRequestError(f"guided must be a GuidedSpec or None, got {type(self.guided).__name__}")
         object.__setattr__(self, "adjusts_logits", bool(
             self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
             or self.logit_bias or self.min_tokens))

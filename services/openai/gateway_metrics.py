@@ -12,6 +12,7 @@ prometheus_client's global one), so two apps in a process never mix numbers.
     pdcluster_admission_in_flight            gauge                              at scrape, from Admission.view()
     pdcluster_admission_rejections_total     counter    reason                  slo (shed) | in_flight_cap
     pdcluster_admission_queued_tokens        gauge      pool                    prompt tokens awaiting a first token
+    pdcluster_failovers_total                counter    reason                  streams resumed on another replica
     pdcluster_kv_blocks_used                 gauge      pool, replica           at scrape, from the Redis status
     pdcluster_kv_blocks_total                gauge      pool, replica             board (StatusBoardReader: at most
     pdcluster_requests_running               gauge      pool, replica             1 s old; absent while Redis is
@@ -72,8 +73,10 @@ class GatewayMetrics:
     ``admission_view``: ``Admission.view`` of the backend.  Either None: those
     metrics are absent."""
 
-    def __init__(self, board: StatusBoard | None = None, admission_view: Callable[[], dict] | None = None):
+    def __init__(self, board: StatusBoard | None = None, admission_view: Callable[[], dict] | None = None,
+                 failover_view: Callable[[], dict] | None = None):
         self.board, self.admission_view = board, admission_view
+        self.failover_view = failover_view  # FailoverLog.view of the backend
         self.registry = CollectorRegistry()
         r = self.registry
         self._responses = Counter("pdcluster_http_responses", "HTTP responses by endpoint and status class",
@@ -159,6 +162,19 @@ class _ScrapeCollector:
                 self.owner._warn_once("pdcluster_admission", exc)
         if self.owner._statuses is not None:
             yield from _board_families(self.owner._statuses)
+        if self.owner.failover_view is not None:
+            try:
+                yield _failover_family(self.owner.failover_view())
+            except Exception as exc:  # noqa: BLE001 - one bad source must not empty the scrape
+                self.owner._warn_once("pdcluster_failovers", exc)
+
+
+def _failover_family(view: dict) -> Metric:
+    family = CounterMetricFamily("pdcluster_failovers", "Streams resumed on another replica after losing their "
+                                 "own, by reason (services/failover.py)", labels=("reason",))
+    for reason, count in sorted(view["resumed"].items()):
+        family.add_metric((reason,), count)
+    return family
 
 
 def _admission_families(view: dict) -> list[Metric]:

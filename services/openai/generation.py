@@ -76,7 +76,7 @@ async def race_disconnect(request: Request, work: Awaitable[T]) -> T:
 async def _collect(chunks: AsyncIterator[StreamChunk], tally: Tally) -> Tally:
     async for chunk in chunks:
         tally.add(chunk)
-        if chunk.finish_reason is not None:
+        if tally.finished:   # every choice (n > 1 merges n streams)
             return tally
     raise _truncated()
 
@@ -112,12 +112,13 @@ async def _sse_body(first: StreamChunk | None, chunks: AsyncIterator[StreamChunk
         chunk = first
         while chunk is not None:
             tally.add(chunk)
-            if chunk.text or chunk.finish_reason is not None:
-                yield fmt.delta(chunk.text, chunk.finish_reason)
-            if chunk.finish_reason is not None:
+            event = fmt.event(chunk, tally)   # None: nothing to show yet
+            if event is not None:
+                yield event
+            if tally.finished:
                 break
             chunk = await anext(chunks, None)
-        if tally.finish_reason is None:
+        if not tally.finished:
             raise _truncated()
         if include_usage:
             yield fmt.usage(tally.usage())

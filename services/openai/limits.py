@@ -16,6 +16,7 @@ from typing import Any
 from services.engine.sampling_params import (
     LOGIT_BIAS_RANGE,
     MAX_LOGIT_BIAS_ENTRIES,
+    MAX_LOGPROBS,
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
@@ -26,6 +27,8 @@ from services.openai.errors import invalid_request
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 # A logit_bias key is a token id written in decimal; 19 digits hold any int64.
+# Choices per request (n): each is a decode of its own (choices.py).
+MAX_CHOICES = 16
 _MAX_TOKEN_ID_DIGITS = 19
 
 
@@ -72,7 +75,10 @@ RANGES: dict[str, Range] = {
     "min_tokens": Range(0),
     "max_tokens": Range(1),
     "max_completion_tokens": Range(1),
-    "n": Range(1),
+    "n": Range(1, MAX_CHOICES),
+    "best_of": Range(1, MAX_CHOICES),
+    "logprobs": Range(0, MAX_LOGPROBS),       # completions' count (chat's is a bool: true is 1, in range)
+    "top_logprobs": Range(0, MAX_LOGPROBS),
     "seed": Range(INT64_MIN, INT64_MAX, note="a signed 64-bit integer"),
 }
 

@@ -24,6 +24,7 @@ from jinja2 import TemplateError
 
 from prefix_store.hashing import hash_prompt_blocks
 from services.engine.tokenizer import Tokenizer
+from services.openai.chat_messages import template_messages
 from services.openai.errors import OpenAIError, invalid_request
 from services.openai.protocol import AnyRequest, ChatCompletionRequest
 
@@ -115,7 +116,7 @@ def prepare_prompt(tokenizer: Tokenizer, req: AnyRequest, hash_seed: int, block_
 def _token_ids(tokenizer: Tokenizer, req: AnyRequest) -> list[int]:
     if isinstance(req, ChatCompletionRequest):
         try:
-            ids = tokenizer.apply_chat_template([m.template_dict() for m in req.messages])
+            ids = tokenizer.apply_chat_template(template_messages(req))  # tool turns and tools too
         except (TemplateError, ValueError) as exc:
             raise invalid_request(f"the chat template rejected these messages: {exc}", param="messages") from None
     elif isinstance(req.prompt, str):

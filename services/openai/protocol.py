@@ -61,22 +61,28 @@ class _SamplingFields(_Strict):
     presence_penalty: float = _bounded("presence_penalty", 0.0)
     frequency_penalty: float = _bounded("frequency_penalty", 0.0)
     logit_bias: LogitBias = None       # {"token id": bias}
-    # Accepted only at values that mean "off" (checked in reject_unsupported):
-    n: int = _bounded("n", 1)
+    n: int = _bounded("n", 1)          # choices; they share the prompt's prefill (choices.py)
     # vLLM extensions
     ignore_eos: bool = False
     top_k: int | None = _bounded("top_k", None)   # 0 or -1: off
     stop_token_ids: StopTokenIds = None
     repetition_penalty: float | None = _bounded("repetition_penalty", None)  # None: 1, off
     min_tokens: int = _bounded("min_tokens", 0)
+    # vLLM's structured-output extensions (at most one, and not with response_format; structured.py)
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None   # EBNF, xgrammar's dialect; start rule `root`
 
 
 class CompletionRequest(_SamplingFields):
     prompt: PromptInput
     suffix: str | None = None
-    echo: bool = False
-    best_of: int | None = None
-    logprobs: int | None = None
+    # 0 only with echo: the prompt alone, scored (echo.py); the range check refuses it otherwise
+    max_tokens: int | None = Field(None, json_schema_extra={"minimum": 0})
+    echo: bool = False                 # the prompt before the text; with max_tokens 0, only the prompt
+    best_of: int | None = _bounded("best_of", None)   # only equal to n (no server-side ranking)
+    logprobs: int | None = _bounded("logprobs", None)  # alternatives per token; with echo, the prompt's too
 
 
 class TextPart(_Strict):
@@ -84,29 +90,45 @@ class TextPart(_Strict):
     text: str
 
 
+class MessageToolCallFunction(_Strict):
+    name: str
+    arguments: str          # JSON text, as the model wrote it
+
+
+class MessageToolCall(_Strict):
+    """An earlier assistant turn's call, sent back in the conversation."""
+    id: str
+    type: Literal["function"] = "function"
+    function: MessageToolCallFunction
+
+
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None   # null only on an assistant turn with tool_calls
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None   # assistant turns
+    tool_call_id: str | None = None               # tool turns: the call answered
 
     def template_dict(self) -> dict[str, str]:
-        """What the chat template sees: text parts joined by newlines."""
-        text = self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
+        """What the chat template sees: text parts joined by newlines
+        (tool calls are rendered by chat_messages.template_messages)."""
+        content = self.content or ""
+        text = content if isinstance(content, str) else "\n".join(p.text for p in content)
         return {"role": self.role, "content": text}
 
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(json_schema_extra={"minItems": 1})
     max_completion_tokens: int | None = _bounded("max_completion_tokens", None)
-    # Accepted only at values that mean "off":
     logprobs: bool = False
-    top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
+    top_logprobs: int | None = _bounded("top_logprobs", None)   # needs logprobs: true
+    tools: list[dict[str, Any]] | None = None           # tools.py
     tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: bool | None = None             # accepted; one call per turn (tools.py)
+    # Accepted only at values that mean "off":
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None       # structured.py
 
 
 AnyRequest = CompletionRequest | ChatCompletionRequest
@@ -121,8 +143,6 @@ def reject_unsupported(req: AnyRequest) -> None:
     """Raise a 400 for any OpenAI feature asked for that this server does not
     implement.  Call after ``limits.check_limits``: a value out of range is
     refused as such, not as unsupported."""
-    if req.n > 1:
-        raise _unsupported("n", f"n={req.n} (several choices per request)", f"send {req.n} separate requests instead")
     if req.stream_options is not None and not req.stream:
         raise invalid_request("stream_options is only allowed with stream: true", param="stream_options")
     if isinstance(req, CompletionRequest):
@@ -132,27 +152,25 @@ def reject_unsupported(req: AnyRequest) -> None:
 
 
 def _reject_unsupported_completion(req: CompletionRequest) -> None:
-    if req.best_of not in (None, 1):
-        raise _unsupported("best_of", f"best_of={req.best_of}")
-    if req.logprobs is not None:
-        raise _unsupported("logprobs", "logprobs")
-    if req.echo:
-        raise _unsupported("echo", "echo")
+    if req.best_of is not None and req.best_of < req.n:
+        raise invalid_request(f"best_of is {req.best_of}, less than n ({req.n}): best_of must be at least n",
+                              param="best_of", code="invalid_value")
+    if req.best_of not in (None, req.n):
+        raise _unsupported("best_of", f"best_of={req.best_of} greater than n (ranking choices on the server)",
+                           f"set best_of to n ({req.n}) and rank the choices by their logprobs yourself")
     if req.suffix is not None:
         raise _unsupported("suffix", "suffix (fill-in-the-middle)")
 
 
 def _reject_unsupported_chat(req: ChatCompletionRequest) -> None:
-    if req.logprobs or req.top_logprobs:
-        raise _unsupported("logprobs" if req.logprobs else "top_logprobs", "logprobs")
-    if req.tools or req.functions:
-        param = "tools" if req.tools else "functions"
-        raise _unsupported(param, "tool / function calling")
-    for param, choice in (("tool_choice", req.tool_choice), ("function_call", req.function_call)):
-        if choice not in (None, "none", "auto"):
-            raise _unsupported(param, "tool / function calling")
-    if req.response_format is not None and req.response_format.get("type") != "text":
-        raise _unsupported("response_format", f"response_format {req.response_format.get('type')!r} (only 'text')")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise invalid_request("top_logprobs requires logprobs: true; set logprobs, or remove top_logprobs",
+                              param="top_logprobs", code="invalid_value")
+    if req.functions:
+        raise _unsupported("functions", "functions (the deprecated form of tools)", "send them as tools")
+    if req.function_call not in (None, "none", "auto"):
+        raise _unsupported("function_call", "function_call (the deprecated form of tool_choice)",
+                           "send tool_choice instead")
     if not req.messages:
         raise invalid_request("messages is empty: send at least one message", param="messages")
 
@@ -165,7 +183,17 @@ def requested_max_tokens(req: AnyRequest) -> tuple[int | None, str]:
 
 
 _PARAMS_NAMED_IN_ERRORS = ("max_tokens", "temperature", "top_p", "top_k", "stop", "stop_token_ids",
-                           "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens")
+                           "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens",
+                           "logprobs")
+
+
+def _logprob_kwargs(req: AnyRequest) -> dict[str, int | None]:
+    """SamplingParams' logprobs (chat: top_logprobs alternatives when logprobs
+    is true; completions: the count) and, for an echoed completion,
+    prompt_logprobs."""
+    if isinstance(req, ChatCompletionRequest):
+        return {"logprobs": (req.top_logprobs or 0) if req.logprobs else None}
+    return {"logprobs": req.logprobs, "prompt_logprobs": req.logprobs if req.echo else None}
 
 
 def to_sampling_params(req: AnyRequest, max_tokens: int, max_tokens_param: str = "max_tokens") -> SamplingParams:
@@ -178,7 +206,8 @@ def to_sampling_params(req: AnyRequest, max_tokens: int, max_tokens_param: str =
                               "stop": () if req.stop is None else req.stop,
                               "stop_token_ids": tuple(req.stop_token_ids or ()),
                               "presence_penalty": req.presence_penalty, "frequency_penalty": req.frequency_penalty,
-                              "logit_bias": logit_bias_by_id(req.logit_bias), "min_tokens": min_tokens}
+                              "logit_bias": logit_bias_by_id(req.logit_bias), "min_tokens": min_tokens,
+                              **_logprob_kwargs(req)}
     if req.temperature is not None:
         kwargs["temperature"] = req.temperature
     if req.top_p is not None:

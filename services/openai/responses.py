@@ -6,6 +6,8 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
+from services.openai.logprobs_format import ChatLogprobs, CompletionLogprobs
+
 
 def _omit_none():
     return Field(default=None, exclude_if=lambda v: v is None)
@@ -33,7 +35,7 @@ class Usage(BaseModel):
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -49,15 +51,27 @@ class CompletionResponse(BaseModel):
 
 # -- /v1/chat/completions ---------------------------------------------------------------------
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str              # JSON text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None         # null when the turn is tool calls
+    tool_calls: list[ToolCall] | None = _omit_none()
 
 
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str
 
 
@@ -70,15 +84,28 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
+class FunctionCallDelta(BaseModel):
+    name: str | None = _omit_none()
+    arguments: str | None = _omit_none()
+
+
+class ToolCallDelta(BaseModel):
+    index: int                  # which call of the turn (OpenAI streams calls by index)
+    id: str | None = _omit_none()
+    type: Literal["function"] | None = _omit_none()
+    function: FunctionCallDelta
+
+
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = _omit_none()
     content: str | None = _omit_none()
+    tool_calls: list[ToolCallDelta] | None = _omit_none()
 
 
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: ChatDelta
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 

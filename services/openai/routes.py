@@ -19,6 +19,7 @@ With API keys in the settings every path but the open ones needs
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 import time
 from typing import Any
@@ -32,6 +33,8 @@ from services.stage_telemetry import observe_gateway_stream
 from services.backend import Backend, GenerateRequest
 from services.engine.tokenizer import Tokenizer
 from services.openai.auth import ApiKeyMiddleware
+from services.openai.choices import generate_choices
+from services.openai.echo import echo_of, prompt_only, scoring_request
 from services.openai.errors import install_error_handlers
 from services.openai.formats import ChatFormat, CompletionFormat, ResponseFormat, Tally
 from services.openai.gateway_metrics import EndpointLabels, GatewayMetrics, ResponseCounter
@@ -39,6 +42,7 @@ from services.openai.generation import complete, stream
 from services.openai.host import host_of, resolve_model
 from services.openai.intake import read_request
 from services.openai.limits import check_limits
+from services.openai.logprobs_format import LogprobRenderer
 from services.openai.openapi import error_responses, generation_responses, install_openapi, request_body
 from services.openai.prompt import fit_max_tokens, prompt_for
 from services.openai.protocol import (
@@ -50,6 +54,7 @@ from services.openai.responses import (
     ChatCompletionChunk, ChatCompletionResponse, CompletionResponse, ModelCard, ModelList,
 )
 from services.openai.settings import OpenAISettings
+from services.openai.tool_calls import ToolCallFormat, constraint_of
 from services.openai.utility_routes import REQUEST_MODELS as UTILITY_REQUEST_MODELS
 from services.openai.utility_routes import router as utility_router
 
@@ -139,8 +144,10 @@ async def _generate(request: Request, kind: type[CompletionRequest] | type[ChatC
     host = host_of(request)
     settings = host.settings
     req: AnyRequest = await read_request(request, kind, settings.max_body_bytes)
+    req, wants_prompt_only = scoring_request(req)   # echo with max_tokens 0
     check_limits(req)
     reject_unsupported(req)
+    guided, tools = constraint_of(req)   # response_format / guided_* / tools: a grammar, or a 400 naming the field
     model = resolve_model(req.model, settings)
     requested, max_tokens_param = requested_max_tokens(req)
     # Refuse bad sampling parameters before spending CPU on the prompt.
@@ -153,19 +160,29 @@ async def _generate(request: Request, kind: type[CompletionRequest] | type[ChatC
     max_tokens = fit_max_tokens(req, requested, max_tokens_param, len(prompt.token_ids),
                                 host.backend.max_model_len, default)
     params = to_sampling_params(req, max_tokens, max_tokens_param)
+    if guided is not None:
+        params = dataclasses.replace(params, guided=guided)
 
     request_id: str = request.state.request_id
     # A client's own id may repeat; the backend's id must not.
     engine_id = f"{request_id}-{secrets.token_hex(4)}" if request.state.request_id_from_client else request_id
     telemetry.set_attrs({telemetry.REQUEST_ID: request_id, telemetry.ENGINE_ID: engine_id, "request.model": model,
                          "request.stream": bool(req.stream), "request.max_tokens": max_tokens})
-    chunks = host.backend.generate(GenerateRequest(engine_id, prompt.token_ids, params, prompt.block_hashes,
-                                                   telemetry.inject(), faults.parse(request.headers.get(faults.HEADER))))
+    chunks = generate_choices(host.backend.generate, GenerateRequest(
+        engine_id, prompt.token_ids, params, prompt.block_hashes, telemetry.inject(),
+        faults.parse(request.headers.get(faults.HEADER))), req.n)
+    if wants_prompt_only:
+        chunks = prompt_only(chunks)
     chunks = observe_gateway_stream(chunks, len(prompt.token_ids))  # TTFT/TPOT/E2E, finish reason on the root
     chunks = host.metrics.observe_stream(chunks)                     # the same, for the gateway's /metrics
-    tally = Tally(prompt_tokens=len(prompt.token_ids))
-    fmt: ResponseFormat = (ChatFormat(f"chatcmpl-{request_id}", int(time.time()), model) if chat
-                           else CompletionFormat(f"cmpl-{request_id}", int(time.time()), model))
+    tally = Tally(prompt_tokens=len(prompt.token_ids), n=req.n)
+    logprobs = None if params.logprobs is None else LogprobRenderer(host.tokenizer, params.logprobs)
+    fmt: ResponseFormat = (
+        ChatFormat(f"chatcmpl-{request_id}", int(time.time()), model, req.n, logprobs) if chat
+        else CompletionFormat(f"cmpl-{request_id}", int(time.time()), model, req.n, logprobs,
+                              echo_of(host.tokenizer, req, prompt.token_ids)))
+    if tools is not None and tools.may_call and isinstance(fmt, ChatFormat):
+        fmt = ToolCallFormat.around(fmt, tools)   # message.tool_calls, finish_reason "tool_calls"
     if req.stream:
         include_usage = req.stream_options is not None and req.stream_options.include_usage
         return await stream(request, chunks, tally, fmt, include_usage)

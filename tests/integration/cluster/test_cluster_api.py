@@ -76,7 +76,7 @@ def test_abort_mid_stream_frees_blocks_everywhere(cluster, base_url):
     ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400),
     ({"model": MODEL, "prompt": "hi", "temperature": -1}, 400),
     ({"model": MODEL, "prompt": "hi", "top_p": 1.5}, 400),
-    ({"model": MODEL, "prompt": "hi", "n": 2}, 400),
+    ({"model": MODEL, "prompt": "hi", "n": 17}, 400),
     ({"model": MODEL, "prompt": "hi", "max_tokens": 9000}, 400),
     ({"model": "no-such-model", "prompt": "hi"}, 404),
     ({"model": MODEL, "prompt": 5}, 400),

@@ -13,6 +13,7 @@ import torch
 
 from services.engine.errors import InvalidRequestError
 from services.engine.penalties import Penalties
+from services.engine.random_stream import position_seed
 from services.engine.sampler import NONFINITE_LOGITS, Sampler, probabilities
 from services.engine.sampling_params import MAX_LOGIT_BIAS_ENTRIES, SamplingParams
 
@@ -103,7 +104,9 @@ def test_sampled_rows_draw_from_the_penalised_logits_then_temperature():
     tokens = Sampler(EOS, histories).sample(logits, ids, params)
     for row, (rid, p) in enumerate(zip(ids, params)):
         probs = probabilities(reference(logits[row], p, histories[rid]), p)
-        want = int(torch.multinomial(probs, 1, generator=torch.Generator().manual_seed(3)))
+        # The draw for output position k is seeded from (seed, k): random_stream.py.
+        seed = position_seed(3, len(histories[rid].output_token_ids))
+        want = int(torch.multinomial(probs, 1, generator=torch.Generator().manual_seed(seed)))
         assert tokens[row] == want, rid
 
 

@@ -10,7 +10,7 @@ from services.engine.forward_batch import ForwardBatch
 from services.engine.model.config import ModelConfig
 from services.engine.model.llama import LlamaModel
 
-pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="needs AVX-512 BF16 and a C compiler")
+pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="needs AVX-512 BF16 or AVX2+FMA, and a C compiler")
 BS = 16
 
 

@@ -51,8 +51,11 @@ OUT_OF_BOUNDS = [
     (CC, {"max_completion_tokens": 0}, "max_completion_tokens", ["at least 1"]),
     (C, {"seed": INT64_MAX + 1}, "seed", [str(INT64_MAX), "64-bit"]),
     (CC, {"seed": -(2**63) - 1}, "seed", [str(-(2**63))]),
-    (C, {"n": 0}, "n", ["out of range", "at least 1"]),
-    (CC, {"n": -1}, "n", ["out of range", "at least 1"]),
+    (C, {"n": 0}, "n", ["out of range", "between 1 and 16"]),
+    (CC, {"n": -1}, "n", ["out of range", "between 1 and 16"]),
+    (CC, {"n": 17}, "n", ["out of range", "between 1 and 16"]),
+    (CC, {"logprobs": True, "top_logprobs": 21}, "top_logprobs", ["out of range", "between 0 and 20"]),
+    (C, {"logprobs": 21}, "logprobs", ["out of range", "between 0 and 20"]),
     (C, {"repetition_penalty": 0}, "repetition_penalty", ["out of range", "between 1e-30 and 1e+30", "1 = off"]),
     (CC, {"repetition_penalty": -1.2}, "repetition_penalty", ["between 1e-30 and 1e+30"]),
     (C, {"repetition_penalty": 1e31}, "repetition_penalty", ["between 1e-30 and 1e+30"]),
@@ -87,7 +90,7 @@ async def test_out_of_bounds_is_400_naming_field_and_bound(client, backend, path
     assert backend.requests == []
 
 
-@pytest.mark.parametrize("field, value", [("n", 2), ("best_of", 2), ("logprobs", 1)])
+@pytest.mark.parametrize("field, value", [("best_of", 2), ("suffix", "end")])
 async def test_in_range_but_unimplemented_is_still_unsupported(client, backend, field, value):
     err = assert_openai_error(await client.post(C, json={"prompt": "Hi", field: value}), 400, field)
     assert err["code"] == "unsupported_parameter" and "not supported" in err["message"]

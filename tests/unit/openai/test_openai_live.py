@@ -46,7 +46,7 @@ def test_streaming_through_the_openai_client(oai, live):
 
 def test_errors_through_the_openai_client(oai, live):
     with pytest.raises(openai.BadRequestError) as bad:
-        oai.chat.completions.create(model=MODEL, messages=MESSAGES, n=2)
+        oai.chat.completions.create(model=MODEL, messages=MESSAGES, n=17)
     assert bad.value.body["param"] == "n"
     with pytest.raises(openai.NotFoundError) as missing:
         oai.chat.completions.create(model="gpt-4o", messages=MESSAGES)

@@ -58,10 +58,12 @@ async def test_max_completion_tokens_is_the_cap_min_tokens_is_checked_against(cl
     (CC, {"min_tokens": 2.5}, "min_tokens"),
     (CC, {"min_tokens": None}, "min_tokens"),
     (C, {"repetition_penalty": "1.1"}, "repetition_penalty"),
-    (CC, {"n": 2, "presence_penalty": 1}, "n"),
-    (CC, {"logprobs": True, "logit_bias": {"5": 1}}, "logprobs"),
-    (CC, {"tools": [{"type": "function", "function": {"name": "f"}}], "frequency_penalty": 1}, "tools"),
-    (CC, {"response_format": {"type": "json_object"}, "min_tokens": 2}, "response_format"),
+    (CC, {"n": 17, "presence_penalty": 1}, "n"),
+    (CC, {"top_logprobs": 3, "logit_bias": {"5": 1}}, "top_logprobs"),
+    (CC, {"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}], "frequency_penalty": 1},
+     "tools[0].function.parameters"),
+    (CC, {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}},
+          "min_tokens": 2}, "response_format.json_schema.schema"),
 ])
 async def test_bad_types_and_the_still_unsupported_are_400(client, backend, path, extra, param):
     assert_openai_error(await client.post(path, json=_body(path, extra)), 400, param)

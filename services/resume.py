@@ -1,0 +1,62 @@
+"""What the gateway keeps per stream so another replica can continue it,
+and the message that resumes it there.
+
+    sent to the client:   [ t0 (prefill) | t1 ... tk (decode replica A) ]   A dies
+    resume on replica B:  PrefillRequest(prompt, params, prior_output_token_ids = t0..tk)
+    B streams:            t(k+1) ...     (never t0..tk again: usage counts each token once)
+
+The prior tokens travel as output, not prompt, so max_tokens, min_tokens,
+penalties, stop strings, the detokenizer and the seeded random stream all
+continue where the original was (services/engine/output_history.py).  The
+request id stays the client's, with a suffix per hop so the new replica
+never meets the old id (a replica that only stalled may still hold it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from router.routing_header import RoutingHeader
+from services.backend import GenerateRequest, StreamChunk
+from services.messages import PrefillRequest
+
+
+@dataclass
+class StreamProgress:
+    """One stream, as the client has seen it so far."""
+    num_prompt_tokens: int
+    max_tokens: int
+    token_ids: list[int] = field(default_factory=list)   # every token sent, in order
+    replica: str = ""                                     # the replica streaming now (TokenDelta.streamed_by)
+    lost: list[str] = field(default_factory=list)         # "reason@replica" per failover, in order
+    lost_replicas: list[str] = field(default_factory=list)
+
+    def add(self, chunk: StreamChunk) -> None:
+        self.token_ids.extend(chunk.token_ids)
+
+    @property
+    def tokens_left(self) -> int:
+        return self.max_tokens - len(self.token_ids)
+
+    @property
+    def num_failovers(self) -> int:
+        return len(self.lost)
+
+    def failed_over(self, reason: str, replica: str, avoid: bool) -> None:
+        """Notes a loss; ``avoid``: the resumed attempt must not go back to ``replica``."""
+        self.lost.append(f"{reason}@{replica or '?'}")
+        if replica and avoid and replica not in self.lost_replicas:
+            self.lost_replicas.append(replica)
+        self.replica = ""
+
+
+def resume_request(req: GenerateRequest, progress: StreamProgress) -> PrefillRequest:
+    """The whole-request message that continues ``req`` after ``progress``."""
+    return PrefillRequest(f"{req.request_id}~r{progress.num_failovers}", req.prompt_token_ids, req.params,
+                          req.trace_context, req.faults, prior_output_token_ids=tuple(progress.token_ids))
+
+
+def resume_header(req: GenerateRequest, progress: StreamProgress, block_size: int) -> dict:
+    """Routing for the resumed attempt: the prompt's prefix (the index says
+    who holds it), the tokens still to come, and the replicas to avoid."""
+    return RoutingHeader(req.block_hashes, len(req.prompt_token_ids), block_size, max(progress.tokens_left, 0),
+                         avoid_workers=tuple(progress.lost_replicas)).to_dict()

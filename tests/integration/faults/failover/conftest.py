@@ -1,0 +1,68 @@
+"""One real cluster for the failover tests: 1 prefill + 2 decode replicas,
+fault injection on, ``fallback_to_colocated`` (a stream whose last decode
+replica died resumes on the prefill replica), no SLO shedding (8 streams
+start at once), and float32: a resumed stream recomputes the tokens already
+sent in one prefill pass, and only in fp32 do those logits match the
+original decode steps' closely enough that greedy output never flips on a
+near-tie (bf16 does, now and then; see tests/integration/engine/test_engine_resume.py).
+
+Tests here SIGKILL replicas; each leaves both decode replicas serving
+(``wait_decode_replicas``) before it ends."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from prefix_store.redis_server import free_service_port
+from services.config import AdmissionSettings, ClusterConfig
+from tests.integration.cluster.conftest import board, directory_cluster, small_pool, stop_after_directory
+from tests.integration.faults.conftest import wait_serving
+
+INTER_TOKEN_TIMEOUT_S = 30.0
+_RUNNING: list = []
+
+
+def pytest_runtest_teardown(item, nextitem):
+    stop_after_directory(item, nextitem, _RUNNING)
+
+
+@pytest.fixture(scope="session")
+def failover_cluster():
+    os.environ["PDCLUSTER_FAULTS"] = "1"
+    config = ClusterConfig(port=free_service_port(), dtype="float32", prefill=small_pool(kv_cache_mib=160),
+                           decode=small_pool(num_replicas=2, kv_cache_mib=160), fallback_to_colocated=True,
+                           lease_ttl_s=120.0,
+                           admission=AdmissionSettings(shed=False, inter_token_timeout_s=INTER_TOKEN_TIMEOUT_S))
+    try:
+        yield from directory_cluster(config, _RUNNING)
+    finally:
+        os.environ.pop("PDCLUSTER_FAULTS", None)
+
+
+@pytest.fixture(scope="session")
+def failover_url(failover_cluster) -> str:
+    return f"http://127.0.0.1:{failover_cluster.config.port}"
+
+
+def decode_replicas(cluster) -> list[dict]:
+    return [s for s in board(cluster) if s["role"] == "decode" and s.get("engine_alive", True)]
+
+
+def sigkill(status: dict) -> None:
+    """Kills a replica's actor process as the kernel's OOM killer would: no cleanup, no goodbye."""
+    os.kill(status["pid"], signal.SIGKILL)
+
+
+def wait_decode_replicas(cluster, url: str, n: int, timeout_s: float = 240.0) -> None:
+    """Until ``n`` live decode replicas are on the board (after Serve replaced a
+    killed one, or a resize) and the cluster serves a request."""
+    deadline = time.monotonic() + timeout_s
+    while len({s["name"] for s in decode_replicas(cluster)}) != n or \
+            any(time.time() - s["time"] > 2.0 for s in decode_replicas(cluster)):
+        assert time.monotonic() < deadline, f"not {n} decode replicas: {decode_replicas(cluster)}"
+        time.sleep(0.5)
+    wait_serving(url, timeout_s=timeout_s)

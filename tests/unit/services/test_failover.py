@@ -1,0 +1,250 @@
+"""Failover decisions (pure), the seeded random stream, and ClusterBackend's
+stream loop with fake Serve handles: a stream that loses its decode replica
+resumes elsewhere from prompt + the tokens sent, counted once, at most
+max_failovers times."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+
+import pytest
+from ray import exceptions as ray_exceptions
+
+from services.backend import (BackendFailure, BackendInvalidRequest, BackendKVTransferFailed, BackendLeaseExpired,
+                              BackendOverloaded, BackendTimeout, BackendUnavailable, GenerateRequest)
+from services.cluster_backend import ClusterBackend
+from services.decode import DecodeServer
+from services.engine.random_stream import position_seed
+from services.engine.sampling_params import greedy
+from services.failover import FailoverReason, decide, live_elsewhere, lost_reason, resume_target
+from services.messages import PrefillRequest, PrefillResponse, TokenDelta
+from services.prefill import PrefillServer
+
+R = FailoverReason
+
+
+# ---- pure decisions ------------------------------------------------------------------------------
+@pytest.mark.parametrize("reason, done, left, elsewhere, resume", [
+    (R.REPLICA_DIED, 0, 10, 1, True),
+    (R.REPLICA_DIED, 0, 10, 0, True),          # a respawn is coming: wait for it
+    (R.REPLICA_DIED, 2, 10, 1, False),         # max_failovers (2) used up
+    (R.REPLICA_DIED, 0, 0, 1, False),          # nothing left to generate
+    (R.INTER_TOKEN_DEADLINE, 0, 10, 1, True),
+    (R.INTER_TOKEN_DEADLINE, 0, 10, 0, False),  # the stalled replica is the only one
+    (R.INTER_TOKEN_DEADLINE, 0, 10, None, False),
+    (R.KV_TRANSFER_FAILED, 1, 10, None, True),
+])
+def test_decide(reason, done, left, elsewhere, resume):
+    decision = decide(reason, done, 2, left, elsewhere)
+    assert decision.resume is resume and (resume or decision.why)
+
+
+def test_resume_target_prefers_another_decode_replica_then_the_fallback():
+    assert resume_target("disaggregated", 1, 1, True).pool == "decode"
+    assert resume_target("disaggregated", None, 1, True).pool == "decode"
+    assert resume_target("disaggregated", 0, 1, True) == resume_target("disaggregated", 0, 1, True)
+    assert resume_target("disaggregated", 0, 1, True).pool == "prefill"
+    assert resume_target("disaggregated", 0, 0, True).pool == "decode"    # wait for the respawn
+    assert resume_target("disaggregated", 0, 1, False).pool == "decode"
+    assert resume_target("colocated", 0, None, False).method == "generate"
+    assert live_elsewhere(2, 1) == 1 and live_elsewhere(1, 3) == 0 and live_elsewhere(None, 1) is None
+
+
+def test_lost_reasons_are_replica_losses_only():
+    assert lost_reason(BackendKVTransferFailed("x")) is R.KV_TRANSFER_FAILED
+    assert lost_reason(BackendLeaseExpired("x")) is R.KV_LEASE_EXPIRED
+    assert lost_reason(BackendUnavailable("engine loop died")) is R.ENGINE_DIED
+    for err in (BackendOverloaded("full"), BackendInvalidRequest("bad"), BackendFailure("nan logits"),
+                BackendTimeout("late")):
+        assert lost_reason(err) is None
+
+
+def test_position_seeds_differ_by_seed_and_position():
+    seeds = {position_seed(s, k) for s in range(50) for k in range(50)}
+    assert len(seeds) == 2500 and all(0 <= x < 2**64 for x in seeds)
+    assert position_seed(-1, 0) == position_seed(2**64 - 1, 0)  # one 64-bit seed, however written
+    with pytest.raises(ValueError):
+        position_seed(1, -1)
+
+
+# ---- the stream loop ------------------------------------------------------------------------------
+HANDOFF = PrefillResponse(request_id="r1", first_token_id=5, text="a", finish_reason=None, block_ids=(3, 4),
+                          num_tokens=20, num_cached_tokens=0, peer=b"peer", worker_name="prefill-x", prefill_s=0.1,
+                          lease_deadline_unix=1e12)
+SERVERS = {"prefill": PrefillServer, "decode": DecodeServer}
+
+
+class _Stream:
+    def __init__(self, deltas=(), error=None, stall_after=None):
+        self.deltas, self.error, self.stall_after, self.cancelled = list(deltas), error, stall_after, False
+
+    def __aiter__(self):
+        async def gen():
+            for i, d in enumerate(self.deltas):
+                if i == self.stall_after:
+                    await asyncio.sleep(3600)
+                yield d
+            if self.error is not None:
+                raise self.error
+        return gen()
+
+    def cancel(self):
+        self.cancelled = True
+
+
+class _Response:
+    def __init__(self, value):
+        self.value = value
+
+    def __await__(self):
+        async def get():
+            return self.value
+        return get().__await__()
+
+    def cancel(self):
+        pass
+
+
+class _Cluster:
+    """Fake Serve handles: each streaming call takes the next scripted stream."""
+
+    def __init__(self, streams):
+        self.streams, self.calls = list(streams), []
+
+    def pool(self, name):
+        cluster = self
+
+        class Handle:
+            def options(self, **_):
+                return self
+
+            def __getattr__(self, method):
+                class Method:
+                    def remote(self, *args, **kwargs):
+                        inspect.signature(getattr(SERVERS[name], method)).bind(None, *args, **kwargs)
+                        cluster.calls.append((f"{name}.{method}", args, kwargs))
+                        if method == "prefill":
+                            return _Response(HANDOFF)
+                        if method == "release":
+                            return _Response(True)
+                        return cluster.streams.pop(0)
+                return Method()
+        return Handle()
+
+
+class _Liveness:
+    def __init__(self, counts):
+        self.counts = counts
+
+    async def live(self, role):
+        return self.counts.get(role, 0)
+
+
+def _backend(streams, live=None, **kw):
+    cluster = _Cluster(streams)
+    handles = {"prefill": cluster.pool("prefill"), "decode": cluster.pool("decode")}
+    backend = ClusterBackend(handles, mode="disaggregated", model_name="m", max_model_len=64, block_size=16,
+                             liveness=_Liveness({"prefill": 1} | live) if live is not None else None, **kw)
+    return backend, cluster
+
+
+async def _drain(backend, max_tokens=5):
+    return [c async for c in backend.generate(GenerateRequest("r1", list(range(20)), greedy(max_tokens)))]
+
+
+def _d(token, text, replica="decode-A", finish=None):
+    return TokenDelta([token], text, finish, streamed_by=replica)
+
+
+def _resumes(cluster):
+    return [(name, args[0], kwargs["routing"]) for name, args, kwargs in cluster.calls
+            if name.endswith("generate_colocated")]
+
+
+async def test_a_dead_decode_replica_is_resumed_on_another_with_the_tokens_sent():
+    died = ray_exceptions.ActorDiedError()
+    streams = [_Stream([_d(6, "b"), _d(7, "c")], error=died),
+               _Stream([_d(8, "d", "decode-B"), _d(9, "e", "decode-B", "length")])]
+    backend, cluster = _backend(streams, live={"decode": 2})
+    chunks = await _drain(backend)
+    assert [t for c in chunks for t in c.token_ids] == [5, 6, 7, 8, 9]  # each token once
+    assert "".join(c.text for c in chunks) == "abcde" and chunks[-1].finish_reason == "length"
+    (name, message, routing), = _resumes(cluster)
+    assert name == "decode.generate_colocated" and isinstance(message, PrefillRequest)
+    assert message.prior_output_token_ids == (5, 6, 7) and message.prompt_token_ids == list(range(20))
+    assert message.request_id != "r1"  # a fresh engine id on the new replica
+    assert routing["avoid_workers"] == ["decode-A"] and routing["max_new_tokens"] == 2
+    assert backend.failovers.resumed == {"replica_died": 1}
+    assert backend.admission.in_flight == 0
+
+
+async def test_a_failed_pull_is_recomputed_on_the_decode_side():
+    streams = [_Stream(error=BackendKVTransferFailed("KV transfer from prefill-x failed: reset")),
+               _Stream([_d(6, "b"), _d(7, "c", finish="length")])]
+    backend, cluster = _backend(streams, live={"decode": 1})
+    chunks = await _drain(backend, max_tokens=3)
+    assert [t for c in chunks for t in c.token_ids] == [5, 6, 7]
+    (_, message, routing), = _resumes(cluster)
+    assert message.prior_output_token_ids == (5,) and routing["avoid_workers"] == []  # the decode side is fine
+    assert backend.failovers.resumed == {"kv_transfer_failed": 1}
+
+
+async def test_after_max_failovers_the_error_names_the_cause():
+    broken = RuntimeError("connection reset")
+    streams = [_Stream([_d(6, "b")], error=broken), _Stream([_d(7, "c")], error=broken),
+               _Stream([_d(8, "d")], error=broken)]
+    backend, cluster = _backend(streams, live={"decode": 2})
+    got = []
+    with pytest.raises(BackendFailure, match=r"stream_broken .*lost its replica 3 times and max_failovers is 2"):
+        async for c in backend.generate(GenerateRequest("r1", list(range(20)), greedy(10))):
+            got += c.token_ids
+    assert got == [5, 6, 7, 8] and len(_resumes(cluster)) == 2
+    assert _resumes(cluster)[1][1].prior_output_token_ids == (5, 6, 7)
+    assert backend.failovers.gave_up == {"stream_broken": 1}
+
+
+async def test_request_level_errors_do_not_fail_over():
+    backend, cluster = _backend([_Stream([_d(6, "b")], error=BackendFailure("numerical error"))], live={"decode": 2})
+    with pytest.raises(BackendFailure, match="numerical error"):
+        await _drain(backend)
+    assert _resumes(cluster) == [] and backend.failovers.resumed == {}
+
+
+async def test_a_stalled_replica_fails_over_only_when_another_is_live():
+    stalled = _Stream([_d(6, "b"), _d(7, "c")], stall_after=1)
+    backend, cluster = _backend([stalled], live={"decode": 1}, inter_token_timeout_s=0.2)
+    with pytest.raises(BackendTimeout, match="no token for 0.2 s"):
+        await _drain(backend)
+    assert stalled.cancelled and _resumes(cluster) == []
+    stalled = _Stream([_d(6, "b"), _d(7, "c")], stall_after=1)
+    backend, cluster = _backend([stalled, _Stream([_d(7, "c", "decode-B"), _d(8, "d", "decode-B", "length")])],
+                                live={"decode": 2}, inter_token_timeout_s=0.2)
+    chunks = await _drain(backend, max_tokens=4)
+    assert [t for c in chunks for t in c.token_ids] == [5, 6, 7, 8] and stalled.cancelled
+    assert _resumes(cluster)[0][2]["avoid_workers"] == ["decode-A"]
+
+
+async def test_with_one_dead_decode_replica_the_fallback_resumes_on_a_prefill_replica():
+    died = ray_exceptions.ActorDiedError()
+    streams = [_Stream([_d(6, "b")], error=died), _Stream([_d(7, "c", "prefill-x", "length")])]
+    backend, cluster = _backend(streams, live={"decode": 1, "prefill": 1}, fallback_to_colocated=True)
+    chunks = await _drain(backend, max_tokens=3)
+    assert [t for c in chunks for t in c.token_ids] == [5, 6, 7]
+    assert _resumes(cluster)[0][0] == "prefill.generate_colocated"
+
+
+async def test_max_failovers_zero_keeps_the_old_error():
+    backend, _ = _backend([_Stream([_d(6, "b")], error=ray_exceptions.ActorDiedError())], live={"decode": 2},
+                          max_failovers=0)
+    with pytest.raises(BackendFailure, match="died"):
+        await _drain(backend)
+
+
+def test_the_routing_header_carries_the_replicas_to_avoid():
+    from router.routing_header import RoutingHeader
+
+    header = RoutingHeader((1, 2), 40, 16, 8, avoid_workers=("decode-a",))
+    again = RoutingHeader.from_mapping(header.to_dict())
+    assert again == header and again.avoid_workers == ("decode-a",)
+    assert RoutingHeader.from_mapping({"block_hashes": []}).avoid_workers == ()
