@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from prefix_store.redis_server import free_service_port
-from services.config import ClusterConfig, PoolConfig
+from services.config import AdmissionSettings, ClusterConfig, PoolConfig
 
 
 def small_pool(**kw) -> PoolConfig:
@@ -57,8 +57,11 @@ def cluster(trace_file):
 
     # Replicas inherit the driver's environment: all spans land in one file.
     os.environ["PDCLUSTER_TRACE_FILE"] = str(trace_file)
+    # No SLO shedding: on a slow CPU (AVX2 only) these feature tests' bursts predict a
+    # TTFT above the SLO and would get 429s; shedding has its own tests (faults/test_overload.py).
     config = ClusterConfig(port=free_service_port(), prefill=small_pool(num_replicas=2), decode=small_pool(),
-                           lease_ttl_s=120.0)  # far above any wait: a stranded lease fails the leak checks
+                           lease_ttl_s=120.0,  # far above any wait: a stranded lease fails the leak checks
+                           admission=AdmissionSettings(shed=False))
     yield from directory_cluster(config, _RUNNING)
 
 
