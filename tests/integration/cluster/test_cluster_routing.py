@@ -4,6 +4,7 @@ serving, and replicas dying mid-request."""
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import threading
 import time
 
@@ -107,19 +108,29 @@ def _wait_replicas(cluster, role: str, n: int, timeout_s: float = 180) -> None:
 
 
 @pytest.mark.slow
-def test_decode_replica_killed_mid_stream_ends_with_an_error_event(cluster, base_url):
+def test_the_only_decode_replica_killed_mid_stream_resumes_on_its_respawn(cluster, base_url):
+    """One decode replica: the stream waits for Serve's respawn (within the
+    inter-token deadline) and finishes; usage counts every token once."""
     import ray
 
-    body = {"model": MODEL, "prompt": "Count: 1, 2, 3,", "max_tokens": 2000, "stream": True, "ignore_eos": True}
-    lines = []
+    max_tokens = 300
+    body = {"model": MODEL, "prompt": "Count: 1, 2, 3,", "max_tokens": max_tokens, "stream": True,
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
+    events = []
     with httpx.Client(timeout=120) as http, http.stream("POST", base_url + "/v1/completions", json=body) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
-            lines.append(line)
-            if len(lines) == 10:
+            if not line.startswith("data:"):
+                continue
+            events.append(line)
+            if len(events) == 10:
                 ray.kill(replica_actor(cluster, "decode"), no_restart=False)
-    tail = [ln for ln in lines if ln.startswith("data:")][-2:]
-    assert '"error"' in tail[0] and tail[1] == "data: [DONE]", tail
+    assert events[-1] == "data: [DONE]"
+    payloads = [json.loads(e[len("data: "):]) for e in events[:-1]]
+    assert not [p for p in payloads if "error" in p], events[-3:]
+    finishes = [c["finish_reason"] for p in payloads for c in p["choices"] if c["finish_reason"]]
+    assert finishes == ["length"], finishes
+    assert payloads[-1]["usage"]["completion_tokens"] == max_tokens, payloads[-1]
     _wait_replicas(cluster, "decode", 1)
     assert chat(base_url, "Back again?").status_code == 200
     wait_no_leaks(cluster, timeout_s=60)
