@@ -10,9 +10,12 @@ router finds the header, in this order:
 
 A header may be a ``RoutingHeader`` or a plain dict with the same keys
 (``block_hashes`` required; ``num_prompt_tokens``, ``block_size``,
-``max_new_tokens``, ``target_worker``, ``avoid_workers`` optional).  ``target_worker`` pins a
-call to one replica (releasing a lease that replica holds); ``avoid_workers``
-keeps a failover off the replicas its stream lost.  A call without one is routed by load only.
+``max_new_tokens``, ``target_worker``, ``avoid_workers``, ``prefer_worker`` optional).
+``target_worker`` pins a call to one replica (releasing a lease that replica
+holds); ``prefer_worker`` sends it to one replica while that replica is live
+(choices 1.. of ``n`` > 1 go where choice 0 cached the prompt) and routes it
+as usual once it is gone; ``avoid_workers`` keeps a failover off the replicas
+its stream lost.  A call without one is routed by load only.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ class RoutingHeader:
     max_new_tokens: int = 0
     target_worker: str | None = None  # only this replica (by worker name): a call about state it holds
     avoid_workers: tuple[str, ...] = ()  # never these replicas (by worker name): a failover's lost ones
+    prefer_worker: str | None = None  # this replica while it is live, else routed as usual: state it may hold
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "block_hashes", tuple(int(h) for h in self.block_hashes))
@@ -56,9 +60,11 @@ class RoutingHeader:
         block_size = int(data.get("block_size", 16))
         target = data.get("target_worker")
         avoid = data.get("avoid_workers") or ()
+        prefer = data.get("prefer_worker")
         return cls(tuple(hashes), int(data.get("num_prompt_tokens", len(hashes) * block_size)),
                    block_size, int(data.get("max_new_tokens", 0)), target if isinstance(target, str) else None,
-                   tuple(w for w in avoid if isinstance(w, str)) if isinstance(avoid, (list, tuple)) else ())
+                   tuple(w for w in avoid if isinstance(w, str)) if isinstance(avoid, (list, tuple)) else (),
+                   prefer if isinstance(prefer, str) else None)
 
 
 def _as_header(obj: Any) -> RoutingHeader | None:

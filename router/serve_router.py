@@ -89,6 +89,12 @@ class PrefixAwareRequestRouter(RequestRouter):
         elif header.target_worker is not None:
             # About state one replica holds: that replica or none (the caller bounds the wait).
             return [[r] for r in candidate_replicas if self.worker_name(r) == header.target_worker][:1]
+        elif header.prefer_worker is not None:
+            # State one replica probably holds (choice 0's prompt blocks): that replica while it
+            # is live; gone, any replica can recompute it.
+            preferred = [r for r in candidate_replicas if self.worker_name(r) == header.prefer_worker]
+            if preferred:
+                return [preferred[:1]]
         if header is not None and header.avoid_workers:
             # A failover: never back onto a replica the stream lost (Serve may not know it died
             # yet).  None left: wait for a new replica (the caller bounds the wait).

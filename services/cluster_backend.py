@@ -97,9 +97,10 @@ class ClusterBackend(Backend):
         self.prefill_retries = 0
 
     def _header(self, req: GenerateRequest, prefill: bool = True) -> dict:
-        """``prefill``: a call that prefills, pinned to ``req.prefill_worker`` when set."""
+        """``prefill``: a call that prefills, sent to ``req.prefill_worker`` (where choice 0 cached
+        the prompt) while that replica is live."""
         return RoutingHeader(req.block_hashes, len(req.prompt_token_ids), self.block_size, req.params.max_tokens,
-                             target_worker=req.prefill_worker if prefill else None).to_dict()
+                             prefer_worker=req.prefill_worker if prefill else None).to_dict()
 
     def _prefill_pool(self, req: GenerateRequest) -> str:
         if self.mode == "colocated":

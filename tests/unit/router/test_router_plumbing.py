@@ -138,3 +138,16 @@ async def test_headerless_requests_spread_over_idle_replicas():
         chosen.add(ranks[0][0].unique_id)
         router.on_request_completed(SimpleNamespace(unique_id=ranks[0][0].unique_id), f"q{i}")
     assert chosen == {"r0", "r1", "r2", "r3"}
+
+
+async def test_target_pins_while_prefer_falls_back_once_the_replica_is_gone():
+    router = make_router(pool="prefill")
+    replicas = [FakeReplica("ra", {"worker_name": "w-a"}), FakeReplica("rb", {"worker_name": "w-b"})]
+    pinned = RoutingHeader((1,), num_prompt_tokens=16, target_worker="w-b")
+    preferred = RoutingHeader((1,), num_prompt_tokens=16, prefer_worker="w-b")
+    assert [r[0].unique_id for r in await router.choose_replicas(replicas, pending("q1", pinned))] == ["rb"]
+    assert [r[0].unique_id for r in await router.choose_replicas(replicas, pending("q2", preferred))] == ["rb"]
+    survivors = replicas[:1]                          # w-b died
+    assert await router.choose_replicas(survivors, pending("q3", pinned)) == []
+    assert [r[0].unique_id for r in await router.choose_replicas(survivors, pending("q4", preferred))] == ["ra"]
+    assert RoutingHeader.from_mapping(preferred.to_dict()) == preferred
