@@ -33,7 +33,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, TypeVar
 
 from services.engine.engine import Engine
-from services.engine.errors import EngineDeadError, InvalidRequestError, RequestFailedError
+from services.engine.errors import EngineDeadError, EngineError, InvalidRequestError, InvalidRequestReason, RequestFailedError
 from services.engine.outputs import EngineStats, ExternalKVAllocation, RequestOutput
 from services.engine.request import Request
 from services.engine.sampling_params import SamplingParams
@@ -309,8 +309,7 @@ class AsyncEngine:
                 fut.set_exception(error)
 
     def _deliver_step(self, outputs: list[RequestOutput]) -> None:
-        self._deliver_all([(out.request_id, out if out.error is None else RequestFailedError(out.error))
-                           for out in outputs])
+        self._deliver_all([(out.request_id, out if out.error is None else _failure(out.error)) for out in outputs])
         for out in outputs:
             if out.finished:
                 self._streams.pop(out.request_id, None)
@@ -338,3 +337,9 @@ class AsyncEngine:
 def _put_all(batch: list[tuple[asyncio.Queue, Any]]) -> None:
     for queue, item in batch:
         queue.put_nowait(item)
+
+
+def _failure(why: str) -> EngineError:
+    """The typed error a failed request's stream raises: the request's own
+    fault (InvalidRequestReason) is a 400, anything else a retryable failure."""
+    return InvalidRequestError(why) if isinstance(why, InvalidRequestReason) else RequestFailedError(why)

@@ -9,6 +9,12 @@ class InvalidRequestError(EngineError, ValueError):
     """The request can never be served as given (HTTP 400)."""
 
 
+class InvalidRequestReason(str):
+    """Why a request failed mid-generation when the request itself is at
+    fault (its grammar allows no next token): a failure message that maps to
+    InvalidRequestError (HTTP 400) instead of RequestFailedError (500/502)."""
+
+
 class RequestTooLongError(InvalidRequestError):
     """Prompt plus max_tokens exceed the context or the KV pool."""
 

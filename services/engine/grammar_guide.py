@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from services.engine.errors import InvalidRequestError
+from services.engine.errors import InvalidRequestError, InvalidRequestReason
 from services.engine.grammar import GrammarCache, xgrammar_module
 from services.engine.guided_spec import GuidedSpec
 from services.engine.penalties import TokenHistory
@@ -106,9 +106,25 @@ class GrammarGuide:
             xgrammar_module().apply_token_bitmask_inplace(logits, mask, indices=rows)
             if any(params[r].min_tokens for r in rows):
                 _keep_grammar_alive(logits, bitmask, rows)
+            self._fail_dead_ends(logits, rows, request_ids, params)
         self.num_masked_rows += len(rows)
         self.mask_seconds += time.perf_counter() - started
         return logits
+
+    def _fail_dead_ends(self, logits: torch.Tensor, rows: list[int], request_ids: Sequence[str],
+                        params: Sequence[SamplingParams]) -> None:
+        """A row the grammar leaves without any token (a pattern this model's
+        vocabulary cannot spell on, e.g. a character with no byte token) is
+        the request's fault: it fails with a 400-class reason."""
+        dead = torch.isneginf(logits[rows]).all(dim=-1).tolist()
+        for row, is_dead in zip(rows, dead):
+            if is_dead:
+                rid, spec = request_ids[row], params[row].guided
+                history = self.histories.get(rid)
+                n = len(history.output_token_ids) if history is not None else 0
+                self._step_failed[rid] = InvalidRequestReason(
+                    f"the {spec.kind} constraint allows no next token after {n} output tokens: this model's "
+                    f"vocabulary cannot continue it; loosen the {spec.kind} or send the request without it")
 
     def _bitmask_for(self, num_rows: int, vocab: int) -> torch.Tensor:
         words = -(-vocab // 32)
@@ -126,7 +142,7 @@ class GrammarGuide:
         try:
             compiled = self.grammars.compile(spec)  # a cache hit: admission compiled it
         except InvalidRequestError as exc:
-            self._step_failed[request_id] = str(exc)
+            self._step_failed[request_id] = InvalidRequestReason(str(exc))
             return None
         matcher = xgrammar_module().GrammarMatcher(compiled)
         history = self.histories.get(request_id)
@@ -148,11 +164,11 @@ class GrammarGuide:
             return result
         tokens, failed = dict(result.token_ids), dict(result.failed)
         for rid, why in self._step_failed.items():
-            if tokens.pop(rid, None) is not None:
-                failed[rid] = why
+            tokens.pop(rid, None)
+            failed[rid] = why   # over the sampler's own complaint (no valid probabilities): this is why
         for rid in self._step_rows:
             token = tokens.get(rid)
-            if token is None:
+            if token is None or rid in self._step_failed:
                 continue
             matcher = self._matchers[rid]
             if not matcher.accept_token(token):

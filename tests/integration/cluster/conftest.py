@@ -59,9 +59,12 @@ def cluster(trace_file):
     os.environ["PDCLUSTER_TRACE_FILE"] = str(trace_file)
     # No SLO shedding: on a slow CPU (AVX2 only) these feature tests' bursts predict a
     # TTFT above the SLO and would get 429s; shedding has its own tests (faults/test_overload.py).
+    # A killed decode replica's respawn (Ray actor + model load) on a loaded CI machine can
+    # outlast the default 30 s inter-token deadline the resumed stream waits within; the
+    # deadline has its own tests (faults/test_deadlines.py).
     config = ClusterConfig(port=free_service_port(), prefill=small_pool(num_replicas=2), decode=small_pool(),
                            lease_ttl_s=120.0,  # far above any wait: a stranded lease fails the leak checks
-                           admission=AdmissionSettings(shed=False))
+                           admission=AdmissionSettings(shed=False, inter_token_timeout_s=120.0))
     yield from directory_cluster(config, _RUNNING)
 
 

@@ -138,3 +138,14 @@ def test_bad_schema_is_400_naming_the_field(client):
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(model=MODEL, prompt="x", max_tokens=2, extra_body={"guided_regex": "a(b"})
     assert err.value.body["param"] == "guided_regex"
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_regex_the_vocabulary_cannot_spell_is_400_and_leaks_nothing(cluster, client, temperature):
+    """The fuzzer's find: after a few byte tokens no token may follow (no
+    byte token continues the 4-byte character); that is the request's fault."""
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL, prompt="-", max_tokens=8, temperature=temperature,
+                                  extra_body={"guided_regex": "\u00d5\u00b4r\U0005069a."})
+    assert "allows no next token" in err.value.body["message"]
+    wait_no_leaks(cluster)

@@ -131,3 +131,20 @@ async def test_async_engine_compiles_at_admission_and_refuses_a_bad_spec(smol_bf
         assert await aengine.run(lambda e: e.kv.num_free_blocks == e.kv.num_total_blocks)
     finally:
         await aengine.shutdown()
+
+
+def test_a_grammar_dead_end_fails_only_its_request_as_invalid(smol_bf16):
+    from services.engine.errors import InvalidRequestReason
+    from services.engine.sampling_params import SamplingParams
+
+    engine = make_engine(smol_bf16)
+    prompt = smol_bf16.tokenizer.encode("-")
+    dead_end = GuidedSpec("regex", "\u00d5\u00b4r\U0005069a.")   # no byte token continues the 4-byte character
+    alone = engine.generate([prompt], greedy(6, ignore_eos=True))[0].new_token_ids
+    outs = engine.generate([prompt, prompt, prompt], [greedy(8, guided=dead_end), greedy(6, ignore_eos=True),
+                                                      SamplingParams(max_tokens=8, temperature=1.0, guided=dead_end)])
+    for out in (outs[0], outs[2]):
+        assert out.finish_reason is FinishReason.ABORT and isinstance(out.error, InvalidRequestReason), out.error
+        assert "allows no next token" in out.error
+    assert outs[1].new_token_ids == alone
+    _no_leak(engine)
