@@ -4,6 +4,7 @@ measured in the same run.
 
     python -m bench.transfer                      # the full table (~1 min, ~4.5 GB of RAM)
     python -m bench.transfer --sizes 1,16,64 --backends nixl
+    python -m bench.transfer --two-hosts          # over a veth between two network namespaces (root)
 
 Block lists are fragmented the way a busy pool is (runs of 1..32 consecutive
 blocks in random order on both sides); the descriptor column shows how many
@@ -43,6 +44,8 @@ SMOLLM2 = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, dtype="bfloat16",
 OVERHEAD_GOAL_MS = 1.0
 MEMCPY_RATIO_GOAL = 0.8
 RATIO_FROM_BLOCKS = 64
+DEFAULT_SIZES = "1,16,64,256,4096"
+TWO_HOSTS_SIZES = "16,64,256"
 
 
 def fragmented_block_ids(num_blocks: int, pool_blocks: int, rng: random.Random, max_run: int = 32) -> list[int]:
@@ -127,11 +130,19 @@ def check_bytes(pool: torch.Tensor, remote: list[int], local: list[int], backend
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sizes", default="1,16,64,256,4096", help="block counts per pull")
+    parser.add_argument("--sizes", default=DEFAULT_SIZES, help="block counts per pull")
     parser.add_argument("--backends", default="nixl,fallback")
     parser.add_argument("--reps-scale", type=float, default=1.0, help="multiply repetitions (noise vs time)")
     parser.add_argument("--no-secret", action="store_true", help="run without the cluster secret (no authentication)")
+    parser.add_argument("--two-hosts", action="store_true",
+                        help="between two network namespaces over a veth pair, next to loopback (root; "
+                             "bench/transfer_two_hosts.py)")
+    parser.add_argument("--pool-blocks", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--_owner", metavar="HOST", help=argparse.SUPPRESS)
+    parser.add_argument("--_pull", nargs=3, metavar=("HOST", "OWNER_NS", "OWNER_HOST"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.two_hosts or args._owner or args._pull:
+        return two_hosts_mode(args)
     print_fingerprint()
     secret = None if args.no_secret else secrets.token_bytes(32)  # one bench run = one cluster
     sizes = [int(s) for s in args.sizes.split(",")]
@@ -177,6 +188,18 @@ def main(argv: list[str] | None = None) -> int:
         backend.close()
     print_targets(rows, backends)
     return 0
+
+
+def two_hosts_mode(args: argparse.Namespace) -> int:
+    from bench import transfer_two_hosts as two
+
+    sizes = [int(s) for s in (args.sizes if args.sizes != DEFAULT_SIZES else TWO_HOSTS_SIZES).split(",")]
+    backends = args.backends.split(",")
+    if args._owner:
+        return two.owner_stdio(args._owner, backends, args.pool_blocks)
+    if args._pull:
+        return two.puller_stdio(*args._pull, backends, sizes, args.pool_blocks, args.reps_scale)
+    return two.run(sizes, backends, args.reps_scale)
 
 
 def print_header(args: argparse.Namespace, pool_blocks: int) -> None:

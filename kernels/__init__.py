@@ -7,4 +7,7 @@ KV pool layout (block-major, one region per block)::
     kv_pool[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
                           K=0 / V=1
     slot = block_id * block_size + offset_in_block
+
+An 8-bit pool (int8 or float8_e4m3fn, ``kv_cache_dtype``) has rows of
+``head_dim + 2`` bytes: the payload, then its bf16 scale (kernels/kv_quant.py).
 """

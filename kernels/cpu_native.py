@@ -81,7 +81,8 @@ class LayerStep(ctypes.Structure):
                 ("n_prefill_seqs", _i64), ("prefill_max_blocks", _i64),
                 *((n, _ptr) for n in ("prefill_tables", "prefill_starts", "prefill_lens")),
                 ("scale", _f32), ("eps", _f32), ("nthreads", _int),
-                *((n, _ptr) for n in ("normed", "qkv", "attn", "proj", "gate_up", "act"))]
+                *((n, _ptr) for n in ("normed", "qkv", "attn", "proj", "gate_up", "act")),
+                ("kv_kind", _i64)]
 
 
 _SIGNATURES = {
@@ -96,7 +97,16 @@ _SIGNATURES = {
     "pd_decoder_stack_bf16": [ctypes.POINTER(LayerWeights), _i64, ctypes.POINTER(LayerStep), _ptr, _ptr, _ptr, _ptr],
     "pd_rope_bf16": [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr],
     "pd_write_kv_bf16": [_ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _i64],
+    # 8-bit KV pools (csrc/kv8_kernels.h): the bf16 signatures plus the pool's kind
+    "pd_write_kv_q8": [_ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _int],
+    "pd_paged_decode_attention_q8": [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64,
+                                     _i64, _i64, _i64, _f32, _int, _int],
+    "pd_prefill_attention_q8": [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64,
+                                _i64, _i64, _f32, _int, _int],
 }
+
+# The KV pool formats the native kernels read and write (PD_KV_* in csrc/kv8_kernels.h).
+KV_KINDS = {torch.bfloat16: 0, torch.int8: 1, torch.float8_e4m3fn: 2}
 
 
 _threads = 0
@@ -208,6 +218,12 @@ def handles(*tensors: torch.Tensor) -> bool:
     return available()
 
 
+def handles_pool(kv_pool: torch.Tensor) -> bool:
+    """True when the native kernels read and write this KV pool: a contiguous
+    CPU pool of bf16 or of 8-bit rows (int8, fp8 e4m3; kernels/kv_quant.py)."""
+    return kv_pool.dtype in KV_KINDS and kv_pool.is_cpu and kv_pool.is_contiguous() and available()
+
+
 def _p(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
@@ -247,9 +263,13 @@ def paged_decode_attention(
     out = torch.empty(batch, heads, head_dim, dtype=q.dtype)
     tables = block_tables.to(torch.int32).contiguous()
     lens = context_lens.to(torch.int32).contiguous()
-    library().pd_paged_decode_attention_bf16(
-        _p(q), q.stride(0), _p(kv_pool), _p(out), _p(tables), _p(lens), batch, heads, kv_heads, head_dim,
-        tables.shape[1], block_size, num_layers, layer, scale, num_threads())
+    args = (_p(q), q.stride(0), _p(kv_pool), _p(out), _p(tables), _p(lens), batch, heads, kv_heads, head_dim,
+            tables.shape[1], block_size, num_layers, layer, scale, num_threads())
+    kind = KV_KINDS[kv_pool.dtype]
+    if kind:
+        library().pd_paged_decode_attention_q8(*args, kind)
+    else:
+        library().pd_paged_decode_attention_bf16(*args)
     return out
 
 
@@ -263,9 +283,13 @@ def prefill_attention(
     tables = block_tables.to(torch.int32).contiguous()
     starts = query_start_loc.to(torch.int32).contiguous()
     lens = context_lens.to(torch.int32).contiguous()
-    library().pd_prefill_attention_bf16(
-        _p(q), q.stride(0), _p(kv_pool), _p(out), _p(tables), _p(starts), _p(lens), lens.shape[0], heads, kv_heads,
-        head_dim, tables.shape[1], block_size, num_layers, layer, scale, num_threads())
+    args = (_p(q), q.stride(0), _p(kv_pool), _p(out), _p(tables), _p(starts), _p(lens), lens.shape[0], heads,
+            kv_heads, head_dim, tables.shape[1], block_size, num_layers, layer, scale, num_threads())
+    kind = KV_KINDS[kv_pool.dtype]
+    if kind:
+        library().pd_prefill_attention_q8(*args, kind)
+    else:
+        library().pd_prefill_attention_bf16(*args)
     return out
 
 
@@ -299,10 +323,16 @@ def apply_rope(
 
 
 def write_kv(kv_pool: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    _, num_layers, _, block_size, kv_heads, head_dim = kv_pool.shape
+    _, num_layers, _, block_size, kv_heads, _ = kv_pool.shape
+    head_dim = k.shape[2]
     slots = slot_mapping.to(torch.int64).contiguous()
-    library().pd_write_kv_bf16(_p(kv_pool), _p(k), _p(v), k.stride(0), _p(slots), k.shape[0], kv_heads,
-                               head_dim, block_size, num_layers, layer)
+    args = (_p(kv_pool), _p(k), _p(v), k.stride(0), _p(slots), k.shape[0], kv_heads, head_dim, block_size,
+            num_layers, layer)
+    kind = KV_KINDS[kv_pool.dtype]
+    if kind:
+        library().pd_write_kv_q8(*args, kind)
+    else:
+        library().pd_write_kv_bf16(*args)
 
 
 def layer_weights(ln1: torch.Tensor, w_qkv: torch.Tensor, b_qkv: torch.Tensor | None, w_o: torch.Tensor,
@@ -345,7 +375,7 @@ class DecoderStack:
             _p(positions), _p(slots), _p(cos), _p(sin),
             batch.num_decode_tokens, dec_tables.shape[1], _p(dec_tables), _p(dec_lens),
             pre_lens.shape[0], pre_tables.shape[1], _p(pre_tables), _p(pre_starts), _p(pre_lens),
-            d ** -0.5, self.eps, num_threads(), *(_p(b) for b in bufs.values()))
+            d ** -0.5, self.eps, num_threads(), *(_p(b) for b in bufs.values()), KV_KINDS[kv_pool.dtype])
         library().pd_decoder_stack_bf16(self.layers, len(self.layers), ctypes.byref(step), _p(kv_pool), _p(hidden),
                                         _p(outs[0]), _p(outs[1]))
         return outs[(len(self.layers) - 1) % 2], hidden

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels.kv_quant import is_quantized, quantize_rows
+
 
 def write_kv_ref(
     kv_pool: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
@@ -13,10 +15,17 @@ def write_kv_ref(
     place, as two row copies into the pool viewed as rows of one token::
 
         row(block, layer, K|V, offset) = ((block * L + layer) * 2 + K|V) * bs + offset
-    """
+
+    An 8-bit pool (:mod:`kernels.kv_quant`) gets each row quantized, its
+    scale beside it."""
     num_layers, block_size = kv_pool.shape[1], kv_pool.shape[3]
     blocks = torch.div(slot_mapping, block_size, rounding_mode="floor")
     rows = (blocks * num_layers + layer) * 2 * block_size + (slot_mapping - blocks * block_size)
-    flat = kv_pool.view(-1, kv_pool.shape[4], kv_pool.shape[5])
-    flat.index_copy_(0, rows, k.to(kv_pool.dtype))
-    flat.index_copy_(0, rows + block_size, v.to(kv_pool.dtype))
+    if is_quantized(kv_pool.dtype):  # index_copy_ has no float8 kernel: move the bytes
+        flat = kv_pool.view(torch.uint8).view(-1, kv_pool.shape[4], kv_pool.shape[5])
+        k, v = (quantize_rows(x, kv_pool.dtype).view(torch.uint8) for x in (k, v))
+    else:
+        flat = kv_pool.view(-1, kv_pool.shape[4], kv_pool.shape[5])
+        k, v = k.to(kv_pool.dtype), v.to(kv_pool.dtype)
+    flat.index_copy_(0, rows, k)
+    flat.index_copy_(0, rows + block_size, v)

@@ -2,6 +2,11 @@
 bf16 on CPUs with AVX-512 BF16 or AVX2+FMA (:mod:`kernels.cpu_native` picks
 the variant), the torch reference elsewhere.
 
+8-bit KV pools (int8, fp8 e4m3: :mod:`kernels.kv_quant`): the native kernels
+read and write them (``cpu_native.handles_pool``); on CUDA, and wherever the
+native kernels are off, the torch references do (the Triton kernels read
+bf16/fp16/fp32 pools only), so no path ever reads 8-bit rows as plain values.
+
 Each op looks at its tensors: CUDA tensors go to the Triton kernel when
 triton imports; CPU bf16 tensors of a supported shape go to
 :mod:`kernels.cpu_native`; anything else to the torch reference.  Triton
@@ -21,6 +26,7 @@ import torch.nn.functional as F
 from kernels import cpu_native
 from kernels.activation import silu_mul_ref
 from kernels.block_copy import gather_blocks_ref, scatter_blocks_ref
+from kernels.kv_quant import is_quantized
 from kernels.kv_write import write_kv_ref
 from kernels.paged_decode_attention import paged_decode_attention_ref
 from kernels.prefill_attention import prefill_attention_ref
@@ -52,6 +58,11 @@ def _triton(module: str, name: str) -> Callable:
     return getattr(importlib.import_module(f"kernels.triton_{module}"), name)
 
 
+def _triton_kv(kv_pool: torch.Tensor) -> bool:
+    """The Triton KV kernels take plain-valued pools only (not 8-bit rows)."""
+    return _on_cuda(kv_pool) and not is_quantized(kv_pool.dtype)
+
+
 def _rows_ok(*tensors: torch.Tensor) -> bool:
     """[T, heads, d] views whose rows may be strided but whose heads are packed."""
     return all(t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in tensors)
@@ -68,8 +79,8 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
 
 def _native_attention(q: torch.Tensor, kv_pool: torch.Tensor) -> bool:
     """The native attention kernels take bf16 CPU q (rows may be strided) over
-    a contiguous pool, head_dim a multiple of 32, whole GQA groups."""
-    return (cpu_native.handles(q, kv_pool) and _rows_ok(q) and q.shape[2] % 32 == 0 and kv_pool.is_contiguous()
+    a contiguous bf16 or 8-bit pool, head_dim a multiple of 32, whole GQA groups."""
+    return (cpu_native.handles(q) and cpu_native.handles_pool(kv_pool) and _rows_ok(q) and q.shape[2] % 32 == 0
             and q.shape[1] % kv_pool.shape[4] == 0)
 
 
@@ -89,10 +100,10 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def write_kv(
     kv_pool: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
 ) -> None:
-    if _on_cuda(kv_pool):
+    if _triton_kv(kv_pool):
         return _triton("kv_write", "write_kv_triton")(kv_pool, layer, k, v, slot_mapping)
-    if (cpu_native.handles(kv_pool, k, v) and _rows_ok(k, v) and k.stride(0) == v.stride(0)
-            and kv_pool.is_contiguous()):
+    if (cpu_native.handles(k, v) and cpu_native.handles_pool(kv_pool) and _rows_ok(k, v)
+            and k.stride(0) == v.stride(0)):
         return cpu_native.write_kv(kv_pool, layer, k, v, slot_mapping)
     return write_kv_ref(kv_pool, layer, k, v, slot_mapping)
 
@@ -101,7 +112,7 @@ def paged_decode_attention(
     q: torch.Tensor, kv_pool: torch.Tensor, layer: int, block_tables: torch.Tensor,
     context_lens: torch.Tensor, scale: float,
 ) -> torch.Tensor:
-    if _on_cuda(q):
+    if _on_cuda(q) and _triton_kv(kv_pool):
         fn = _triton("paged_decode_attention", "paged_decode_attention_triton")
         return fn(q, kv_pool, layer, block_tables, context_lens, scale)
     if _native_attention(q, kv_pool):
@@ -113,7 +124,7 @@ def prefill_attention(
     q: torch.Tensor, kv_pool: torch.Tensor, layer: int, block_tables: torch.Tensor,
     query_start_loc: torch.Tensor, context_lens: torch.Tensor, scale: float,
 ) -> torch.Tensor:
-    if _on_cuda(q):
+    if _on_cuda(q) and _triton_kv(kv_pool):
         fn = _triton("prefill_attention", "prefill_attention_triton")
         return fn(q, kv_pool, layer, block_tables, query_start_loc, context_lens, scale)
     if _native_attention(q, kv_pool):

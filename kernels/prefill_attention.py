@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.kv_quant import dequantize_rows, is_quantized
+
 
 def prefill_attention_ref(
     q: torch.Tensor,
@@ -40,8 +42,11 @@ def prefill_attention_ref(
             continue
         num_blocks = -(-ctx // block_size)
         kv = kv_pool[block_tables[i, :num_blocks].long(), layer]  # [nb, 2, bs, kvh, d]
-        k = kv[:, 0].reshape(-1, kv_heads, head_dim)[:ctx].transpose(0, 1).to(q.dtype)
-        v = kv[:, 1].reshape(-1, kv_heads, head_dim)[:ctx].transpose(0, 1).to(q.dtype)
+        k = kv[:, 0].reshape(-1, kv_heads, kv.shape[-1])[:ctx]
+        v = kv[:, 1].reshape(-1, kv_heads, kv.shape[-1])[:ctx]
+        if is_quantized(kv.dtype):  # 8-bit rows, scales beside them: dequantize to q's dtype
+            k, v = dequantize_rows(k, q.dtype), dequantize_rows(v, q.dtype)
+        k, v = k.transpose(0, 1).to(q.dtype), v.transpose(0, 1).to(q.dtype)
         qs = q[q_start:q_end].transpose(0, 1)  # [heads, q_len, d]
         if q_len == ctx:
             o = F.scaled_dot_product_attention(

@@ -10,9 +10,10 @@ from router.serve_router import request_router_config
 from services.config import ClusterConfig, PoolConfig
 
 
-def _pool_options(config: ClusterConfig, pool: PoolConfig, router_pool: str | None) -> dict:
+def _pool_options(config: ClusterConfig, pool: PoolConfig, router_pool: str | None, placed_as: str) -> dict:
+    """``placed_as``: the pool's name in ``config.topology`` (which Ray nodes its replicas may use)."""
     opts: dict = {
-        "ray_actor_options": {"num_cpus": pool.num_cpus},
+        "ray_actor_options": {"num_cpus": pool.num_cpus, **config.topology.actor_options(placed_as)},
         "max_ongoing_requests": pool.max_ongoing_requests,
         "max_queued_requests": pool.max_queue,
         "health_check_period_s": 2.0,
@@ -54,20 +55,22 @@ def _versioned(deployment: Deployment, args: dict) -> Deployment:
 def build_prefill(config: ClusterConfig) -> Application:
     from services.prefill import PrefillDeployment
     args = replica_args(config)
-    return _versioned(PrefillDeployment.options(**_pool_options(config, config.prefill, "prefill")), args).bind(args)
+    options = _pool_options(config, config.prefill, "prefill", "prefill")
+    return _versioned(PrefillDeployment.options(**options), args).bind(args)
 
 
 def build_decode(config: ClusterConfig) -> Application:
     from services.decode import DecodeDeployment
     args = replica_args(config)
-    return _versioned(DecodeDeployment.options(**_pool_options(config, config.decode, "decode")), args).bind(args)
+    options = _pool_options(config, config.decode, "decode", "decode")
+    return _versioned(DecodeDeployment.options(**options), args).bind(args)
 
 
 def build_colocated(config: ClusterConfig) -> Application:
     from services.colocated import ColocatedDeployment
     args = replica_args(config)
-    return _versioned(ColocatedDeployment.options(**_pool_options(config, config.colocated, "prefill")),
-                      args).bind(args)
+    options = _pool_options(config, config.colocated, "prefill", "colocated")
+    return _versioned(ColocatedDeployment.options(**options), args).bind(args)
 
 
 def build_app(config: ClusterConfig) -> Application:
@@ -75,7 +78,8 @@ def build_app(config: ClusterConfig) -> Application:
     from services.gateway import GatewayDeployment
 
     # The gateway only relays; the pools enforce the real limits (429).
-    gateway: Deployment = _versioned(GatewayDeployment.options(ray_actor_options={"num_cpus": 0.25},
+    actor_options = {"num_cpus": 0.25, **config.topology.actor_options("gateway")}
+    gateway: Deployment = _versioned(GatewayDeployment.options(ray_actor_options=actor_options,
                                                                max_ongoing_requests=4096), replica_args(config))
     if config.mode == "colocated":
         return gateway.bind(replica_args(config), colocated=build_colocated(config))
@@ -83,8 +87,14 @@ def build_app(config: ClusterConfig) -> Application:
 
 
 def app_builder(args: dict) -> Application:
-    """`serve run services.app:app_builder config=deploy/local.yaml` entry."""
+    """`serve run services.app:app_builder config=deploy/local.yaml` entry (and
+    KubeRay's serveConfigV2).  Without index_url, REDIS_URL from the
+    environment (a Kubernetes Secret: the URL holds the password)."""
+    import os
+
     path = args.get("config")
     config = ClusterConfig.from_yaml(path) if path else ClusterConfig.model_validate(
         {k: v for k, v in args.items() if k != "config"})
+    if config.index_url is None and os.environ.get("REDIS_URL"):
+        config = ClusterConfig.model_validate({**config.model_dump(), "index_url": os.environ["REDIS_URL"]})
     return build_app(config)

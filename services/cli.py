@@ -16,6 +16,7 @@ cluster_env()
 COMMAND_MODULES = [
     "services.cli_model",
     "services.cli_up",
+    "services.cli_join",
     "services.cli_status",
     "services.cli_trace",
     "bench.cli_bench",

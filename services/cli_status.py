@@ -29,16 +29,22 @@ def _state() -> dict:
 
 
 def format_board(board: list[dict]) -> list[str]:
-    """One line per replica: role, name, engine state, running/waiting, KV used/total, hits."""
+    """One line per replica: role, name, engine state, running/waiting, KV used/total and dtype, hits,
+    and speculative decoding's accepted/drafted tokens ('-' where it is off)."""
     lines = [f"{'pool':<10} {'replica':<34} {'engine':<6} {'run':>4} {'wait':>4} {'kv used/total':>14} "
-             f"{'leased':>6} {'prompt hit/computed':>20}"]
+             f"{'kv':>8} {'leased':>6} {'prompt hit/computed':>20} {'spec acc/draft':>15}"]
     for s in board:
         used = s["kv_blocks_total"] - s["kv_blocks_free"]
         engine = "alive" if s.get("engine_alive", True) else "DEAD"
         lines.append(f"{s['role']:<10} {s['name'][-34:]:<34} {engine:<6} {s['running']:>4} {s['waiting']:>4} "
-                     f"{used:>6}/{s['kv_blocks_total']:<7} {s['leased_blocks']:>6} "
-                     f"{s['prompt_tokens_cached']:>9}/{s['prompt_tokens_computed']:<10}")
+                     f"{used:>6}/{s['kv_blocks_total']:<7} {s.get('kv_dtype', '?'):>8} {s['leased_blocks']:>6} "
+                     f"{s['prompt_tokens_cached']:>9}/{s['prompt_tokens_computed']:<10} {_spec(s):>15}")
     return lines
+
+
+def _spec(s: dict) -> str:
+    drafted = s.get("spec_proposed_tokens") or 0
+    return f"{s.get('spec_accepted_tokens') or 0}/{drafted}" if drafted else "-"
 
 
 def run_status(args: argparse.Namespace) -> int:
@@ -58,6 +64,8 @@ def run_status(args: argparse.Namespace) -> int:
     print(f"cluster: {state['mode']} on 127.0.0.1:{state['port']} (pid {state['pid']}), "
           f"index {redact_url(state['redis_url'])}")
     print("\n".join(format_board(board)) if board else "no replica has reported yet")
+    from services.ray_node import print_nodes
+    print_nodes(state.get("ray_address"))
     print_autoscale(state)
     print_failovers(state)
     return 0

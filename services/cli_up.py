@@ -34,6 +34,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--insecure-no-auth", action="store_true",
                    help="serve a non-loopback --host without any API key (anyone who reaches it may use it)")
     p.add_argument("--num-cpus", type=int, default=8, help="logical CPUs Ray schedules replicas on")
+    p.add_argument("--head", action="store_true",
+                   help="start the head of a multi-host cluster (`ray start --head`); other hosts run "
+                        "`pdcluster join`.  Needs PDCLUSTER_CLUSTER_SECRET, the same on every node")
+    p.add_argument("--node-ip", help="with --head: this host's address on the internal network")
+    p.add_argument("--ray-port", type=int, default=6379, help="with --head: the Ray head's port")
+    p.add_argument("--role", default="head", choices=["head", "prefill", "decode", "colocated"],
+                   help="with --head: a pool the head also hosts (node label pdcluster/role)")
     p.set_defaults(func=run)
 
 
@@ -82,6 +89,11 @@ def run(args: argparse.Namespace) -> int:
     config = load_config(args)
     from services.cluster_runtime import LocalCluster
 
+    head = None
+    if args.head:
+        from services.cli_head import start_head
+
+        config, head = start_head(config, args)
     stop = threading.Event()
 
     def on_signal() -> None:
@@ -89,7 +101,8 @@ def run(args: argparse.Namespace) -> int:
             signal.signal(sig, lambda *_: stop.set())
 
     on_signal()
-    cluster = LocalCluster(config, num_cpus=args.num_cpus)
+    cluster = LocalCluster(config, num_cpus=args.num_cpus, address=head.address if head else None,
+                           node_ip=args.node_ip)
     autoscaler = None
     try:
         # ray.init installs its own SIGTERM handler, which would exit without stopping anything
@@ -106,6 +119,10 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if autoscaler is not None:
             autoscaler.stop()
-        cluster.stop()
+        try:
+            cluster.stop()
+        finally:
+            if head is not None:
+                head.stop()
     print("stopped: Serve, Ray and the embedded Redis are down", flush=True)
     return 0

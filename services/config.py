@@ -4,7 +4,6 @@ one place.  ``engine_config()`` maps it onto the engine's frozen dataclass."""
 from __future__ import annotations
 
 import hashlib
-import ipaddress
 import os
 import re
 from pathlib import Path
@@ -13,7 +12,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
-from services.engine.config import EngineConfig, SchedulerConfig
+from services.engine.config import EngineConfig, SchedulerConfig, SpeculativeConfig
+from services.topology import TopologySettings, internal_exposure_problem, is_loopback  # noqa: F401 - re-exported
 
 
 API_KEY_ENV = "PDCLUSTER_API_KEY"   # one key, or several separated by commas
@@ -30,19 +30,6 @@ def api_key_digest(key: str | bytes) -> str:
 
 def is_api_key_digest(value: object) -> bool:
     return isinstance(value, str) and _API_KEY_DIGEST.fullmatch(value) is not None
-
-
-def is_loopback(host: str) -> bool:
-    """127.0.0.0/8, ::1 (also IPv4-mapped) and ``localhost``; no name is resolved."""
-    host = host.strip().strip("[]").rstrip(".").lower()
-    if host == "localhost":
-        return True
-    try:
-        address = ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    mapped = getattr(address, "ipv4_mapped", None)
-    return (mapped or address).is_loopback
 
 
 def exposure_problem(host: str, has_keys: bool, insecure: bool) -> str | None:
@@ -96,6 +83,19 @@ class PoolConfig(_Strict):
     max_queue: int = Field(64, ge=1, description="requests waiting per replica before 429")
     max_ongoing_requests: int = Field(128, ge=1)
     autoscaling: dict | None = Field(None, description="Ray Serve autoscaling_config; overrides num_replicas")
+
+
+class SpeculativeSettings(_Strict):
+    """Speculative decoding on decode and colocated replicas (services/engine/spec_decode.py)."""
+    method: Literal["none", "ngram"] = Field("none", description="ngram: drafts by prompt lookup, no draft model")
+    num_tokens: int = Field(4, ge=1, le=16, description="tokens drafted per step")
+    ngram_min: int = Field(2, ge=1)
+    ngram_max: int = Field(4, ge=1)
+    min_acceptance: float = Field(0.3, ge=0, le=1, description="a request accepting less backs off")
+
+    def engine(self) -> SpeculativeConfig:
+        return SpeculativeConfig(method=self.method, num_tokens=self.num_tokens, ngram_min=self.ngram_min,
+                                 ngram_max=self.ngram_max, min_acceptance=self.min_acceptance)
 
 
 class SchedulerSettings(_Strict):
@@ -196,6 +196,8 @@ class ClusterConfig(_Strict):
     model: str | None = Field(None, description="None: the bundled SmolLM2-135M-Instruct GGUF")
     served_model_name: str = "SmolLM2-135M-Instruct"
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    kv_cache_dtype: Literal["auto", "bf16", "int8", "fp8_e4m3"] = Field(
+        "auto", description="KV pool dtype; auto: the model's dtype. 8-bit halves KV memory and transfer bytes")
     block_size: int = 16
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
@@ -203,6 +205,7 @@ class ClusterConfig(_Strict):
     decode: PoolConfig = PoolConfig()
     colocated: PoolConfig = PoolConfig(num_replicas=2)
     scheduler: SchedulerSettings = SchedulerSettings()
+    speculative: SpeculativeSettings = SpeculativeSettings()
     router: RouterSettings = RouterSettings()
     admission: AdmissionSettings = AdmissionSettings()
     index_url: str | None = Field(None, description="redis://host:port; None: REDIS_URL or an embedded Redis")
@@ -234,6 +237,7 @@ class ClusterConfig(_Strict):
         (), repr=False, description="sha256:<hex> of each accepted key: filled from the three sources above, "
                                     "or given directly to keep the keys themselves out of config files")
     insecure_no_auth: bool = Field(False, description="serve a non-loopback host without API keys anyway")
+    topology: TopologySettings = TopologySettings()
 
     @model_validator(mode="before")
     @classmethod
@@ -261,12 +265,16 @@ class ClusterConfig(_Strict):
     @model_validator(mode="after")
     def _check(self) -> "ClusterConfig":
         EngineConfig(block_size=self.block_size)  # raises ValueError naming the fix
+        self.speculative.engine()                 # likewise (ngram_min <= ngram_max)
         if self.scheduler.kv_watermark_low > self.scheduler.kv_watermark_high:
             raise ValueError("scheduler.kv_watermark_low must be <= kv_watermark_high")
         if self.autoscaling.enabled and self.mode != "disaggregated":
             raise ValueError("autoscaling sizes the prefill and decode pools apart: it needs mode disaggregated "
                              "(for colocated, give colocated.autoscaling a Ray Serve autoscaling_config instead)")
         problem = exposure_problem(self.host, bool(self.api_key_digests), self.insecure_no_auth)
+        if problem:
+            raise ValueError(problem)
+        problem = internal_exposure_problem(self.topology, self.index_url)
         if problem:
             raise ValueError(problem)
         return self
@@ -287,10 +295,12 @@ class ClusterConfig(_Strict):
     def engine_config(self, pool: PoolConfig) -> EngineConfig:
         s = self.scheduler
         return EngineConfig(
-            model=self.model, dtype=self.dtype, block_size=self.block_size,
+            model=self.model, dtype=self.dtype, kv_cache_dtype=self.kv_cache_dtype, block_size=self.block_size,
             kv_cache_bytes=pool.kv_cache_mib * 2**20, max_model_len=self.max_model_len,
             enable_prefix_caching=self.enable_prefix_caching, lease_ttl_s=self.lease_ttl_s,
             num_threads=pool.num_threads,
+            # Prefill replicas never decode past the first token: nothing to draft.
+            speculative=SpeculativeConfig() if pool is self.prefill else self.speculative.engine(),
             scheduler=SchedulerConfig(max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
                                       prefill_chunk_size=s.prefill_chunk_size, kv_watermark_high=s.kv_watermark_high,
                                       kv_watermark_low=s.kv_watermark_low))

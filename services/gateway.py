@@ -10,6 +10,7 @@ from fastapi import FastAPI
 from ray import serve
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from kernels.kv_quant import pool_dtype
 from services import telemetry
 from services.admission import Admission
 from services.cluster_backend import ClusterBackend
@@ -75,7 +76,8 @@ class Gateway:
         tokenizer = Tokenizer.from_path(path, mc)
         settings = OpenAISettings(
             served_model_names=(cfg.served_model_name,),
-            block_hash_seed=block_hash_seed(weights_id(path), parse_dtype(cfg.dtype), cfg.block_size),
+            block_hash_seed=block_hash_seed(weights_id(path), pool_dtype(cfg.kv_cache_dtype, parse_dtype(cfg.dtype)),
+                                            cfg.block_size),
             block_size=cfg.block_size, max_body_bytes=cfg.max_body_bytes,
             api_key_digests=cfg.api_key_digests)  # validating cfg refused an exposed host without keys
         adm = cfg.admission

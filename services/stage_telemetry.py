@@ -77,6 +77,7 @@ class DecodeStages(_Stages):
         self.scheduled_s: float | None = None
         self.timer = metrics.RequestTimer("decode", start_s=self.entered_s, clock=time.monotonic)
         self.finish_reason: str | None = None
+        self.drafted = self.accepted = 0
 
     def reserved(self) -> None:
         self.reserved_s = time.monotonic()
@@ -98,6 +99,8 @@ class DecodeStages(_Stages):
         self.timer.on_tokens(len(out.new_token_ids))
         if out.finished and out.finish_reason is not None:
             self.finish_reason = out.finish_reason.value
+        self.drafted = getattr(out, "num_draft_tokens", 0)            # running totals (spec_decode.py)
+        self.accepted = getattr(out, "num_accepted_draft_tokens", 0)
 
     def finish(self, error: BaseException | None = None) -> None:
         now = time.monotonic()
@@ -110,7 +113,10 @@ class DecodeStages(_Stages):
         self._record("decode.queue", start, scheduled)
         self._record("decode.generate", scheduled, now, {
             t.OUTPUT_TOKENS: self.timer.num_tokens, t.FINISH_REASON: self.finish_reason,
-            "decode.tpot_ms": round(tpot_s * 1e3, 3) if tpot_s is not None else None}, error=error)
+            "decode.tpot_ms": round(tpot_s * 1e3, 3) if tpot_s is not None else None,
+            "spec.draft_tokens": self.drafted or None, "spec.accepted_tokens": self.accepted or None,
+            "spec.acceptance_rate": round(self.accepted / self.drafted, 3) if self.drafted else None},
+            error=error)
         if error is None:
             metrics.observe_queue("decode", scheduled - start)
             self.timer.finish(ttft=False)  # the first token came from the prefill pool

@@ -13,6 +13,7 @@ import os
 import time
 from dataclasses import dataclass
 
+from kernels.kv_quant import kv_dtype_label
 from prefix_store.index import make_index
 from prefix_store.publisher import KVEventPublisher
 from prefix_store.worker_id import WorkerId
@@ -65,11 +66,15 @@ class Worker:
         self.engine = Engine(config.engine_config(pool), on_kv_event=self.publisher.on_event)
         self.aengine = AsyncEngine(self.engine)
         self.transfer = None
+        self.internal_address = config.topology.internal_address()  # where its KV peer serves
         if with_transfer:
             # Every block-server connection, descriptor and lease release is
             # authenticated with the per-cluster secret `pdcluster up` generated.
+            # It serves and advertises the topology's internal address (loopback on one host).
             self.transfer = create_backend(config.transfer_backend, peer_id=self.name.replace(":", "-"),
-                                           timeout_s=config.transfer_timeout_s, secret=cluster_secret())
+                                           timeout_s=config.transfer_timeout_s, secret=cluster_secret(),
+                                           internal_host=self.internal_address,
+                                           allow_fallback=config.topology.allow_transfer_fallback)
             kv = self.engine.kv.kv_pool
             # The lease table vets every owner-side read (a late pull never reads recycled blocks).
             self.transfer.register_pool(kv, KVLayout.of_pool(kv, self.engine.hash_seed),
@@ -155,11 +160,15 @@ class Worker:
             "name": self.name, "role": self.role, "pid": os.getpid(), "engine_alive": self.engine_alive(),
             "running": s.num_running, "waiting": s.num_waiting, "awaiting_kv": s.num_awaiting_kv,
             "kv_blocks_total": s.kv_blocks_total, "kv_blocks_free": s.kv_blocks_free,
+            "kv_dtype": kv_dtype_label(self.engine.kv_spec.dtype),
             "kv_blocks_cached": s.kv_blocks_cached, "leased_blocks": s.leased_blocks,
             "prompt_tokens_computed": s.prompt_tokens_computed, "prompt_tokens_cached": s.prompt_tokens_cached,
             "preemptions": s.num_preemptions, "in_flight": self.in_flight,
+            "spec_proposed_tokens": s.spec_proposed_tokens, "spec_accepted_tokens": s.spec_accepted_tokens,
+            "spec_tokens_per_step": s.spec_tokens_per_step,
             "counters": self.counters.__dict__.copy(),
             "transfer_backend": self.transfer.name if self.transfer else None,
+            "internal_address": self.internal_address,
             "time": time.time(),
         }
 

@@ -3,6 +3,15 @@
     kv_pool[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
             |<- one block: contiguous, block_bytes long ------------------>|
 
+An 8-bit pool (dtype int8 or float8_e4m3fn) widens each (token, kv head) row
+by a 2-byte scale stored after its payload (kernels/kv_quant.py)::
+
+    kv_pool[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim + 2]
+                                                                 |<- payload | scale ->|
+
+so the scales live inside the block's region and move with it: a transfer
+needs no second descriptor, and block_bytes is about half of bf16's.
+
 A pull copies whole blocks as raw bytes, so the two pools must match in every
 field below; ``num_blocks`` alone may differ.  The transfer layer knows this
 layout and nothing else of the engine."""
@@ -18,6 +27,9 @@ import torch
 from transfer.errors import LayoutMismatchError
 
 _MAX_U64 = 2**64 - 1
+# Bytes of each row's scale in an 8-bit pool (kernels.kv_quant.SCALE_BYTES; a test pins the two together).
+EIGHT_BIT_SCALE_BYTES = 2
+_EIGHT_BIT = ("int8", "float8_e4m3fn")
 
 
 @dataclass(frozen=True)
@@ -45,8 +57,13 @@ class KVLayout:
         return getattr(torch, self.dtype)
 
     @property
+    def row_width(self) -> int:
+        """Elements of one (token, kv head) row: head_dim, plus the scale in 8-bit pools."""
+        return self.head_dim + (EIGHT_BIT_SCALE_BYTES if self.dtype in _EIGHT_BIT else 0)
+
+    @property
     def block_shape(self) -> tuple[int, int, int, int, int]:
-        return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
+        return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.row_width)
 
     @property
     def block_bytes(self) -> int:
@@ -59,8 +76,10 @@ class KVLayout:
             raise ValueError(
                 "kv_pool must be [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim], "
                 f"got shape {tuple(kv_pool.shape)}")
-        _, layers, _, block_size, heads, head_dim = kv_pool.shape
-        return cls(layers, heads, head_dim, dtype_name(kv_pool.dtype), block_size, model_fingerprint)
+        _, layers, _, block_size, heads, row = kv_pool.shape
+        dtype = dtype_name(kv_pool.dtype)
+        head_dim = row - EIGHT_BIT_SCALE_BYTES if dtype in _EIGHT_BIT else row
+        return cls(layers, heads, head_dim, dtype, block_size, model_fingerprint)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

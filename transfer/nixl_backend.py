@@ -28,6 +28,7 @@ than NIXL's pickled descriptor lists: nothing from the wire is unpickled."""
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from typing import Any
@@ -69,9 +70,14 @@ class NixlBackend(TransferBackend):
     checks_lease_on_read = False  # one-sided: the puller's deadline checks stand in (see transfer.base)
 
     def __init__(self, peer_id: str | None = None, timeout_s: float = 10.0, secret: bytes | None = None,
-                 progress_interval_s: float | None = 0.005, ucx_error_handling: str = "none") -> None:
+                 progress_interval_s: float | None = 0.005, ucx_error_handling: str = "none",
+                 net_devices: str | None = None) -> None:
+        """``net_devices``: UCX_NET_DEVICES for this process's agents (``lo``, or
+        the device of the address peers reach this host on); None keeps the environment's."""
         super().__init__(peer_id, timeout_s, secret)
         nixl_agent, nixl_agent_config = _load_nixl()
+        if net_devices is not None:  # UCX reads it when the agent's context starts, just below
+            os.environ["UCX_NET_DEVICES"] = net_devices
         try:
             self._agent = nixl_agent(self.agent_name, nixl_agent_config(enable_prog_thread=False, backends=[]))
             self._agent.create_backend("UCX", {"ucx_error_handling_mode": ucx_error_handling})

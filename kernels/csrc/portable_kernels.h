@@ -6,6 +6,8 @@
 #ifndef PD_PORTABLE_KERNELS_H
 #define PD_PORTABLE_KERNELS_H
 
+#include "kv8_kernels.h"
+
 /* W[N, K] -> wp[N / 32][K / 2][32][2] (the layout drawn above pd_linear_packed_bf16) */
 void pd_pack_weight_bf16(const bf16 *w, bf16 *wp, int64_t N, int64_t K) {
     const int64_t kp = K / 2;
@@ -82,6 +84,7 @@ typedef struct {
     float scale, eps;
     int nthreads;
     bf16 *normed, *qkv, *attn, *proj, *gate_up, *act;  /* scratch */
+    int64_t kv_kind;  /* PD_KV_BF16 | PD_KV_INT8 | PD_KV_FP8: the pool's format (kv8_kernels.h) */
 } pd_layer_step;
 
 static void decoder_layer(const pd_layer_weights *w, const pd_layer_step *s, bf16 *kv, int64_t layer,
@@ -91,13 +94,27 @@ static void decoder_layer(const pd_layer_weights *w, const pd_layer_step *s, bf1
     pd_linear_packed_bf16(s->normed, w->w_qkv, w->b_qkv, s->qkv, T, width, s->hidden, s->nthreads);
     pd_rope_bf16(s->qkv, width, T, s->H, s->D, s->positions, s->cos, s->sin);
     pd_rope_bf16(s->qkv + qs, width, T, s->KVH, s->D, s->positions, s->cos, s->sin);
-    pd_write_kv_bf16(kv, s->qkv + qs, s->qkv + qs + kvs, width, s->slots, T, s->KVH, s->D, s->block_size,
-                     s->num_layers, layer);
-    if (s->n_decode)
+    const int q8 = (int)s->kv_kind;
+    if (q8)
+        pd_write_kv_q8((uint8_t *)kv, s->qkv + qs, s->qkv + qs + kvs, width, s->slots, T, s->KVH, s->D,
+                       s->block_size, s->num_layers, layer, q8);
+    else
+        pd_write_kv_bf16(kv, s->qkv + qs, s->qkv + qs + kvs, width, s->slots, T, s->KVH, s->D, s->block_size,
+                         s->num_layers, layer);
+    if (s->n_decode && q8)
+        pd_paged_decode_attention_q8(s->qkv, width, (const uint8_t *)kv, s->attn, s->decode_tables, s->decode_lens,
+                                     s->n_decode, s->H, s->KVH, s->D, s->decode_max_blocks, s->block_size,
+                                     s->num_layers, layer, s->scale, s->nthreads, q8);
+    else if (s->n_decode)
         pd_paged_decode_attention_bf16(s->qkv, width, kv, s->attn, s->decode_tables, s->decode_lens, s->n_decode,
                                        s->H, s->KVH, s->D, s->decode_max_blocks, s->block_size, s->num_layers,
                                        layer, s->scale, s->nthreads);
-    if (s->n_prefill_seqs)
+    if (s->n_prefill_seqs && q8)
+        pd_prefill_attention_q8(s->qkv + s->n_decode * width, width, (const uint8_t *)kv, s->attn + s->n_decode * qs,
+                                s->prefill_tables, s->prefill_starts, s->prefill_lens, s->n_prefill_seqs, s->H,
+                                s->KVH, s->D, s->prefill_max_blocks, s->block_size, s->num_layers, layer,
+                                s->scale, s->nthreads, q8);
+    else if (s->n_prefill_seqs)
         pd_prefill_attention_bf16(s->qkv + s->n_decode * width, width, kv, s->attn + s->n_decode * qs,
                                   s->prefill_tables, s->prefill_starts, s->prefill_lens, s->n_prefill_seqs, s->H,
                                   s->KVH, s->D, s->prefill_max_blocks, s->block_size, s->num_layers, layer,

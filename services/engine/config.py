@@ -28,9 +28,39 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding by n-gram prompt lookup (spec_ngram.py, spec_decode.py).
+    Off by default: it pays on text that copies its context and costs a little
+    elsewhere (the back-off bounds that cost)."""
+    method: str = "none"                # "none" | "ngram"
+    num_tokens: int = 4                 # k: tokens proposed per step
+    ngram_min: int = 2                  # match the context's last n tokens, n from max down to min
+    ngram_max: int = 4
+    min_acceptance: float = 0.3         # back off a request whose acceptance over a window is lower
+    window_tokens: int = 16             # proposed tokens per acceptance window
+
+    def __post_init__(self) -> None:
+        if self.method not in ("none", "ngram"):
+            raise ValueError(f"speculative method must be 'none' or 'ngram', got {self.method!r}")
+        if not 1 <= self.num_tokens <= 16:
+            raise ValueError(f"speculative num_tokens must be in [1, 16], got {self.num_tokens}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(f"need 1 <= ngram_min ({self.ngram_min}) <= ngram_max ({self.ngram_max})")
+        if not 0 <= self.min_acceptance <= 1:
+            raise ValueError(f"min_acceptance must be in [0, 1], got {self.min_acceptance}")
+        if self.window_tokens < 1:
+            raise ValueError(f"window_tokens must be >= 1, got {self.window_tokens}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "none"
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: str | None = None            # None -> the bundled SmolLM2-135M-Instruct GGUF
     dtype: str = "bfloat16"
+    kv_cache_dtype: str = "auto"        # auto (the model's dtype) | bf16 | int8 | fp8_e4m3 (kernels/kv_quant.py)
     device: str = "cpu"
     block_size: int = 16
     kv_cache_bytes: int = 512 * 2**20   # memory for the KV pool
@@ -40,10 +70,13 @@ class EngineConfig:
     lease_ttl_s: float = 30.0           # prefill-only blocks stay pinned this long at most
     num_threads: int | None = None      # torch intra-op threads; None leaves torch's default
     scheduler: SchedulerConfig = SchedulerConfig()
+    speculative: SpeculativeConfig = SpeculativeConfig()
 
     def __post_init__(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be a power of two up to 128, got {self.block_size}")
+        if self.kv_cache_dtype not in ("auto", "bf16", "int8", "fp8_e4m3"):
+            raise ValueError(f"kv_cache_dtype must be auto, bf16, int8 or fp8_e4m3, got {self.kv_cache_dtype!r}")
         if self.kv_cache_bytes < 1:
             raise ValueError(f"kv_cache_bytes must be > 0, got {self.kv_cache_bytes}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 import torch
 
 from kernels import cpu_native
+from kernels.kv_quant import pool_dtype
 
 from services.engine.config import EngineConfig
 from services.engine.detokenizer import IncrementalDetokenizer
@@ -38,6 +39,7 @@ from services.engine.runner import ModelRunner
 from services.engine.sampler import SampleResult
 from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler import Scheduler, SchedulerOutput
+from services.engine.spec_decode import NgramSpeculator
 
 log = logging.getLogger(__name__)
 # Steps that raise, in a row, before the engine gives up: one bad request
@@ -47,7 +49,7 @@ MAX_CONSECUTIVE_FAILED_STEPS = 3
 
 def kv_spec_for(config: EngineConfig, loaded: LoadedModel) -> KVCacheSpec:
     mc = loaded.config
-    dtype = next(loaded.model.parameters()).dtype
+    dtype = pool_dtype(config.kv_cache_dtype, next(loaded.model.parameters()).dtype)
     probe = KVCacheSpec(1, config.block_size, mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype)
     num_blocks = config.num_kv_blocks or config.kv_cache_bytes // probe.block_bytes
     return KVCacheSpec(num_blocks, config.block_size, mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype)
@@ -72,7 +74,8 @@ class Engine:
         self.kv_spec = kv_spec_for(config, self.loaded)
         self.hash_seed = block_hash_seed(self.loaded.weights_id, self.kv_spec.dtype, config.block_size)
         self.kv = KVCache(self.kv_spec, config.device, on_kv_event, config.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.kv, self.hash_seed)
+        self.speculator = NgramSpeculator(config.speculative) if config.speculative.enabled else None
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.hash_seed, self.speculator)
         self.requests: dict[str, Request] = {}
         # The sampler reads a penalised request's tokens from this table, by id.
         self.runner = ModelRunner(self.loaded.model, self.kv, config.device,
@@ -270,10 +273,10 @@ class Engine:
             outputs += [self._fail(s.request, sampled.failed[s.request.request_id])
                         for s in out.scheduled if s.request.request_id in sampled.failed]
             out = _without(out, sampled.failed)  # their blocks of this step never reach the prefix cache
-        got = self.scheduler.update(out, sampled.token_ids)
+        got = self.scheduler.update(out, sampled.token_ids, sampled.verified)
         for req in got:
-            outputs.append(self._postprocess_or_fail(req))
-        if sampled.logprobs or sampled.prompt_logprobs:  # only when a row asked
+            outputs.append(self._postprocess_or_fail(req, len(sampled.verified.get(req.request_id, ())) or 1))
+        if sampled.logprobs or sampled.prompt_logprobs or sampled.verified_logprobs:  # only when a row asked
             _attach_logprobs(outputs, sampled)
         self._in_flight = None
         return outputs
@@ -314,9 +317,9 @@ class Engine:
                              num_output_tokens=len(req.output_token_ids), first_scheduled_s=req.first_scheduled_s,
                              error=why)
 
-    def _postprocess_or_fail(self, req: Request) -> RequestOutput:
+    def _postprocess_or_fail(self, req: Request, num_new: int = 1) -> RequestOutput:
         try:
-            return self._postprocess(req)
+            return self._postprocess(req, num_new)
         except Exception as exc:  # noqa: BLE001 - one request's detokenizer or lease: fail it alone
             log.error("post-processing failed: request_id=%s error=%r", req.request_id, exc, exc_info=exc)
             return self._fail(req, f"the engine failed to post-process this request ({type(exc).__name__}: "
@@ -334,15 +337,28 @@ class Engine:
             return FinishReason.LENGTH
         return None
 
-    def _postprocess(self, req: Request) -> RequestOutput:
-        token = req.output_token_ids[-1]
+    def _postprocess(self, req: Request, num_new: int = 1) -> RequestOutput:
+        """The step's ``num_new`` tokens (more than one after an accepted
+        draft), each checked for a stop in turn: tokens after the first stop
+        are dropped, as if never generated."""
         detok = self._detok[req.request_id]
-        is_eos = token in self.tokenizer.eos_token_ids and not req.params.ignore_eos
-        delta = "" if is_eos else detok.add(token)
-        reason = self._stop_reason(req, token, detok)
-        out = RequestOutput(req.request_id, [token], delta, num_prompt_tokens=req.num_prompt_tokens,
+        new = req.output_token_ids[-num_new:]
+        del req.output_token_ids[-num_new:]
+        kept: list[int] = []
+        delta, reason = "", None
+        for token in new:
+            req.output_token_ids.append(token)
+            kept.append(token)
+            is_eos = token in self.tokenizer.eos_token_ids and not req.params.ignore_eos
+            delta += "" if is_eos else detok.add(token)
+            reason = self._stop_reason(req, token, detok)
+            if reason is not None:
+                break
+        out = RequestOutput(req.request_id, kept, delta, num_prompt_tokens=req.num_prompt_tokens,
                             num_cached_tokens=req.num_cached_tokens, num_output_tokens=len(req.output_token_ids),
                             first_scheduled_s=req.first_scheduled_s)
+        if self.speculator is not None:
+            out.num_draft_tokens, out.num_accepted_draft_tokens = self.speculator.totals(req.request_id)
         if reason is None and req.prefill_only:
             lease = self.leases.pin(req.request_id, list(req.block_ids))  # may raise: the request still owns them
             blocks = self.scheduler.finish(req, FinishReason.PREFILLED, keep_blocks=True)
@@ -364,10 +380,12 @@ class Engine:
         self.requests.pop(request_id, None)
         self._detok.pop(request_id, None)
         self.runner.sampler.forget(request_id)
+        if self.speculator is not None:
+            self.speculator.forget(request_id)
 
     # ---- views ---------------------------------------------------------------
     def stats(self) -> EngineStats:
-        s = self.scheduler
+        s, spec = self.scheduler, self.speculator
         return EngineStats(
             num_running=len(s.running), num_waiting=len(s.waiting), num_awaiting_kv=len(self.awaiting_kv),
             kv_blocks_total=self.kv.num_total_blocks, kv_blocks_free=self.kv.num_free_blocks,
@@ -375,7 +393,11 @@ class Engine:
             prompt_tokens_computed=s.num_prompt_tokens_computed, prompt_tokens_cached=s.num_prompt_tokens_cached,
             num_preemptions=s.num_preemptions, num_steps=self.num_steps,
             num_failed_requests=self.num_failed_requests, num_failed_steps=self.num_failed_steps,
-            num_expired_reservations=self.num_expired_reservations, num_refused_reads=self.leases.num_refused_reads)
+            num_expired_reservations=self.num_expired_reservations, num_refused_reads=self.leases.num_refused_reads,
+            spec_proposed_tokens=spec.num_proposed_tokens if spec else 0,
+            spec_accepted_tokens=spec.num_accepted_tokens if spec else 0,
+            spec_verify_steps=spec.num_verify_steps if spec else 0,
+            spec_emitted_tokens=spec.num_emitted_tokens if spec else 0)
 
     def check_integrity(self) -> None:
         """Asserts the pool is consistent and every block reference has an
@@ -409,6 +431,7 @@ class Engine:
                 m.finished, m.finish_reason, m.error = o.finished, o.finish_reason, o.error
                 m.num_prompt_tokens, m.num_cached_tokens = o.num_prompt_tokens, o.num_cached_tokens
                 m.num_output_tokens = o.num_output_tokens
+                m.num_draft_tokens, m.num_accepted_draft_tokens = o.num_draft_tokens, o.num_accepted_draft_tokens
                 if o.logprobs is not None:
                     m.logprobs = (m.logprobs or []) + o.logprobs
                 m.prompt_logprobs = m.prompt_logprobs if o.prompt_logprobs is None else o.prompt_logprobs
@@ -422,6 +445,8 @@ def _attach_logprobs(outputs: list[RequestOutput], sampled: SampleResult) -> Non
         if o.error is None and o.new_token_ids:
             if o.request_id in sampled.logprobs:
                 o.logprobs = [sampled.logprobs[o.request_id]]
+            elif o.request_id in sampled.verified_logprobs:  # a stop may have dropped the last few
+                o.logprobs = sampled.verified_logprobs[o.request_id][:len(o.new_token_ids)]
             o.prompt_logprobs = sampled.prompt_logprobs.get(o.request_id)
 
 

@@ -106,17 +106,18 @@ class GrammarGuide:
             xgrammar_module().apply_token_bitmask_inplace(logits, mask, indices=rows)
             if any(params[r].min_tokens for r in rows):
                 _keep_grammar_alive(logits, bitmask, rows)
-            self._fail_dead_ends(logits, rows, request_ids, params)
+            self._fail_dead_ends(bitmask, rows, request_ids, params)
         self.num_masked_rows += len(rows)
         self.mask_seconds += time.perf_counter() - started
         return logits
 
-    def _fail_dead_ends(self, logits: torch.Tensor, rows: list[int], request_ids: Sequence[str],
+    def _fail_dead_ends(self, bitmask: torch.Tensor, rows: list[int], request_ids: Sequence[str],
                         params: Sequence[SamplingParams]) -> None:
-        """A row the grammar leaves without any token (a pattern this model's
+        """A row whose grammar allows no token at all (a pattern this model's
         vocabulary cannot spell on, e.g. a character with no byte token) is
-        the request's fault: it fails with a 400-class reason."""
-        dead = torch.isneginf(logits[rows]).all(dim=-1).tolist()
+        the request's fault: it fails with a 400-class reason.  (The bitmask
+        has no bits past the vocabulary: xgrammar's TokenizerInfo is sized to it.)"""
+        dead = (~bitmask[rows].any(dim=1)).tolist()
         for row, is_dead in zip(rows, dead):
             if is_dead:
                 rid, spec = request_ids[row], params[row].guided

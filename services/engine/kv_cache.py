@@ -4,6 +4,9 @@ Pool layout (block-major, one contiguous region per block, see kernels/)::
 
     kv_pool[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
 
+An 8-bit pool (int8, float8_e4m3fn) widens each row by its bf16 scale,
+``head_dim + 2`` bytes (kernels/kv_quant.py): a block stays one region.
+
 Every block is in exactly one of three states::
 
     in use      ref_count > 0 (held by requests or leases; may be cached)
@@ -23,6 +26,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+
+from kernels.kv_quant import row_width
 
 KVEventCallback = Callable[[str, list[int]], None]  # ("stored" | "evicted", block hashes)
 
@@ -44,12 +49,17 @@ class KVCacheSpec:
 
     @property
     def block_bytes(self) -> int:
-        elem = torch.empty(0, dtype=self.dtype).element_size()
-        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * elem
+        """One block's bytes: all layers, K and V, and (8-bit pools) their scales."""
+        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.row_width * self.dtype.itemsize
+
+    @property
+    def row_width(self) -> int:
+        """Elements of one (token, kv head) row: head_dim, plus the scale's bytes in 8-bit pools."""
+        return row_width(self.head_dim, self.dtype)
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return (self.num_blocks, self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
+        return (self.num_blocks, self.num_layers, 2, self.block_size, self.num_kv_heads, self.row_width)
 
 
 @dataclass(frozen=True)

@@ -54,6 +54,10 @@ class RequestOutput:
     # output: entry j scores prompt token j+1 (services/engine/logprobs.py).
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob] | None = None
+    # Speculative decoding, so far in this request: tokens drafted, and those accepted
+    # (a span attribute's worth; both 0 without drafts).
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
 
     def followed_by(self, later: "RequestOutput") -> "RequestOutput":
         """This output and the next one of the same request as one."""
@@ -63,7 +67,8 @@ class RequestOutput:
             later.num_output_tokens, self.prefill or later.prefill,
             self.first_scheduled_s if self.first_scheduled_s is not None else later.first_scheduled_s,
             later.error, _joined(self.logprobs, later.logprobs),
-            self.prompt_logprobs if self.prompt_logprobs is not None else later.prompt_logprobs)
+            self.prompt_logprobs if self.prompt_logprobs is not None else later.prompt_logprobs,
+            later.num_draft_tokens, later.num_accepted_draft_tokens)
 
 
 def _joined(a: list | None, b: list | None) -> list | None:
@@ -87,6 +92,22 @@ class EngineStats:
     num_failed_steps: int = 0           # steps that raised and were recovered from
     num_expired_reservations: int = 0   # reserve_external blocks whose K/V never came within the TTL
     num_refused_reads: int = 0          # lease reads refused (unknown, released or expired lease)
+    # Speculative decoding (spec_decode.py): drafted tokens, those accepted, the
+    # request-steps that verified a draft and the tokens those steps emitted.
+    spec_proposed_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_verify_steps: int = 0
+    spec_emitted_tokens: int = 0
+
+    @property
+    def spec_acceptance_rate(self) -> float | None:
+        """Accepted / proposed draft tokens; None before any draft."""
+        return self.spec_accepted_tokens / self.spec_proposed_tokens if self.spec_proposed_tokens else None
+
+    @property
+    def spec_tokens_per_step(self) -> float | None:
+        """Tokens a drafted request-step emitted on average (1 = no gain); None before any."""
+        return self.spec_emitted_tokens / self.spec_verify_steps if self.spec_verify_steps else None
 
     @property
     def kv_usage(self) -> float:

@@ -45,12 +45,14 @@ class ModelRunner:
         self.block_size = kv.spec.block_size
         self.sampler = Sampler(eos_token_ids, histories)
 
-    def build_batch(self, out: SchedulerOutput) -> tuple[ForwardBatch, list[Request], list[PromptSpan]]:
-        """The step's ForwardBatch, the requests to sample in row order, and
-        the prompt positions whose logits prompt logprobs need.  Their rows
-        follow the sampled rows in ``logits_indices``::
+    def build_batch(self, out: SchedulerOutput
+                    ) -> tuple[ForwardBatch, list[Request], list[PromptSpan], list[ScheduledRequest]]:
+        """The step's ForwardBatch, the requests to sample in row order, the
+        prompt positions whose logits prompt logprobs need, and the drafted
+        steps to verify (spec_decode.py), in this order in ``logits_indices``::
 
-            logits_indices  [ sampled rows (one per request) | prompt-logprob rows (spans, in order) ]
+            logits_indices  [ sampled rows (one per request) | verify rows (k+1 per draft)
+                              | prompt-logprob rows (spans, in order) ]
         """
         bs = self.block_size
         ids: list[int] = []
@@ -60,6 +62,8 @@ class ModelRunner:
         sampled: list[Request] = []
         spans: list[PromptSpan] = []
         prompt_rows: list[int] = []
+        drafted: list[ScheduledRequest] = []
+        verify_rows: list[int] = []
 
         def place(s: ScheduledRequest) -> None:
             r, start = s.request, s.request.num_computed_tokens
@@ -68,11 +72,16 @@ class ModelRunner:
             if span is not None:
                 spans.append(span)
                 prompt_rows.extend(range(len(ids), len(ids) + span.count))
-            ids.extend(_tokens(r, start, end) if s.num_new_tokens > 1 else [_token_at(r, start)])
+            if s.spec_token_ids:
+                drafted.append(s)
+                verify_rows.extend(range(len(ids), len(ids) + s.num_new_tokens))
+                ids.extend([_token_at(r, start)] + s.spec_token_ids)
+            else:
+                ids.extend(_tokens(r, start, end) if s.num_new_tokens > 1 else [_token_at(r, start)])
             pos.extend(range(start, end))
             table = r.block_ids
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            if s.samples:
+            if s.samples and not s.spec_token_ids:
                 logits_rows.append(len(ids) - 1)
                 sampled.append(r)
 
@@ -97,20 +106,27 @@ class ModelRunner:
             prefill_block_tables=_table([s.request.block_ids for s in out.prefills]).to(dev),
             prefill_query_start_loc=t(q_starts, torch.int32),
             prefill_context_lens=t([s.request.num_computed_tokens + s.num_new_tokens for s in out.prefills], torch.int32),
-            logits_indices=t(logits_rows + prompt_rows, torch.int64),
+            logits_indices=t(logits_rows + verify_rows + prompt_rows, torch.int64),
         )
-        return batch, sampled, spans
+        return batch, sampled, spans, drafted
 
     def execute(self, out: SchedulerOutput) -> SampleResult:
         """Runs the step; returns the sampled token of each request whose
         prompt is done, and which of them failed (non-finite logits)."""
-        batch, to_sample, spans = self.build_batch(out)
+        batch, to_sample, spans, drafted = self.build_batch(out)
         logits = self.model(batch, self.kv.kv_pool)
+        n_sampled = len(to_sample)
+        n_verify = sum(s.num_new_tokens for s in drafted)
         if spans:
-            record_prompt_logprobs(logits[len(to_sample):], spans)
-            logits = logits[:len(to_sample)]
+            record_prompt_logprobs(logits[n_sampled + n_verify:], spans)
+        verified = self.sampler.verify_batch(logits[n_sampled:n_sampled + n_verify], drafted) if drafted else None
+        logits = logits[:n_sampled]
         if not to_sample:
-            return SampleResult({}, {})
+            return verified or SampleResult({}, {})
+        result = self._sample(logits, to_sample)
+        return result if verified is None else result.merged(verified)
+
+    def _sample(self, logits: torch.Tensor, to_sample: list[Request]) -> SampleResult:
         request_ids, params = [r.request_id for r in to_sample], [r.params for r in to_sample]
         asked = SampledLogprobs.of(logits, request_ids, params)  # the raw logits, before the sampler's changes
         result = self.sampler.sample_batch(logits, request_ids, params)

@@ -18,10 +18,11 @@ import torch
 
 from services.engine.errors import RequestFailedError
 from services.engine.grammar_guide import GrammarGuide
-from services.engine.logprobs import TokenLogprob
+from services.engine.logprobs import TokenLogprob, token_logprobs
 from services.engine.penalties import Penalties, TokenHistory
 from services.engine.random_stream import position_seed
 from services.engine.sampling_params import SamplingParams
+from services.engine.spec_decode import emitted_tokens, verify_sampled
 
 NONFINITE_LOGITS = ("numerical error in this request's logits (NaN or inf out of the model); "
                     "the engine and other requests are unaffected: retry")
@@ -37,6 +38,19 @@ class SampleResult:
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
     # Rows that asked prompt_logprobs and sampled their first token: the prompt's (entry j = token j+1).
     prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
+    # Drafted rows (spec_decode.py): every token the step emits, in order; not in token_ids.
+    verified: dict[str, list[int]] = field(default_factory=dict)
+    verified_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
+
+    def merged(self, other: "SampleResult") -> "SampleResult":
+        """This step's sampled rows and ``other``'s (disjoint requests) as one result."""
+        return SampleResult({**self.token_ids, **other.token_ids}, {**self.failed, **other.failed},
+                            {**self.logprobs, **other.logprobs}, {**self.prompt_logprobs, **other.prompt_logprobs},
+                            {**self.verified, **other.verified}, {**self.verified_logprobs, **other.verified_logprobs})
+
+
+class _NoProbabilities(Exception):
+    pass
 
 
 class Sampler:
@@ -117,6 +131,58 @@ class Sampler:
             g = self._generator(request_id, p, row.device, self._output_position(request_id))
             return int(torch.multinomial(probs, 1, generator=g).item())
         except RuntimeError as exc:  # multinomial's own check, or a generator that will not seed
+            return f"{why} ({exc})"
+
+    def verify_batch(self, logits: torch.Tensor, drafted: Sequence) -> SampleResult:
+        """Checks each drafted step (scheduler.ScheduledRequest with
+        ``spec_token_ids``) against its k+1 rows of raw ``logits``, back to
+        back in ``drafted``'s order.  Drafted requests have no penalties and
+        no grammar (spec_decode.speculates), so the raw logits are the
+        sampler's; one argmax and one host transfer for all greedy rows."""
+        finite = torch.isfinite(logits).all(dim=-1)
+        best = logits.argmax(dim=-1).masked_fill(~finite, -1).tolist()
+        verified: dict[str, list[int]] = {}
+        failed: dict[str, str] = {}
+        logprobs: dict[str, list[TokenLogprob]] = {}
+        row = 0
+        for s in drafted:
+            req, n = s.request, s.num_new_tokens
+            rid, p = req.request_id, req.params
+            if min(best[row:row + n]) < 0:
+                failed[rid] = NONFINITE_LOGITS
+            elif p.greedy:
+                verified[rid] = emitted_tokens(best[row:row + n], s.spec_token_ids)
+            else:
+                tokens = self._verify_draws(logits[row:row + n], rid, p, s.spec_token_ids)
+                if isinstance(tokens, str):
+                    failed[rid] = tokens
+                else:
+                    verified[rid] = tokens
+            if p.logprobs is not None and rid in verified:
+                got = verified[rid]
+                logprobs[rid] = token_logprobs(logits[row:row + len(got)], got, [p.logprobs] * len(got))
+            row += n
+        return SampleResult({}, failed, verified=verified, verified_logprobs=logprobs)
+
+    def _verify_draws(self, rows: torch.Tensor, request_id: str, p: SamplingParams,
+                      draft: list[int]) -> list[int] | str:
+        """Point-mass rejection sampling of one draft (spec_decode.verify_sampled),
+        each draw from the generator of its own output position."""
+        why = (f"numerical error sampling this request (temperature={p.temperature!r}, top_p={p.top_p!r}, "
+               f"top_k={p.top_k}) gave no valid probabilities; retry, or use temperature 0")
+        first = self._output_position(request_id)
+
+        def probs(j: int) -> torch.Tensor:
+            pj = probabilities(rows[j], p)
+            if not bool(torch.isfinite(pj).all()) or not float(pj.sum()) > 0:
+                raise _NoProbabilities
+            return pj
+
+        try:
+            return verify_sampled(probs, draft, lambda j: self._generator(request_id, p, rows.device, first + j))
+        except _NoProbabilities:
+            return why
+        except RuntimeError as exc:
             return f"{why} ({exc})"
 
     def sample(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]) -> list[int]:

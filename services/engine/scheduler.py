@@ -12,6 +12,11 @@ Each ``schedule()`` spends a token budget:
    by reference and skipped by compute.  Nothing is admitted in a step that
    preempted.
 
+With a speculator (spec_decode.py), a decoding request may also feed a
+draft of k tokens after its last one (k+1 tokens, one query); the draft's
+blocks come only from free ones -- a draft never preempts anyone -- and
+``update()`` keeps the accepted part and frees the blocks past it.
+
 The scheduler never runs the model; ``update()`` applies the step's result.
 """
 
@@ -25,18 +30,20 @@ from prefix_store.hashing import hash_prompt_blocks
 from services.engine.config import SchedulerConfig
 from services.engine.kv_cache import KVCache
 from services.engine.request import FinishReason, Request, RequestStatus
+from services.engine.spec_decode import NgramSpeculator
 
 
 @dataclass
 class ScheduledRequest:
     request: Request
-    num_new_tokens: int
+    num_new_tokens: int  # fed this step: prompt chunk, or last token (+ the draft)
+    spec_token_ids: list[int] = field(default_factory=list)  # the draft, fed after the last token
 
     @property
     def samples(self) -> bool:
         """Whether this step's last token yields a new token (prompt done)."""
         r = self.request
-        return r.num_computed_tokens + self.num_new_tokens == r.num_tokens
+        return r.num_computed_tokens + self.num_new_tokens - len(self.spec_token_ids) == r.num_tokens
 
 
 @dataclass
@@ -68,8 +75,10 @@ def _cdiv(a: int, b: int) -> int:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCache, hash_seed: int):
+    def __init__(self, config: SchedulerConfig, kv: KVCache, hash_seed: int,
+                 speculator: NgramSpeculator | None = None):
         self.config = config
+        self.speculator = speculator
         self.kv = kv
         self.block_size = kv.spec.block_size
         self.hash_seed = hash_seed
@@ -131,8 +140,11 @@ class Scheduler:
                 num_new = min(num_new, self.config.prefill_chunk_size)
             if not self._grow(req, num_new, out):
                 break  # req itself was preempted
-            out.add(ScheduledRequest(req, num_new))
-            budget -= num_new
+            entry = ScheduledRequest(req, num_new)
+            if self.speculator is not None and num_new == req.num_tokens - req.num_computed_tokens == 1:
+                self._draft(entry, budget - 1)
+            out.add(entry)
+            budget -= entry.num_new_tokens
             i += 1
         if not out.preempted:
             self._admit(out, budget)
@@ -155,6 +167,21 @@ class Scheduler:
         if need > 0:
             req.block_ids.extend(self.kv.allocate(need))
         return True
+
+    def _draft(self, entry: ScheduledRequest, budget: int) -> None:
+        """Adds the speculator's draft to a decode step if free blocks hold it."""
+        req = entry.request
+        draft = self.speculator.propose(req, budget)
+        if not draft:
+            return
+        need = _cdiv(req.num_computed_tokens + 1 + len(draft), self.block_size) - len(req.block_ids)
+        if need > 0:
+            # Leave a block for each running request: a draft must not cause a preemption.
+            if not self.kv.can_allocate(need + len(self.running)):
+                return
+            req.block_ids.extend(self.kv.allocate(need))
+        entry.spec_token_ids = draft
+        entry.num_new_tokens += len(draft)
 
     def _preempt(self, req: Request) -> None:
         self.free_blocks(req)
@@ -205,12 +232,19 @@ class Scheduler:
             budget -= num_new
 
     # ---- after the forward ---------------------------------------------
-    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+    def update(self, out: SchedulerOutput, sampled: dict[str, int],
+               verified: dict[str, list[int]] | None = None) -> list[Request]:
         """Advances counters, appends sampled tokens, caches full blocks.
+        ``verified``: the tokens each drafted request emitted (spec_decode.py).
         Returns requests that got a new token this step."""
         got_token = []
         for s in out.scheduled:
             req = s.request
+            if s.spec_token_ids:
+                if verified and req.request_id in verified:
+                    self._keep_verified(req, s, verified[req.request_id])
+                    got_token.append(req)
+                continue
             if req.num_computed_tokens < req.num_prompt_tokens:
                 self.num_prompt_tokens_computed += min(s.num_new_tokens, req.num_prompt_tokens - req.num_computed_tokens)
             req.num_computed_tokens += s.num_new_tokens
@@ -219,6 +253,27 @@ class Scheduler:
                 req.output_token_ids.append(sampled[req.request_id])
                 got_token.append(req)
         return got_token
+
+    def _keep_verified(self, req: Request, s: ScheduledRequest, emitted: list[int]) -> None:
+        """The drafted step's outcome: the last token and the accepted drafts
+        now have K/V; the rejected drafts' slots are dropped, and blocks that
+        hold nothing else go back::
+
+            blocks   [ .... | t d1 d2 d3 | d4 . . . ]     k = 4, 2 accepted (d1 d2), then y2 != d3
+            computed [ .... | t d1 d2 ]                    d3, d4 dropped; the last block freed
+            tokens   [ .... | t d1 d2 y2 ]                 y2's K/V comes next step
+        """
+        accepted = emitted[:-1]
+        assert accepted == s.spec_token_ids[:len(accepted)], (accepted, s.spec_token_ids)
+        req.output_token_ids.extend(accepted)
+        req.num_computed_tokens += 1 + len(accepted)
+        keep = _cdiv(req.num_computed_tokens, self.block_size)
+        if len(req.block_ids) > keep:
+            self.kv.free(req.block_ids[keep:])
+            del req.block_ids[keep:]
+        self.commit_computed_blocks(req)
+        req.output_token_ids.append(emitted[-1])
+        self.speculator.record(req.request_id, len(s.spec_token_ids), len(accepted))
 
     def finish(self, req: Request, reason: FinishReason, keep_blocks: bool = False) -> list[int]:
         """Ends a request; frees its blocks unless ``keep_blocks`` (then the

@@ -102,6 +102,9 @@ class ResponseFormat:
     n: int = 1
     logprobs: LogprobRenderer | None = None
     echo: Echo | None = None
+    # vLLM's stream_options.continuous_usage_stats: every chunk carries the usage so far
+    continuous_usage: bool = False
+    _usage_now: list[Usage] = field(default_factory=list, compare=False, repr=False)   # set by event()
 
     def opening(self) -> bytes | None:
         """An event before the first token, if the format has one."""
@@ -115,7 +118,13 @@ class ResponseFormat:
         if not (chunk.text or chunk.finish_reason is not None or chunk.logprobs or (first and self.echo)):
             return None
         c.num_events += 1
+        if self.continuous_usage:
+            self._usage_now[:] = [tally.usage()]
         return self._event(chunk, tally, c, first)
+
+    def _chunk_usage(self) -> Usage | None:
+        """What a stream chunk carries as ``usage``: None unless continuous."""
+        return self._usage_now[0] if self._usage_now else None
 
     def _event(self, chunk: StreamChunk, tally: Tally, c: ChoiceTally, first: bool) -> bytes:
         return self.delta(chunk.text, chunk.finish_reason, chunk.index)
@@ -150,7 +159,8 @@ class CompletionFormat(ResponseFormat):
     def delta(self, text: str, finish_reason: str | None, index: int = 0,
               logprobs: CompletionLogprobs | None = None) -> bytes:
         choice = CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=finish_reason)
-        return sse_event(CompletionResponse(id=self.id, created=self.created, model=self.model, choices=[choice]))
+        return sse_event(CompletionResponse(id=self.id, created=self.created, model=self.model, choices=[choice],
+                                            usage=self._chunk_usage()))
 
     def usage(self, usage: Usage) -> bytes:
         return sse_event(CompletionResponse(id=self.id, created=self.created, model=self.model,
@@ -173,7 +183,8 @@ class ChatFormat(ResponseFormat):
     def _chunk(self, delta: ChatDelta, finish_reason: str | None, index: int = 0,
                logprobs: ChatLogprobs | None = None) -> bytes:
         choice = ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason)
-        return sse_event(ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[choice]))
+        return sse_event(ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[choice],
+                                             usage=self._chunk_usage()))
 
     def opening(self) -> bytes:
         return b"".join(self._chunk(ChatDelta(role="assistant", content=""), None, i) for i in range(self.n))

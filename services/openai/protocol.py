@@ -45,6 +45,7 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False   # vLLM extension: with include_usage, usage so far on every chunk
 
 
 class _SamplingFields(_Strict):

@@ -177,14 +177,16 @@ async def _generate(request: Request, kind: type[CompletionRequest] | type[ChatC
     chunks = host.metrics.observe_stream(chunks)                     # the same, for the gateway's /metrics
     tally = Tally(prompt_tokens=len(prompt.token_ids), n=req.n)
     logprobs = None if params.logprobs is None else LogprobRenderer(host.tokenizer, params.logprobs)
+    include_usage = req.stream and req.stream_options is not None and req.stream_options.include_usage
+    continuous_usage = include_usage and req.stream_options.continuous_usage_stats
     fmt: ResponseFormat = (
-        ChatFormat(f"chatcmpl-{request_id}", int(time.time()), model, req.n, logprobs) if chat
+        ChatFormat(f"chatcmpl-{request_id}", int(time.time()), model, req.n, logprobs,
+                   continuous_usage=continuous_usage) if chat
         else CompletionFormat(f"cmpl-{request_id}", int(time.time()), model, req.n, logprobs,
-                              echo_of(host.tokenizer, req, prompt.token_ids)))
+                              echo_of(host.tokenizer, req, prompt.token_ids), continuous_usage=continuous_usage))
     if tools is not None and tools.may_call and isinstance(fmt, ChatFormat):
         fmt = ToolCallFormat.around(fmt, tools)   # message.tool_calls, finish_reason "tool_calls"
     if req.stream:
-        include_usage = req.stream_options is not None and req.stream_options.include_usage
         return await stream(request, chunks, tally, fmt, include_usage)
     body = await complete(request, chunks, tally, fmt)
     return Response(body.model_dump_json(), media_type="application/json")

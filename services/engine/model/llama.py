@@ -123,7 +123,7 @@ class LlamaModel(nn.Module):
         """Returns fp32 logits [len(batch.logits_indices), vocab]."""
         eps = self.cfg.rms_norm_eps
         hidden = self.embed_tokens(batch.input_ids)
-        if self.native_stack is not None and kv_pool.dtype == hidden.dtype and kv_pool.is_contiguous():
+        if self.native_stack is not None and cpu_native.handles_pool(kv_pool):  # bf16 or 8-bit KV
             x, residual = self.native_stack.forward(hidden, batch, kv_pool, self.rope_cos, self.rope_sin)
         else:
             residual = hidden

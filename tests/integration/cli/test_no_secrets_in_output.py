@@ -4,7 +4,9 @@ its embedded Redis's generated password) serves a few requests; then its own
 output, `pdcluster status` (table and JSON), the span file, every Ray session
 log and every command line of its process tree hold none of the three, the
 state file is 0600, and the span file holds no prompt text.  SIGTERM stops
-it with exit status 0."""
+it with exit status 0 and nothing of its process tree survives (the
+SIGTERM half of test_up_signals.py: the default disaggregated cluster,
+gateway ingress, ten requests at the first /health 200 all succeed)."""
 
 import contextlib
 import json
@@ -25,6 +27,7 @@ import pytest
 
 from prefix_store.redis_server import free_service_port
 from prefix_store.redis_url import url_password
+from tests.integration.cli.test_up_signals import first_requests, health_is_200, non_loopback_listeners
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
@@ -78,7 +81,9 @@ def run_and_grep(tmp_path: Path, host: str) -> None:
                                  "--host", host, "--port", str(port)], cwd=tmp_path, stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True, env=env)
     try:
-        wait_for_line(proc, up_log, "ready in", READY_TIMEOUT_S)
+        wait_for_health(proc, up_log, host, port, READY_TIMEOUT_S)
+        statuses = first_requests(port, 10, host=host, api_key=api_key)
+        assert statuses == [200] * 10, statuses
         keyless = httpx.post(f"http://{host}:{port}/v1/completions", json={"prompt": "hi", "max_tokens": 1},
                              timeout=30)
         assert keyless.status_code == 401, keyless.text
@@ -98,8 +103,14 @@ def run_and_grep(tmp_path: Path, host: str) -> None:
         command_lines = "\n".join(cmdline(p) for p in tree)
         wait_for_spans(trace_file, request_ids)
 
+        started = tree[1:]
+        assert any("raylet" in cmdline(p) for p in started)
+        assert [a for a in non_loopback_listeners(tree) if not a.endswith(f"{host}:{port}")] == []
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=90) == 0, up_log.read_text()[-4000:]
+        _, alive = psutil.wait_procs(started, timeout=15)
+        assert alive == [], [cmdline(p)[:80] for p in alive]
+        assert "stopped: Serve, Ray and the embedded Redis are down" in up_log.read_text()
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -130,12 +141,13 @@ def up_env(*, api_key: str, cluster_secret: str, trace_file: Path) -> dict[str, 
                   "PDCLUSTER_TRACE_FILE": str(trace_file)}
 
 
-def wait_for_line(proc: subprocess.Popen, log: Path, needle: str, timeout_s: float) -> None:
+def wait_for_health(proc: subprocess.Popen, log: Path, host: str, port: int, timeout_s: float) -> None:
+    """Until /health first says 200 (polled every 0.1 s: the first requests go right then)."""
     deadline = time.monotonic() + timeout_s
-    while needle not in log.read_text():
+    while not health_is_200(port, host):
         assert proc.poll() is None, log.read_text()[-4000:]
-        assert time.monotonic() < deadline, f"no {needle!r} after {timeout_s} s: {log.read_text()[-4000:]}"
-        time.sleep(0.5)
+        assert time.monotonic() < deadline, f"not healthy after {timeout_s} s: {log.read_text()[-4000:]}"
+        time.sleep(0.1)
 
 
 def send_requests(host: str, port: int, api_key: str, prompts: list[str]) -> list[str]:

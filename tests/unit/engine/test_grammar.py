@@ -195,10 +195,11 @@ def test_unbound_sampler_fails_guided_rows_with_a_reason():
     assert "no grammar compiler" in result.failed["r"]
 
 
-def test_mask_and_accept_overhead_per_token_is_small(grammars, tokenizer):
-    """The per-token figure the structured-output note quotes: mask fill +
-    apply + accept for a 16-row greedy batch, every row inside a JSON string
-    (the common case), against the same step's argmax."""
+def test_sixteen_rows_inside_a_json_string_stay_guided_step_after_step(grammars, tokenizer):
+    """A 16-row greedy batch, every row inside a JSON string (the common
+    case), 30 steps of mask + argmax + accept: no row fails, none is done,
+    each keeps the word the logits favour.  Prints the per-step cost for
+    reading (the figure itself is bench/structured.py's, not a test's)."""
     spec = GuidedSpec("json_schema", json.dumps({"type": "object", "properties": {"s": {"type": "string"}},
                                                  "required": ["s"]}))
     prefix = tokenizer.encode('{"s": "ab', add_special_tokens=False)
@@ -214,16 +215,16 @@ def test_mask_and_accept_overhead_per_token_is_small(grammars, tokenizer):
         started = time.perf_counter()
         masked = guide.mask(logits, rids, params)
         best = masked.argmax(dim=-1).tolist()
-        middle = time.perf_counter()
-        guide.accept(SampleResultLike(dict(zip(rids, best))))
+        result = guide.accept(SampleResultLike(dict(zip(rids, best))))
         ended = time.perf_counter()
+        assert result.failed == {} and result.token_ids == {r: word for r in rids}
+        assert not any(guide.is_done(r) for r in rids)
         logits.argmax(dim=-1).tolist()
         argmax_s.append(time.perf_counter() - ended)
         grammar_s.append(ended - started - argmax_s[-1])
     grammar_ms = sorted(grammar_s)[len(grammar_s) // 2] * 1e3
     print(f"grammar mask+apply+accept, 16 rows: {grammar_ms:.3f} ms per step, "
           f"{grammar_ms / 16 * 1e3:.1f} us per token (argmax alone {sorted(argmax_s)[15] * 1e3:.3f} ms)")
-    assert grammar_ms < 20
 
 
 def SampleResultLike(tokens: dict[str, int]):

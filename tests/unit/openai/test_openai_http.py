@@ -70,6 +70,20 @@ async def test_chat_stream_with_usage(client, backend, tokenizer):
     assert chunks[-1]["usage"]["prompt_tokens"] == n and chunks[-1]["usage"]["completion_tokens"] == 4
 
 
+async def test_continuous_usage_stats_on_every_chunk(client, tokenizer):
+    """vLLM's extension (guidellm sends it): the usage so far on each token chunk."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    for path, body in (("/v1/chat/completions", {"messages": CHAT}), ("/v1/completions", {"prompt": "Hi"})):
+        r = await client.post(path, json=body | {"stream": True, "stream_options": options})
+        assert r.status_code == 200, r.text
+        chunks = sse_events(r.text)[:-1]
+        token_chunks = [c for c in chunks if c["choices"] and not c["choices"][0].get("delta", {}).get("role")]
+        completion_tokens = [c["usage"]["completion_tokens"] for c in token_chunks]
+        assert completion_tokens == sorted(completion_tokens) and completion_tokens[-1] >= 1, completion_tokens
+        assert all(c["usage"]["total_tokens"] == c["usage"]["prompt_tokens"] + c["usage"]["completion_tokens"]
+                   for c in token_chunks)
+
+
 async def test_completion_stream_without_usage(client):
     r = await client.post("/v1/completions", json={"prompt": "Hi", "stream": True, "max_tokens": 3})
     events = sse_events(r.text)

@@ -1,0 +1,123 @@
+"""The engine with an 8-bit KV cache (``kv_cache_dtype``): pool sizes at the
+same memory budget, the block-hash seed per KV dtype, a tiny model's forward
+over int8 KV against bf16 KV, the fused native stack against the per-op
+path, and a full generate that returns every block."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kernels import cpu_native
+from kernels.kv_quant import pool_dtype
+from services.engine.config import EngineConfig
+from services.engine.engine import kv_spec_for
+from services.engine.kv_cache import KVCache, KVCacheSpec
+from services.engine.model.config import ModelConfig
+from services.engine.model.llama import LlamaModel
+from services.engine.model.loader import block_hash_seed
+
+BS = 16
+SMOL = dict(num_layers=30, num_kv_heads=3, head_dim=64)  # SmolLM2-135M's KV shape
+
+
+def spec(dtype: torch.dtype, num_blocks: int = 8) -> KVCacheSpec:
+    return KVCacheSpec(num_blocks, BS, dtype=dtype, **SMOL)
+
+
+def test_int8_blocks_are_half_the_bytes_and_twice_as_many_fit():
+    bf16, int8 = spec(torch.bfloat16), spec(torch.int8)
+    assert int8.shape == (8, 30, 2, BS, 3, 66) and int8.row_width == 66
+    assert int8.block_bytes / bf16.block_bytes <= 0.55
+    budget = 512 * 2**20
+    assert (budget // int8.block_bytes) / (budget // bf16.block_bytes) >= 1.9
+    cache = KVCache(int8)
+    assert cache.kv_pool.dtype is torch.int8 and cache.kv_pool.shape == int8.shape
+    assert cache.kv_pool.nbytes == 8 * int8.block_bytes
+    cache.check_integrity()
+
+
+def test_kv_spec_follows_the_config_and_the_seed_differs_per_kv_dtype():
+    loaded = SimpleNamespace(config=SimpleNamespace(**SMOL), model=torch.nn.Linear(2, 2).to(torch.bfloat16))
+    dtypes = {name: kv_spec_for(EngineConfig(kv_cache_dtype=name, num_kv_blocks=4), loaded).dtype
+              for name in ("auto", "bf16", "int8", "fp8_e4m3")}
+    assert dtypes == {"auto": torch.bfloat16, "bf16": torch.bfloat16, "int8": torch.int8,
+                      "fp8_e4m3": torch.float8_e4m3fn}
+    seeds = {name: block_hash_seed("weights-1", dt, BS) for name, dt in dtypes.items()}
+    assert seeds["auto"] == seeds["bf16"]  # the same bytes in every block: blocks may be shared
+    assert len({seeds["bf16"], seeds["int8"], seeds["fp8_e4m3"]}) == 3
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        EngineConfig(kv_cache_dtype="int4")
+
+
+def test_the_cluster_config_passes_kv_cache_dtype_to_both_pools():
+    from services.config import ClusterConfig
+
+    cfg = ClusterConfig(kv_cache_dtype="int8")
+    assert cfg.engine_config(cfg.prefill).kv_cache_dtype == "int8"
+    assert cfg.engine_config(cfg.decode).kv_cache_dtype == "int8"
+    assert ClusterConfig().engine_config(ClusterConfig().decode).kv_cache_dtype == "auto"
+    assert pool_dtype("auto", torch.bfloat16) is torch.bfloat16
+
+
+def tiny_model(dtype: torch.dtype = torch.bfloat16) -> LlamaModel:
+    cfg = ModelConfig(arch="llama", vocab_size=320, hidden_size=128, intermediate_size=256, num_layers=3,
+                      num_heads=4, num_kv_heads=2, head_dim=32, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = LlamaModel(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    model = model.to(dtype)
+    model.reset_rope()
+    model.pack_weights()
+    return model
+
+
+def prefill_then_decode(model: LlamaModel, pool: torch.Tensor) -> torch.Tensor:
+    """A 37-token prompt in blocks [3, 7, 1], then one decode step: both logits."""
+    from services.engine.forward_batch import ForwardBatch
+
+    table = [3, 7, 1]
+    n = 37
+    ids = [(7 * p + 3) % 320 for p in range(n + 1)]
+    slot = lambda p: table[p // BS] * BS + p % BS  # noqa: E731
+    t = torch.tensor([table], dtype=torch.int32)
+    empty = torch.zeros(0, 1, dtype=torch.int32)
+    prefill = ForwardBatch(
+        input_ids=torch.tensor(ids[:n]), positions=torch.arange(n),
+        slot_mapping=torch.tensor([slot(p) for p in range(n)]),
+        num_decode_tokens=0, decode_block_tables=empty, decode_context_lens=torch.zeros(0, dtype=torch.int32),
+        prefill_block_tables=t, prefill_query_start_loc=torch.tensor([0, n], dtype=torch.int32),
+        prefill_context_lens=torch.tensor([n], dtype=torch.int32), logits_indices=torch.tensor([n - 1]))
+    decode = ForwardBatch(
+        input_ids=torch.tensor([ids[n]]), positions=torch.tensor([n]), slot_mapping=torch.tensor([slot(n)]),
+        num_decode_tokens=1, decode_block_tables=t, decode_context_lens=torch.tensor([n + 1], dtype=torch.int32),
+        prefill_block_tables=empty, prefill_query_start_loc=torch.zeros(1, dtype=torch.int32),
+        prefill_context_lens=torch.zeros(0, dtype=torch.int32), logits_indices=torch.tensor([0]))
+    return torch.cat([model(prefill, pool), model(decode, pool)])
+
+
+@pytest.mark.parametrize("model_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn])
+def test_tiny_model_logits_over_8bit_kv_are_close_to_plain_kv(dtype, model_dtype):
+    model = tiny_model(model_dtype)
+    want = prefill_then_decode(model, torch.zeros(10, 3, 2, BS, 2, 32, dtype=model_dtype))
+    got = prefill_then_decode(model, torch.zeros(10, 3, 2, BS, 2, 34, dtype=dtype))
+    err = (got - want).abs().max() / want.abs().max()
+    assert err < (0.02 if dtype is torch.int8 else 0.08), err
+    assert (got.argmax(-1) == want.argmax(-1)).all()
+
+
+@pytest.mark.skipif(not cpu_native.available(), reason="needs AVX-512 BF16 or AVX2+FMA, and a C compiler")
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn])
+def test_fused_native_stack_over_8bit_kv_equals_the_per_op_path(dtype):
+    model = tiny_model()
+    assert model.native_stack is not None
+    pools = [torch.zeros(10, 3, 2, BS, 2, 34, dtype=dtype) for _ in range(2)]
+    fused = prefill_then_decode(model, pools[0])
+    stack, model.native_stack = model.native_stack, None
+    per_op = prefill_then_decode(model, pools[1])
+    model.native_stack = stack
+    assert torch.equal(pools[0].view(torch.uint8), pools[1].view(torch.uint8))
+    torch.testing.assert_close(fused, per_op, atol=1e-2, rtol=1e-2)
