@@ -22,6 +22,7 @@ from prefix_store.redis_url import redact_url
 from services.cluster_env import cluster_env, replica_env
 from services.cluster_secret import CLUSTER_SECRET_ENV, cluster_secret, ensure_cluster_secret
 from services.config import ClusterConfig
+from services.processes import reap
 
 STATE_FILE = Path("runs/cluster.json")
 APP_NAME = "pdcluster"
@@ -35,20 +36,6 @@ def _descendants(proc=None) -> list:
         return (proc or psutil.Process()).children(recursive=True)
     except psutil.Error:
         return []
-
-
-def _reap(procs: list, grace_s: float = 10.0) -> None:
-    """Waits for processes ray.shutdown() should have ended; kills stragglers
-    (its dashboard and runtime-env agents sometimes outlive the raylet)."""
-    import psutil
-
-    _, alive = psutil.wait_procs(procs, timeout=grace_s)
-    for p in alive:
-        try:
-            p.kill()
-        except psutil.Error:
-            pass
-    psutil.wait_procs(alive, timeout=5)
 
 
 def write_state(state: dict) -> None:
@@ -214,7 +201,7 @@ class LocalCluster:
         finally:
             if self.started_ray and ray.is_initialized():
                 ray.shutdown()
-                _reap(started)
+                reap(started)  # ray.shutdown() leaves its dashboard and runtime-env agents at times
             elif self.address is not None and ray.is_initialized():
                 ray.shutdown()  # disconnects; the nodes belong to `ray start`
             if self.redis is not None:

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from services.cluster_env import MULTI_NODE_ENV
 from services.cluster_secret import CLUSTER_SECRET_ENV, cluster_secret
+from services.processes import reap
 from services.topology import ROLE_LABEL
 
 HEAD_LABEL = "pdcluster/head"
@@ -110,7 +111,7 @@ class RayNode:
                 self.proc.wait(grace_s)
             except subprocess.TimeoutExpired:
                 pass
-        _kill([*tree, *_group(self.proc.pid)])
+        reap([*tree, *_group(self.proc.pid)], grace_s=0)
         self.proc.wait(5)
 
 
@@ -128,17 +129,6 @@ def _group(pgid: int) -> list:
     import psutil
 
     return [p for p in psutil.process_iter() if _pgid(p.pid) == pgid]
-
-
-def _kill(members: list) -> None:
-    import psutil
-
-    for p in members:
-        try:
-            p.kill()
-        except psutil.Error:
-            pass
-    psutil.wait_procs(members, timeout=5)
 
 
 def _pgid(pid: int) -> int | None:
