@@ -13,48 +13,8 @@ import pytest
 from services.backend import BackendOverloaded, BackendTimeout, GenerateRequest
 from services.cluster_backend import ClusterBackend, with_deadlines
 from services.engine.sampling_params import greedy
-from services.decode import DecodeServer
-from services.messages import PrefillResponse, TokenDelta
-from services.prefill import PrefillServer
-
-SERVERS = {"prefill": PrefillServer, "decode": DecodeServer}
-
-HANDOFF = PrefillResponse(request_id="r1", first_token_id=5, text="a", finish_reason=None, block_ids=(3, 4),
-                          num_tokens=20, num_cached_tokens=0, peer=b"peer", worker_name="prefill-x", prefill_s=0.1,
-                          lease_deadline_unix=1e12)
-
-
-class _Response:
-    """A DeploymentResponse: awaitable, cancellable."""
-
-    def __init__(self, value):
-        self.value, self.cancelled = value, False
-
-    def __await__(self):
-        async def get():
-            return self.value
-        return get().__await__()
-
-    def cancel(self):
-        self.cancelled = True
-
-
-class _Stream:
-    def __init__(self, deltas=(), error=None, stall_after=None):
-        self.deltas, self.error, self.stall_after, self.cancelled = list(deltas), error, stall_after, False
-
-    def __aiter__(self):
-        async def gen():
-            for i, d in enumerate(self.deltas):
-                if i == self.stall_after:
-                    await asyncio.sleep(3600)
-                yield d
-            if self.error is not None:
-                raise self.error
-        return gen()
-
-    def cancel(self):
-        self.cancelled = True
+from services.messages import TokenDelta
+from tests.unit.services.serve_fakes import HANDOFF, SERVERS, FakeResponse, FakeStream
 
 
 class _Handles:
@@ -76,9 +36,9 @@ class _Handles:
                         inspect.signature(getattr(SERVERS[name], method)).bind(None, *args, **kwargs)
                         handles.calls.append((f"{name}.{method}", args, kwargs))
                         if method == "prefill":
-                            return _Response(HANDOFF)
+                            return FakeResponse(HANDOFF)
                         if method == "release":
-                            return _Response(True)
+                            return FakeResponse(True)
                         return handles.decode_stream
                 return Method()
         return Handle()
@@ -108,7 +68,7 @@ def _releases(fake):
 
 
 async def test_decode_429_releases_the_lease_on_its_prefill_replica():
-    backend, fake = _backend(_Stream(error=BackendOverloaded("full")))
+    backend, fake = _backend(FakeStream(error=BackendOverloaded("full")))
     with pytest.raises(BackendOverloaded):
         await _drain(backend)
     await _settle(backend)
@@ -117,7 +77,7 @@ async def test_decode_429_releases_the_lease_on_its_prefill_replica():
 
 
 async def test_client_gone_after_the_first_token_releases():
-    backend, fake = _backend(_Stream([TokenDelta([6], "b")]))
+    backend, fake = _backend(FakeStream([TokenDelta([6], "b")]))
     chunks = backend.generate(GenerateRequest("r1", list(range(20)), greedy(8)))
     first = await anext(chunks)
     assert first.token_ids == [5]
@@ -128,14 +88,14 @@ async def test_client_gone_after_the_first_token_releases():
 
 
 async def test_a_decoded_stream_leaves_the_lease_to_the_puller():
-    backend, fake = _backend(_Stream([TokenDelta([6], "b"), TokenDelta([7], "c", "length")]))
+    backend, fake = _backend(FakeStream([TokenDelta([6], "b"), TokenDelta([7], "c", "length")]))
     chunks = await _drain(backend)
     await _settle(backend)
     assert [c.text for c in chunks] == ["a", "b", "c"] and _releases(fake) == []
 
 
 async def test_inter_token_deadline_aborts_the_stalled_stream_and_releases():
-    stream = _Stream([TokenDelta([6], "b"), TokenDelta([7], "c", "length")], stall_after=0)
+    stream = FakeStream([TokenDelta([6], "b"), TokenDelta([7], "c", "length")], stall_after=0)
     backend, fake = _backend(stream, inter_token_timeout_s=0.2)
     with pytest.raises(BackendTimeout, match="no token for 0.2 s"):
         await _drain(backend)

@@ -5,7 +5,6 @@ max_failovers times."""
 
 from __future__ import annotations
 
-import asyncio
 import inspect
 
 import pytest
@@ -14,12 +13,11 @@ from ray import exceptions as ray_exceptions
 from services.backend import (BackendFailure, BackendInvalidRequest, BackendKVTransferFailed, BackendLeaseExpired,
                               BackendOverloaded, BackendTimeout, BackendUnavailable, GenerateRequest)
 from services.cluster_backend import ClusterBackend
-from services.decode import DecodeServer
 from services.engine.random_stream import position_seed
 from services.engine.sampling_params import greedy
 from services.failover import FailoverReason, decide, live_elsewhere, lost_reason, resume_target
-from services.messages import PrefillRequest, PrefillResponse, TokenDelta
-from services.prefill import PrefillServer
+from services.messages import PrefillRequest, TokenDelta
+from tests.unit.services.serve_fakes import HANDOFF, SERVERS, FakeResponse, FakeStream
 
 R = FailoverReason
 
@@ -69,41 +67,6 @@ def test_position_seeds_differ_by_seed_and_position():
 
 
 # ---- the stream loop ------------------------------------------------------------------------------
-HANDOFF = PrefillResponse(request_id="r1", first_token_id=5, text="a", finish_reason=None, block_ids=(3, 4),
-                          num_tokens=20, num_cached_tokens=0, peer=b"peer", worker_name="prefill-x", prefill_s=0.1,
-                          lease_deadline_unix=1e12)
-SERVERS = {"prefill": PrefillServer, "decode": DecodeServer}
-
-
-class _Stream:
-    def __init__(self, deltas=(), error=None, stall_after=None):
-        self.deltas, self.error, self.stall_after, self.cancelled = list(deltas), error, stall_after, False
-
-    def __aiter__(self):
-        async def gen():
-            for i, d in enumerate(self.deltas):
-                if i == self.stall_after:
-                    await asyncio.sleep(3600)
-                yield d
-            if self.error is not None:
-                raise self.error
-        return gen()
-
-    def cancel(self):
-        self.cancelled = True
-
-
-class _Response:
-    def __init__(self, value):
-        self.value = value
-
-    def __await__(self):
-        async def get():
-            return self.value
-        return get().__await__()
-
-    def cancel(self):
-        pass
 
 
 class _Cluster:
@@ -125,9 +88,9 @@ class _Cluster:
                         inspect.signature(getattr(SERVERS[name], method)).bind(None, *args, **kwargs)
                         cluster.calls.append((f"{name}.{method}", args, kwargs))
                         if method == "prefill":
-                            return _Response(HANDOFF)
+                            return FakeResponse(HANDOFF)
                         if method == "release":
-                            return _Response(True)
+                            return FakeResponse(True)
                         return cluster.streams.pop(0)
                 return Method()
         return Handle()
@@ -164,8 +127,8 @@ def _resumes(cluster):
 
 async def test_a_dead_decode_replica_is_resumed_on_another_with_the_tokens_sent():
     died = ray_exceptions.ActorDiedError()
-    streams = [_Stream([_d(6, "b"), _d(7, "c")], error=died),
-               _Stream([_d(8, "d", "decode-B"), _d(9, "e", "decode-B", "length")])]
+    streams = [FakeStream([_d(6, "b"), _d(7, "c")], error=died),
+               FakeStream([_d(8, "d", "decode-B"), _d(9, "e", "decode-B", "length")])]
     backend, cluster = _backend(streams, live={"decode": 2})
     chunks = await _drain(backend)
     assert [t for c in chunks for t in c.token_ids] == [5, 6, 7, 8, 9]  # each token once
@@ -180,8 +143,8 @@ async def test_a_dead_decode_replica_is_resumed_on_another_with_the_tokens_sent(
 
 
 async def test_a_failed_pull_is_recomputed_on_the_decode_side():
-    streams = [_Stream(error=BackendKVTransferFailed("KV transfer from prefill-x failed: reset")),
-               _Stream([_d(6, "b"), _d(7, "c", finish="length")])]
+    streams = [FakeStream(error=BackendKVTransferFailed("KV transfer from prefill-x failed: reset")),
+               FakeStream([_d(6, "b"), _d(7, "c", finish="length")])]
     backend, cluster = _backend(streams, live={"decode": 1})
     chunks = await _drain(backend, max_tokens=3)
     assert [t for c in chunks for t in c.token_ids] == [5, 6, 7]
@@ -192,8 +155,8 @@ async def test_a_failed_pull_is_recomputed_on_the_decode_side():
 
 async def test_after_max_failovers_the_error_names_the_cause():
     broken = RuntimeError("connection reset")
-    streams = [_Stream([_d(6, "b")], error=broken), _Stream([_d(7, "c")], error=broken),
-               _Stream([_d(8, "d")], error=broken)]
+    streams = [FakeStream([_d(6, "b")], error=broken), FakeStream([_d(7, "c")], error=broken),
+               FakeStream([_d(8, "d")], error=broken)]
     backend, cluster = _backend(streams, live={"decode": 2})
     got = []
     with pytest.raises(BackendFailure, match=r"stream_broken .*lost its replica 3 times and max_failovers is 2"):
@@ -205,20 +168,20 @@ async def test_after_max_failovers_the_error_names_the_cause():
 
 
 async def test_request_level_errors_do_not_fail_over():
-    backend, cluster = _backend([_Stream([_d(6, "b")], error=BackendFailure("numerical error"))], live={"decode": 2})
+    backend, cluster = _backend([FakeStream([_d(6, "b")], error=BackendFailure("numerical error"))], live={"decode": 2})
     with pytest.raises(BackendFailure, match="numerical error"):
         await _drain(backend)
     assert _resumes(cluster) == [] and backend.failovers.resumed == {}
 
 
 async def test_a_stalled_replica_fails_over_only_when_another_is_live():
-    stalled = _Stream([_d(6, "b"), _d(7, "c")], stall_after=1)
+    stalled = FakeStream([_d(6, "b"), _d(7, "c")], stall_after=1)
     backend, cluster = _backend([stalled], live={"decode": 1}, inter_token_timeout_s=0.2)
     with pytest.raises(BackendTimeout, match="no token for 0.2 s"):
         await _drain(backend)
     assert stalled.cancelled and _resumes(cluster) == []
-    stalled = _Stream([_d(6, "b"), _d(7, "c")], stall_after=1)
-    backend, cluster = _backend([stalled, _Stream([_d(7, "c", "decode-B"), _d(8, "d", "decode-B", "length")])],
+    stalled = FakeStream([_d(6, "b"), _d(7, "c")], stall_after=1)
+    backend, cluster = _backend([stalled, FakeStream([_d(7, "c", "decode-B"), _d(8, "d", "decode-B", "length")])],
                                 live={"decode": 2}, inter_token_timeout_s=0.2)
     chunks = await _drain(backend, max_tokens=4)
     assert [t for c in chunks for t in c.token_ids] == [5, 6, 7, 8] and stalled.cancelled
@@ -227,7 +190,7 @@ async def test_a_stalled_replica_fails_over_only_when_another_is_live():
 
 async def test_with_one_dead_decode_replica_the_fallback_resumes_on_a_prefill_replica():
     died = ray_exceptions.ActorDiedError()
-    streams = [_Stream([_d(6, "b")], error=died), _Stream([_d(7, "c", "prefill-x", "length")])]
+    streams = [FakeStream([_d(6, "b")], error=died), FakeStream([_d(7, "c", "prefill-x", "length")])]
     backend, cluster = _backend(streams, live={"decode": 1, "prefill": 1}, fallback_to_colocated=True)
     chunks = await _drain(backend, max_tokens=3)
     assert [t for c in chunks for t in c.token_ids] == [5, 6, 7]
@@ -235,7 +198,7 @@ async def test_with_one_dead_decode_replica_the_fallback_resumes_on_a_prefill_re
 
 
 async def test_max_failovers_zero_keeps_the_old_error():
-    backend, _ = _backend([_Stream([_d(6, "b")], error=ray_exceptions.ActorDiedError())], live={"decode": 2},
+    backend, _ = _backend([FakeStream([_d(6, "b")], error=ray_exceptions.ActorDiedError())], live={"decode": 2},
                           max_failovers=0)
     with pytest.raises(BackendFailure, match="died"):
         await _drain(backend)

@@ -1,0 +1,51 @@
+"""Stand-ins for Serve's handles in the cluster backend's unit tests
+(test_cluster_backend_failures.py, test_failover.py): the prefill/decode
+server classes by pool, one prefill hand-off, an awaitable response and a
+streaming response that can fail or stall."""
+
+from __future__ import annotations
+
+import asyncio
+
+from services.decode import DecodeServer
+from services.messages import PrefillResponse
+from services.prefill import PrefillServer
+
+SERVERS = {"prefill": PrefillServer, "decode": DecodeServer}
+
+HANDOFF = PrefillResponse(request_id="r1", first_token_id=5, text="a", finish_reason=None, block_ids=(3, 4),
+                          num_tokens=20, num_cached_tokens=0, peer=b"peer", worker_name="prefill-x", prefill_s=0.1,
+                          lease_deadline_unix=1e12)
+
+
+class FakeResponse:
+    """A DeploymentResponse: awaitable, cancellable."""
+
+    def __init__(self, value):
+        self.value, self.cancelled = value, False
+
+    def __await__(self):
+        async def get():
+            return self.value
+        return get().__await__()
+
+    def cancel(self):
+        self.cancelled = True
+
+
+class FakeStream:
+    def __init__(self, deltas=(), error=None, stall_after=None):
+        self.deltas, self.error, self.stall_after, self.cancelled = list(deltas), error, stall_after, False
+
+    def __aiter__(self):
+        async def gen():
+            for i, d in enumerate(self.deltas):
+                if i == self.stall_after:
+                    await asyncio.sleep(3600)
+                yield d
+            if self.error is not None:
+                raise self.error
+        return gen()
+
+    def cancel(self):
+        self.cancelled = True
