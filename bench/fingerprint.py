@@ -145,4 +145,8 @@ def print_fingerprint() -> Fingerprint:
 
 
 if __name__ == "__main__":
+    import argparse
+
+    argparse.ArgumentParser(description="Print this machine's fingerprint (CPU, ISA, copy bandwidth, "
+                                        "bf16 GEMM speed), as every benchmark does first.").parse_args()
     print_fingerprint()

@@ -16,7 +16,7 @@ Unavailable (``library()`` is None, and ``kernels.ops`` uses the torch
 references) when the CPU has neither variant's instructions, no compiler is
 found, the build fails, or ``PDCLUSTER_CPU_KERNELS=0``.
 
-Every shape goes to the native kernels, by measurement (``bench.kernels``,
+Every shape goes to the native kernels, by measurement (``bench.micro.kernel_speed``,
 2-vCPU AMD EPYC, AVX2 only, 2 threads): torch's bf16 linear runs at 1-20
 GFLOP/s there, so the only rival is torch fp32 on upcast weights (twice the
 weight memory, x and y converted per call).  The AVX2 linear is ahead of it

@@ -17,7 +17,7 @@ The whole rule:
   recomputing tokens another replica already caches: that work delays every
   request queued behind it and pushes other prefixes out of the cache, which
   the per-request TTFT does not see.  ``recompute_weight = 0`` is the plain
-  TTFT rule; bench/router.py measured it losing 10-40% of the hit rate above
+  TTFT rule; bench/load/routing.py measured it losing 10-40% of the hit rate above
   1x load, and weight 1 collapsing (spill cascade) at 2x; 2 (default) held.
 * IMBALANCE GUARD: a cache hit may buy at most ``max_extra_queue_s``
   (default 0.5 s) of extra queueing over the least-loaded replica.  Past

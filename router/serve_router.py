@@ -121,18 +121,17 @@ class PrefixAwareRequestRouter(RequestRouter):
     def _observe(self, pending_request, started_ns, decision, by_id, header, lookup, cached) -> None:
         """The ``router.route`` span (child of the request's trace) and the
         decision counter; never raises into routing."""
-        from services import metrics, telemetry
-
+        from observability import metrics, tracing
         degraded = lookup is not None and lookup.degraded
         try:
-            carrier = telemetry.carrier_of(pending_request.args, pending_request.kwargs) if pending_request else None
+            carrier = tracing.carrier_of(pending_request.args, pending_request.kwargs) if pending_request else None
             if carrier:
-                telemetry.record_span("router.route", started_ns, time.time_ns(), carrier, {
-                    telemetry.POOL: self.pool, telemetry.POLICY: self.policy.name,
-                    telemetry.ROUTE_REASON: decision.reason,
-                    telemetry.REPLICA: self.worker_name(by_id[decision.replica_id]),
-                    telemetry.CACHED_TOKENS: cached,
-                    telemetry.CACHE_HIT_BLOCKS: cached // header.block_size if header else 0,
+                tracing.record_span("router.route", started_ns, time.time_ns(), carrier, {
+                    tracing.POOL: self.pool, tracing.POLICY: self.policy.name,
+                    tracing.ROUTE_REASON: decision.reason,
+                    tracing.REPLICA: self.worker_name(by_id[decision.replica_id]),
+                    tracing.CACHED_TOKENS: cached,
+                    tracing.CACHE_HIT_BLOCKS: cached // header.block_size if header else 0,
                     "router.candidates": len(by_id), "router.index_degraded": degraded})
             metrics.count_route(self.pool, self.policy.name, metrics.route_outcome(header is not None, degraded, cached))
         except Exception:  # noqa: BLE001 - observability must not break routing
@@ -162,7 +161,7 @@ class PrefixAwareRequestRouter(RequestRouter):
             result = LookupResult.unavailable(len(header.block_hashes), repr(err))
         if result.degraded:
             self.counters.degraded_lookups += 1
-            from services import metrics
+            from observability import metrics
             metrics.count_index_lookup_failure(self.pool, reason)
         return result
 

@@ -1,7 +1,7 @@
 """What a routing decision sees, and what it returns.
 
 A policy is a pure function ``RoutingSnapshot -> RoutingDecision``: the Serve
-router (or the simulator in bench/router.py) gathers loads and prefix matches
+router (or the simulator in bench/load/routing.py) gathers loads and prefix matches
 first, then asks the policy.  Nothing here does I/O.
 """
 

@@ -53,21 +53,21 @@ def _versioned(deployment: Deployment, args: dict) -> Deployment:
 
 
 def build_prefill(config: ClusterConfig) -> Application:
-    from services.prefill import PrefillDeployment
+    from services.pools.prefill import PrefillDeployment
     args = replica_args(config)
     options = _pool_options(config, config.prefill, "prefill", "prefill")
     return _versioned(PrefillDeployment.options(**options), args).bind(args)
 
 
 def build_decode(config: ClusterConfig) -> Application:
-    from services.decode import DecodeDeployment
+    from services.pools.decode import DecodeDeployment
     args = replica_args(config)
     options = _pool_options(config, config.decode, "decode", "decode")
     return _versioned(DecodeDeployment.options(**options), args).bind(args)
 
 
 def build_colocated(config: ClusterConfig) -> Application:
-    from services.colocated import ColocatedDeployment
+    from services.pools.colocated import ColocatedDeployment
     args = replica_args(config)
     options = _pool_options(config, config.colocated, "prefill", "colocated")
     return _versioned(ColocatedDeployment.options(**options), args).bind(args)
@@ -75,7 +75,7 @@ def build_colocated(config: ClusterConfig) -> Application:
 
 def build_app(config: ClusterConfig) -> Application:
     """The whole cluster: gateway ingress plus its pools."""
-    from services.gateway import GatewayDeployment
+    from services.gateway.deployment import GatewayDeployment
 
     # The gateway only relays; the pools enforce the real limits (429).
     actor_options = {"num_cpus": 0.25, **config.topology.actor_options("gateway")}

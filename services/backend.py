@@ -20,7 +20,7 @@ class GenerateRequest:
     params: SamplingParams
     block_hashes: tuple[int, ...] = ()     # chained hashes of the prompt's full blocks (routing)
     trace_context: dict[str, str] = field(default_factory=dict)  # W3C carrier
-    faults: tuple[str, ...] = ()           # test-only fault injection (services/faults.py)
+    faults: tuple[str, ...] = ()           # test-only fault injection (services/pools/faults.py)
     # Prefill on this replica (by worker name): it holds the prompt's blocks (choices 2..n of one
     # request, services/openai/choices.py).  None: the router picks.
     prefill_worker: str | None = None

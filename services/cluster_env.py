@@ -5,7 +5,7 @@ already set wins.
 
 - Loopback only: ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` keeps every Ray
   process on 127.0.0.1 (a multi-host cluster sets it to 1:
-  ``cluster_env(multi_node=True)``, services/ray_node.py), and UCX uses the
+  ``cluster_env(multi_node=True)``, services/cli/ray_node.py), and UCX uses the
   loopback device unless the topology's internal address says otherwise
   (transfer/address.py, see NOTES.md).
 - ``RAY_SERVE_THROUGHPUT_OPTIMIZED=1``: Serve's documented throughput mode --
@@ -15,7 +15,7 @@ already set wins.
   gateway's CPU per token by half and raised 16-way streaming throughput by
   ~22% on 2 cores (issue 7 note).  Serve's own direct ingress, which it
   would also turn on, stays off: with ``ingress: gateway`` (the default) the
-  gateway serves the configured port itself (services/gateway_http.py).
+  gateway serves the configured port itself (services/gateway/http.py).
   The driver (``pdcluster up``, the tests, a script holding a handle) keeps
   Serve's router on its own loop, so handles still work from plain
   synchronous code; replicas get the router on their main loop

@@ -137,10 +137,10 @@ class AutoscalePoolBounds(_Strict):
 
 
 class AutoscaleSpeed(_Strict):
-    """One replica's speed, the planner's model (bench/perf_model.py): the
+    """One replica's speed, the planner's model (bench/plan/perf_model.py): the
     `measured` lines `pdcluster plan --profile URL` prints.  The defaults are
     a 1-thread replica of the bundled model on this project's 2-core AVX2 CI
-    machine (bf16; profiled by bench/plan_accuracy.py); profile your own."""
+    machine (bf16; profiled by bench/plan/accuracy.py); profile your own."""
     prefill_overhead_s: float = Field(0.07, ge=0, description="per-request prefill overhead (HTTP, routing, hand-off)")
     prefill_per_token_s: float = Field(0.0045, gt=0, description="prefill seconds per prompt token")
     step_base_s: float = Field(0.018, gt=0, description="decode step time at batch 0 (the line's intercept)")
@@ -148,10 +148,10 @@ class AutoscaleSpeed(_Strict):
 
 
 class AutoscalingSettings(_Strict):
-    """pdcluster's own autoscaler (services/autoscaler.py; the rule in
-    services/autoscale_policy.py): sizes the prefill and decode pools apart,
+    """pdcluster's own autoscaler (services/autoscale/controller.py; the rule in
+    services/autoscale/policy.py): sizes the prefill and decode pools apart,
     from the gateway's live measurements and the planner's speed model.
-    Off by default: on the shared 2-core CI machine (bench/autoscale.py) it
+    Off by default: on the shared 2-core CI machine (bench/load/autoscale.py) it
     lost to a static deployment sized for the peak -- a replica there takes
     1-2 minutes to start, and its start takes the cores the serving replicas
     need (peak goodput 0.10 autoscaled vs 1.00 static).  Disaggregated mode

@@ -15,9 +15,9 @@ class PrefillRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     trace_context: dict[str, str] = field(default_factory=dict)
-    faults: tuple[str, ...] = ()   # test-only fault injection (services/faults.py)
+    faults: tuple[str, ...] = ()   # test-only fault injection (services/pools/faults.py)
     # A resumed stream's tokens already sent (another replica generated them): the engine
-    # takes them as the request's output so far, not as prompt (services/resume.py).
+    # takes them as the request's output so far, not as prompt (services/gateway/resume.py).
     prior_output_token_ids: tuple[int, ...] = ()
 
 

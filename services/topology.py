@@ -17,6 +17,7 @@ import ipaddress
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 ROLE_LABEL = "pdcluster/role"
+HEAD_LABEL = "pdcluster/head"
 
 
 def is_loopback(host: str) -> bool:
@@ -123,7 +124,6 @@ def multi_host_defaults() -> TopologySettings:
     """What `pdcluster up --head` assumes when the config says nothing: the
     gateway on the head, each pool on the nodes joined with its role, KV and
     Redis on each node's own address."""
-    from services.ray_node import HEAD_LABEL
 
     return TopologySettings(internal_host="node", gateway=PoolPlacement(node_selector={HEAD_LABEL: "true"}),
                             prefill=PoolPlacement(node_selector={ROLE_LABEL: "prefill"}),

@@ -4,7 +4,7 @@ integration (real cluster) tests."""
 import numpy as np
 import pytest
 
-from bench.report import metric_samples
+from bench.load.report import metric_samples
 
 
 def check_percentiles(report, result):

@@ -20,7 +20,7 @@ prometheus_client's global one), so two apps in a process never mix numbers.
     pdcluster_prompt_tokens_total            counter    pool, replica           hit rate = hit tokens / prompt tokens
     pdcluster_prefix_cache_hit_tokens_total  counter    pool, replica
 
-Names and buckets are services/metrics.py's where the meaning is the same
+Names and buckets are observability/metrics.py's where the meaning is the same
 (Ray exports those as ``ray_<name>``, so the two never collide); the latency
 histograms here are the client's view, Ray's ``pool="gateway"`` series.
 ``endpoint`` is the route's path template (``/v1/models/{model_id}``), and
@@ -43,14 +43,13 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from starlette.routing import get_route_path
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from services import metrics
-
+from observability import metrics
 log = logging.getLogger("pdcluster.metrics")
 
 _REPLICA_LABELS = ("pool", "replica")
 _BOARD_FIELDS = ("role", "name", "kv_blocks_total", "kv_blocks_free", "running", "waiting", "awaiting_kv",
                  "prompt_tokens_computed", "prompt_tokens_cached")
-# name, kind, help, value from one replica's status (see services.worker.Worker.status)
+# name, kind, help, value from one replica's status (see services.pools.worker.Worker.status)
 _BOARD_METRICS: tuple[tuple[str, str, str, Callable[[dict], float]], ...] = (
     ("pdcluster_kv_blocks_used", "gauge", "KV blocks in use", lambda s: s["kv_blocks_total"] - s["kv_blocks_free"]),
     ("pdcluster_kv_blocks_total", "gauge", "KV blocks in the pool", lambda s: s["kv_blocks_total"]),
@@ -171,7 +170,7 @@ class _ScrapeCollector:
 
 def _failover_family(view: dict) -> Metric:
     family = CounterMetricFamily("pdcluster_failovers", "Streams resumed on another replica after losing their "
-                                 "own, by reason (services/failover.py)", labels=("reason",))
+                                 "own, by reason (services/gateway/failover.py)", labels=("reason",))
     for reason, count in sorted(view["resumed"].items()):
         family.add_metric((reason,), count)
     return family

@@ -1,5 +1,5 @@
 """The replicas' statuses as the gateway reads them from the Redis status
-board (services/status_board.py: every replica rewrites its key every
+board (services/pools/status_board.py: every replica rewrites its key every
 0.5 s, with a 5 s TTL), for /metrics.
 
 Read asynchronously, at most once per ``max_age_s`` however often Prometheus
@@ -16,7 +16,7 @@ import logging
 import time
 from typing import Any
 
-from services.status_board import board_pattern
+from services.pools.status_board import board_pattern
 
 log = logging.getLogger("pdcluster.gateway")
 

@@ -27,9 +27,11 @@ from typing import Any
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from services import faults, telemetry
+from services.pools import faults
+
+from observability import tracing
 from services.openai.tracing import TracingMiddleware
-from services.stage_telemetry import observe_gateway_stream
+from observability.stages import observe_gateway_stream
 from services.backend import Backend, GenerateRequest
 from services.engine.tokenizer import Tokenizer
 from services.openai.auth import ApiKeyMiddleware
@@ -166,10 +168,10 @@ async def _generate(request: Request, kind: type[CompletionRequest] | type[ChatC
     request_id: str = request.state.request_id
     # A client's own id may repeat; the backend's id must not.
     engine_id = f"{request_id}-{secrets.token_hex(4)}" if request.state.request_id_from_client else request_id
-    telemetry.set_attrs({telemetry.REQUEST_ID: request_id, telemetry.ENGINE_ID: engine_id, "request.model": model,
+    tracing.set_attrs({tracing.REQUEST_ID: request_id, tracing.ENGINE_ID: engine_id, "request.model": model,
                          "request.stream": bool(req.stream), "request.max_tokens": max_tokens})
     chunks = generate_choices(host.backend.generate, GenerateRequest(
-        engine_id, prompt.token_ids, params, prompt.block_hashes, telemetry.inject(),
+        engine_id, prompt.token_ids, params, prompt.block_hashes, tracing.inject(),
         faults.parse(request.headers.get(faults.HEADER))), req.n)
     if wants_prompt_only:
         chunks = prompt_only(chunks)

@@ -18,8 +18,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from services import metrics, telemetry
-
+from observability import metrics, tracing
 _PROPAGATED_HEADERS = frozenset({"traceparent", "tracestate", "baggage"})
 _UNTRACED_PATHS = frozenset({"/health", "/-/healthz", "/-/routes", "/metrics"})  # probes, scrapes
 
@@ -43,10 +42,10 @@ class TracingMiddleware:
         if scope["type"] != "http" or scope.get("path") in _UNTRACED_PATHS:
             await self.app(scope, receive, send)
             return
-        root = telemetry.start_span(self.span_name, _carrier(scope), {
+        root = tracing.start_span(self.span_name, _carrier(scope), {
             "http.request.method": scope.get("method"), "url.path": scope.get("path")},
             kind=trace.SpanKind.SERVER)
-        trace_id = telemetry.trace_id_hex(root)
+        trace_id = tracing.trace_id_hex(root)
         status: dict[str, Any] = {}
 
         async def send_with_trace_id(message: Message) -> None:
@@ -55,7 +54,7 @@ class TracingMiddleware:
                 if trace_id is not None:
                     message.setdefault("headers", [])
                     message["headers"] = [*message["headers"],
-                                          (telemetry.TRACE_ID_HEADER.encode(), trace_id.encode())]
+                                          (tracing.TRACE_ID_HEADER.encode(), trace_id.encode())]
             await send(message)
 
         token = otel_context.attach(trace.set_span_in_context(root))
@@ -74,10 +73,10 @@ class TracingMiddleware:
         if code is None and isinstance(error, Exception):
             code = 500  # Starlette's outer error handler answers it
         state = scope.get("state") or {}
-        telemetry.set_attrs({"http.response.status_code": code, telemetry.REQUEST_ID: state.get("request_id")},
+        tracing.set_attrs({"http.response.status_code": code, tracing.REQUEST_ID: state.get("request_id")},
                             span=root)
         if code is not None:
             metrics.count_http_response(code)
             if code >= 500 and error is None:
                 root.set_status(trace.Status(trace.StatusCode.ERROR, f"HTTP {code}"))
-        telemetry.end_span(root, error)
+        tracing.end_span(root, error)

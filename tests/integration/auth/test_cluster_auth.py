@@ -31,7 +31,7 @@ def _progress(message: str) -> None:
 
 @pytest.fixture(scope="module")
 def authed_cluster():
-    from services.cluster_runtime import LocalCluster
+    from services.cli.cluster_runtime import LocalCluster
 
     os.environ[API_KEY_ENV] = ENV_KEY  # before Ray starts: its workers inherit it
     c = None
@@ -92,7 +92,7 @@ def test_health_stays_open(base_url):
 
 
 def test_the_state_file_holds_digests_never_keys(authed_cluster):
-    from services.cluster_runtime import STATE_FILE
+    from services.cli.cluster_runtime import STATE_FILE
 
     text = STATE_FILE.read_text()
     assert CONFIG_KEY not in text and ENV_KEY not in text

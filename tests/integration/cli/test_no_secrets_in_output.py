@@ -77,7 +77,7 @@ def run_and_grep(tmp_path: Path, host: str) -> None:
     (tmp_path / "cluster.yaml").write_text("mode: disaggregated\n")
     up_log = tmp_path / "up.log"
     with open(up_log, "w") as log:  # cwd tmp_path: runs/cluster.json is this test's own
-        proc = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--config", "cluster.yaml",
+        proc = subprocess.Popen([sys.executable, "-m", "services.cli.main", "up", "--config", "cluster.yaml",
                                  "--host", host, "--port", str(port)], cwd=tmp_path, stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True, env=env)
     try:
@@ -165,7 +165,7 @@ def send_requests(host: str, port: int, api_key: str, prompts: list[str]) -> lis
 
 
 def pdcluster(args: list[str], cwd: Path, env: dict[str, str]) -> str:
-    done = subprocess.run([sys.executable, "-m", "services.cli", *args], cwd=cwd, env=env,
+    done = subprocess.run([sys.executable, "-m", "services.cli.main", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout + done.stderr

@@ -34,7 +34,7 @@ def stop_after_directory(item, nextitem, running: list) -> None:
 def directory_cluster(config: ClusterConfig, running: list):
     """A session fixture's body: the cluster, started, registered in
     ``running`` for stop_after_directory, and stopped however the run ends."""
-    from services.cluster_runtime import LocalCluster
+    from services.cli.cluster_runtime import LocalCluster
 
     c = LocalCluster(config, num_cpus=8, dashboard=False, metrics_port=free_service_port())
     try:
@@ -82,7 +82,7 @@ def client(base_url):
 
 def board(cluster) -> list[dict]:
     """Every live replica's status (published to Redis every 0.5 s)."""
-    from services.status_board import read_board
+    from services.pools.status_board import read_board
 
     return read_board(cluster.config.index_url, cluster.config.cluster_name)
 

@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from bench.loadgen import run_workload
-from bench.report import build_report
+from bench.load.loadgen import run_workload
+from bench.load.report import build_report
 from bench.tokenizer import load_tokenizer
 from bench.workload import load_workload
 from tests.bench_checks import check_percentiles

@@ -6,9 +6,9 @@ weights SmolLM2's logits are bf16, 0.125 apart near the top, so exact and
 one-step ties are common, and any rounding change flips some of them. bf16
 KV read by the reference attention instead of the native kernels (the same
 KV bytes, another summation order) is identical on only 8 of the 16 chat
-prompts of bench/levers_kv.py; int8 KV on 5, with every divergence at a
+prompts of bench/micro/levers_kv.py; int8 KV on 5, with every divergence at a
 top-2 gap of at most 0.125 nats.  So the test holds int8 KV to the standard
-test_parity.py holds bf16 to against transformers; bench/levers_kv.py
+test_parity.py holds bf16 to against transformers; bench/micro/levers_kv.py
 prints the 16-prompt count.  fp8 e4m3 keeps 3 mantissa bits (about 2.5 %
 error per value against int8's 0.4 % of the row's largest): on the 16
 prompts it parts at gaps up to 0.625 nats, so its bound is looser."""

@@ -1,5 +1,5 @@
 """One real cluster for the failure-path tests: 1 prefill + 1 decode replica,
-fault injection on (services/faults.py), a lease TTL of 120 s so that no
+fault injection on (services/pools/faults.py), a lease TTL of 120 s so that no
 test can pass because a stranded lease timed out, and a short inter-token
 deadline.  Tests here may kill replicas; each leaves the cluster serving
 (``wait_serving``) before it ends."""

@@ -59,10 +59,10 @@ def reference(prompts: list[str]) -> list[str]:
 def kill_the_decode_host_replica(cluster, base: str) -> dict:
     """Two greedy streams, then the same two with host B's only decode replica
     SIGKILLed mid-stream: as on one host, they resume on its respawn and
-    finish with the same text (bench/failover.py's round, as the fault tests use)."""
+    finish with the same text (bench/load/failover.py's round, as the fault tests use)."""
     import asyncio
 
-    from bench.failover import body, kill_one_decode_replica, run_round
+    from bench.load.failover import body, kill_one_decode_replica, run_round
 
     requests = [body(i, FAILOVER_TOKENS) for i in range(FAILOVER_STREAMS)]
     reference = asyncio.run(run_round(base, requests))
@@ -74,9 +74,9 @@ def kill_the_decode_host_replica(cluster, base: str) -> dict:
 
 def main(address: str, node_ip: str, dev: str) -> int:
     from prefix_store.redis_server import free_service_port
-    from services.cluster_runtime import LocalCluster
+    from services.cli.cluster_runtime import LocalCluster
     from services.config import AdmissionSettings, ClusterConfig, PoolConfig
-    from services.status_board import read_board
+    from services.pools.status_board import read_board
 
     pool = PoolConfig(num_cpus=1, num_threads=1, kv_cache_mib=96, max_queue=8)
     # inter_token_timeout_s: the killed decode replica's respawn on host B loads the model

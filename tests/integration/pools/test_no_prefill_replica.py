@@ -24,7 +24,7 @@ COUNTER = "ray_pdcluster_decode_pool_prefills_total"
 
 @pytest.fixture(scope="module")
 def cluster():
-    from services.cluster_runtime import LocalCluster
+    from services.cli.cluster_runtime import LocalCluster
 
     config = ClusterConfig(
         port=free_service_port(), decode=small_pool(),

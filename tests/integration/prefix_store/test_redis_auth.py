@@ -16,8 +16,8 @@ from prefix_store.events import EventBatch
 from prefix_store.redis_index import RedisPrefixIndex
 from prefix_store.redis_server import RedisServer, free_port
 from prefix_store.worker_id import WorkerId
-from services.pool_liveness import PoolLiveness
-from services.status_board import publish_forever, read_board
+from services.gateway.liveness import PoolLiveness
+from services.pools.status_board import publish_forever, read_board
 
 H = [700 + i for i in range(4)]
 
@@ -103,8 +103,8 @@ def test_pdcluster_status_reads_the_0600_state_file_and_prints_only_the_redacted
     import argparse
     import json
 
-    from services import cli_status
-    from services.cluster_runtime import STATE_FILE, write_state
+    from services.cli import status as cli_status
+    from services.cli.cluster_runtime import STATE_FILE, write_state
 
     monkeypatch.chdir(tmp_path)
     write_state({"pid": 1, "redis_url": redis_server.url, "port": 8000, "mode": "disaggregated",

@@ -7,10 +7,10 @@ import json
 import pytest
 from bench_fake_server import FakeConfig, fake_server
 
-from bench.client import chunk_tokens, sse_data
-from bench.loadgen import run_workload
-from bench.report import build_report, report_json
-from bench.schedule import request_plans
+from bench.load.client import chunk_tokens, sse_data
+from bench.load.loadgen import run_workload
+from bench.load.report import build_report, report_json
+from bench.load.schedule import request_plans
 from bench.stats import summarize
 from bench.tokenizer import WhitespaceTokenizer
 from bench.workload import load_workload, with_overrides

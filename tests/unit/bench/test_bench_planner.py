@@ -11,13 +11,13 @@ import math
 
 import pytest
 
-from bench.perf_model import PrefillModel, StepModel, fit_prefill, fit_step
-from bench.plan_fleet import fleet_instances, fleet_needs
-from bench.plan_inputs import (
+from bench.plan.perf_model import PrefillModel, StepModel, fit_prefill, fit_step
+from bench.plan.fleet import fleet_instances, fleet_needs
+from bench.plan.inputs import (
     Accelerator, Deployment, ModelShape, PerInstance, Pipeline, PrefixCache, Questions, Slos, Speculation, Traffic,
     read_model_shape,
 )
-from bench.planner import Figure, final_instances, make_plan
+from bench.plan.planner import Figure, final_instances, make_plan
 from bench.tokenizer import locate_default_gguf
 
 MODEL = ModelShape("toy-gqa", 1e9, num_layers=10, num_heads=8, num_kv_heads=2, head_dim=64)

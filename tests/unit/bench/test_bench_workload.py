@@ -5,8 +5,8 @@ import itertools
 import numpy as np
 import pytest
 
-from bench.prompts import PromptBuilder, words_text
-from bench.schedule import request_plans, traffic_stats
+from bench.load.prompts import PromptBuilder, words_text
+from bench.load.schedule import request_plans, traffic_stats
 from bench.tokenizer import WhitespaceTokenizer, load_tokenizer
 from bench.workload import WORKLOAD_DIR, Workload, load_workload, with_overrides
 

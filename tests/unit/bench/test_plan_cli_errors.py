@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.cli_plan import main
+from bench.plan.cli import main
 
 REPO = Path(__file__).resolve().parents[3]
 BASE = ["--model", "default", "--rps", "5", "--input-mean", "100", "--output-mean", "50"]
@@ -95,8 +95,8 @@ def test_at_least_25_bad_inputs():
 
 @pytest.mark.parametrize("flags", [["--rps", "-5"], ["--head-dim", "0"], ["--context", "100000000"]])
 def test_no_traceback_through_pdcluster(flags):
-    """The real entry point (services.cli, as `pdcluster`), in a fresh interpreter."""
-    result = subprocess.run([sys.executable, "-m", "services.cli", "plan", *BASE, *flags],
+    """The real entry point (services.cli.main, as `pdcluster`), in a fresh interpreter."""
+    result = subprocess.run([sys.executable, "-m", "services.cli.main", "plan", *BASE, *flags],
                             capture_output=True, text=True, cwd=REPO, timeout=120)
     assert result.returncode == 2
     assert "Traceback" not in result.stderr

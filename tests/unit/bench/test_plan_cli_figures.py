@@ -10,9 +10,9 @@ import math
 
 import pytest
 
-from bench.cli_plan import main
-from bench.plan_inputs import GiB, MODEL_PRESETS, read_model_shape
-from bench.plan_view import JSON_SCHEMA
+from bench.plan.cli import main
+from bench.plan.inputs import GiB, MODEL_PRESETS, read_model_shape
+from bench.plan.view import JSON_SCHEMA
 
 EXAMPLE_1 = ("--model llama-3.1-8b --accelerator h100-sxm --rps 10 --input-mean 2000 --output-mean 500 "
              "--context 8192 --concurrency 32").split()

@@ -1,4 +1,4 @@
-"""The closed-loop prediction bench/plan_accuracy.py checks: exact at one
+"""The closed-loop prediction bench/plan/accuracy.py checks: exact at one
 client, bounded by the prefill replica at saturation, and the context,
 gap and long-prompt terms as their formulas say."""
 
@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from bench.perf_model import PrefillModel, StepModel
-from bench.plan_inputs import MODEL_PRESETS
-from bench.plan_predict import (
+from bench.plan.perf_model import PrefillModel, StepModel
+from bench.plan.inputs import MODEL_PRESETS
+from bench.plan.predict import (
     Gaps, PrefillBeyond, attention_flops_per_token, predict_closed_loop, prefill_at, prefill_beyond, step_at_context,
 )
 

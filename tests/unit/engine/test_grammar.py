@@ -199,7 +199,7 @@ def test_sixteen_rows_inside_a_json_string_stay_guided_step_after_step(grammars,
     """A 16-row greedy batch, every row inside a JSON string (the common
     case), 30 steps of mask + argmax + accept: no row fails, none is done,
     each keeps the word the logits favour.  Prints the per-step cost for
-    reading (the figure itself is bench/structured.py's, not a test's)."""
+    reading (the figure itself is bench/load/structured.py's, not a test's)."""
     spec = GuidedSpec("json_schema", json.dumps({"type": "object", "properties": {"s": {"type": "string"}},
                                                  "required": ["s"]}))
     prefix = tokenizer.encode('{"s": "ab', add_special_tokens=False)

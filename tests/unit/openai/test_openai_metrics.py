@@ -13,7 +13,7 @@ import pytest
 from openai_fakes import CHAT, MODEL, FakeBackend, make_app
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.admission import Admission
+from services.gateway.admission import Admission
 from services.backend import BackendOverloaded, StreamChunk
 from services.config import api_key_digest
 from services.openai import configure_app, create_app
@@ -182,7 +182,7 @@ async def test_the_real_board_that_replicas_publish(backend, tokenizer):
         server = redis_server.RedisServer().start()
     except FileNotFoundError as exc:
         pytest.skip(str(exc))
-    from services.status_board import publish_forever
+    from services.pools.status_board import publish_forever
 
     publishers = [asyncio.create_task(publish_forever(server.url, "unit", s["name"], lambda s=s: s))
                   for s in (status("prefill", "prefill-x"), status("decode", "decode-y", kv_blocks_free=0))]

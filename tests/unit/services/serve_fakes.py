@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import asyncio
 
-from services.decode import DecodeServer
+from services.pools.decode import DecodeServer
 from services.messages import PrefillResponse
-from services.prefill import PrefillServer
+from services.pools.prefill import PrefillServer
 
 SERVERS = {"prefill": PrefillServer, "decode": DecodeServer}
 

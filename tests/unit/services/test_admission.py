@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.admission import MIN_SAMPLES, REQUEST_OVERHEAD_TOKENS, Admission, PoolRate, decide
+from services.gateway.admission import MIN_SAMPLES, REQUEST_OVERHEAD_TOKENS, Admission, PoolRate, decide
 from services.backend import BackendOverloaded
 
 

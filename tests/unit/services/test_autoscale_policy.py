@@ -9,8 +9,8 @@ import random
 
 import pytest
 
-from bench.perf_model import PrefillModel, StepModel
-from services.autoscale_policy import (
+from bench.plan.perf_model import PrefillModel, StepModel
+from services.autoscale.policy import (
     Measurements, PoolMeasurement, PoolState, ScalerState, ScalingRules, decide, decode_batch, decode_need,
     prefill_need,
 )
@@ -204,7 +204,7 @@ def test_decisions_are_a_pure_function_of_their_inputs():
 
 
 def test_a_measured_slowdown_calibrates_the_step_model():
-    from services.autoscale_policy import PoolMeasurement, decode_slowdown, pool_need
+    from services.autoscale.policy import PoolMeasurement, decode_slowdown, pool_need
 
     # 2 replicas, 6 sequences: batch 3 per replica, step(3) = 0.055 s; measured 0.11 s: steps x2
     slow = PoolMeasurement(sequences=6, latency_mean_s=0.11, latency_samples=20, replicas=2)

@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from services.autoscale_log import entry, format_recent
-from services.autoscale_signals import counter_delta, measurements, p90, parse_scrape
-from services.autoscaler import Autoscaler
+from services.autoscale.log import entry, format_recent
+from services.autoscale.signals import counter_delta, measurements, p90, parse_scrape
+from services.autoscale.controller import Autoscaler
 from services.config import AutoscaleSpeed, AutoscalingSettings, ClusterConfig
 
 TPOT_LE = (0.05, 0.075, 0.1, 0.15, float("inf"))
@@ -137,7 +137,7 @@ def test_settings_refuse_min_over_max():
 
 
 def test_the_record_is_json_and_reads_as_one_line_per_pool():
-    from services.autoscale_policy import Measurements, PoolDecision
+    from services.autoscale.policy import Measurements, PoolDecision
 
     decisions = [PoolDecision("prefill", 1, 1, 1, "within the band"), PoolDecision("decode", 1, 2, 2, "wanted 2: ...")]
     item = json.loads(json.dumps(entry(decisions, Measurements(0.0, 2.0, 50.0, 100.0), wall_time=0.0)))
@@ -146,8 +146,9 @@ def test_the_record_is_json_and_reads_as_one_line_per_pool():
 
 
 def test_status_prints_the_last_decisions_when_an_autoscaler_runs(monkeypatch, capsys):
-    from services import autoscale_log, cli_status
-    from services.autoscale_policy import Measurements, PoolDecision
+    from services.autoscale import log as autoscale_log
+    from services.cli import status as cli_status
+    from services.autoscale.policy import Measurements, PoolDecision
 
     item = entry([PoolDecision("decode", 2, 1, 1, "x1.3 demand needs 1 for 20 s")], Measurements(0.0, 0.5, 30.0, 15.0),
                  wall_time=0.0)

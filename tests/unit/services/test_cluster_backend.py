@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from services.backend import BackendUnavailable, GenerateRequest
-from services.cluster_backend import ClusterBackend
+from services.gateway.cluster_backend import ClusterBackend
 from services.engine.sampling_params import greedy
 from services.messages import TokenDelta
 
@@ -89,7 +89,7 @@ async def test_unknown_liveness_never_refuses():
 
 @pytest.mark.parametrize("tokens,limit,local", [(3, 0, False), (3, 3, True), (4, 3, False), (0, 8, False)])
 def test_prefill_locally_only_short_prompts_when_enabled(tokens, limit, local):
-    from services.cluster_backend import prefill_locally
+    from services.gateway.cluster_backend import prefill_locally
 
     assert prefill_locally(tokens, limit) is local
 

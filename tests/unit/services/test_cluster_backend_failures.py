@@ -11,7 +11,7 @@ import inspect
 import pytest
 
 from services.backend import BackendOverloaded, BackendTimeout, GenerateRequest
-from services.cluster_backend import ClusterBackend, with_deadlines
+from services.gateway.cluster_backend import ClusterBackend, with_deadlines
 from services.engine.sampling_params import greedy
 from services.messages import TokenDelta
 from tests.unit.services.serve_fakes import HANDOFF, SERVERS, FakeResponse, FakeStream

@@ -12,10 +12,10 @@ from ray import exceptions as ray_exceptions
 
 from services.backend import (BackendFailure, BackendInvalidRequest, BackendKVTransferFailed, BackendLeaseExpired,
                               BackendOverloaded, BackendTimeout, BackendUnavailable, GenerateRequest)
-from services.cluster_backend import ClusterBackend
+from services.gateway.cluster_backend import ClusterBackend
 from services.engine.random_stream import position_seed
 from services.engine.sampling_params import greedy
-from services.failover import FailoverReason, decide, live_elsewhere, lost_reason, resume_target
+from services.gateway.failover import FailoverReason, decide, live_elsewhere, lost_reason, resume_target
 from services.messages import PrefillRequest, TokenDelta
 from tests.unit.services.serve_fakes import HANDOFF, SERVERS, FakeResponse, FakeStream
 

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-from services import faults
-
-
+from services.pools import faults
 def test_off_without_the_environment_switch(monkeypatch):
     monkeypatch.delenv(faults.ENV, raising=False)
     assert faults.parse("kill_prefill_engine") == ()

@@ -5,9 +5,9 @@ start a node of a multi-host cluster without the cluster secret."""
 import pytest
 
 from services import cluster_env as env_module
-from services.cli import main
+from services.cli.main import main
 from services.cluster_secret import CLUSTER_SECRET_ENV
-from services.ray_node import head_command, join_command, node_env, node_labels
+from services.cli.ray_node import head_command, join_command, node_env, node_labels
 
 SECRET = "ab" * 32
 
@@ -78,7 +78,7 @@ def test_up_head_needs_a_node_ip_and_the_secret(monkeypatch):
 
 
 def test_status_node_table_shows_roles_heads_and_dead_nodes():
-    from services.ray_node import node_lines
+    from services.cli.ray_node import node_lines
 
     nodes = [{"NodeID": "b" * 56, "NodeManagerAddress": "10.0.0.2", "Alive": False,
               "Labels": {"pdcluster/role": "decode"}, "Resources": {"CPU": 2.0}},

@@ -1,7 +1,7 @@
 """`pdcluster status`'s replica table: one line per replica, the KV dtype,
 and speculative decoding's accepted/drafted tokens where it ran."""
 
-from services.cli_status import format_board
+from services.cli.status import format_board
 
 ROW = {"role": "decode", "name": "pdcluster#decode#abc", "running": 2, "waiting": 0, "kv_blocks_total": 100,
        "kv_blocks_free": 90, "kv_dtype": "int8", "leased_blocks": 0, "prompt_tokens_cached": 32,

@@ -5,7 +5,7 @@ password, and `pdcluster up --head` fills in the multi-host default."""
 import pytest
 
 from services.app import build_app
-from services.cli_head import with_multi_host_topology
+from services.cli.head import with_multi_host_topology
 from services.config import ClusterConfig
 from services.topology import TopologySettings, multi_host_defaults
 

@@ -8,15 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from services import telemetry
-
-
+from observability import tracing
 @pytest.fixture
 def span_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     for name in ("OTEL_SDK_DISABLED", "OTEL_TRACES_EXPORTER", "OTEL_TRACES_SAMPLER", "PDCLUSTER_TRACING",
                  "PDCLUSTER_TRACE_TEXT", "PDCLUSTER_TRACE_FILE"):
         monkeypatch.delenv(name, raising=False)
-    telemetry._reset_for_tests()
+    tracing._reset_for_tests()
     path = tmp_path / "traces" / "spans.jsonl"
     yield path
-    telemetry._reset_for_tests()
+    tracing._reset_for_tests()

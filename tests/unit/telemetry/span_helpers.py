@@ -5,13 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from services import telemetry
-from services.span_exporters import read_spans
+from observability import tracing
+from observability.exporters import read_spans
 
 
 def finished_spans(path: Path) -> dict[str, dict[str, Any]]:
     """Flushes the exporters and returns the file's spans by name (names are unique per test)."""
-    telemetry.force_flush()
+    tracing.force_flush()
     spans, bad = read_spans(path)
     assert bad == 0
     return {s["name"]: s for s in spans}

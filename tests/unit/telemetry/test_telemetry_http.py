@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.testclient import TestClient
 from span_helpers import finished_spans
 
-from services import metrics, telemetry
+from observability import metrics, tracing
 from services.openai.tracing import TracingMiddleware
 
 
@@ -21,14 +21,14 @@ def _app() -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions() -> JSONResponse:
-        telemetry.set_attrs({telemetry.REQUEST_ID: "req-1", "prompt.tokens": 4, "prompt": "secret"})
-        return JSONResponse({"carrier": telemetry.inject()})
+        tracing.set_attrs({tracing.REQUEST_ID: "req-1", "prompt.tokens": 4, "prompt": "secret"})
+        return JSONResponse({"carrier": tracing.inject()})
 
     @app.post("/v1/stream")
     async def stream() -> StreamingResponse:
         async def body():
             for i in range(3):
-                with telemetry.span("decode.generate"):  # the root is still current while streaming
+                with tracing.span("decode.generate"):  # the root is still current while streaming
                     yield f"data: {i}\n\n"
         return StreamingResponse(body(), media_type="text/event-stream")
 
@@ -44,11 +44,11 @@ def test_root_span_continues_caller_and_returns_trace_id(span_file: Path,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     counted: list[int] = []
     monkeypatch.setattr(metrics, "count_http_response", counted.append)
-    telemetry.setup_tracing("pdcluster-gateway", jsonl_path=span_file)
+    tracing.setup_tracing("pdcluster-gateway", jsonl_path=span_file)
     caller_trace, caller_span = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
     with TestClient(_app()) as client:
         r = client.post("/v1/completions", headers={"traceparent": f"00-{caller_trace}-{caller_span}-01"})
-        assert r.status_code == 200 and r.headers[telemetry.TRACE_ID_HEADER] == caller_trace
+        assert r.status_code == 200 and r.headers[tracing.TRACE_ID_HEADER] == caller_trace
         carrier = r.json()["carrier"]
         s = client.post("/v1/stream")
         assert s.text.count("data:") == 3
@@ -61,7 +61,7 @@ def test_root_span_continues_caller_and_returns_trace_id(span_file: Path,
     assert first["attributes"]["http.response.status_code"] == 200
     assert first["attributes"]["prompt.tokens"] == 4 and "prompt" not in first["attributes"]
     stream_root = roots[1]
-    assert s.headers[telemetry.TRACE_ID_HEADER] == stream_root["trace_id"] != caller_trace
+    assert s.headers[tracing.TRACE_ID_HEADER] == stream_root["trace_id"] != caller_trace
     for child in spans["decode.generate"]:
         assert child["parent_span_id"] == stream_root["span_id"]
         assert child["end_ns"] <= stream_root["end_ns"]
@@ -71,7 +71,7 @@ def test_root_span_continues_caller_and_returns_trace_id(span_file: Path,
 
 def _by_name(path: Path) -> tuple[dict[str, list[dict]], int]:
     finished_spans(path)  # flush
-    from services.span_exporters import read_spans
+    from observability.exporters import read_spans
     spans, bad = read_spans(path)
     out: dict[str, list[dict]] = {}
     for s in sorted(spans, key=lambda s: s["start_ns"]):

@@ -9,25 +9,25 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from services.span_exporters import read_spans
+from observability.exporters import read_spans
 
 REPO = Path(__file__).resolve().parents[3]
 WRITER = """
 import sys, time
-from services import telemetry
+from observability import tracing
 from pathlib import Path
 path, name, count = sys.argv[1], sys.argv[2], int(sys.argv[3])
-telemetry.setup_tracing(name, jsonl_path=path)
+tracing.setup_tracing(name, jsonl_path=path)
 blob = name * (16384 // len(name))   # 16 KiB lines: far past PIPE_BUF, so atomicity is really tested
 Path(path + "." + name + ".ready").touch()
 while not Path(path + ".go").exists():   # both writers start together
     time.sleep(0.001)
 for i in range(count):
-    with telemetry.span("write", None, {"i": i, "blob": blob}):
+    with tracing.span("write", None, {"i": i, "blob": blob}):
         pass
     if i % 50 == 0:
-        telemetry.force_flush()      # many small batches: many chances to interleave
-telemetry.shutdown_tracing()
+        tracing.force_flush()      # many small batches: many chances to interleave
+tracing.shutdown_tracing()
 """
 
 

@@ -1,4 +1,4 @@
-"""services.metrics: a no-op without Ray; with Ray, every call carries
+"""observability.metrics: a no-op without Ray; with Ray, every call carries
 exactly the tag keys its metric declares."""
 
 from __future__ import annotations
@@ -9,9 +9,7 @@ from typing import Any
 
 import pytest
 
-from services import metrics
-
-
+from observability import metrics
 def _call_everything() -> None:
     metrics.observe_ttft("prefill", 0.05)
     metrics.observe_tpot("decode", 0.01)

@@ -11,9 +11,7 @@ import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from span_helpers import finished_spans
 
-from services import telemetry
-
-
+from observability import tracing
 class _Collector(BaseHTTPRequestHandler):
     received: list[tuple[str, str, bytes]] = []
 
@@ -35,8 +33,8 @@ def test_otlp_http_from_env(span_file: Path, monkeypatch: pytest.MonkeyPatch) ->
         monkeypatch.setenv("OTEL_TRACES_EXPORTER", "otlp")
         monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
         monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{server.server_port}")
-        assert telemetry.setup_tracing("pdcluster-decode", jsonl_path=span_file)
-        with telemetry.span("decode.generate", None, {"output.tokens": 7, "completion": "secret"}):
+        assert tracing.setup_tracing("pdcluster-decode", jsonl_path=span_file)
+        with tracing.span("decode.generate", None, {"output.tokens": 7, "completion": "secret"}):
             pass
         assert "decode.generate" in finished_spans(span_file)  # flushes OTLP too
     finally:

@@ -1,4 +1,4 @@
-"""services.stage_telemetry: the stage spans a replica records from engine
+"""observability.stages: the stage spans a replica records from engine
 outputs, and the gateway's stream wrapper."""
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 from span_helpers import finished_spans
 
-from services import metrics, telemetry
+from observability import metrics, tracing
 from services.backend import StreamChunk
 from services.engine.request import FinishReason
-from services.stage_telemetry import DecodeStages, PrefillStages, observe_gateway_stream
+from observability.stages import DecodeStages, PrefillStages, observe_gateway_stream
 
 
 @pytest.fixture
@@ -34,9 +34,9 @@ def _out(tokens: list[int], scheduled_s: float | None = None, finished: FinishRe
 
 
 def test_prefill_stages_split_queue_and_compute(span_file: Path, observed: list) -> None:
-    telemetry.setup_tracing("pdcluster-prefill", jsonl_path=span_file)
-    with telemetry.span("gateway.request") as root:
-        carrier = telemetry.inject(root)
+    tracing.setup_tracing("pdcluster-prefill", jsonl_path=span_file)
+    with tracing.span("gateway.request") as root:
+        carrier = tracing.inject(root)
     stages = PrefillStages(carrier, "prefill-1", block_size=16)
     time.sleep(0.01)
     scheduled = time.monotonic()
@@ -45,7 +45,10 @@ def test_prefill_stages_split_queue_and_compute(span_file: Path, observed: list)
     spans = finished_spans(span_file)
     queue, compute = spans["prefill.queue"], spans["prefill.compute"]
     assert queue["parent_span_id"] == compute["parent_span_id"] == spans["gateway.request"]["span_id"]
-    assert queue["end_ns"] == compute["start_ns"] and 8e6 < queue["end_ns"] - queue["start_ns"] < 15e6
+    # The split is at ``scheduled``: >= 10 ms of queue before it, >= 20 ms of compute after it
+    # (sleeps only overshoot on a loaded machine, so lower bounds are the robust ones).
+    assert queue["end_ns"] == compute["start_ns"]
+    assert queue["end_ns"] - queue["start_ns"] >= 9e6 and compute["end_ns"] - compute["start_ns"] >= 19e6
     assert compute["attributes"] == {"replica": "prefill-1", "prompt.tokens": 40, "prompt.cached_tokens": 32,
                                      "cache.hit_blocks": 2, "finish_reason": "prefilled"}
     assert [name for name, _ in observed] == ["observe_queue", "observe_ttft", "observe_e2e",
@@ -53,7 +56,7 @@ def test_prefill_stages_split_queue_and_compute(span_file: Path, observed: list)
 
 
 def test_decode_stages_in_order(span_file: Path, observed: list) -> None:
-    telemetry.setup_tracing("pdcluster-decode", jsonl_path=span_file)
+    tracing.setup_tracing("pdcluster-decode", jsonl_path=span_file)
     stages = DecodeStages({}, "decode-1", 16, "socket")
     stages.reserved()
     stats = SimpleNamespace(num_bytes=1 << 20, seconds=0.004, gbytes_per_s=(1 << 20) / 0.004 / 1e9)
@@ -72,14 +75,14 @@ def test_decode_stages_in_order(span_file: Path, observed: list) -> None:
 
 
 def test_decode_stage_failure_before_pull_is_an_error_kv_span(span_file: Path, observed: list) -> None:
-    telemetry.setup_tracing("pdcluster-decode", jsonl_path=span_file)
+    tracing.setup_tracing("pdcluster-decode", jsonl_path=span_file)
     DecodeStages({}, "decode-2", 16, "socket").finish(RuntimeError("transfer failed"))
     kv = finished_spans(span_file)["kv.transfer"]
     assert kv["status"] == "ERROR" and "transfer failed" in kv["status_message"]
 
 
 def test_gateway_stream_times_tokens_and_closes_the_backend(span_file: Path, observed: list) -> None:
-    telemetry.setup_tracing("pdcluster-gateway", jsonl_path=span_file)
+    tracing.setup_tracing("pdcluster-gateway", jsonl_path=span_file)
     closed = []
 
     async def backend():
@@ -91,7 +94,7 @@ def test_gateway_stream_times_tokens_and_closes_the_backend(span_file: Path, obs
             closed.append(True)
 
     async def consume() -> None:
-        with telemetry.span("gateway.request"):
+        with tracing.span("gateway.request"):
             chunks = observe_gateway_stream(backend(), num_prompt_tokens=20)
             async for chunk in chunks:  # like generation.py: stop at the finish reason, then aclose
                 if chunk.finish_reason:

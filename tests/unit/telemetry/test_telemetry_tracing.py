@@ -10,13 +10,13 @@ import pytest
 from span_helpers import finished_spans
 from opentelemetry import trace
 
-from services import telemetry
-from services.telemetry import drop_text, inject, is_text_attribute, span
+from observability import tracing
+from observability.tracing import drop_text, inject, is_text_attribute, span
 
 
 def test_setup_is_idempotent_and_writes_one_line_per_span(span_file: Path) -> None:
-    assert telemetry.setup_tracing("svc-a", jsonl_path=span_file)
-    assert telemetry.setup_tracing("svc-b", jsonl_path=span_file)  # ignored: already set up
+    assert tracing.setup_tracing("svc-a", jsonl_path=span_file)
+    assert tracing.setup_tracing("svc-b", jsonl_path=span_file)  # ignored: already set up
     with span("once"):
         pass
     spans = finished_spans(span_file)
@@ -26,18 +26,18 @@ def test_setup_is_idempotent_and_writes_one_line_per_span(span_file: Path) -> No
 
 
 def test_inject_extract_round_trip_keeps_trace_and_parent(span_file: Path) -> None:
-    telemetry.setup_tracing("svc", jsonl_path=span_file)
+    tracing.setup_tracing("svc", jsonl_path=span_file)
     with span("gateway.request") as root:
         carrier = inject()
-        assert carrier["traceparent"].split("-")[1] == telemetry.trace_id_hex(root)
+        assert carrier["traceparent"].split("-")[1] == tracing.trace_id_hex(root)
     # Another "process": nothing current, only the carrier.
-    assert telemetry.trace_id_hex() is None
-    ctx = telemetry.extract(carrier)
+    assert tracing.trace_id_hex() is None
+    ctx = tracing.extract(carrier)
     assert trace.get_current_span(ctx).get_span_context().trace_id == root.get_span_context().trace_id
     with span("prefill.compute", carrier, {"prompt.tokens": 12}):
         with span("nested"):
             pass
-    telemetry.record_span("prefill.queue", time.time_ns() - 5_000_000, time.time_ns(), carrier)
+    tracing.record_span("prefill.queue", time.time_ns() - 5_000_000, time.time_ns(), carrier)
     spans = finished_spans(span_file)
     root_d = spans["gateway.request"]
     for name in ("prefill.compute", "prefill.queue"):
@@ -49,11 +49,11 @@ def test_inject_extract_round_trip_keeps_trace_and_parent(span_file: Path) -> No
 
 
 def test_incoming_traceparent_continues_the_callers_trace(span_file: Path) -> None:
-    telemetry.setup_tracing("svc", jsonl_path=span_file)
+    tracing.setup_tracing("svc", jsonl_path=span_file)
     caller_trace, caller_span = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
-    root = telemetry.start_span("gateway.request", {"traceparent": f"00-{caller_trace}-{caller_span}-01"})
-    assert telemetry.trace_id_hex(root) == caller_trace
-    telemetry.end_span(root)
+    root = tracing.start_span("gateway.request", {"traceparent": f"00-{caller_trace}-{caller_span}-01"})
+    assert tracing.trace_id_hex(root) == caller_trace
+    tracing.end_span(root)
     with span("outer"):
         with span("inner", {}):  # an empty carrier keeps the current parent, no new trace
             pass
@@ -63,7 +63,7 @@ def test_incoming_traceparent_continues_the_callers_trace(span_file: Path) -> No
 
 
 def test_span_records_exceptions_and_cancellation(span_file: Path) -> None:
-    telemetry.setup_tracing("svc", jsonl_path=span_file)
+    tracing.setup_tracing("svc", jsonl_path=span_file)
     with pytest.raises(ValueError):
         with span("boom"):
             raise ValueError("no free KV blocks")
@@ -84,16 +84,16 @@ def test_span_records_exceptions_and_cancellation(span_file: Path) -> None:
 
 
 def test_decorator_sync_and_async(span_file: Path) -> None:
-    telemetry.setup_tracing("svc", jsonl_path=span_file)
+    tracing.setup_tracing("svc", jsonl_path=span_file)
 
     @span("deco.async", pool="prefill")
     async def work() -> str | None:
         await asyncio.sleep(0)
-        return telemetry.trace_id_hex()
+        return tracing.trace_id_hex()
 
     @span("deco.sync")
     def sync_work(x: int) -> int:
-        telemetry.set_attrs({"x": x})
+        tracing.set_attrs({"x": x})
         return x + 1
 
     assert asyncio.run(work()) is not None
@@ -110,10 +110,10 @@ TEXT = {"prompt": "my secret prompt", "prompt.text": "my secret prompt", "comple
 
 def test_text_attributes_dropped_unless_enabled(span_file: Path) -> None:
     assert [k for k in TEXT if not is_text_attribute(k)] == ["prompt.tokens", "output.tokens", "finish_reason"]
-    telemetry.setup_tracing("svc", jsonl_path=span_file)
+    tracing.setup_tracing("svc", jsonl_path=span_file)
     with span("req", None, TEXT):
-        telemetry.set_attrs(TEXT, text_delta="more secret")
-    telemetry.record_span("later", time.time_ns(), time.time_ns(), None, TEXT)
+        tracing.set_attrs(TEXT, text_delta="more secret")
+    tracing.record_span("later", time.time_ns(), time.time_ns(), None, TEXT)
     spans = finished_spans(span_file)
     for name in ("req", "later"):
         assert set(spans[name]["attributes"]) == {"prompt.tokens", "output.tokens", "finish_reason"}
@@ -121,7 +121,7 @@ def test_text_attributes_dropped_unless_enabled(span_file: Path) -> None:
 
 
 def test_text_attributes_kept_when_enabled(span_file: Path) -> None:
-    telemetry.setup_tracing("svc", jsonl_path=span_file, record_text=True)
+    tracing.setup_tracing("svc", jsonl_path=span_file, record_text=True)
     with span("req", None, TEXT):
         pass
     assert finished_spans(span_file)["req"]["attributes"]["prompt"] == "my secret prompt"
@@ -131,7 +131,7 @@ def test_text_attributes_kept_when_enabled(span_file: Path) -> None:
 def test_disabled_tracing_costs_nothing_and_writes_nothing(span_file: Path,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OTEL_SDK_DISABLED", "true")
-    assert not telemetry.setup_tracing("svc", jsonl_path=span_file)
+    assert not tracing.setup_tracing("svc", jsonl_path=span_file)
     with span("ignored") as s:
         assert not s.is_recording()
         assert inject() == {}
@@ -140,12 +140,12 @@ def test_disabled_tracing_costs_nothing_and_writes_nothing(span_file: Path,
 
 def test_mono_to_ns_maps_the_engine_clock() -> None:
     before = time.time_ns()
-    assert abs(telemetry.mono_to_ns(time.monotonic()) - before) < 50_000_000
-    assert telemetry.mono_to_ns(time.monotonic() - 1.0) < before - 900_000_000
+    assert abs(tracing.mono_to_ns(time.monotonic()) - before) < 50_000_000
+    assert tracing.mono_to_ns(time.monotonic() - 1.0) < before - 900_000_000
 
 
 def test_carrier_of_finds_the_message_argument() -> None:
     class Msg:
         trace_context = {"traceparent": "00-" + "1" * 32 + "-" + "2" * 16 + "-01"}
-    assert telemetry.carrier_of((Msg(),), {"routing": {}}) == Msg.trace_context
-    assert telemetry.carrier_of((), {"routing": {}}) is None
+    assert tracing.carrier_of((Msg(),), {"routing": {}}) == Msg.trace_context
+    assert tracing.carrier_of((), {"routing": {}}) is None

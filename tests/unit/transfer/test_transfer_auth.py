@@ -165,7 +165,7 @@ def test_a_release_from_outside_the_cluster_frees_nothing(backend, caplog):
         free_blocks.difference_update([3, 4])
         leases.pin("req-77f3", [3, 4])
 
-        def serve_notifications() -> None:  # the owner's loop, as services.worker runs it
+        def serve_notifications() -> None:  # the owner's loop, as services.pools.worker runs it
             for note in owner.poll_notifications():
                 leases.release(note.lease_id)
 

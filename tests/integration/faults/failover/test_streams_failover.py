@@ -19,7 +19,7 @@ import asyncio
 import httpx
 import pytest
 
-from bench.failover import body, kill_one_decode_replica, run_round, stream_completion
+from bench.load.failover import body, kill_one_decode_replica, run_round, stream_completion
 from tests.integration.faults.conftest import wait_no_leaks
 from tests.integration.faults.failover.conftest import decode_replicas, wait_decode_replicas
 

@@ -1,0 +1,219 @@
+"""Autoscaling vs a static deployment sized for the peak, on one load ramp:
+low, 3x low, low (60 s each by default), poisson arrivals of short chats.
+
+    autoscaled  starts at 1 prefill + 1 decode replica; services/autoscale/controller.py
+                sizes both pools from the gateway's /metrics while the ramp runs
+    static      sized for the peak: per pool, the larger of what the same rule
+                (services/autoscale/policy.py) needs at the peak's nominal load
+                and the most replicas the autoscaled run held (the rule on live,
+                calibrated figures), held for the whole ramp
+
+Replicas are 1 torch thread each on logical Ray CPUs, so replicas can be
+added on a small machine.  Prints goodput (TTFT <= 2 s and TPOT <= 100 ms;
+a failed or refused request is not good), replica-seconds (pool replicas
+held, from the moment the controller asks for them, sampled every second),
+every scale decision, the direction changes per phase, and the targets.
+
+    python -m bench.load.autoscale [--low-rps 0.7] [--phase-s 60]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import shlex
+import sys
+import time
+from dataclasses import dataclass
+
+from bench.fingerprint import print_fingerprint
+from bench.load.loadgen import run_workload
+from bench.targets import print_target
+from bench.tokenizer import load_tokenizer
+from bench.workload import Bucket, Poisson, RequestOptions, Stop, Uniform, Workload
+
+TTFT_SLO_S, TPOT_SLO_S = 2.0, 0.100
+PEAK_FACTOR = 3.0
+INPUT = (24, 40)  # prompt tokens, uniform
+OUTPUT = (24, 40)  # output tokens, uniform
+
+
+@dataclass(frozen=True)
+class Phase:
+    name: str
+    start_s: float
+    duration_s: float
+    rps: float
+
+
+def phases(low_rps: float, phase_s: float) -> list[Phase]:
+    return [Phase("low", 0.0, phase_s, low_rps), Phase("peak", phase_s, phase_s, low_rps * PEAK_FACTOR),
+            Phase("low again", 2 * phase_s, phase_s, low_rps)]
+
+
+def phase_workload(p: Phase, index: int, seed: int) -> Workload:
+    return Workload(
+        name=f"autoscale_{p.name.replace(' ', '_')}", seed=seed + index,  # fresh prompts: no prefix-cache hits
+        buckets=[Bucket(name="chat", share=1.0, input_tokens=Uniform(dist="uniform", min=INPUT[0], max=INPUT[1]),
+                        output_tokens=Uniform(dist="uniform", min=OUTPUT[0], max=OUTPUT[1]))],
+        arrival=Poisson(kind="poisson", rate_rps=p.rps), stop=Stop(duration_s=p.duration_s),
+        request=RequestOptions(ignore_eos=True, timeout_s=120))
+
+
+def good(r) -> bool:
+    return r.ok and r.ttft_s is not None and r.ttft_s <= TTFT_SLO_S and (r.tpot_s is None or r.tpot_s <= TPOT_SLO_S)
+
+
+async def run_ramp(url: str, ramp: list[Phase], tokenizer, seed: int, replicas) -> tuple[list, list]:
+    """Every phase's records (start_s on the ramp's clock) and (t, prefill, decode) samples every second."""
+    samples: list[tuple[float, int, int]] = []
+    t0 = time.monotonic()
+
+    async def sample() -> None:
+        while True:
+            samples.append((time.monotonic() - t0, *replicas()))
+            await asyncio.sleep(1.0)
+
+    async def phase(i: int, p: Phase) -> list:
+        await asyncio.sleep(max(0.0, t0 + p.start_s - time.monotonic()))
+        result = await run_workload(url, phase_workload(p, i, seed), tokenizer, show_progress=False, label=p.name)
+        return [(p.name, r) for r in result.records]
+
+    sampler = asyncio.create_task(sample())
+    try:
+        per_phase = await asyncio.gather(*(phase(i, p) for i, p in enumerate(ramp)))
+    finally:
+        sampler.cancel()
+    return [rec for records in per_phase for rec in records], samples
+
+
+def replica_seconds(samples: list[tuple[float, int, int]]) -> float:
+    return sum((b[0] - a[0]) * (a[1] + a[2]) for a, b in zip(samples, samples[1:]))
+
+
+def direction_changes(moves: list[tuple[float, str, str]], ramp: list[Phase]) -> dict[tuple[str, str], int]:
+    """Per (phase, pool): moves whose direction reverses the pool's previous move."""
+    out = {(p.name, pool): 0 for p in ramp for pool in ("prefill", "decode")}
+    last: dict[str, str] = {}
+    for t, pool, direction in moves:
+        phase = next((p.name for p in reversed(ramp) if t >= p.start_s), ramp[0].name)
+        if pool in last and last[pool] != direction:
+            out[(phase, pool)] += 1
+        last[pool] = direction
+    return out
+
+
+def start_cluster(prefill: int, decode: int, autoscaling: bool):
+    from bench.load.serve_modes import pool
+    from prefix_store.redis_server import free_service_port
+    from services.cli.cluster_runtime import LocalCluster
+    from services.config import AutoscalingSettings, ClusterConfig
+
+    config = ClusterConfig(mode="disaggregated", prefill=pool(num_replicas=prefill), decode=pool(num_replicas=decode),
+                           port=free_service_port(), autoscaling=AutoscalingSettings(enabled=autoscaling))
+    return LocalCluster(config, num_cpus=8, dashboard=False).start(progress=lambda m: None)
+
+
+def warm_up(url: str, tokenizer) -> None:
+    warm = phase_workload(Phase("warm", 0, 5.0, 0.5), 99, 0)
+    asyncio.run(run_workload(url, warm, tokenizer, show_progress=False))
+
+
+def static_size(ramp: list[Phase]) -> tuple[int, int]:
+    """What the autoscaler's rule needs at the peak's nominal load (steady state, no queue)."""
+    from services.autoscale.policy import Measurements, PoolMeasurement, decode_batch, pool_need
+    from services.autoscale.controller import scaling_rules, speed_models
+    from services.config import AutoscalingSettings, ClusterConfig
+
+    config = ClusterConfig()
+    settings = AutoscalingSettings()
+    rules, (prefill, step) = scaling_rules(settings, config.scheduler.max_num_seqs), speed_models(settings)
+    rps, prompt, out = max(p.rps for p in ramp), sum(INPUT) / 2, sum(OUTPUT) / 2
+    batch = decode_batch(step, rules)
+    sequences = rps * out * step.step_s(batch)  # Little at B*
+    m = Measurements(0.0, rps, prompt, rps * out, PoolMeasurement(), PoolMeasurement(sequences=sequences))
+    return tuple(min(max(pool_need(pool, m, prefill, step, rules).replicas, lo), hi)
+                 for pool, (lo, hi) in zip(("prefill", "decode"), rules.bounds))
+
+
+def run_mode(name: str, ramp: list[Phase], tokenizer, seed: int, prefill: int, decode: int, autoscale: bool) -> dict:
+    print(f"... {name}: starting {prefill} prefill + {decode} decode", file=sys.stderr, flush=True)
+    cluster = start_cluster(prefill, decode, autoscale)
+    scaler = None
+    try:
+        url = f"http://127.0.0.1:{cluster.config.port}"
+        warm_up(url, tokenizer)
+        if autoscale:
+            from services.autoscale.controller import Autoscaler
+            scaler = Autoscaler(cluster).start()
+            replicas = lambda: tuple(scaler.replicas().values())  # noqa: E731
+        else:
+            replicas = lambda: (prefill, decode)  # noqa: E731
+        t0 = time.monotonic()
+        records, samples = asyncio.run(run_ramp(url, ramp, tokenizer, seed, replicas))
+    finally:
+        if scaler is not None:
+            scaler.stop()
+        cluster.stop()
+    moves = [(t - t0, d.pool, d.direction, d) for t, ds in (scaler.history if scaler else []) for d in ds
+             if d.direction != "hold"]
+    return {"name": name, "records": records, "samples": samples, "moves": moves}
+
+
+def report(run: dict, ramp: list[Phase]) -> tuple[float, float]:
+    recs = [r for _, r in run["records"]]
+    n_good = sum(good(r) for r in recs)
+    goodput = n_good / len(recs) if recs else float("nan")
+    rs = replica_seconds(run["samples"])
+    print(f"\n## {run['name']}: {len(recs)} requests, {sum(not r.ok for r in recs)} failed, goodput {goodput:.3f} "
+          f"({n_good}/{len(recs)}), replica-seconds {rs:.0f}")
+    for p in ramp:
+        mine = [r for name, r in run["records"] if name == p.name]
+        if mine:
+            print(f"   {p.name:<10} {p.rps:.2f} req/s: {len(mine):>3} requests, goodput "
+                  f"{sum(good(r) for r in mine) / len(mine):.3f}")
+    failed = collections.Counter(f"{r.error} {r.error_detail[:80]}".strip() for r in recs if not r.ok)
+    for what, n in failed.most_common(3):
+        print(f"   failed: {n} x {what}")
+    for t, pool, direction, d in run["moves"]:
+        print(f"   t={t:6.1f}s {pool:<8} {direction:<4} {d.current} -> {d.target}: {d.reason}")
+    return goodput, rs
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--low-rps", type=float, default=0.7, help="the low phases' arrival rate; the peak is 3x")
+    ap.add_argument("--phase-s", type=float, default=60.0)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    ramp = phases(args.low_rps, args.phase_s)
+    print(f"# autoscaling vs static for the peak: {' -> '.join(f'{p.name} {p.rps:g} req/s' for p in ramp)}, "
+          f"{args.phase_s:g} s each; prompts {INPUT[0]}-{INPUT[1]}, outputs {OUTPUT[0]}-{OUTPUT[1]} tokens")
+    print_fingerprint()
+    print(f"# reproduce: {shlex.join(['python', '-m', 'bench.load.autoscale', '--low-rps', str(args.low_rps), '--phase-s', str(args.phase_s), '--seed', str(args.seed)])}",
+          flush=True)
+    tokenizer = load_tokenizer(None)
+    nominal = static_size(ramp)
+    auto_run = run_mode("autoscaled", ramp, tokenizer, args.seed, 1, 1, True)
+    held = [max(s[i] for s in auto_run["samples"]) for i in (1, 2)]
+    static = (max(nominal[0], held[0]), max(nominal[1], held[1]))
+    print(f"# static: {static[0]} prefill + {static[1]} decode (the rule at the peak's nominal load: "
+          f"{nominal[0]} + {nominal[1]}; the autoscaled run held at most {held[0]} + {held[1]})", flush=True)
+    static_run = run_mode("static", ramp, tokenizer, args.seed, *static, False)
+    auto_good, auto_rs = report(auto_run, ramp)
+    static_good, static_rs = report(static_run, ramp)
+    changes = direction_changes([(t, pool, direction) for t, pool, direction, _ in auto_run["moves"]], ramp)
+    print("\n# scale direction changes per phase (autoscaled): "
+          + ", ".join(f"{phase}/{pool} {n}" for (phase, pool), n in changes.items()))
+    ratio = auto_rs / static_rs if static_rs else float("nan")
+    print(f"# replica-seconds autoscaled / static: {auto_rs:.0f} / {static_rs:.0f} = {ratio:.2f}; "
+          f"goodput static {static_good:.3f}\n")
+    print_target("goodput_autoscaled", auto_good, ">=", 0.95)
+    print_target("replica_seconds_autoscaled_vs_static", ratio, "<=", 0.7)
+    print_target("direction_changes_per_phase_max", float(max(changes.values())), "<=", 1.0, fmt=".0f")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

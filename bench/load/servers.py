@@ -1,0 +1,129 @@
+"""Servers a benchmark starts and stops itself: our cluster through
+``pdcluster up`` and the vLLM-CPU reference through its script, each timed
+from launch to ready and measured for resident memory.
+
+    launch --(poll GET /v1/models every 0.25 s)--> ready  (launch_to_ready_s)
+    rss_bytes(): RSS summed over the server's whole process tree
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def wait_ready(url: str, proc: subprocess.Popen | None, timeout_s: float) -> None:
+    """Polls ``url`` until it answers 200; raises if ``proc`` exits or time runs out."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode} before becoming ready")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.25)
+    raise TimeoutError(f"{url} not ready after {timeout_s:.0f} s")
+
+
+def tree_rss_bytes(pid: int) -> int:
+    """RSS of ``pid`` and all its descendants (shared pages counted per process)."""
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0
+    total = 0
+    for p in procs:
+        try:
+            total += p.memory_info().rss
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+@dataclass
+class OurServer:
+    """``pdcluster up --config CONFIG --port PORT`` in its own session."""
+    config: Path
+    port: int
+    log: Path
+    name: str = "pdcluster"
+    launch_to_ready_s: float = 0.0
+    _proc: subprocess.Popen | None = field(default=None, repr=False)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout_s: float = 300) -> None:
+        t0 = time.monotonic()
+        with open(self.log, "w") as log:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "services.cli.main", "up", "--config", str(self.config), "--port", str(self.port)],
+                cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        wait_ready(self.url + "/v1/models", self._proc, timeout_s)
+        self.launch_to_ready_s = time.monotonic() - t0
+
+    def rss_bytes(self) -> int:
+        return tree_rss_bytes(self._proc.pid) if self._proc else 0
+
+    def stop(self) -> None:
+        """SIGTERM (``pdcluster up`` then stops Serve, Ray and Redis), SIGKILL to the group after 60 s."""
+        if self._proc is None or self._proc.poll() is not None:
+            return
+        self._proc.send_signal(signal.SIGTERM)
+        try:
+            self._proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self._proc.pid, signal.SIGKILL)
+            self._proc.wait()
+
+
+@dataclass
+class PeerServer:
+    """The vLLM-CPU reference, through ``vllm-cpu.sh serve|stop``."""
+    script: Path
+    port: int
+    name: str = "vLLM"
+    launch_to_ready_s: float = 0.0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def _env(self) -> dict:
+        return os.environ | {"PEER_PORT": str(self.port)}
+
+    def setup(self) -> None:
+        subprocess.run(["bash", str(self.script), "setup"], check=True, env=self._env)
+
+    def start(self, timeout_s: float = 600) -> None:
+        t0 = time.monotonic()
+        subprocess.run(["bash", str(self.script), "serve"], check=True, env=self._env, timeout=timeout_s)
+        wait_ready(self.url + "/v1/models", None, 30)
+        self.launch_to_ready_s = time.monotonic() - t0
+
+    def _pid(self) -> int | None:
+        pid_file = Path(os.environ.get("PEER_DIR", Path.home() / ".cache" / "pdcluster-peer")) / "serve.pid"
+        return int(pid_file.read_text()) if pid_file.exists() else None
+
+    def rss_bytes(self) -> int:
+        pid = self._pid()
+        return tree_rss_bytes(pid) if pid else 0
+
+    def stop(self) -> None:
+        subprocess.run(["bash", str(self.script), "stop"], check=False, env=self._env)

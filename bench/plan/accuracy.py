@@ -1,0 +1,206 @@
+"""How far the planner's prediction from a profile is from a measured run:
+profiles the cluster (the `pdcluster plan --profile` probe), predicts
+output tok/s, TTFT p50 and TPOT p50 for a few closed-loop workloads
+(bench/plan/predict.py: the fitted speed model plus mean value analysis of
+the closed loop), runs each with the load generator, and prints every
+prediction beside its measurement with the relative error.  One workload's
+prompts are longer than any the profile saw, so the extrapolation is tested.
+
+Measured output tok/s is the closed loop's throughput by Little's law,
+clients x output tokens / mean E2E (the run's ramp-down, when fewer than C
+clients are left, does not dilute it).
+
+Starts its own 1 prefill + 1 decode cluster (1 torch thread each, no SLO
+shedding: the prediction is of serving every request) unless --url names a
+running one.
+
+    python -m bench.plan.accuracy [--url URL] [--requests-per-client 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import shlex
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+
+from bench.fingerprint import print_fingerprint
+from bench.load.loadgen import run_workload
+from bench.plan.inputs import read_model_shape
+from bench.plan.predict import Gaps, Prediction, predict_closed_loop, prefill_beyond
+from bench.plan.profiling import Profile, ProfileSettings, profile_endpoint
+from bench.targets import print_target
+from bench.tokenizer import load_tokenizer
+from bench.workload import Bucket, Closed, Fixed, RequestOptions, Stop, Workload
+
+GOAL = 0.2
+PROFILE = ProfileSettings(prompt_lengths=(32, 64, 128, 256), repeats=2, batches=(1, 2, 4), decode_prompt_tokens=32,
+                          decode_tokens=32, closed_loop_rounds=3, timeout_s=300)
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    prompt_tokens: int
+    output_tokens: int
+    concurrency: int
+
+
+CASES = (Case("chat c1", 64, 48, 1), Case("chat c3", 64, 48, 3), Case("long c2 (2x the profile's prompts)", 512, 32, 2))
+
+
+@dataclass(frozen=True)
+class Measured:
+    ttft_s: float
+    tpot_s: float
+    output_tok_s: float
+    requests: int
+    errors: int
+    other_cores: float = float("nan")  # CPU used by processes outside this run's tree (the machine is shared)
+
+
+def _cpu_seconds() -> tuple[float, float]:
+    """(busy CPU seconds of the whole machine, CPU seconds of this process and its descendants)."""
+    import psutil
+
+    t = psutil.cpu_times()
+    busy = t.user + t.nice + t.system + getattr(t, "irq", 0) + getattr(t, "softirq", 0) + getattr(t, "steal", 0)
+    own = 0.0
+    for proc in [psutil.Process(), *psutil.Process().children(recursive=True)]:
+        try:
+            c = proc.cpu_times()
+            own += c.user + c.system
+        except psutil.Error:
+            pass
+    return busy, own
+
+
+def workload(case: Case, requests_per_client: int, seed: int) -> Workload:
+    return Workload(
+        name=case.name.split(" (")[0].replace(" ", "_"), seed=seed,
+        buckets=[Bucket(name="fixed", share=1.0, input_tokens=Fixed(dist="fixed", value=case.prompt_tokens),
+                        output_tokens=Fixed(dist="fixed", value=case.output_tokens))],
+        arrival=Closed(kind="closed", concurrency=case.concurrency),
+        stop=Stop(num_requests=case.concurrency * requests_per_client),
+        request=RequestOptions(ignore_eos=True, timeout_s=300))
+
+
+def measure(url: str, case: Case, tokenizer, requests_per_client: int, seed: int) -> Measured:
+    busy0, own0, t0 = *_cpu_seconds(), time.monotonic()
+    result = asyncio.run(run_workload(url, workload(case, requests_per_client, seed), tokenizer, show_progress=False))
+    busy1, own1 = _cpu_seconds()
+    other_cores = max((busy1 - busy0) - (own1 - own0), 0.0) / (time.monotonic() - t0)
+    ok = [r for r in result.records if r.ok and r.ttft_s is not None and r.tpot_s is not None]
+    failed = collections.Counter(f"{r.error}: {r.error_detail[:160]}" for r in result.records if not r.ok)
+    for what, n in failed.most_common(3):
+        print(f"# {case.name}: {n} failed with {what}", file=sys.stderr, flush=True)
+    if not ok:
+        raise RuntimeError(f"{case.name}: no request succeeded ({result.records[0].error if result.records else 'none sent'})")
+    tok_s = case.concurrency * statistics.mean(r.output_tokens for r in ok) / statistics.mean(r.e2e_s for r in ok)
+    return Measured(statistics.median(r.ttft_s for r in ok), statistics.median(r.tpot_s for r in ok), tok_s,
+                    len(result.records), len(result.records) - len(ok), other_cores)
+
+
+def measure_gaps(url: str, tokenizer, seed: int) -> Gaps:
+    """Part of the profile: on the profile's own short prompts, one request
+    at a time, the KV hand-off's extra time in a request's first
+    inter-token gap (first gap - median gap) and the skew of the rest
+    (mean gap / median gap), each the median over requests."""
+    probe = Case("gap probe", PROFILE.decode_prompt_tokens, PROFILE.decode_tokens, 1)
+    result = asyncio.run(run_workload(url, workload(probe, 6, seed + 1000), tokenizer, show_progress=False))
+    streams = [r.itl_s for r in result.records if r.ok and len(r.itl_s) > 2][1:]  # the first may be cold
+    if not streams:
+        return Gaps()
+    handoff = statistics.median(g[0] - statistics.median(g[1:]) for g in streams)
+    skew = statistics.median(statistics.mean(g[1:]) / statistics.median(g[1:]) for g in streams)
+    return Gaps(handoff_s=max(handoff, 0.0), skew=skew)
+
+
+def predict(profile: Profile, case: Case, gaps: Gaps) -> Prediction:
+    s = profile.settings
+    beyond = prefill_beyond([(p.prompt_tokens, p.ttft_s) for p in profile.prefill_samples])
+    return predict_closed_loop(profile.step, profile.prefill, read_model_shape("default"),
+                               concurrency=case.concurrency, prompt_tokens=case.prompt_tokens,
+                               output_tokens=case.output_tokens,
+                               profile_context=s.decode_prompt_tokens + s.decode_tokens / 2, beyond=beyond, gaps=gaps)
+
+
+def rel_error(predicted: float, measured: float) -> float:
+    return abs(predicted - measured) / measured if measured > 0 else float("inf")
+
+
+def print_profile(profile: Profile) -> None:
+    print(f"profile: prefill {profile.prefill.describe('n')}  "
+          f"({', '.join(f'{p.prompt_tokens}:{p.ttft_s:.2f}s' for p in profile.prefill_samples)})")
+    print(f"profile: decode step {profile.step.describe('B')}  "
+          f"({', '.join(f'B={d.batch}:{d.step_s * 1e3:.1f}ms' for d in profile.decode_samples)})", flush=True)
+
+
+def compare(rows: list[tuple[Case, Prediction, Measured]]) -> float:
+    print(f"\n{'workload':<36} {'figure':<12} {'predicted':>10} {'measured':>10} {'error':>7}")
+    worst = 0.0
+    for case, p, m in rows:
+        for figure, pv, mv, unit in (("output tok/s", p.output_tok_s, m.output_tok_s, ""),
+                                     ("TTFT p50", p.ttft_s, m.ttft_s, "s"), ("TPOT p50", p.tpot_s * 1e3, m.tpot_s * 1e3, "ms")):
+            err = rel_error(pv, mv)
+            worst = max(worst, err)
+            print(f"{case.name:<36} {figure:<12} {pv:>9.2f}{unit:<1} {mv:>9.2f}{unit:<1} {err:>6.1%}")
+        print(f"{'':<36} (predicted decode batch {p.decode_batch:.2f}, prefill busy {p.prefill_utilization:.0%}; "
+              f"{m.requests} requests, {m.errors} failed; other processes used {m.other_cores:.2f} cores)")
+    return worst
+
+
+def run(url: str, args: argparse.Namespace) -> float:
+    tokenizer = load_tokenizer(None)
+    print(f"... profiling {url}", file=sys.stderr, flush=True)
+    profile = asyncio.run(profile_endpoint(url, tokenizer, PROFILE, show_progress=False))
+    print_profile(profile)
+    gaps = measure_gaps(url, tokenizer, args.seed)
+    print(f"profile: KV hand-off adds {gaps.handoff_s * 1e3:.1f} ms to a request's first inter-token gap; "
+          f"mean / median gap {gaps.skew:.3f}", flush=True)
+    rows = []
+    for case in CASES:
+        print(f"... measuring {case.name}", file=sys.stderr, flush=True)
+        rows.append((case, predict(profile, case, gaps), measure(url, case, tokenizer, args.requests_per_client, args.seed)))
+    return compare(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--url", help="a running cluster (default: start 1 prefill + 1 decode replica here)")
+    ap.add_argument("--requests-per-client", type=int, default=4)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    print("# the planner's prediction from a profile vs a measured run, per workload")
+    print_fingerprint()
+    command = ["python", "-m", "bench.plan.accuracy", "--requests-per-client", str(args.requests_per_client),
+               "--seed", str(args.seed)] + (["--url", args.url] if args.url else [])
+    print(f"# reproduce: {shlex.join(command)}", flush=True)
+    if args.url:
+        worst = run(args.url, args)
+    else:
+        from bench.load.serve_modes import pool
+        from prefix_store.redis_server import free_service_port
+        from services.cli.cluster_runtime import LocalCluster
+        from services.config import AdmissionSettings, ClusterConfig
+
+        # no SLO shedding: the prediction is of serving every request (queueing included), not of refusing some
+        config = ClusterConfig(mode="disaggregated", prefill=pool(), decode=pool(), port=free_service_port(),
+                               admission=AdmissionSettings(shed=False))
+        print("... starting 1 prefill + 1 decode replica (1 torch thread each)", file=sys.stderr, flush=True)
+        cluster = LocalCluster(config, num_cpus=8, dashboard=False).start(progress=lambda m: None)
+        try:
+            worst = run(f"http://127.0.0.1:{cluster.config.port}", args)
+        finally:
+            cluster.stop()
+    print()
+    print_target("profile_prediction_error_max", worst, "<=", GOAL)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,289 @@
+"""How many replicas each pool should have: a pure function of live
+measurements, the planner's speed model (bench/plan/perf_model.py) and the
+previous decision's state.  No I/O, no clock: ``now_s`` comes in with the
+measurements, so every scenario replays exactly in a unit test.
+
+The need, per pool (prefill and decode are sized separately):
+
+    prefill   S       = prefill(prompt_mean)                       seconds a request spends in prefill
+              busy    = S - overhead                               seconds it occupies a replica
+              a       = arrival_rps x busy                         offered load, in busy replicas
+              rho(n)  = a / n
+              wait(n) = max(rho / (1 - rho) x busy / 2,            M/D/1 queueing per replica
+                            queued_tokens x per_token / n)         the backlog the gateway holds now, drained
+              need    = smallest n with rho(n) <= max_utilization
+                                    and S + wait(n) <= ttft_slo x headroom
+    decode    slow    = measured mean TPOT / step(sequences / replicas)   the model calibrated live (in
+                        [0.5, 4]; 1 until min_latency_samples requests): contention, a busier machine
+              B*      = largest batch with slow x step(B) <= tpot_slo x headroom     (>= 1, <= max_num_seqs)
+              need    = max(ceil(output tok/s / (B* / (slow x step(B*))) / max_utilization),   throughput at B*
+                            ceil(sequences / B*))                   Little: L = rps x W, observed directly
+    SLO guard the pool's p90 (TTFT for prefill, TPOT for decode) over the SLO, with at least
+              min_latency_samples behind it, while the need says "enough": need = replicas + 1
+
+Then, per pool, the hysteresis that keeps it from oscillating:
+
+    up     need > replicas, and up_cooldown_s since the last change     -> min(need, max_replicas)
+    down   the need at demand x down_margin (the band) stays below replicas
+           for down_stable_s, and down_cooldown_s since the last change -> max(that need, min_replicas)
+    hold   otherwise; a reason says which rule held it
+
+An up-scale acts on one window's figures (a missed SLO costs more than a
+replica); a down-scale needs the margin *and* a stable spell, so noise
+around a boundary never reverses a decision within a cool-down."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+POOLS = ("prefill", "decode")
+_MAX_SEARCH = 64  # replicas the prefill search tries before it gives up
+
+
+class PrefillSpeed(Protocol):
+    overhead_s: float
+
+    def time_s(self, tokens: float) -> float: ...
+
+
+class StepSpeed(Protocol):
+    def step_s(self, batch: float) -> float: ...
+
+    def max_batch_within(self, tpot_s: float) -> int: ...
+
+
+@dataclass(frozen=True)
+class ScalingRules:
+    ttft_slo_s: float = 2.0
+    tpot_slo_s: float = 0.1
+    headroom: float = 0.7  # plan for this fraction of each SLO: the margin for noise and start-up lag
+    max_utilization: float = 0.8  # busy fraction a replica may be planned at (queueing blows up near 1)
+    max_num_seqs: int = 64
+    down_margin: float = 1.3  # a scale-down must still fit demand x this
+    up_cooldown_s: float = 10.0
+    down_cooldown_s: float = 30.0
+    down_stable_s: float = 20.0
+    min_latency_samples: int = 8
+    bounds: tuple[tuple[int, int], tuple[int, int]] = ((1, 2), (1, 4))  # (min, max) for prefill, decode
+
+    def __post_init__(self) -> None:
+        for name in ("ttft_slo_s", "tpot_slo_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"autoscaling.{name} must be > 0, got {getattr(self, name)}")
+        for name in ("headroom", "max_utilization"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ValueError(f"autoscaling.{name} must be in (0, 1], got {getattr(self, name)}")
+        if self.down_margin < 1:
+            raise ValueError(f"autoscaling.down_margin must be >= 1 (the hysteresis band), got {self.down_margin}")
+        for pool, (lo, hi) in zip(POOLS, self.bounds):
+            if not 1 <= lo <= hi:
+                raise ValueError(f"autoscaling.{pool}: need 1 <= min_replicas <= max_replicas, got {lo}..{hi}")
+
+    def bound(self, pool: str) -> tuple[int, int]:
+        return self.bounds[POOLS.index(pool)]
+
+
+@dataclass(frozen=True)
+class PoolMeasurement:
+    """One pool over the last window.  ``latency_p90_s``: TTFT for prefill,
+    TPOT for decode (None: no request finished in the window)."""
+
+    queued_tokens: float = 0.0  # prompt tokens admitted and awaiting a first token (prefill)
+    sequences: float = 0.0  # running + waiting sequences, window mean (decode)
+    latency_p90_s: float | None = None
+    latency_samples: int = 0
+    latency_mean_s: float | None = None
+    replicas: int = 0  # replicas reporting on the status board
+
+
+@dataclass(frozen=True)
+class Measurements:
+    now_s: float
+    arrival_rps: float
+    prompt_tokens_mean: float
+    output_tok_s: float  # tokens the decode pool generated per second
+    prefill: PoolMeasurement = PoolMeasurement()
+    decode: PoolMeasurement = PoolMeasurement()
+
+    def pool(self, name: str) -> PoolMeasurement:
+        return self.prefill if name == "prefill" else self.decode
+
+
+@dataclass(frozen=True)
+class PoolState:
+    replicas: int
+    last_change_s: float = -math.inf
+    below_since_s: float | None = None  # since when the banded need has stayed below ``replicas``
+
+
+@dataclass(frozen=True)
+class Need:
+    replicas: int
+    why: str
+
+
+@dataclass(frozen=True)
+class PoolDecision:
+    pool: str
+    current: int
+    target: int
+    need: int  # before bounds and hysteresis
+    reason: str
+
+    @property
+    def direction(self) -> str:
+        return "up" if self.target > self.current else "down" if self.target < self.current else "hold"
+
+
+# --- the need -------------------------------------------------------------
+
+
+def prefill_need(arrival_rps: float, prompt_mean: float, queued_tokens: float, speed: PrefillSpeed,
+                 rules: ScalingRules, demand_scale: float = 1.0) -> Need:
+    service_s = speed.time_s(prompt_mean)
+    busy_s = max(service_s - speed.overhead_s, 1e-9)
+    per_token_s = busy_s / max(prompt_mean, 1.0)
+    offered = arrival_rps * demand_scale * busy_s
+    budget_s = rules.ttft_slo_s * rules.headroom
+    for n in range(1, _MAX_SEARCH + 1):
+        rho = offered / n
+        if rho > rules.max_utilization:
+            continue
+        wait_s = max(rho / (1 - rho) * busy_s / 2, queued_tokens * demand_scale * per_token_s / n)
+        if service_s + wait_s <= budget_s:
+            return Need(n, f"{arrival_rps * demand_scale:.2f} req/s x {busy_s:.2f} s busy = {offered:.2f} replicas "
+                           f"busy; at {n}: rho {rho:.2f}, TTFT {service_s:.2f} + wait {wait_s:.2f} s <= "
+                           f"{budget_s:.2f} s")
+    return Need(_MAX_SEARCH, f"{offered:.2f} replicas busy: no count up to {_MAX_SEARCH} predicts TTFT <= "
+                             f"{budget_s:.2f} s (a prompt of {prompt_mean:.0f} tokens alone takes {service_s:.2f} s)")
+
+
+_SLOWDOWN_BOUNDS = (0.5, 4.0)
+
+
+@dataclass(frozen=True)
+class Calibrated:
+    """A step model scaled by what the pool measures: ``factor`` x step(B)."""
+
+    step: StepSpeed
+    factor: float
+
+    def step_s(self, batch: float) -> float:
+        return self.factor * self.step.step_s(batch)
+
+    def max_batch_within(self, tpot_s: float) -> int:
+        return self.step.max_batch_within(tpot_s / self.factor)
+
+
+def decode_slowdown(p: PoolMeasurement, speed: StepSpeed, rules: ScalingRules) -> float:
+    """Measured mean TPOT over the model's step at the batch each replica ran."""
+    if p.latency_mean_s is None or p.latency_samples < rules.min_latency_samples or p.replicas < 1:
+        return 1.0
+    ratio = p.latency_mean_s / speed.step_s(max(1.0, p.sequences / p.replicas))
+    return min(max(ratio, _SLOWDOWN_BOUNDS[0]), _SLOWDOWN_BOUNDS[1])
+
+
+def decode_batch(speed: StepSpeed, rules: ScalingRules) -> int:
+    return max(1, min(rules.max_num_seqs, speed.max_batch_within(rules.tpot_slo_s * rules.headroom)))
+
+
+def decode_need(output_tok_s: float, sequences: float, speed: StepSpeed, rules: ScalingRules,
+                demand_scale: float = 1.0) -> Need:
+    batch = decode_batch(speed, rules)
+    per_replica_tok_s = batch / speed.step_s(batch)
+    by_throughput = output_tok_s * demand_scale / (per_replica_tok_s * rules.max_utilization)
+    by_little = sequences * demand_scale / batch
+    n = max(1, math.ceil(by_throughput - 1e-9), math.ceil(by_little - 1e-9))
+    return Need(n, f"{output_tok_s * demand_scale:.0f} tok/s / ({per_replica_tok_s:.0f} tok/s at B* {batch} x "
+                   f"{rules.max_utilization:g}) = {by_throughput:.2f}; {sequences * demand_scale:.1f} sequences / "
+                   f"B* {batch} = {by_little:.2f}")
+
+
+def pool_need(pool: str, m: Measurements, prefill: PrefillSpeed, step: StepSpeed, rules: ScalingRules,
+              demand_scale: float = 1.0) -> Need:
+    if pool == "prefill":
+        return prefill_need(m.arrival_rps, m.prompt_tokens_mean, m.prefill.queued_tokens, prefill, rules, demand_scale)
+    slowdown = decode_slowdown(m.decode, step, rules)
+    need = decode_need(m.output_tok_s, m.decode.sequences, Calibrated(step, slowdown), rules, demand_scale)
+    return need if slowdown == 1.0 else Need(need.replicas, f"{need.why}; steps x{slowdown:.2f} as measured")
+
+
+def slo_breach(pool: str, p: PoolMeasurement, rules: ScalingRules) -> str | None:
+    slo, metric = (rules.ttft_slo_s, "TTFT") if pool == "prefill" else (rules.tpot_slo_s, "TPOT")
+    if p.latency_p90_s is None or p.latency_samples < rules.min_latency_samples or p.latency_p90_s <= slo:
+        return None
+    return f"{metric} p90 {p.latency_p90_s:.3f} s > SLO {slo:g} s over {p.latency_samples} requests"
+
+
+# --- hysteresis -------------------------------------------------------------
+
+
+def decide_pool(pool: str, m: Measurements, state: PoolState, prefill: PrefillSpeed, step: StepSpeed,
+                rules: ScalingRules) -> tuple[PoolDecision, PoolState]:
+    lo, hi = rules.bound(pool)
+    now, current = m.now_s, state.replicas
+    need = pool_need(pool, m, prefill, step, rules)
+    wanted, why = need.replicas, need.why
+    breach = slo_breach(pool, m.pool(pool), rules)
+    if breach and wanted <= current:
+        wanted, why = current + 1, f"{breach} (the model said {need.replicas} suffice)"
+
+    def out(target: int, reason: str, below_since: float | None) -> tuple[PoolDecision, PoolState]:
+        changed = target != current
+        new_state = PoolState(target, now if changed else state.last_change_s, None if changed else below_since)
+        return PoolDecision(pool, current, target, need.replicas, reason), new_state
+
+    if current < lo or current > hi:
+        target = min(max(current, lo), hi)
+        return out(target, f"outside min/max {lo}..{hi}", None)
+    since_change = now - state.last_change_s
+    if wanted > current:
+        if current == hi:
+            return out(current, f"at max_replicas {hi}; wanted {wanted}: {why}", None)
+        if since_change < rules.up_cooldown_s:
+            return out(current, f"up-scale cooling down ({since_change:.0f} of {rules.up_cooldown_s:g} s); "
+                                f"wanted {wanted}: {why}", None)
+        return out(min(wanted, hi), f"wanted {wanted}: {why}", None)
+    banded = pool_need(pool, m, prefill, step, rules, rules.down_margin).replicas
+    if breach or banded >= current or current == lo:
+        held = "at min_replicas" if current == lo and banded <= current else "within the band"
+        return out(current, f"{held}: need {need.replicas}, x{rules.down_margin:g} demand needs {banded}", None)
+    below_since = state.below_since_s if state.below_since_s is not None else now
+    if now - below_since < rules.down_stable_s:
+        return out(current, f"down-scale waiting for a stable spell ({now - below_since:.0f} of "
+                            f"{rules.down_stable_s:g} s); x{rules.down_margin:g} demand needs {banded}", below_since)
+    if since_change < rules.down_cooldown_s:
+        return out(current, f"down-scale cooling down ({since_change:.0f} of {rules.down_cooldown_s:g} s)",
+                   below_since)
+    target = max(banded, lo)
+    return out(target, f"x{rules.down_margin:g} demand needs {banded} for {now - below_since:.0f} s: {why}", None)
+
+
+@dataclass(frozen=True)
+class ScalerState:
+    prefill: PoolState
+    decode: PoolState
+
+    def pool(self, name: str) -> PoolState:
+        return getattr(self, name)
+
+    def changed_at(self, pool: str, now_s: float) -> ScalerState:
+        """Cool-downs count from when the change is live (the controller's redeploy has returned)."""
+        return replace(self, **{pool: replace(self.pool(pool), last_change_s=now_s)})
+
+    def with_replicas(self, pool: str, replicas: int) -> ScalerState:
+        """The controller's view after something else (``pdcluster scale``) resized a pool."""
+        return replace(self, **{pool: replace(self.pool(pool), replicas=replicas, below_since_s=None)})
+
+
+def decide(m: Measurements, state: ScalerState, prefill: PrefillSpeed, step: StepSpeed,
+           rules: ScalingRules) -> tuple[list[PoolDecision], ScalerState]:
+    """One decision per pool and the state the next call takes."""
+    decisions, states = [], {}
+    for pool in POOLS:
+        d, s = decide_pool(pool, m, state.pool(pool), prefill, step, rules)
+        decisions.append(d)
+        states[pool] = s
+    return decisions, ScalerState(**states)

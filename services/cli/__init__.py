@@ -1,0 +1,1 @@
+"""The `pdcluster` command line: `main.py` lists the subcommands, one module each."""

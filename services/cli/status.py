@@ -1,0 +1,127 @@
+"""`pdcluster status` and `pdcluster scale POOL N` against a running `pdcluster up`.
+
+The state file holds the Redis URL with its password: these commands print
+it only through ``redact_url``, and `scale` rewrites the file 0600."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from prefix_store.redis_url import redact_url
+from services.cli.cluster_runtime import STATE_FILE, write_state
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("status", help="pools, replicas, queue depths and KV usage of the running cluster")
+    p.add_argument("--json", action="store_true", help="print raw JSON")
+    p.set_defaults(func=run_status)
+    s = sub.add_parser("scale", help="change a pool's replica count while serving")
+    s.add_argument("pool", choices=["prefill", "decode", "colocated"])
+    s.add_argument("replicas", type=int)
+    s.set_defaults(func=run_scale)
+
+
+def _state() -> dict:
+    if not STATE_FILE.exists():
+        raise SystemExit(f"no running cluster found ({STATE_FILE} is missing): start one with `pdcluster up`")
+    return json.loads(STATE_FILE.read_text())
+
+
+def format_board(board: list[dict]) -> list[str]:
+    """One line per replica: role, name, engine state, running/waiting, KV used/total and dtype, hits,
+    and speculative decoding's accepted/drafted tokens ('-' where it is off)."""
+    lines = [f"{'pool':<10} {'replica':<34} {'engine':<6} {'run':>4} {'wait':>4} {'kv used/total':>14} "
+             f"{'kv':>8} {'leased':>6} {'prompt hit/computed':>20} {'spec acc/draft':>15}"]
+    for s in board:
+        used = s["kv_blocks_total"] - s["kv_blocks_free"]
+        engine = "alive" if s.get("engine_alive", True) else "DEAD"
+        lines.append(f"{s['role']:<10} {s['name'][-34:]:<34} {engine:<6} {s['running']:>4} {s['waiting']:>4} "
+                     f"{used:>6}/{s['kv_blocks_total']:<7} {s.get('kv_dtype', '?'):>8} {s['leased_blocks']:>6} "
+                     f"{s['prompt_tokens_cached']:>9}/{s['prompt_tokens_computed']:<10} {_spec(s):>15}")
+    return lines
+
+
+def _spec(s: dict) -> str:
+    drafted = s.get("spec_proposed_tokens") or 0
+    return f"{s.get('spec_accepted_tokens') or 0}/{drafted}" if drafted else "-"
+
+
+def run_status(args: argparse.Namespace) -> int:
+    from redis.exceptions import RedisError
+
+    from services.pools.status_board import read_board
+
+    state = _state()
+    try:
+        board = read_board(state["redis_url"], state.get("cluster", "local"))
+    except (RedisError, OSError) as exc:  # its message names host and port, never the password
+        raise SystemExit(f"cannot read the status board at {redact_url(state['redis_url'])} "
+                         f"({type(exc).__name__}: {exc}): is `pdcluster up` (pid {state['pid']}) still running?")
+    if args.json:
+        print(json.dumps(board, indent=2))
+        return 0
+    print(f"cluster: {state['mode']} on 127.0.0.1:{state['port']} (pid {state['pid']}), "
+          f"index {redact_url(state['redis_url'])}")
+    print("\n".join(format_board(board)) if board else "no replica has reported yet")
+    from services.cli.ray_node import print_nodes
+    print_nodes(state.get("ray_address"))
+    print_autoscale(state)
+    print_failovers(state)
+    return 0
+
+
+def print_failovers(state: dict) -> None:
+    """Streams resumed on another replica since the cluster started, by reason (services/gateway/failover_log.py)."""
+    from redis.exceptions import RedisError
+
+    from services.gateway.failover_log import read_tally
+
+    try:
+        tally = read_tally(state["redis_url"], state.get("cluster", "local"))
+    except (RedisError, OSError):
+        return  # the board read just succeeded: a failure here is transient
+    resumed = {k: v for k, v in tally.items() if not k.startswith("gave_up:")}
+    gave_up = {k.split(":", 1)[1]: v for k, v in tally.items() if k.startswith("gave_up:")}
+    print(f"failovers: {sum(resumed.values())} resumed" + "".join(f", {k} {v}" for k, v in resumed.items())
+          + (f"; {sum(gave_up.values())} gave up" + "".join(f", {k} {v}" for k, v in gave_up.items())
+             if gave_up else ""))
+
+
+def print_autoscale(state: dict) -> None:
+    """The autoscaler's last decisions, when one runs (services/autoscale/controller.py)."""
+    from redis.exceptions import RedisError
+
+    from services.autoscale.log import format_recent, read_recent
+
+    try:
+        recent = read_recent(state["redis_url"], state.get("cluster", "local"))
+    except (RedisError, OSError):
+        return  # the board read just succeeded: a failure here is transient, and the board is what matters
+    if recent:
+        print("autoscaler, last decisions (oldest first):")
+        print("\n".join(f"  {line}" for line in format_recent(recent)))
+
+
+def run_scale(args: argparse.Namespace) -> int:
+    import ray
+    from ray import serve
+
+    from services.app import build_app
+    from services.cluster_env import cluster_env
+    from services.cli.cluster_runtime import APP_NAME
+    from services.config import ClusterConfig
+
+    if args.replicas < 0:
+        raise SystemExit("replicas must be >= 0")
+    state = _state()
+    config = ClusterConfig.model_validate(state["config"])
+    pool = getattr(config, args.pool).model_copy(update={"num_replicas": args.replicas, "autoscaling": None})
+    config = config.model_copy(update={args.pool: pool})
+    cluster_env()
+    ray.init(address="auto", log_to_driver=False)
+    serve.run(build_app(config), name=APP_NAME, route_prefix="/", blocking=False)
+    state["config"] = config.model_dump()
+    write_state(state)
+    print(f"{args.pool}: {args.replicas} replicas requested; in-flight requests finish on the old ones")
+    return 0

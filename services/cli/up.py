@@ -1,0 +1,128 @@
+"""`pdcluster up`: a local cluster until SIGINT/SIGTERM.  The gateway listens
+on --host (127.0.0.1 by default); a non-loopback host needs an API key
+(services.config.exposure_problem), checked before anything starts."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import threading
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from services.config import ClusterConfig
+
+SNIPPET = """\
+ready in {ready:.0f} s: {mode} cluster serving {model}
+  OpenAI API    http://{host}:{port}/v1     (GET /v1/models, POST /v1/chat/completions, /v1/completions)
+  Ray dashboard http://127.0.0.1:8265        (deployments: gateway, {pools})
+{auth}try:
+  curl -s http://{host}:{port}/v1/chat/completions -H 'content-type: application/json'{curl_auth} \\
+    -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "What is the capital of France?"}}], "max_tokens": 32}}'
+  python -c "import os, openai; c = openai.OpenAI(base_url='http://{host}:{port}/v1', api_key={py_key}); \\
+print(c.chat.completions.create(model='{model}', messages=[{{'role': 'user', 'content': 'Hi!'}}]).choices[0].message.content)"
+Ctrl-C stops everything this command started (Serve, Ray, Redis)."""
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("up", help="start a local cluster (Redis, Ray, Serve); the gateway on --host:--port")
+    p.add_argument("--config", help="cluster YAML (see deploy/local.yaml)")
+    p.add_argument("--mode", choices=["disaggregated", "colocated"])
+    p.add_argument("--host", help="address the gateway listens on (default 127.0.0.1); any non-loopback "
+                                  "address needs an API key (PDCLUSTER_API_KEY, api_keys, api_key_file)")
+    p.add_argument("--port", type=int)
+    p.add_argument("--insecure-no-auth", action="store_true",
+                   help="serve a non-loopback --host without any API key (anyone who reaches it may use it)")
+    p.add_argument("--num-cpus", type=int, default=8, help="logical CPUs Ray schedules replicas on")
+    p.add_argument("--head", action="store_true",
+                   help="start the head of a multi-host cluster (`ray start --head`); other hosts run "
+                        "`pdcluster join`.  Needs PDCLUSTER_CLUSTER_SECRET, the same on every node")
+    p.add_argument("--node-ip", help="with --head: this host's address on the internal network")
+    p.add_argument("--ray-port", type=int, default=6379, help="with --head: the Ray head's port")
+    p.add_argument("--role", default="head", choices=["head", "prefill", "decode", "colocated"],
+                   help="with --head: a pool the head also hosts (node label pdcluster/role)")
+    p.set_defaults(func=run)
+
+
+def load_config(args: argparse.Namespace) -> ClusterConfig:
+    """The config the flags and --config say, validated (keys gathered, the
+    exposure refused) before anything starts.  Raises SystemExit with one
+    message naming the fix."""
+    from pydantic import ValidationError
+
+    from services.config import ClusterConfig
+
+    overrides = {k: v for k, v in (("mode", args.mode), ("host", args.host), ("port", args.port)) if v is not None}
+    if args.insecure_no_auth:
+        overrides["insecure_no_auth"] = True
+    try:
+        if args.config:
+            return ClusterConfig.from_yaml(args.config, overrides)
+        return ClusterConfig.model_validate(overrides)
+    except ValidationError as exc:  # the errors' inputs are hidden: they may hold an API key
+        problems = [_problem(e) for e in exc.errors(include_url=False, include_input=False)]
+        raise SystemExit("pdcluster up: " + "\n  ".join(problems)) from None
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"pdcluster up: {exc}") from None
+
+
+def _problem(error: dict) -> str:
+    where = ".".join(map(str, error["loc"]))
+    return (f"{where}: " if where else "") + error["msg"].removeprefix("Value error, ")
+
+
+def _auth_lines(config: ClusterConfig) -> dict:
+    """The snippet's API-key parts; never the key itself."""
+    from services.config import is_loopback
+
+    if config.api_key_digests:
+        return {"auth": f"  API keys      {len(config.api_key_digests)} accepted: "
+                        "every /v1 request needs `Authorization: Bearer <key>`\n",
+                "curl_auth": ' -H "authorization: Bearer $PDCLUSTER_API_KEY"',
+                "py_key": "os.environ['PDCLUSTER_API_KEY']"}
+    warning = "" if is_loopback(config.host) else \
+        f"  WARNING       no API key on {config.host} (--insecure-no-auth): anyone who reaches it may use it\n"
+    return {"auth": warning, "curl_auth": "", "py_key": "'-'"}
+
+
+def run(args: argparse.Namespace) -> int:
+    config = load_config(args)
+    from services.cli.cluster_runtime import LocalCluster
+
+    head = None
+    if args.head:
+        from services.cli.head import start_head
+
+        config, head = start_head(config, args)
+    stop = threading.Event()
+
+    def on_signal() -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+
+    on_signal()
+    cluster = LocalCluster(config, num_cpus=args.num_cpus, address=head.address if head else None,
+                           node_ip=args.node_ip)
+    autoscaler = None
+    try:
+        # ray.init installs its own SIGTERM handler, which would exit without stopping anything
+        cluster.start(progress=lambda m: print(m, flush=True), on_ray_started=on_signal)
+        pools = "colocated" if config.mode == "colocated" else "prefill, decode"
+        print(SNIPPET.format(ready=cluster.ready_s, mode=config.mode, model=config.served_model_name,
+                             host=config.host, port=config.port, pools=pools, **_auth_lines(config)), flush=True)
+        if config.autoscaling.enabled:
+            from services.autoscale.controller import Autoscaler
+            autoscaler = Autoscaler(cluster).start()
+            print("autoscaler on: decisions in `pdcluster status`", flush=True)
+        stop.wait()
+        print("stopping ...", flush=True)
+    finally:
+        if autoscaler is not None:
+            autoscaler.stop()
+        try:
+            cluster.stop()
+        finally:
+            if head is not None:
+                head.stop()
+    print("stopped: Serve, Ray and the embedded Redis are down", flush=True)
+    return 0

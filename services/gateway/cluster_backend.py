@@ -1,0 +1,327 @@
+"""The gateway's Backend over Serve handles: prefill -> KV pull -> decode
+(disaggregated), or one colocated pool.
+
+    gateway ──admission (429 when the predicted TTFT breaks the SLO)
+       ├──prefill.remote(req, routing)──> prefill replica (router: cache-aware)
+       │  <── first token + pinned blocks + lease deadline + peer descriptor
+       ├──stream first token to the client
+       ├──decode.generate(req + hand-off, routing)──> decode replica (router: free KV)
+       │     pulls missing blocks (NIXL READ), releases the lease, streams tokens
+       └──finally, if no decode token came back: prefill.release(lease) on the
+          replica that holds it (it is idempotent; the decode side releases too)
+
+Every request runs under two deadlines (end-to-end, and the gap between
+tokens once the first arrived); past either, the calls in flight are
+cancelled (the replicas abort and free their blocks) and the client gets
+504 or an SSE error event.  A prefill replica that dies before the
+hand-off is retried once (the router picks again); replica-side typed
+errors keep their HTTP meaning.
+
+A stream that loses its replica after its first token -- the actor died,
+its engine died, the stream broke, the pull from the prefill replica
+failed, or (with another replica to go to) the inter-token deadline
+passed -- fails over: it resumes on another replica from prompt + the
+tokens already sent, at most ``max_failovers`` times (the rule is in
+failover.py, the resume message in resume.py)::
+
+    client   t0 t1 t2 t3 ........ (pause) ........ t4 t5 ...   one id, one usage
+    replica  [prefill][ decode A    ]X  [ decode B: recompute prompt+t0..t3 | t4 t5 ... ]"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import math
+from collections.abc import AsyncIterator
+from typing import Any
+
+from ray import exceptions as ray_exceptions
+from ray.serve.exceptions import BackPressureError
+
+from router.routing_header import RoutingHeader
+from observability import metrics
+from services.gateway.admission import Admission
+from services.backend import (Backend, BackendError, BackendFailure, BackendOverloaded, BackendUnavailable,
+                              GenerateRequest, StreamChunk)
+from services.gateway.failover import (AVOIDED, FailoverReason, ReplicaLost, ResumeTarget, decide, gave_up_message,
+                               live_elsewhere, lost_reason, resume_target)
+from services.gateway.failover_log import FailoverLog
+from services.messages import DecodeRequest, PrefillRequest, PrefillResponse, TokenDelta
+from services.gateway.liveness import PoolLiveness
+from services.gateway.resume import StreamProgress, resume_header, resume_request
+from services.gateway.deadlines import with_deadlines, with_gap_deadline
+
+log = logging.getLogger("pdcluster.gateway")
+_REPLICA_DIED = (ray_exceptions.RayActorError, ray_exceptions.ActorUnavailableError)
+_RELEASE_TIMEOUT_S = 5.0
+
+
+def backend_error(exc: BaseException) -> BaseException:
+    """The typed error a replica raised, unwrapped from Ray's task error."""
+    if isinstance(exc, BackPressureError):
+        return BackendOverloaded(f"the pool's queue is full: {exc}; retry shortly")
+    cause = getattr(exc, "cause", None)
+    if isinstance(exc, ray_exceptions.RayTaskError) and isinstance(cause, BackendError):
+        return cause
+    return exc
+
+
+def prefill_locally(prompt_tokens: int, local_prefill_max_tokens: int) -> bool:
+    """Conditional disaggregation: whether the decode replica prefills this prompt itself."""
+    return 0 < prompt_tokens <= local_prefill_max_tokens
+
+
+class ClusterBackend(Backend):
+    def __init__(self, handles: dict[str, Any], *, mode: str, model_name: str, max_model_len: int,
+                 block_size: int, liveness: PoolLiveness | None = None, fallback_to_colocated: bool = False,
+                 local_prefill_max_tokens: int = 0, admission: Admission | None = None,
+                 request_timeout_s: float = 300.0, inter_token_timeout_s: float = 30.0,
+                 max_failovers: int = 2, failovers: FailoverLog | None = None):
+        self.handles = handles
+        self.max_failovers = max_failovers
+        self.failovers = failovers or FailoverLog()
+        self.admission = admission or Admission(ttft_slo_s=float("inf"), max_in_flight=1 << 30, shed=False)
+        self.request_timeout_s, self.inter_token_timeout_s = request_timeout_s, inter_token_timeout_s
+        self.num_lease_releases = 0
+        self._background: set[asyncio.Task] = set()
+        self.local_prefill_max_tokens = local_prefill_max_tokens
+        self.num_local_prefills = 0
+        self.liveness = liveness
+        self.fallback_to_colocated = fallback_to_colocated
+        self.num_colocated_fallbacks = 0
+        self.mode = mode
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        self.prefill_retries = 0
+
+    def _header(self, req: GenerateRequest, prefill: bool = True) -> dict:
+        """``prefill``: a call that prefills, sent to ``req.prefill_worker`` (where choice 0 cached
+        the prompt) while that replica is live."""
+        return RoutingHeader(req.block_hashes, len(req.prompt_token_ids), self.block_size, req.params.max_tokens,
+                             prefer_worker=req.prefill_worker if prefill else None).to_dict()
+
+    def _prefill_pool(self, req: GenerateRequest) -> str:
+        if self.mode == "colocated":
+            return "colocated"
+        return "decode" if prefill_locally(len(req.prompt_token_ids), self.local_prefill_max_tokens) else "prefill"
+
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[StreamChunk]:
+        ticket = self.admission.admit(self._prefill_pool(req), len(req.prompt_token_ids))  # or 429
+        # The inter-token deadline is per attempt (with_gap_deadline): passing it may fail over.
+        chunks = with_deadlines(self._with_failover(req), self.request_timeout_s, math.inf)
+        try:
+            async for chunk in chunks:
+                ticket.first_token()
+                yield chunk
+        finally:
+            ticket.close()
+            await chunks.aclose()
+
+    async def _with_failover(self, req: GenerateRequest) -> AsyncIterator[StreamChunk]:
+        """The stream, resumed on another replica each time it loses its own
+        (at most ``max_failovers`` times); then the loss's error."""
+        progress = StreamProgress(len(req.prompt_token_ids), req.params.max_tokens)
+        attempt, pending = self._generate(req, progress), None
+        while True:
+            chunks = with_gap_deadline(attempt, self.inter_token_timeout_s, pending is not None, progress)
+            try:
+                async for chunk in chunks:
+                    if pending is not None:  # the new replica's first token: the pause is over
+                        self.failovers.span(pending, req.trace_context, progress.replica)
+                        pending = None
+                    progress.add(chunk)
+                    yield chunk
+                return
+            except ReplicaLost as lost:
+                if pending is not None:
+                    self.failovers.span(pending, req.trace_context, "", error=lost)
+                target = await self._failover_target(req, progress, lost)  # raises when it cannot
+                pending = self.failovers.resumed_on(req.request_id, lost.reason.value, lost.replica, target.pool,
+                                                    progress.num_failovers + 1, len(progress.token_ids))
+                progress.failed_over(lost.reason.value, lost.replica, avoid=lost.reason in AVOIDED)
+                attempt = self._resume(req, progress, target)
+            finally:
+                await chunks.aclose()  # client gone or failed: the attempt's replica call is cancelled
+
+    async def _failover_target(self, req: GenerateRequest, progress: StreamProgress,
+                               lost: ReplicaLost) -> ResumeTarget:
+        """Where the stream resumes; raises the loss's error when it does not."""
+        lost.replica = lost.replica or progress.replica
+        pool = "colocated" if self.mode == "colocated" else "decode"
+        avoided = set(progress.lost_replicas) | ({lost.replica} if lost.replica and lost.reason in AVOIDED else set())
+        elsewhere = live_elsewhere(await self._live_count(pool), len(avoided))
+        decision = decide(lost.reason, progress.num_failovers, self.max_failovers, progress.tokens_left, elsewhere)
+        if not decision.resume:
+            self.failovers.gave_up_on(req.request_id, lost.reason.value, lost.replica, decision.why)
+            if lost.reason is FailoverReason.INTER_TOKEN_DEADLINE or progress.num_failovers == 0:
+                raise lost.final_error() from lost  # as without failover: the loss's own error
+            raise BackendFailure(gave_up_message(lost, decision.why, tuple(progress.lost))) from lost
+        prefill_live = await self._live_count("prefill") if self.fallback_to_colocated else None
+        return resume_target(self.mode, elsewhere, prefill_live, self.fallback_to_colocated)
+
+    async def _live_count(self, pool: str) -> int | None:
+        if self.liveness is None or pool not in self.handles:
+            return None
+        return await self.liveness.live(pool)
+
+    async def _resume(self, req: GenerateRequest, progress: StreamProgress,
+                      target: ResumeTarget) -> AsyncIterator[StreamChunk]:
+        """Continues ``req`` on a replica of ``target.pool`` from prompt + the tokens already sent."""
+        stream = getattr(self.handles[target.pool].options(stream=True), target.method).remote(
+            resume_request(req, progress), routing=resume_header(req, progress, self.block_size))
+        async for chunk in self._relay(stream, progress):
+            # The prompt's logprobs went out with the first attempt's first chunk.
+            yield chunk if chunk.prompt_logprobs is None else dataclasses.replace(chunk, prompt_logprobs=None)
+
+    async def _generate(self, req: GenerateRequest, progress: StreamProgress | None = None
+                        ) -> AsyncIterator[StreamChunk]:
+        if self.mode == "colocated":
+            async for chunk in self._whole_request("colocated", "generate", req, progress):
+                yield chunk
+            return
+        if prefill_locally(len(req.prompt_token_ids), self.local_prefill_max_tokens):
+            # Short prompts cost the decode replica less than a hand-off would:
+            # it runs both phases (counted; long prompts still go to the prefill pool).
+            self.num_local_prefills += 1
+            metrics.count_decode_pool_prefill("short_prompt")
+            async for chunk in self._whole_request("decode", "generate_colocated", req, progress):
+                yield chunk
+            return
+        if self.liveness is not None and await self.liveness.live("prefill") == 0:
+            if not self.fallback_to_colocated:
+                raise BackendUnavailable("the prefill pool has no live replica; retry later, scale it up "
+                                         "(`pdcluster scale prefill N`) or set fallback_to_colocated")
+            # Counted, never silent: the decode replica runs both phases.
+            self.num_colocated_fallbacks += 1
+            metrics.count_decode_pool_prefill("no_prefill_replica")
+            log.warning("no live prefill replica: request %s runs colocated on the decode pool", req.request_id)
+            async for chunk in self._whole_request("decode", "generate_colocated", req, progress):
+                yield chunk
+            return
+        pre = await self._prefill(req)
+        decoded = False  # a decode token back means the decode side pulled and released the lease
+        try:
+            yield StreamChunk([pre.first_token_id], pre.text, pre.finish_reason,
+                              num_prompt_tokens=pre.num_tokens, num_cached_tokens=pre.num_cached_tokens,
+                              logprobs=pre.logprobs, prompt_logprobs=pre.prompt_logprobs,
+                              worker_name=pre.worker_name)
+            if pre.finish_reason is not None:
+                return
+            stream = self.handles["decode"].options(stream=True).generate.remote(
+                DecodeRequest(req.request_id, req.prompt_token_ids, req.params, pre, req.trace_context,
+                              req.faults), routing=self._header(req, prefill=False))
+            async for chunk in self._relay(stream, progress):
+                decoded = True
+                yield chunk
+        finally:
+            if pre.block_ids and pre.finish_reason is None and not decoded:
+                # Client gone, decode 429, pull failure, decode death, deadline: no pull will happen
+                # (or it already failed): the blocks go back now, not at the lease's TTL.
+                self._in_background(self._release(pre))
+
+    def _in_background(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _release(self, pre: PrefillResponse) -> None:
+        """Drops ``pre``'s lease on the prefill replica that holds it (routed by worker name)."""
+        header = RoutingHeader((), 0, self.block_size, 0, target_worker=pre.worker_name).to_dict()
+        response = self.handles["prefill"].release.remote(pre.request_id, routing=header)
+        try:
+            async with asyncio.timeout(_RELEASE_TIMEOUT_S):
+                if await response:
+                    self.num_lease_releases += 1
+        except Exception as exc:  # noqa: BLE001 - the lease's TTL is the last resort
+            response.cancel()
+            log.warning("releasing the lease of %s on %s failed: %r", pre.request_id, pre.worker_name, exc)
+
+    def _whole_request(self, pool: str, method: str, req: GenerateRequest,
+                       progress: StreamProgress | None = None) -> AsyncIterator[StreamChunk]:
+        """Both phases on one replica of ``pool`` (its ``method`` streams TokenDeltas)."""
+        stream = getattr(self.handles[pool].options(stream=True), method).remote(
+            PrefillRequest(req.request_id, req.prompt_token_ids, req.params, req.trace_context, req.faults),
+            routing=self._header(req))
+        return self._relay(stream, progress)
+
+    async def _prefill(self, req: GenerateRequest) -> PrefillResponse:
+        message = PrefillRequest(req.request_id, req.prompt_token_ids, req.params, req.trace_context, req.faults)
+        for attempt in (0, 1):
+            response = self.handles["prefill"].prefill.remote(message, routing=self._header(req))
+            try:
+                return await response
+            except asyncio.CancelledError:
+                response.cancel()  # the replica aborts the prefill and frees its blocks
+                raise
+            except _REPLICA_DIED as exc:
+                if attempt:
+                    raise BackendFailure(f"prefill failed twice (replica died): {exc}") from exc
+                self.prefill_retries += 1
+                log.warning("prefill replica died before hand-off; retrying once: request=%s", req.request_id)
+            except Exception as exc:  # noqa: BLE001 - re-raised typed
+                raise backend_error(exc) from exc
+        raise AssertionError("unreachable")
+
+    async def _relay(self, stream, progress: StreamProgress | None = None) -> AsyncIterator[StreamChunk]:
+        """The replica's TokenDeltas as StreamChunks.  A lost replica raises
+        ReplicaLost (failover.py decides what follows); a request-level
+        error (429, bad request, a failure of this request alone) its typed error."""
+        finished, replica = False, ""
+        try:
+            async for delta in stream:
+                delta: TokenDelta
+                finished = delta.finish_reason is not None
+                if delta.streamed_by:
+                    replica = delta.streamed_by
+                    if progress is not None:
+                        progress.replica = replica
+                yield StreamChunk(delta.token_ids, delta.text, delta.finish_reason,
+                                  num_prompt_tokens=delta.num_prompt_tokens,
+                                  num_cached_tokens=delta.num_cached_tokens, logprobs=delta.logprobs,
+                                  prompt_logprobs=delta.prompt_logprobs, worker_name=delta.worker_name)
+        except _REPLICA_DIED as exc:
+            raise ReplicaLost(FailoverReason.REPLICA_DIED, f"the replica serving this stream died: {exc}",
+                              replica) from exc
+        except Exception as exc:  # noqa: BLE001 - re-raised typed
+            err = exc if isinstance(exc, BackendError) else backend_error(exc)
+            if err is exc and not isinstance(exc, BackendError):
+                raise ReplicaLost(FailoverReason.STREAM_BROKEN, f"stream failed: {exc}", replica) from exc
+            reason = lost_reason(err)
+            if reason is not None:
+                raise ReplicaLost(reason, str(err), replica, cause=err) from exc
+            raise err from exc
+        finally:
+            if not finished:
+                stream.cancel()  # client left or failure: the replica aborts and frees blocks
+
+    # ---- readiness ---------------------------------------------------------
+    def _needed_pools(self) -> tuple[str, ...]:
+        if self.mode == "colocated":
+            return ("colocated",)
+        return ("decode",) if self.fallback_to_colocated else ("prefill", "decode")
+
+    async def _live(self, pool: str) -> int:
+        """Replicas of ``pool`` whose engine loop is alive: from the status
+        board, or (no Redis) by asking the pool itself."""
+        count = await self.liveness.live(pool) if self.liveness is not None else None
+        if count is not None:
+            return count
+        response = self.handles[pool].status.remote()
+        try:
+            async with asyncio.timeout(2.0):
+                return int(bool((await response).get("engine_alive")))
+        except Exception:  # noqa: BLE001 - no answer: not ready
+            response.cancel()
+            return 0
+
+    async def health(self) -> dict:
+        """Ready = a request sent now succeeds: every pool the mode needs has a
+        replica with a live engine loop."""
+        live = {pool: await self._live(pool) for pool in self._needed_pools()}
+        missing = [pool for pool, n in live.items() if n == 0]
+        if missing:
+            return {"status": "unavailable", "live_replicas": live,
+                    "reason": f"no live replica in the {', '.join(missing)} pool(s) yet; wait or scale up"}
+        return {"status": "ok", "live_replicas": live, "admission": self.admission.view()}

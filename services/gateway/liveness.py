@@ -1,0 +1,54 @@
+"""How many replicas of a pool are alive, from the Redis status board
+(every worker refreshes its key every 0.5 s with a 5 s TTL, saying whether
+its engine loop is alive).  The gateway
+asks before a disaggregated request, so a request never waits for a prefill
+pool that has no replica: it fails with 503, or falls back to colocated.
+``redis_url`` may carry the password; it is never logged."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+from services.pools.status_board import board_pattern
+
+log = logging.getLogger("pdcluster.gateway")
+_CACHE_S = 1.0
+
+
+class PoolLiveness:
+    def __init__(self, redis_url: str | None, cluster: str):
+        self.redis_url, self.cluster = redis_url, cluster
+        self._client = None
+        self._counts: dict[str, int] = {}
+        self._read_at = 0.0
+
+    async def live(self, role: str) -> int | None:
+        """Live replicas of ``role``; None when unknown (no Redis, or Redis
+        down): the caller must not refuse requests on a guess."""
+        if not self.redis_url or not self.redis_url.startswith("redis"):
+            return None
+        now = time.monotonic()
+        if now - self._read_at > _CACHE_S:
+            try:
+                self._counts = await self._read()
+            except Exception as exc:  # noqa: BLE001 - liveness is advisory
+                log.debug("pool liveness unknown: %s", exc)
+                return None
+            self._read_at = now
+        return self._counts.get(role, 0)
+
+    async def _read(self) -> dict[str, int]:
+        import redis.asyncio as aioredis
+
+        if self._client is None:
+            self._client = aioredis.from_url(self.redis_url, socket_timeout=0.2, socket_connect_timeout=0.2)
+        keys = [k async for k in self._client.scan_iter(board_pattern(self.cluster))]
+        counts: dict[str, int] = {}
+        for raw in await self._client.mget(keys) if keys else []:
+            status = json.loads(raw) if raw else None
+            if status and status.get("engine_alive", True):  # a replica whose engine died does not count
+                role = status.get("role", "")
+                counts[role] = counts.get(role, 0) + 1
+        return counts

@@ -1,0 +1,29 @@
+"""ColocatedServer: one engine doing both phases (small deployments, and the
+A/B baseline for disaggregation).  Same engine, same stream format."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from ray import serve
+
+from services.config import ClusterConfig
+from services.messages import PrefillRequest, TokenDelta
+from services.pools.prefill import _replica_name
+from services.pools.worker import Worker, WorkerEndpoints, stream_whole_request
+
+
+class ColocatedServer(WorkerEndpoints):
+    async def __init__(self, config: dict):
+        self.cfg = ClusterConfig.model_validate(config)
+        self.worker = Worker(self.cfg, self.cfg.colocated, "colocated", _replica_name("colocated"),
+                             with_transfer=False)
+        await self.worker.start()
+
+    async def generate(self, request: PrefillRequest, routing: dict | None = None) -> AsyncIterator[TokenDelta]:
+        capacity = self.cfg.scheduler.max_num_seqs + self.cfg.colocated.max_queue
+        async for delta in stream_whole_request(self.worker, request, capacity):
+            yield delta
+
+
+ColocatedDeployment = serve.deployment(ColocatedServer, name="colocated")

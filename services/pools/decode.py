@@ -1,0 +1,177 @@
+"""DecodeServer: reserves blocks for a prefilled prompt (reusing any leading
+blocks its own prefix cache holds), pulls the rest from the prefill replica
+in one transfer, tells it to drop the lease, then streams the decode.
+
+Every path out gives back what it took: the reservation is aborted on any
+exit before the decode finished (after the transfer thread stopped writing
+into it), and a hand-off that was not pulled is released at the prefill
+replica at once.  An expired hand-off is refused, never read."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import AsyncIterator
+
+from ray import serve
+
+from services.pools import faults
+from services.backend import BackendKVTransferFailed, BackendLeaseExpired, BackendOverloaded
+from services.config import ClusterConfig
+from services.messages import DecodeRequest, PrefillRequest, TokenDelta
+from services.pools.prefill import _replica_name
+from observability.stages import DecodeStages
+from services.pools.worker import Worker, WorkerEndpoints, engine_errors_as_backend_errors, stream_whole_request
+from transfer import TransferError
+from transfer.errors import LeaseExpiredError
+
+log = logging.getLogger("pdcluster.decode")
+_RESERVE_RETRY_S = 0.02
+# A hand-off with less lease than this left is refused before reserving:
+# the pull could not finish inside it.
+_MIN_LEASE_LEFT_S = 0.5
+
+
+class DecodeServer(WorkerEndpoints):
+    async def __init__(self, config: dict):
+        self.cfg = ClusterConfig.model_validate(config)
+        self.worker = Worker(self.cfg, self.cfg.decode, "decode", _replica_name("decode"))
+        await self.worker.start()
+        self._background: set[asyncio.Task] = set()
+
+    def _check_lease(self, req: DecodeRequest) -> None:
+        """Refuses a hand-off whose lease has (nearly) run out: its blocks may be recycled."""
+        left_s = req.prefill.lease_deadline_unix - time.time()
+        if req.prefill.lease_deadline_unix and left_s < _MIN_LEASE_LEFT_S:
+            raise BackendLeaseExpired(
+                f"the KV hand-off from {req.prefill.worker_name} expired {max(-left_s, 0):.1f} s ago, before this "
+                "decode replica could pull it; retry the request (or raise lease_ttl_s)")
+
+    async def _reserve(self, req: DecodeRequest):
+        """Blocks for the prompt; waits briefly when the pool is full."""
+        aengine = self.worker.aengine
+        deadline = asyncio.get_running_loop().time() + self.cfg.transfer_timeout_s
+        while True:
+            with engine_errors_as_backend_errors():
+                alloc = await aengine.reserve_external(req.request_id, req.prompt_token_ids, req.params)
+            if alloc is not None:
+                return alloc
+            if asyncio.get_running_loop().time() > deadline:
+                raise BackendOverloaded(f"decode replica {self.worker.name} has no free KV blocks; retry shortly")
+            await asyncio.sleep(_RESERVE_RETRY_S)
+
+    async def _pull(self, req: DecodeRequest, alloc, stages: DecodeStages) -> int:
+        w, pre = self.worker, req.prefill
+        try:
+            await _inject_pull_faults(req.faults)
+        except TransferError as exc:  # fail_pull: as a broken connection mid-pull would
+            raise BackendKVTransferFailed(f"KV transfer from {pre.worker_name} failed: {exc}") from exc
+        self._check_lease(req)
+        remote = list(pre.block_ids[alloc.num_cached_blocks:])
+        local = list(alloc.missing_block_ids)
+        pull = asyncio.ensure_future(asyncio.to_thread(
+            w.transfer.pull, pre.peer, remote, local, req.request_id,
+            lease_deadline_unix=pre.lease_deadline_unix or None))
+        try:
+            stats = await asyncio.shield(pull)
+        except asyncio.CancelledError:
+            # The transfer thread is still writing into the reserved blocks: they
+            # may go back to the pool only once it has stopped.
+            await asyncio.wait({pull})
+            raise
+        except LeaseExpiredError as exc:
+            raise BackendLeaseExpired(f"KV transfer from {pre.worker_name} refused: {exc}") from exc
+        except (TransferError, OSError) as exc:
+            raise BackendKVTransferFailed(f"KV transfer from {pre.worker_name} failed: {exc}") from exc
+        stages.pulled(alloc, stats, len(remote))  # kv.transfer span: bytes, seconds, GB/s
+        w.counters.blocks_pulled += len(remote)
+        w.counters.blocks_reused_locally += alloc.num_cached_blocks
+        w.counters.bytes_pulled += stats.num_bytes
+        w.counters.transfer_seconds += stats.seconds
+        return len(remote)
+
+    async def generate(self, req: DecodeRequest, routing: dict | None = None) -> AsyncIterator[TokenDelta]:
+        w = self.worker
+        stages = DecodeStages(req.trace_context, w.name, self.cfg.block_size, w.transfer.name)
+        error: BaseException | None = None
+        pulled = None  # blocks pulled; set once the pull's notification released the lease
+        try:
+            if faults.has(req.faults, "reject_decode"):
+                raise BackendOverloaded(f"decode replica {w.name} is full (injected fault); retry shortly")
+            self._check_lease(req)
+            # Decodes run for long: the batch's seats plus the queue.
+            with w.admitted(self.cfg.scheduler.max_num_seqs + self.cfg.decode.max_queue):
+                alloc = await self._reserve(req)
+                try:
+                    stages.reserved()
+                    pulled = await self._pull(req, alloc, stages)
+                    async for delta in self._decode(req, alloc, pulled, stages):
+                        yield delta
+                except BaseException:
+                    # Every exit before the decode finished: the reservation goes back (a no-op once
+                    # decode_external's own abort ran).
+                    await asyncio.shield(w.aengine.abort(req.request_id))
+                    raise
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            stages.finish(error)  # decode.queue + decode.generate spans, decode metrics
+            if pulled is None and req.prefill.block_ids:
+                self._release_remote(req)  # no pull happened: the prefill side frees now, not at TTL
+
+    async def _decode(self, req: DecodeRequest, alloc, pulled: int, stages: DecodeStages
+                      ) -> AsyncIterator[TokenDelta]:
+        first = True
+        with engine_errors_as_backend_errors():
+            async for out in self.worker.aengine.decode_external(req.request_id, req.prefill.first_token_id):
+                stages.on_output(out)
+                faults.drop_stream(req.faults, 0 if first else 1)
+                if first and faults.has(req.faults, "stall_decode"):
+                    self.worker.aengine.inject_fault("stall", faults.seconds(req.faults, "stall_decode"))
+                if first and faults.has(req.faults, "kill_decode_engine"):
+                    self.worker.aengine.inject_fault("kill")
+                yield TokenDelta(out.new_token_ids, out.text_delta,
+                                 out.finish_reason.value if out.finished else None,
+                                 num_prompt_tokens=out.num_prompt_tokens,
+                                 num_cached_tokens=req.prefill.num_cached_tokens,
+                                 blocks_pulled=pulled if first else 0,
+                                 blocks_reused=alloc.num_cached_blocks if first else 0,
+                                 logprobs=out.logprobs, streamed_by=self.worker.name)
+                first = False
+
+    def _release_remote(self, req: DecodeRequest) -> None:
+        """Tells the prefill replica to drop the lease, in the background (bounded)."""
+        transfer, pre = self.worker.transfer, req.prefill
+
+        async def release() -> None:
+            try:
+                await asyncio.to_thread(transfer.release, pre.peer, req.request_id, timeout_s=2.0)
+            except Exception as exc:  # noqa: BLE001 - the gateway releases too; the TTL is the last resort
+                log.info("releasing lease %s on %s failed: %s", req.request_id, pre.worker_name, exc)
+
+        task = asyncio.get_running_loop().create_task(release())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def generate_colocated(self, request: PrefillRequest, routing: dict | None = None
+                                 ) -> AsyncIterator[TokenDelta]:
+        """Both phases here: the gateway's counted fallback when no prefill
+        replica is alive and ``fallback_to_colocated`` is set."""
+        capacity = self.cfg.scheduler.max_num_seqs + self.cfg.decode.max_queue
+        async for delta in stream_whole_request(self.worker, request, capacity):
+            yield delta
+
+
+async def _inject_pull_faults(faults_: tuple[str, ...]) -> None:
+    if faults.has(faults_, "die_before_pull"):
+        os._exit(1)  # as a crash would: no cleanup, no goodbye
+    if faults.has(faults_, "delay_pull"):
+        await asyncio.sleep(faults.seconds(faults_, "delay_pull"))
+    if faults.has(faults_, "fail_pull"):
+        raise TransferError("injected pull failure (fault fail_pull)")
+
+
+DecodeDeployment = serve.deployment(DecodeServer, name="decode")

@@ -1,0 +1,47 @@
+"""Every bench script answers ``--help`` both ways it is run: as a file
+(``python bench/<room>/<x>.py``, its folder first on sys.path) and as a
+module (``python -m bench.<room>.<x>``)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[3]
+SCRIPTS = sorted(p for p in (REPO / "bench").rglob("*.py") if 'if __name__ == "__main__"' in p.read_text())
+
+
+def _run(argv: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=300)
+
+
+def test_there_are_bench_scripts():
+    assert len(SCRIPTS) >= 10, SCRIPTS
+
+
+def test_every_bench_script_runs_as_a_file():
+    with ThreadPoolExecutor(4) as pool:
+        runs = dict(zip(SCRIPTS, pool.map(lambda p: _run([sys.executable, str(p.relative_to(REPO)), "--help"]),
+                                          SCRIPTS)))
+    failed = {str(p.relative_to(REPO)): r.stderr[-600:] for p, r in runs.items()
+              if r.returncode != 0 or "usage:" not in r.stdout}
+    assert not failed, failed
+
+
+def test_every_bench_script_runs_as_a_module():
+    modules = [".".join(p.relative_to(REPO).with_suffix("").parts) for p in SCRIPTS]
+    probe = ("import runpy, sys\n"
+             "for name in sys.argv[1:]:\n"
+             "    sys.argv = [name, '--help']\n"
+             "    try:\n"
+             "        runpy.run_module(name, run_name='__main__', alter_sys=True)\n"
+             "    except SystemExit as exit:\n"
+             "        assert exit.code in (0, None), (name, exit.code)\n"
+             "        print('ok', name)\n"
+             "    else:\n"
+             "        raise AssertionError(f'{name} --help did not exit')\n")
+    result = _run([sys.executable, "-c", probe, *modules])
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert [line.split()[1] for line in result.stdout.splitlines() if line.startswith("ok ")] == modules

@@ -1,0 +1,146 @@
+"""The house rules of issue 22, checked on the source (no imports run):
+
+- the libraries under the services (router, prefix_store, transfer, kernels,
+  observability) never import ``services``, not even lazily;
+- no import circle among modules at import time;
+- no bench module is named like a standard-library module or a top-level
+  package, so ``python bench/<room>/<x>.py`` cannot shadow one."""
+
+from __future__ import annotations
+
+import ast
+import functools
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[3]
+PACKAGES = ("services", "router", "prefix_store", "transfer", "kernels", "observability", "bench")
+LIBRARIES = ("router", "prefix_store", "transfer", "kernels", "observability")
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for package in PACKAGES:
+        for path in (REPO / package).rglob("*.py"):
+            parts = list(path.relative_to(REPO).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            found[".".join(parts)] = path
+    return found
+
+
+MODULES = _modules()
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or \
+        (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _imports(module: str, top_level_only: bool) -> set[str]:
+    """The project modules ``module`` imports (``from a import b`` counts a.b when it is a module)."""
+    tree = ast.parse(MODULES[module].read_text())
+    nodes: list[ast.AST] = []
+    if top_level_only:
+        pending = list(tree.body)
+        while pending:
+            node = pending.pop()
+            if isinstance(node, ast.If) and not _is_type_checking(node):
+                pending.extend(node.body + node.orelse)
+            elif isinstance(node, ast.Try):
+                pending.extend(node.body + node.orelse + node.finalbody + [s for h in node.handlers for s in h.body])
+            else:
+                nodes.append(node)
+    else:
+        nodes = list(ast.walk(tree))
+    package = module if MODULES[module].name == "__init__.py" else module.rpartition(".")[0]
+    out: set[str] = set()
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            names = [base] + [f"{base}.{a.name}" for a in node.names]
+        else:
+            continue
+        out.update(n for n in names if n in MODULES and n != module)
+    return out
+
+
+def test_libraries_never_import_services():
+    offenders = sorted(f"{m} imports {dep}" for m in MODULES if m.split(".")[0] in LIBRARIES
+                       for dep in _imports(m, top_level_only=False) if dep.split(".")[0] == "services")
+    assert not offenders, "\n".join(offenders)
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    counter = [0]
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), 10_000))
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_circles():
+    graph = {m: _imports(m, top_level_only=True) for m in MODULES}
+    # A package's __init__ importing its own submodules is how packages re-export; not a circle.
+    for m, deps in graph.items():
+        if MODULES[m].name == "__init__.py":
+            graph[m] = {d for d in deps if not d.startswith(m + ".")}
+    assert not _cycles(graph), _cycles(graph)
+
+
+def test_cycle_finder_finds_a_circle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+@functools.cache
+def _reserved_names() -> set[str]:
+    from importlib.metadata import packages_distributions
+
+    return set(sys.stdlib_module_names) | set(PACKAGES) | set(packages_distributions())
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "bench").rglob("*.py")), ids=lambda p: str(p.relative_to(REPO)))
+def test_no_bench_module_shadows_a_package(path: Path):
+    if path.stem == "__init__":
+        return
+    assert path.stem not in _reserved_names(), (
+        f"{path.relative_to(REPO)}: `python {path.relative_to(REPO)}` would put its folder first on sys.path "
+        f"and shadow the module `{path.stem}`; rename it")
