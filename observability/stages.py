@@ -121,7 +121,7 @@ class DecodeStages(_Stages):
 
 
 def observe_gateway_stream(chunks: AsyncIterator[Any], num_prompt_tokens: int) -> AsyncIterator[Any]:
-    """Wraps the backend's StreamChunk stream: client-visible TTFT/TPOT/E2E
+    """Wraps the backend's TokenDelta stream: client-visible TTFT/TPOT/E2E
     (pool "gateway") and token counts and finish reason on ``gateway.request``.
     Call it in the route handler, where that span is current."""
     return _observed(chunks, trace.get_current_span(), num_prompt_tokens)

@@ -186,14 +186,11 @@ def _parent(carrier: Mapping[str, str] | None) -> Context | None:
     return extract(carrier) if carrier else None
 
 
-def carrier_of(args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, str] | None:
-    """The ``trace_context`` of the first call argument that has one (the
-    Serve router sees the PrefillRequest/DecodeRequest only as arguments)."""
-    for value in (*args, *kwargs.values()):
-        carrier = getattr(value, "trace_context", None)
-        if isinstance(carrier, Mapping) and carrier:
-            return dict(carrier)
-    return None
+def carrier_of(args: Sequence[Any]) -> dict[str, str] | None:
+    """The ``trace_context`` of a call's message (its first argument: the
+    Serve router sees the GenerateRequest only as an argument)."""
+    carrier = getattr(args[0], "trace_context", None) if args else None
+    return dict(carrier) if isinstance(carrier, Mapping) and carrier else None
 
 
 def trace_id_hex(span: Span | None = None) -> str | None:

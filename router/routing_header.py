@@ -1,30 +1,24 @@
 """The routing facts the gateway attaches to every prefill/decode call.
 
 The gateway already tokenizes and hashes the prompt (prefix_store.hashing),
-so it passes the hashes along; the router never sees prompt text.  The
-router finds the header, in this order:
+so it passes the hashes along; the router never sees prompt text.  Every
+call's message (services/messages.py: GenerateRequest, LeaseRelease) carries
+one ``RoutingHeader`` as its ``routing`` field, and the router reads it by
+type from the call's first argument (``routing_header_of``); a call whose
+first argument carries none is routed by load only.
 
-    1. keyword argument ``routing=``           handle.remote(req, routing=header)
-    2. the first positional argument itself    handle.remote(header)
-    3. its ``.routing`` attribute or key        handle.remote(req)  with req.routing = header
-
-A header may be a ``RoutingHeader`` or a plain dict with the same keys
-(``block_hashes`` required; ``num_prompt_tokens``, ``block_size``,
-``max_new_tokens``, ``target_worker``, ``avoid_workers``, ``prefer_worker`` optional).
 ``target_worker`` pins a call to one replica (releasing a lease that replica
 holds); ``prefer_worker`` sends it to one replica while that replica is live
 (choices 1.. of ``n`` > 1 go where choice 0 cached the prompt) and routes it
 as usual once it is gone; ``avoid_workers`` keeps a failover off the replicas
-its stream lost.  A call without one is routed by load only.
+its stream lost.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
-
-ROUTING_KWARG = "routing"
 
 
 @dataclass(frozen=True)
@@ -51,40 +45,8 @@ class RoutingHeader:
     def affinity_key(self) -> int:
         return self.block_hashes[0] if self.block_hashes else 0
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self) | {"block_hashes": list(self.block_hashes), "avoid_workers": list(self.avoid_workers)}
 
-    @classmethod
-    def from_mapping(cls, data: Mapping[str, Any]) -> "RoutingHeader":
-        hashes = data["block_hashes"]
-        block_size = int(data.get("block_size", 16))
-        target = data.get("target_worker")
-        avoid = data.get("avoid_workers") or ()
-        prefer = data.get("prefer_worker")
-        return cls(tuple(hashes), int(data.get("num_prompt_tokens", len(hashes) * block_size)),
-                   block_size, int(data.get("max_new_tokens", 0)), target if isinstance(target, str) else None,
-                   tuple(w for w in avoid if isinstance(w, str)) if isinstance(avoid, (list, tuple)) else (),
-                   prefer if isinstance(prefer, str) else None)
-
-
-def _as_header(obj: Any) -> RoutingHeader | None:
-    if isinstance(obj, RoutingHeader):
-        return obj
-    if isinstance(obj, Mapping) and "block_hashes" in obj:
-        return RoutingHeader.from_mapping(obj)
-    return None
-
-
-def find_routing_header(args: Sequence[Any], kwargs: Mapping[str, Any]) -> RoutingHeader | None:
-    """The request's routing header, or None (then the request routes by load)."""
-    if ROUTING_KWARG in kwargs:
-        return _as_header(kwargs[ROUTING_KWARG])
-    if not args:
-        return None
-    first = args[0]
-    header = _as_header(first)
-    if header is not None:
-        return header
-    if isinstance(first, Mapping):
-        return _as_header(first.get(ROUTING_KWARG))
-    return _as_header(getattr(first, ROUTING_KWARG, None))
+def routing_header_of(args: Sequence[Any]) -> RoutingHeader | None:
+    """The header of a call's message (its first argument's ``routing``), or None."""
+    header = getattr(args[0], "routing", None) if args else None
+    return header if isinstance(header, RoutingHeader) else None

@@ -2,7 +2,7 @@
 
 Per request (all on the router's event loop, nothing blocks it):
 
-    header  = find_routing_header(args, kwargs)          block hashes from the gateway
+    header  = routing_header_of(args)                    block hashes from the gateway
     matches = await index.lookup(header.block_hashes)    one Redis round trip, bounded
     loads   = in-flight tracked here + replica.routing_stats (rate, free KV)
     ranked  = policy.choose(snapshot).ranked             pure function
@@ -30,7 +30,7 @@ from prefix_store.index import LookupResult, PrefixIndex, make_index
 from router.inflight import InFlightTracker
 from router.policy import RoutingPolicy, make_policy
 from router.replica_stats import WORKER_NAME_KEY, ReplicaStats
-from router.routing_header import RoutingHeader, find_routing_header
+from router.routing_header import RoutingHeader, routing_header_of
 from router.snapshot import ReplicaLoad, RequestShape, RoutingDecision, RoutingSnapshot
 
 log = logging.getLogger(__name__)
@@ -83,7 +83,7 @@ class PrefixAwareRequestRouter(RequestRouter):
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         header = None
         if pending_request is not None:
-            header = find_routing_header(pending_request.args, pending_request.kwargs)
+            header = routing_header_of(pending_request.args)
         if header is None:
             self.counters.without_header += 1
         elif header.target_worker is not None:
@@ -124,7 +124,7 @@ class PrefixAwareRequestRouter(RequestRouter):
         from observability import metrics, tracing
         degraded = lookup is not None and lookup.degraded
         try:
-            carrier = tracing.carrier_of(pending_request.args, pending_request.kwargs) if pending_request else None
+            carrier = tracing.carrier_of(pending_request.args) if pending_request else None
             if carrier:
                 tracing.record_span("router.route", started_ns, time.time_ns(), carrier, {
                     tracing.POOL: self.pool, tracing.POLICY: self.policy.name,

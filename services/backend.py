@@ -6,38 +6,11 @@ streams tokens and raises the typed errors below."""
 from __future__ import annotations
 
 import abc
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+import contextlib
+from collections.abc import AsyncIterator, Iterator
 
-from services.engine.logprobs import TokenLogprob
-from services.engine.sampling_params import SamplingParams
-
-
-@dataclass(frozen=True)
-class GenerateRequest:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    block_hashes: tuple[int, ...] = ()     # chained hashes of the prompt's full blocks (routing)
-    trace_context: dict[str, str] = field(default_factory=dict)  # W3C carrier
-    faults: tuple[str, ...] = ()           # test-only fault injection (services/pools/faults.py)
-    # Prefill on this replica (by worker name): it holds the prompt's blocks (choices 2..n of one
-    # request, services/openai/choices.py).  None: the router picks.
-    prefill_worker: str | None = None
-
-
-@dataclass(frozen=True)
-class StreamChunk:
-    """Tokens produced since the previous chunk, and their text."""
-    token_ids: list[int]
-    text: str
-    finish_reason: str | None = None      # "stop" | "length" on the last chunk
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
-    index: int = 0                        # the choice it belongs to (n > 1)
-    logprobs: list[TokenLogprob] | None = None         # one per token, with params.logprobs
-    prompt_logprobs: list[TokenLogprob] | None = None  # on a choice's first chunk, with params.prompt_logprobs
-    worker_name: str = ""                 # on a choice's first chunk: the replica that prefilled it
+from services.engine.errors import EngineDeadError, InvalidRequestError, RequestFailedError
+from services.messages import GenerateRequest, TokenDelta
 
 
 class BackendError(Exception):
@@ -84,13 +57,34 @@ class BackendLeaseExpired(BackendError):
     status, code, type = 503, "kv_lease_expired", "server_error"
 
 
+def as_backend_error(exc: BaseException) -> BaseException:
+    """The engine's typed errors as the BackendError that carries their HTTP
+    meaning (across the Serve hop, and to services/openai/errors.py); anything
+    else unchanged.  The one place an engine error gets its status."""
+    if isinstance(exc, InvalidRequestError):
+        return BackendInvalidRequest(str(exc))
+    if isinstance(exc, RequestFailedError):
+        return BackendFailure(str(exc))
+    if isinstance(exc, EngineDeadError):
+        return BackendUnavailable(f"{exc}; the replica is being replaced: retry")
+    return exc
+
+
+@contextlib.contextmanager
+def engine_errors_as_backend_errors() -> Iterator[None]:
+    try:
+        yield
+    except (InvalidRequestError, RequestFailedError, EngineDeadError) as exc:
+        raise as_backend_error(exc) from exc
+
+
 class Backend(abc.ABC):
     model_name: str
     max_model_len: int
 
     @abc.abstractmethod
-    def generate(self, request: GenerateRequest) -> AsyncIterator[StreamChunk]:
-        """Streams chunks; cancelling the iteration aborts the request and
+    def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
+        """Streams deltas; cancelling the iteration aborts the request and
         frees its KV everywhere."""
 
     async def health(self) -> dict:

@@ -1,24 +1,23 @@
-"""What crosses process boundaries between gateway, prefill and decode
-replicas (pickled by Ray; plain dataclasses, no behaviour)."""
+"""The messages of one request's path, gateway -> router -> replica ->
+engine and back (pickled by Ray across each hop; plain dataclasses).
+
+    GenerateRequest   one shape for every call: prefill, decode (``handoff``
+                      set), colocated, a resumed stream (``prior_output_token_ids``)
+    PrefillResponse   the prefill replica's answer: first token + where its KV is
+    TokenDelta        one streamed piece, replica -> gateway -> HTTP layer
+    LeaseRelease      drop a hand-off's lease on the replica holding it
+
+The router reads ``GenerateRequest.routing`` (router/routing_header.py) and
+nothing else; the block hashes in it are computed once, at the gateway
+(prefix_store/hashing.py), and every engine downstream trusts them."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from router.routing_header import RoutingHeader
 from services.engine.logprobs import TokenLogprob
 from services.engine.sampling_params import SamplingParams
-
-
-@dataclass(frozen=True)
-class PrefillRequest:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    trace_context: dict[str, str] = field(default_factory=dict)
-    faults: tuple[str, ...] = ()   # test-only fault injection (services/pools/faults.py)
-    # A resumed stream's tokens already sent (another replica generated them): the engine
-    # takes them as the request's output so far, not as prompt (services/gateway/resume.py).
-    prior_output_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -40,26 +39,40 @@ class PrefillResponse:
 
 
 @dataclass(frozen=True)
-class DecodeRequest:
+class GenerateRequest:
     request_id: str
     prompt_token_ids: list[int]
-    params: SamplingParams
-    prefill: PrefillResponse
-    trace_context: dict[str, str] = field(default_factory=dict)
-    faults: tuple[str, ...] = ()
+    params: SamplingParams           # built once, from the HTTP request (services/openai/params.py)
+    routing: RoutingHeader           # the prompt's block hashes and where this call may go
+    trace_context: dict[str, str] = field(default_factory=dict)  # W3C carrier
+    faults: tuple[str, ...] = ()     # test-only fault injection (services/pools/faults.py)
+    # A resumed stream's tokens already sent (another replica generated them): the engine
+    # takes them as the request's output so far, not as prompt (services/gateway/resume.py).
+    prior_output_token_ids: tuple[int, ...] = ()
+    handoff: PrefillResponse | None = None  # on the decode call: the prefilled prompt's KV and first token
+
+    @property
+    def block_hashes(self) -> tuple[int, ...]:
+        return self.routing.block_hashes
 
 
 @dataclass(frozen=True)
 class TokenDelta:
-    """One streamed piece from a decode (or colocated) replica."""
+    """Tokens produced since the previous delta, and their text."""
     token_ids: list[int]
     text: str
-    finish_reason: str | None = None
+    finish_reason: str | None = None      # "stop" | "length" on the last delta
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
-    blocks_pulled: int = 0
-    blocks_reused: int = 0
+    index: int = 0                        # the choice it belongs to (n > 1), set by the HTTP layer
     logprobs: list[TokenLogprob] | None = None         # one per token, with params.logprobs
-    prompt_logprobs: list[TokenLogprob] | None = None  # on the first delta, with params.prompt_logprobs
-    worker_name: str = ""          # the replica that prefilled (set on the first delta of a whole request)
+    prompt_logprobs: list[TokenLogprob] | None = None  # on a choice's first delta, with params.prompt_logprobs
+    worker_name: str = ""          # on a choice's first delta: the replica that prefilled it
     streamed_by: str = ""          # the replica streaming this delta: the one a failover moves away from
+
+
+@dataclass(frozen=True)
+class LeaseRelease:
+    """Drops the lease ``request_id`` holds; ``routing.target_worker`` names the replica."""
+    request_id: str
+    routing: RoutingHeader

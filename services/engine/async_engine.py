@@ -131,18 +131,20 @@ class AsyncEngine:
 
     # ---- requests ------------------------------------------------------
     async def generate(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
-                       prefill_only: bool = False, prior_output_token_ids: Sequence[int] = ()
-                       ) -> AsyncIterator[RequestOutput]:
+                       prefill_only: bool = False, prior_output_token_ids: Sequence[int] = (),
+                       block_hashes: Sequence[int] = ()) -> AsyncIterator[RequestOutput]:
         """Streams a request's outputs; leaving before its last one aborts it.
         A request the engine failed raises RequestFailedError; a dead loop,
-        EngineDeadError.  ``prior_output_token_ids``: see Engine.add_request."""
+        EngineDeadError.  ``prior_output_token_ids``, ``block_hashes``: see Engine.add_request."""
         queue = self._open_stream(request_id)
         added = ended = False
         try:
             await self._compile_grammar(params)
             # Only a resumed request passes its prior output (engines without resume need not know it).
-            resumed = {"prior_output_token_ids": tuple(prior_output_token_ids)} if prior_output_token_ids else {}
-            await self._call(lambda: self.engine.add_request(request_id, prompt, params, prefill_only, **resumed),
+            extra = {"prior_output_token_ids": tuple(prior_output_token_ids)} if prior_output_token_ids else {}
+            if block_hashes:
+                extra["block_hashes"] = tuple(block_hashes)
+            await self._call(lambda: self.engine.add_request(request_id, prompt, params, prefill_only, **extra),
                              undo=self._abort_added)
             added = True
             async for out in self._drain(request_id, queue):
@@ -157,11 +159,13 @@ class AsyncEngine:
             await self._close_stream(request_id, abort=added and not ended)
 
     async def reserve_external(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-                               ttl_s: float | None = None) -> ExternalKVAllocation | None:
+                               ttl_s: float | None = None, block_hashes: Sequence[int] = ()
+                               ) -> ExternalKVAllocation | None:
         """Blocks for a prompt whose K/V comes from outside (see
         Engine.reserve_external); freed unless committed within ``ttl_s``."""
         await self._compile_grammar(params)
-        return await self._call(lambda: self.engine.reserve_external(request_id, prompt_token_ids, params, ttl_s),
+        return await self._call(lambda: self.engine.reserve_external(request_id, prompt_token_ids, params, ttl_s,
+                                                                     block_hashes),
                                 undo=self._abort_reservation)
 
     async def decode_external(self, request_id: str, first_token_id: int) -> AsyncIterator[RequestOutput]:

@@ -98,8 +98,11 @@ class Engine:
         self._consecutive_failed_steps = 0
 
     # ---- intake --------------------------------------------------------
-    def _make_request(self, request_id: str, prompt: str | Sequence[int],
-                      params: SamplingParams, prefill_only: bool = False) -> Request:
+    def _make_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
+                      prefill_only: bool = False, block_hashes: Sequence[int] = ()) -> Request:
+        """``block_hashes``: the prompt's full blocks' hashes as the gateway
+        computed them (same seed and block size: the gateway checks the seed at
+        start-up); taken as they are, the rest is hashed here on demand."""
         if request_id in self.requests or request_id in self.awaiting_kv:
             raise InvalidRequestError(f"request id {request_id!r} is already in use; pick a unique id")
         if prefill_only and self.leases.get(request_id) is not None:
@@ -107,7 +110,10 @@ class Engine:
                                       "pick a unique id, or release that lease first")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.validate(ids, params)
-        return Request(request_id, ids, params, prefill_only=prefill_only)
+        if len(block_hashes) > len(ids) // self.kv_spec.block_size:
+            raise InvalidRequestError(f"{len(block_hashes)} block hashes for a prompt of {len(ids)} tokens "
+                                      f"({len(ids) // self.kv_spec.block_size} full blocks): hash full blocks only")
+        return Request(request_id, ids, params, prefill_only=prefill_only, block_hashes=list(block_hashes))
 
     def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         """Raises a typed error naming the fix if the request can never run."""
@@ -138,12 +144,14 @@ class Engine:
                 "lower max_tokens, shorten the prompt, or raise kv_cache_bytes")
 
     def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
-                    prefill_only: bool = False, prior_output_token_ids: Sequence[int] = ()) -> Request:
+                    prefill_only: bool = False, prior_output_token_ids: Sequence[int] = (),
+                    block_hashes: Sequence[int] = ()) -> Request:
         """``prior_output_token_ids``: a resumed request's output so far (another
-        replica generated it); it counts as output, not prompt (output_history.py)."""
+        replica generated it); it counts as output, not prompt (output_history.py).
+        ``block_hashes``: see _make_request."""
         if prior_output_token_ids:
             check_prior_output(prior_output_token_ids, params.max_tokens, self.loaded.config.vocab_size)
-        req = self._make_request(request_id, prompt, params, prefill_only)
+        req = self._make_request(request_id, prompt, params, prefill_only, block_hashes)
         self.requests[request_id] = req
         self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop)
         seed_output_history(req, prior_output_token_ids, self._detok[request_id], self.tokenizer.eos_token_ids)
@@ -151,15 +159,15 @@ class Engine:
         return req
 
     # ---- disaggregation: K/V written from outside ------------------------
-    def reserve_external(self, request_id: str, prompt_token_ids: Sequence[int],
-                         params: SamplingParams, ttl_s: float | None = None) -> ExternalKVAllocation | None:
+    def reserve_external(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
+                         ttl_s: float | None = None, block_hashes: Sequence[int] = ()) -> ExternalKVAllocation | None:
         """Allocates blocks for a prompt whose K/V someone else computed.
         None if the pool cannot hold it now (retry later).  Unless committed
         within ``ttl_s`` (default ``reservation_ttl_s``), the reservation is
         aborted and its blocks freed."""
         if ttl_s is not None and not 0 < ttl_s < float("inf"):
             raise InvalidRequestError(f"ttl_s must be a finite number of seconds > 0, got {ttl_s!r}")
-        req = self._make_request(request_id, prompt_token_ids, params)
+        req = self._make_request(request_id, prompt_token_ids, params, block_hashes=block_hashes)
         sched, bs = self.scheduler, self.kv_spec.block_size
         match = self.kv.match_prefix(sched.update_hashes(req))
         need = -(-req.num_prompt_tokens // bs) - match.num_blocks

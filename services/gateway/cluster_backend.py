@@ -2,10 +2,10 @@
 (disaggregated), or one colocated pool.
 
     gateway ──admission (429 when the predicted TTFT breaks the SLO)
-       ├──prefill.remote(req, routing)──> prefill replica (router: cache-aware)
+       ├──prefill.remote(req)──> prefill replica (router: cache-aware, reads req.routing)
        │  <── first token + pinned blocks + lease deadline + peer descriptor
        ├──stream first token to the client
-       ├──decode.generate(req + hand-off, routing)──> decode replica (router: free KV)
+       ├──decode.generate(req + hand-off)──> decode replica (router: free KV)
        │     pulls missing blocks (NIXL READ), releases the lease, streams tokens
        └──finally, if no decode token came back: prefill.release(lease) on the
           replica that holds it (it is idempotent; the decode side releases too)
@@ -39,18 +39,17 @@ from typing import Any
 from ray import exceptions as ray_exceptions
 from ray.serve.exceptions import BackPressureError
 
-from router.routing_header import RoutingHeader
 from observability import metrics
+from router.routing_header import RoutingHeader
+from services.backend import Backend, BackendError, BackendFailure, BackendOverloaded, BackendUnavailable
 from services.gateway.admission import Admission
-from services.backend import (Backend, BackendError, BackendFailure, BackendOverloaded, BackendUnavailable,
-                              GenerateRequest, StreamChunk)
-from services.gateway.failover import (AVOIDED, FailoverReason, ReplicaLost, ResumeTarget, decide, gave_up_message,
-                               live_elsewhere, lost_reason, resume_target)
-from services.gateway.failover_log import FailoverLog
-from services.messages import DecodeRequest, PrefillRequest, PrefillResponse, TokenDelta
-from services.gateway.liveness import PoolLiveness
-from services.gateway.resume import StreamProgress, resume_header, resume_request
 from services.gateway.deadlines import with_deadlines, with_gap_deadline
+from services.gateway.failover import (AVOIDED, FailoverReason, ReplicaLost, ResumeTarget, decide, gave_up_message,
+                                       live_elsewhere, lost_reason, resume_target)
+from services.gateway.failover_log import FailoverLog
+from services.gateway.liveness import PoolLiveness
+from services.gateway.resume import StreamProgress, resume_request, with_stream_seed
+from services.messages import GenerateRequest, LeaseRelease, PrefillResponse, TokenDelta
 
 log = logging.getLogger("pdcluster.gateway")
 _REPLICA_DIED = (ray_exceptions.RayActorError, ray_exceptions.ActorUnavailableError)
@@ -96,19 +95,14 @@ class ClusterBackend(Backend):
         self.block_size = block_size
         self.prefill_retries = 0
 
-    def _header(self, req: GenerateRequest, prefill: bool = True) -> dict:
-        """``prefill``: a call that prefills, sent to ``req.prefill_worker`` (where choice 0 cached
-        the prompt) while that replica is live."""
-        return RoutingHeader(req.block_hashes, len(req.prompt_token_ids), self.block_size, req.params.max_tokens,
-                             prefer_worker=req.prefill_worker if prefill else None).to_dict()
-
     def _prefill_pool(self, req: GenerateRequest) -> str:
         if self.mode == "colocated":
             return "colocated"
         return "decode" if prefill_locally(len(req.prompt_token_ids), self.local_prefill_max_tokens) else "prefill"
 
-    async def generate(self, req: GenerateRequest) -> AsyncIterator[StreamChunk]:
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[TokenDelta]:
         ticket = self.admission.admit(self._prefill_pool(req), len(req.prompt_token_ids))  # or 429
+        req = with_stream_seed(req)  # so a failover's hop draws what the lost replica would have
         # The inter-token deadline is per attempt (with_gap_deadline): passing it may fail over.
         chunks = with_deadlines(self._with_failover(req), self.request_timeout_s, math.inf)
         try:
@@ -119,7 +113,7 @@ class ClusterBackend(Backend):
             ticket.close()
             await chunks.aclose()
 
-    async def _with_failover(self, req: GenerateRequest) -> AsyncIterator[StreamChunk]:
+    async def _with_failover(self, req: GenerateRequest) -> AsyncIterator[TokenDelta]:
         """The stream, resumed on another replica each time it loses its own
         (at most ``max_failovers`` times); then the loss's error."""
         progress = StreamProgress(len(req.prompt_token_ids), req.params.max_tokens)
@@ -167,16 +161,16 @@ class ClusterBackend(Backend):
         return await self.liveness.live(pool)
 
     async def _resume(self, req: GenerateRequest, progress: StreamProgress,
-                      target: ResumeTarget) -> AsyncIterator[StreamChunk]:
+                      target: ResumeTarget) -> AsyncIterator[TokenDelta]:
         """Continues ``req`` on a replica of ``target.pool`` from prompt + the tokens already sent."""
         stream = getattr(self.handles[target.pool].options(stream=True), target.method).remote(
-            resume_request(req, progress), routing=resume_header(req, progress, self.block_size))
+            resume_request(req, progress))
         async for chunk in self._relay(stream, progress):
             # The prompt's logprobs went out with the first attempt's first chunk.
             yield chunk if chunk.prompt_logprobs is None else dataclasses.replace(chunk, prompt_logprobs=None)
 
     async def _generate(self, req: GenerateRequest, progress: StreamProgress | None = None
-                        ) -> AsyncIterator[StreamChunk]:
+                        ) -> AsyncIterator[TokenDelta]:
         if self.mode == "colocated":
             async for chunk in self._whole_request("colocated", "generate", req, progress):
                 yield chunk
@@ -203,15 +197,16 @@ class ClusterBackend(Backend):
         pre = await self._prefill(req)
         decoded = False  # a decode token back means the decode side pulled and released the lease
         try:
-            yield StreamChunk([pre.first_token_id], pre.text, pre.finish_reason,
-                              num_prompt_tokens=pre.num_tokens, num_cached_tokens=pre.num_cached_tokens,
-                              logprobs=pre.logprobs, prompt_logprobs=pre.prompt_logprobs,
-                              worker_name=pre.worker_name)
+            yield TokenDelta([pre.first_token_id], pre.text, pre.finish_reason,
+                             num_prompt_tokens=pre.num_tokens, num_cached_tokens=pre.num_cached_tokens,
+                             logprobs=pre.logprobs, prompt_logprobs=pre.prompt_logprobs,
+                             worker_name=pre.worker_name)
             if pre.finish_reason is not None:
                 return
-            stream = self.handles["decode"].options(stream=True).generate.remote(
-                DecodeRequest(req.request_id, req.prompt_token_ids, req.params, pre, req.trace_context,
-                              req.faults), routing=self._header(req, prefill=False))
+            # The decode call goes where the router puts it (free KV), not where choice 0 prefilled.
+            decode = dataclasses.replace(req, handoff=pre,
+                                         routing=dataclasses.replace(req.routing, prefer_worker=None))
+            stream = self.handles["decode"].options(stream=True).generate.remote(decode)
             async for chunk in self._relay(stream, progress):
                 decoded = True
                 yield chunk
@@ -228,8 +223,8 @@ class ClusterBackend(Backend):
 
     async def _release(self, pre: PrefillResponse) -> None:
         """Drops ``pre``'s lease on the prefill replica that holds it (routed by worker name)."""
-        header = RoutingHeader((), 0, self.block_size, 0, target_worker=pre.worker_name).to_dict()
-        response = self.handles["prefill"].release.remote(pre.request_id, routing=header)
+        pinned = RoutingHeader((), 0, self.block_size, 0, target_worker=pre.worker_name)
+        response = self.handles["prefill"].release.remote(LeaseRelease(pre.request_id, pinned))
         try:
             async with asyncio.timeout(_RELEASE_TIMEOUT_S):
                 if await response:
@@ -239,17 +234,14 @@ class ClusterBackend(Backend):
             log.warning("releasing the lease of %s on %s failed: %r", pre.request_id, pre.worker_name, exc)
 
     def _whole_request(self, pool: str, method: str, req: GenerateRequest,
-                       progress: StreamProgress | None = None) -> AsyncIterator[StreamChunk]:
+                       progress: StreamProgress | None = None) -> AsyncIterator[TokenDelta]:
         """Both phases on one replica of ``pool`` (its ``method`` streams TokenDeltas)."""
-        stream = getattr(self.handles[pool].options(stream=True), method).remote(
-            PrefillRequest(req.request_id, req.prompt_token_ids, req.params, req.trace_context, req.faults),
-            routing=self._header(req))
+        stream = getattr(self.handles[pool].options(stream=True), method).remote(req)
         return self._relay(stream, progress)
 
     async def _prefill(self, req: GenerateRequest) -> PrefillResponse:
-        message = PrefillRequest(req.request_id, req.prompt_token_ids, req.params, req.trace_context, req.faults)
         for attempt in (0, 1):
-            response = self.handles["prefill"].prefill.remote(message, routing=self._header(req))
+            response = self.handles["prefill"].prefill.remote(req)
             try:
                 return await response
             except asyncio.CancelledError:
@@ -264,8 +256,8 @@ class ClusterBackend(Backend):
                 raise backend_error(exc) from exc
         raise AssertionError("unreachable")
 
-    async def _relay(self, stream, progress: StreamProgress | None = None) -> AsyncIterator[StreamChunk]:
-        """The replica's TokenDeltas as StreamChunks.  A lost replica raises
+    async def _relay(self, stream, progress: StreamProgress | None = None) -> AsyncIterator[TokenDelta]:
+        """The replica's deltas.  A lost replica raises
         ReplicaLost (failover.py decides what follows); a request-level
         error (429, bad request, a failure of this request alone) its typed error."""
         finished, replica = False, ""
@@ -277,10 +269,7 @@ class ClusterBackend(Backend):
                     replica = delta.streamed_by
                     if progress is not None:
                         progress.replica = replica
-                yield StreamChunk(delta.token_ids, delta.text, delta.finish_reason,
-                                  num_prompt_tokens=delta.num_prompt_tokens,
-                                  num_cached_tokens=delta.num_cached_tokens, logprobs=delta.logprobs,
-                                  prompt_logprobs=delta.prompt_logprobs, worker_name=delta.worker_name)
+                yield delta
         except _REPLICA_DIED as exc:
             raise ReplicaLost(FailoverReason.REPLICA_DIED, f"the replica serving this stream died: {exc}",
                               replica) from exc

@@ -13,13 +13,14 @@ import asyncio
 from collections.abc import AsyncIterator
 
 from observability import metrics
-from services.backend import BackendTimeout, StreamChunk
+from services.backend import BackendTimeout
+from services.messages import TokenDelta
 from services.gateway.failover import FailoverReason, ReplicaLost
 from services.gateway.resume import StreamProgress
 
 
-async def with_deadlines(chunks: AsyncIterator[StreamChunk], request_timeout_s: float,
-                         inter_token_timeout_s: float) -> AsyncIterator[StreamChunk]:
+async def with_deadlines(chunks: AsyncIterator[TokenDelta], request_timeout_s: float,
+                         inter_token_timeout_s: float) -> AsyncIterator[TokenDelta]:
     """``chunks``, or BackendTimeout once the end-to-end deadline passes or,
     after the first chunk, no chunk came for ``inter_token_timeout_s``.  The
     timeout cancels ``chunks`` where it waits, which cancels the replica
@@ -48,8 +49,8 @@ async def with_deadlines(chunks: AsyncIterator[StreamChunk], request_timeout_s: 
         await chunks.aclose()
 
 
-async def with_gap_deadline(chunks: AsyncIterator[StreamChunk], inter_token_timeout_s: float, from_start: bool,
-                            progress: StreamProgress) -> AsyncIterator[StreamChunk]:
+async def with_gap_deadline(chunks: AsyncIterator[TokenDelta], inter_token_timeout_s: float, from_start: bool,
+                            progress: StreamProgress) -> AsyncIterator[TokenDelta]:
     """``chunks`` (one attempt), or ReplicaLost(INTER_TOKEN_DEADLINE) once no
     chunk came for ``inter_token_timeout_s`` -- after its first chunk, or
     from the start for a resumed attempt (the client is already waiting).

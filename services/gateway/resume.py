@@ -2,22 +2,26 @@
 and the message that resumes it there.
 
     sent to the client:   [ t0 (prefill) | t1 ... tk (decode replica A) ]   A dies
-    resume on replica B:  PrefillRequest(prompt, params, prior_output_token_ids = t0..tk)
+    resume on replica B:  GenerateRequest(prompt, params, prior_output_token_ids = t0..tk)
     B streams:            t(k+1) ...     (never t0..tk again: usage counts each token once)
 
 The prior tokens travel as output, not prompt, so max_tokens, min_tokens,
 penalties, stop strings, the detokenizer and the seeded random stream all
-continue where the original was (services/engine/output_history.py).  The
+continue where the original was (services/engine/output_history.py).  A
+sampled request without a seed gets one here, before its first hop
+(``with_stream_seed``): its draws are still fresh per request, and a resumed
+hop draws what the lost replica would have (services/engine/random_stream.py).  The
 request id stays the client's, with a suffix per hop so the new replica
 never meets the old id (a replica that only stalled may still hold it)."""
 
 from __future__ import annotations
 
+import dataclasses
+import secrets
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from router.routing_header import RoutingHeader
-from services.backend import GenerateRequest, StreamChunk
-from services.messages import PrefillRequest
+from services.messages import GenerateRequest, TokenDelta
 
 
 @dataclass
@@ -30,7 +34,7 @@ class StreamProgress:
     lost: list[str] = field(default_factory=list)         # "reason@replica" per failover, in order
     lost_replicas: list[str] = field(default_factory=list)
 
-    def add(self, chunk: StreamChunk) -> None:
+    def add(self, chunk: TokenDelta) -> None:
         self.token_ids.extend(chunk.token_ids)
 
     @property
@@ -49,14 +53,19 @@ class StreamProgress:
         self.replica = ""
 
 
-def resume_request(req: GenerateRequest, progress: StreamProgress) -> PrefillRequest:
-    """The whole-request message that continues ``req`` after ``progress``."""
-    return PrefillRequest(f"{req.request_id}~r{progress.num_failovers}", req.prompt_token_ids, req.params,
-                          req.trace_context, req.faults, prior_output_token_ids=tuple(progress.token_ids))
+def resume_request(req: GenerateRequest, progress: StreamProgress) -> GenerateRequest:
+    """The whole-request message that continues ``req`` after ``progress``,
+    routed by the prompt's prefix (the index says who holds it) with the
+    tokens still to come, and kept off the replicas it lost."""
+    routing = dataclasses.replace(req.routing, max_new_tokens=max(progress.tokens_left, 0), prefer_worker=None,
+                                  avoid_workers=tuple(progress.lost_replicas))
+    return dataclasses.replace(req, request_id=f"{req.request_id}~r{progress.num_failovers}", routing=routing,
+                               prior_output_token_ids=tuple(progress.token_ids), handoff=None)
 
 
-def resume_header(req: GenerateRequest, progress: StreamProgress, block_size: int) -> dict:
-    """Routing for the resumed attempt: the prompt's prefix (the index says
-    who holds it), the tokens still to come, and the replicas to avoid."""
-    return RoutingHeader(req.block_hashes, len(req.prompt_token_ids), block_size, max(progress.tokens_left, 0),
-                         avoid_workers=tuple(progress.lost_replicas)).to_dict()
+def with_stream_seed(req: GenerateRequest, draw: Callable[[int], int] = secrets.randbits) -> GenerateRequest:
+    """``req`` with a seed of its own when it samples without one (greedy and
+    seeded requests unchanged)."""
+    if req.params.seed is not None or req.params.greedy:
+        return req
+    return dataclasses.replace(req, params=dataclasses.replace(req.params, seed=draw(63)))

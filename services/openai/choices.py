@@ -25,11 +25,11 @@ import asyncio
 import dataclasses
 from collections.abc import AsyncIterator, Callable
 
-from services.backend import GenerateRequest, StreamChunk
+from services.messages import GenerateRequest, TokenDelta
 
 _MASK64 = (1 << 64) - 1
 
-Generate = Callable[[GenerateRequest], AsyncIterator[StreamChunk]]
+Generate = Callable[[GenerateRequest], AsyncIterator[TokenDelta]]
 
 
 def choice_seed(seed: int, index: int) -> int:
@@ -50,29 +50,29 @@ def choice_request(request: GenerateRequest, index: int, prefill_worker: str | N
     p = request.params
     params = dataclasses.replace(p, seed=None if p.seed is None else choice_seed(p.seed, index),
                                  prompt_logprobs=None)
-    return dataclasses.replace(request, request_id=f"{request.request_id}-{index}", params=params,
-                               prefill_worker=prefill_worker or request.prefill_worker)
+    routing = dataclasses.replace(request.routing, prefer_worker=prefill_worker or request.routing.prefer_worker)
+    return dataclasses.replace(request, request_id=f"{request.request_id}-{index}", params=params, routing=routing)
 
 
-def _tagged(chunk: StreamChunk, index: int) -> StreamChunk:
+def _tagged(chunk: TokenDelta, index: int) -> TokenDelta:
     return chunk if chunk.index == index else dataclasses.replace(chunk, index=index)
 
 
-def generate_choices(generate: Generate, request: GenerateRequest, n: int) -> AsyncIterator[StreamChunk]:
+def generate_choices(generate: Generate, request: GenerateRequest, n: int) -> AsyncIterator[TokenDelta]:
     """The n choices of ``request`` as one stream (see the module docstring)."""
     return generate(request) if n == 1 else _merged(generate, request, n)
 
 
-async def _aclose(stream: AsyncIterator[StreamChunk]) -> None:
+async def _aclose(stream: AsyncIterator[TokenDelta]) -> None:
     aclose = getattr(stream, "aclose", None)
     if aclose is not None:
         await aclose()
 
 
-async def _merged(generate: Generate, request: GenerateRequest, n: int) -> AsyncIterator[StreamChunk]:
+async def _merged(generate: Generate, request: GenerateRequest, n: int) -> AsyncIterator[TokenDelta]:
     queue: asyncio.Queue = asyncio.Queue()
     pumps: list[asyncio.Task] = []
-    streams: list[AsyncIterator[StreamChunk]] = [generate(request)]
+    streams: list[AsyncIterator[TokenDelta]] = [generate(request)]
     try:
         head = await anext(streams[0], None)
         if head is None:
@@ -100,7 +100,7 @@ async def _merged(generate: Generate, request: GenerateRequest, n: int) -> Async
             await _aclose(s)
 
 
-async def _pump(stream: AsyncIterator[StreamChunk], index: int, queue: asyncio.Queue) -> None:
+async def _pump(stream: AsyncIterator[TokenDelta], index: int, queue: asyncio.Queue) -> None:
     """Moves one choice's chunks to the merged queue; None when it ends, the
     exception when it fails."""
     try:

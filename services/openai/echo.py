@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import AsyncIterator
 
-from services.backend import StreamChunk
+from services.messages import TokenDelta
 from services.engine.tokenizer import Tokenizer
 from services.openai.formats import Echo
 from services.openai.protocol import AnyRequest, CompletionRequest
@@ -33,7 +33,7 @@ def echo_of(tokenizer: Tokenizer, req: AnyRequest, token_ids: list[int]) -> Echo
     return Echo(text, tuple(token_ids))
 
 
-async def prompt_only(chunks: AsyncIterator[StreamChunk]) -> AsyncIterator[StreamChunk]:
+async def prompt_only(chunks: AsyncIterator[TokenDelta]) -> AsyncIterator[TokenDelta]:
     """Each choice's stream with its generated token dropped: one chunk with
     the prompt logprobs (if any) and finish_reason "length"."""
     try:

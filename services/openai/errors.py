@@ -16,8 +16,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from services.backend import BackendError, BackendOverloaded
-from services.engine.errors import InvalidRequestError
+from services.backend import BackendError, BackendOverloaded, as_backend_error
+from services.engine.errors import EngineDeadError, InvalidRequestError, RequestFailedError
 
 log = logging.getLogger(__name__)
 
@@ -142,8 +142,9 @@ def install_error_handlers(app: FastAPI, request_id_header: bool = True) -> None
         assert isinstance(exc, BackendError)
         return error_response(from_backend_error(exc), request)
 
-    async def on_engine_invalid(request: Request, exc: Exception) -> JSONResponse:
-        return error_response(invalid_request(str(exc)), request)
+    async def on_engine_error(request: Request, exc: Exception) -> JSONResponse:
+        # An engine in this process (tests, colocated): the same mapping as across the Serve hop.
+        return error_response(from_backend_error(as_backend_error(exc)), request)
 
     async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
         # Runs outside every middleware, so it adds x-request-id itself.
@@ -157,5 +158,6 @@ def install_error_handlers(app: FastAPI, request_id_header: bool = True) -> None
     app.add_exception_handler(RequestValidationError, on_validation_error)
     app.add_exception_handler(StarletteHTTPException, on_http_error)
     app.add_exception_handler(BackendError, on_backend_error)
-    app.add_exception_handler(InvalidRequestError, on_engine_invalid)
+    for engine_error in (InvalidRequestError, RequestFailedError, EngineDeadError):
+        app.add_exception_handler(engine_error, on_engine_error)
     app.add_exception_handler(Exception, on_unexpected)

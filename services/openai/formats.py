@@ -1,13 +1,13 @@
 """How one generation is shaped for each endpoint: the whole response, or
 its stream chunks.  The two formats share ``Tally``, which keeps each
-choice's part of the stream (``StreamChunk.index``; n > 1 merges n streams,
+choice's part of the stream (``TokenDelta.index``; n > 1 merges n streams,
 choices.py)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.backend import StreamChunk
+from services.messages import TokenDelta
 from services.engine.logprobs import TokenLogprob
 from services.openai.logprobs_format import ChatLogprobs, CompletionLogprobs, LogprobRenderer
 from services.openai.responses import (
@@ -46,7 +46,7 @@ class Tally:
     def choice(self, index: int) -> ChoiceTally:
         return self.choices.setdefault(index, ChoiceTally())
 
-    def add(self, chunk: StreamChunk) -> None:
+    def add(self, chunk: TokenDelta) -> None:
         c = self.choice(chunk.index)
         c.completion_tokens += len(chunk.token_ids)
         c.cached_tokens = max(c.cached_tokens, chunk.num_cached_tokens)
@@ -110,7 +110,7 @@ class ResponseFormat:
         """An event before the first token, if the format has one."""
         return None
 
-    def event(self, chunk: StreamChunk, tally: Tally) -> bytes | None:
+    def event(self, chunk: TokenDelta, tally: Tally) -> bytes | None:
         """The stream event for ``chunk`` (already added to ``tally``), or None
         when it carries nothing to show yet."""
         c = tally.choice(chunk.index)
@@ -126,7 +126,7 @@ class ResponseFormat:
         """What a stream chunk carries as ``usage``: None unless continuous."""
         return self._usage_now[0] if self._usage_now else None
 
-    def _event(self, chunk: StreamChunk, tally: Tally, c: ChoiceTally, first: bool) -> bytes:
+    def _event(self, chunk: TokenDelta, tally: Tally, c: ChoiceTally, first: bool) -> bytes:
         return self.delta(chunk.text, chunk.finish_reason, chunk.index)
 
     def delta(self, text: str, finish_reason: str | None, index: int = 0, logprobs=None) -> bytes:
@@ -140,7 +140,7 @@ class ResponseFormat:
 
 
 class CompletionFormat(ResponseFormat):
-    def _event(self, chunk: StreamChunk, tally: Tally, c: ChoiceTally, first: bool) -> bytes:
+    def _event(self, chunk: TokenDelta, tally: Tally, c: ChoiceTally, first: bool) -> bytes:
         text, entries = chunk.text, list(chunk.logprobs or ())
         if first and self.echo is not None:
             text = self.echo.text + text
@@ -189,7 +189,7 @@ class ChatFormat(ResponseFormat):
     def opening(self) -> bytes:
         return b"".join(self._chunk(ChatDelta(role="assistant", content=""), None, i) for i in range(self.n))
 
-    def _event(self, chunk: StreamChunk, tally: Tally, c: ChoiceTally, first: bool) -> bytes:
+    def _event(self, chunk: TokenDelta, tally: Tally, c: ChoiceTally, first: bool) -> bytes:
         logprobs = self.logprobs.chat(chunk.logprobs) if self.logprobs is not None and chunk.logprobs else None
         return self.delta(chunk.text, chunk.finish_reason, chunk.index, logprobs)
 

@@ -99,7 +99,7 @@ class GatewayMetrics:
             self._warn_once("pdcluster_http_responses", exc)
 
     def observe_stream(self, chunks: AsyncIterator[Any]) -> AsyncIterator[Any]:
-        """Wraps a StreamChunk stream (closing it closes ``chunks``): TTFT at
+        """Wraps a TokenDelta stream (closing it closes ``chunks``): TTFT at
         the first token, TPOT and E2E at the finish reason, tokens at the end."""
         return self._observed(chunks)
 

@@ -18,7 +18,8 @@ from typing import TypeVar
 
 from starlette.requests import Request
 
-from services.backend import BackendError, BackendFailure, StreamChunk
+from services.backend import BackendError, BackendFailure
+from services.messages import TokenDelta
 from services.openai.errors import OpenAIError, from_backend_error
 from services.openai.formats import ResponseFormat, Tally
 from services.openai.responses import ChatCompletionResponse, CompletionResponse
@@ -37,7 +38,7 @@ def _truncated() -> BackendFailure:
     return BackendFailure("the backend's stream ended without a finish reason; retry the request")
 
 
-async def _aclose(chunks: AsyncIterator[StreamChunk]) -> None:
+async def _aclose(chunks: AsyncIterator[TokenDelta]) -> None:
     """Close the backend's generator: this is what aborts its request."""
     aclose = getattr(chunks, "aclose", None)
     if aclose is not None:
@@ -73,7 +74,7 @@ async def race_disconnect(request: Request, work: Awaitable[T]) -> T:
     raise ClientGone()
 
 
-async def _collect(chunks: AsyncIterator[StreamChunk], tally: Tally) -> Tally:
+async def _collect(chunks: AsyncIterator[TokenDelta], tally: Tally) -> Tally:
     async for chunk in chunks:
         tally.add(chunk)
         if tally.finished:   # every choice (n > 1 merges n streams)
@@ -81,7 +82,7 @@ async def _collect(chunks: AsyncIterator[StreamChunk], tally: Tally) -> Tally:
     raise _truncated()
 
 
-async def complete(request: Request, chunks: AsyncIterator[StreamChunk], tally: Tally,
+async def complete(request: Request, chunks: AsyncIterator[TokenDelta], tally: Tally,
                    fmt: ResponseFormat) -> CompletionResponse | ChatCompletionResponse:
     """The whole response; backend errors propagate as their typed errors."""
     try:
@@ -90,7 +91,7 @@ async def complete(request: Request, chunks: AsyncIterator[StreamChunk], tally: 
         await _aclose(chunks)
 
 
-async def stream(request: Request, chunks: AsyncIterator[StreamChunk], tally: Tally, fmt: ResponseFormat,
+async def stream(request: Request, chunks: AsyncIterator[TokenDelta], tally: Tally, fmt: ResponseFormat,
                  include_usage: bool) -> SSEResponse:
     """Waits for the first chunk (so overload, bad input and no-replica
     answer their own status codes), then streams the rest."""
@@ -102,7 +103,7 @@ async def stream(request: Request, chunks: AsyncIterator[StreamChunk], tally: Ta
     return SSEResponse(_sse_body(first, chunks, tally, fmt, include_usage))
 
 
-async def _sse_body(first: StreamChunk | None, chunks: AsyncIterator[StreamChunk], tally: Tally,
+async def _sse_body(first: TokenDelta | None, chunks: AsyncIterator[TokenDelta], tally: Tally,
                     fmt: ResponseFormat, include_usage: bool) -> AsyncIterator[bytes]:
     error: OpenAIError | None = None
     try:

@@ -9,6 +9,8 @@ these models' JSON schemas, enforced by ``limits.check_limits``."""
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
@@ -197,11 +199,15 @@ def _logprob_kwargs(req: AnyRequest) -> dict[str, int | None]:
     return {"logprobs": req.logprobs, "prompt_logprobs": req.logprobs if req.echo else None}
 
 
+def _min_tokens(req: AnyRequest, max_tokens: int) -> int:
+    # Without a client cap, min_tokens counts up to the cap the server picks.
+    return req.min_tokens if requested_max_tokens(req)[0] is not None else min(req.min_tokens, max_tokens)
+
+
 def to_sampling_params(req: AnyRequest, max_tokens: int, max_tokens_param: str = "max_tokens") -> SamplingParams:
     """``SamplingParams`` for ``req``; its validation errors become a 400 naming the field."""
     top_k = req.top_k if req.top_k not in (None, -1) else 0
-    # Without a client cap, min_tokens counts up to the cap the server picks.
-    min_tokens = req.min_tokens if requested_max_tokens(req)[0] is not None else min(req.min_tokens, max_tokens)
+    min_tokens = _min_tokens(req, max_tokens)
     kwargs: dict[str, Any] = {"max_tokens": max_tokens, "top_k": top_k, "seed": req.seed,
                               "ignore_eos": req.ignore_eos,
                               "stop": () if req.stop is None else req.stop,
@@ -215,8 +221,22 @@ def to_sampling_params(req: AnyRequest, max_tokens: int, max_tokens_param: str =
         kwargs["top_p"] = req.top_p
     if req.repetition_penalty is not None:
         kwargs["repetition_penalty"] = req.repetition_penalty
+    return _checked(lambda: SamplingParams(**kwargs), max_tokens_param)
+
+
+def with_max_tokens(params: SamplingParams, req: AnyRequest, max_tokens: int,
+                    max_tokens_param: str = "max_tokens") -> SamplingParams:
+    """``params`` (built once by to_sampling_params, before the prompt was
+    tokenized) for the ``max_tokens`` the server fitted to the prompt."""
+    if max_tokens == params.max_tokens:
+        return params
+    return _checked(lambda: dataclasses.replace(params, max_tokens=max_tokens,
+                                                min_tokens=_min_tokens(req, max_tokens)), max_tokens_param)
+
+
+def _checked(build: Callable[[], SamplingParams], max_tokens_param: str) -> SamplingParams:
     try:
-        return SamplingParams(**kwargs)
+        return build()
     except InvalidRequestError as exc:
         # SamplingParams starts every message with the field's name.
         message, field = str(exc), str(exc).split(" ", 1)[0]

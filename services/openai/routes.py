@@ -32,7 +32,8 @@ from services.pools import faults
 from observability import tracing
 from services.openai.tracing import TracingMiddleware
 from observability.stages import observe_gateway_stream
-from services.backend import Backend, GenerateRequest
+from router.routing_header import RoutingHeader
+from services.backend import Backend
 from services.engine.tokenizer import Tokenizer
 from services.openai.auth import ApiKeyMiddleware
 from services.openai.choices import generate_choices
@@ -49,12 +50,13 @@ from services.openai.openapi import error_responses, generation_responses, insta
 from services.openai.prompt import fit_max_tokens, prompt_for
 from services.openai.protocol import (
     AnyRequest, ChatCompletionRequest, CompletionRequest, reject_unsupported, requested_max_tokens,
-    to_sampling_params,
+    to_sampling_params, with_max_tokens,
 )
 from services.openai.request_id import RequestIdMiddleware
 from services.openai.responses import (
     ChatCompletionChunk, ChatCompletionResponse, CompletionResponse, ModelCard, ModelList,
 )
+from services.messages import GenerateRequest
 from services.openai.settings import OpenAISettings
 from services.openai.tool_calls import ToolCallFormat, constraint_of
 from services.openai.utility_routes import REQUEST_MODELS as UTILITY_REQUEST_MODELS
@@ -152,8 +154,8 @@ async def _generate(request: Request, kind: type[CompletionRequest] | type[ChatC
     guided, tools = constraint_of(req)   # response_format / guided_* / tools: a grammar, or a 400 naming the field
     model = resolve_model(req.model, settings)
     requested, max_tokens_param = requested_max_tokens(req)
-    # Refuse bad sampling parameters before spending CPU on the prompt.
-    to_sampling_params(req, 1 if requested is None else requested, max_tokens_param)
+    # Built (and bad values refused) before spending CPU on the prompt; max_tokens is fitted below.
+    params = to_sampling_params(req, 1 if requested is None else requested, max_tokens_param)
 
     prompt = await prompt_for(host.tokenizer, req, host.backend.max_model_len, settings.block_hash_seed,
                               settings.block_size)
@@ -161,7 +163,7 @@ async def _generate(request: Request, kind: type[CompletionRequest] | type[ChatC
     default = settings.default_chat_max_tokens if chat else settings.default_completion_max_tokens
     max_tokens = fit_max_tokens(req, requested, max_tokens_param, len(prompt.token_ids),
                                 host.backend.max_model_len, default)
-    params = to_sampling_params(req, max_tokens, max_tokens_param)
+    params = with_max_tokens(params, req, max_tokens, max_tokens_param)
     if guided is not None:
         params = dataclasses.replace(params, guided=guided)
 
@@ -170,8 +172,9 @@ async def _generate(request: Request, kind: type[CompletionRequest] | type[ChatC
     engine_id = f"{request_id}-{secrets.token_hex(4)}" if request.state.request_id_from_client else request_id
     tracing.set_attrs({tracing.REQUEST_ID: request_id, tracing.ENGINE_ID: engine_id, "request.model": model,
                          "request.stream": bool(req.stream), "request.max_tokens": max_tokens})
+    routing = RoutingHeader(prompt.block_hashes, len(prompt.token_ids), settings.block_size, max_tokens)
     chunks = generate_choices(host.backend.generate, GenerateRequest(
-        engine_id, prompt.token_ids, params, prompt.block_hashes, tracing.inject(),
+        engine_id, prompt.token_ids, params, routing, tracing.inject(),
         faults.parse(request.headers.get(faults.HEADER))), req.n)
     if wants_prompt_only:
         chunks = prompt_only(chunks)

@@ -22,7 +22,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.backend import StreamChunk
+from services.messages import TokenDelta
 from services.engine.guided_spec import GuidedSpec
 from services.openai.errors import invalid_request
 from services.openai.formats import ChatFormat, ChoiceTally, Tally
@@ -89,7 +89,7 @@ class ToolCallFormat(ChatFormat):
     def around(cls, fmt: ChatFormat, plan: ToolPlan) -> "ToolCallFormat":
         return cls(**{f.name: getattr(fmt, f.name) for f in dataclasses.fields(fmt)}, plan=plan)
 
-    def _event(self, chunk: StreamChunk, tally: Tally, c: ChoiceTally, first: bool) -> bytes:
+    def _event(self, chunk: TokenDelta, tally: Tally, c: ChoiceTally, first: bool) -> bytes:
         state = self.states.setdefault(chunk.index, _ChoiceState(True if self.plan.must_call else None))
         state.pending += chunk.text
         if state.is_call is None and state.pending.strip():

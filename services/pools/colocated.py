@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from ray import serve
 
 from services.config import ClusterConfig
-from services.messages import PrefillRequest, TokenDelta
+from services.messages import GenerateRequest, TokenDelta
 from services.pools.prefill import _replica_name
 from services.pools.worker import Worker, WorkerEndpoints, stream_whole_request
 
@@ -20,7 +20,7 @@ class ColocatedServer(WorkerEndpoints):
                              with_transfer=False)
         await self.worker.start()
 
-    async def generate(self, request: PrefillRequest, routing: dict | None = None) -> AsyncIterator[TokenDelta]:
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
         capacity = self.cfg.scheduler.max_num_seqs + self.cfg.colocated.max_queue
         async for delta in stream_whole_request(self.worker, request, capacity):
             yield delta

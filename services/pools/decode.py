@@ -18,12 +18,13 @@ from collections.abc import AsyncIterator
 from ray import serve
 
 from services.pools import faults
-from services.backend import BackendKVTransferFailed, BackendLeaseExpired, BackendOverloaded
+from services.backend import (BackendInvalidRequest, BackendKVTransferFailed, BackendLeaseExpired, BackendOverloaded,
+                              engine_errors_as_backend_errors)
 from services.config import ClusterConfig
-from services.messages import DecodeRequest, PrefillRequest, TokenDelta
+from services.messages import GenerateRequest, TokenDelta
 from services.pools.prefill import _replica_name
 from observability.stages import DecodeStages
-from services.pools.worker import Worker, WorkerEndpoints, engine_errors_as_backend_errors, stream_whole_request
+from services.pools.worker import Worker, WorkerEndpoints, stream_whole_request
 from transfer import TransferError
 from transfer.errors import LeaseExpiredError
 
@@ -41,29 +42,30 @@ class DecodeServer(WorkerEndpoints):
         await self.worker.start()
         self._background: set[asyncio.Task] = set()
 
-    def _check_lease(self, req: DecodeRequest) -> None:
+    def _check_lease(self, req: GenerateRequest) -> None:
         """Refuses a hand-off whose lease has (nearly) run out: its blocks may be recycled."""
-        left_s = req.prefill.lease_deadline_unix - time.time()
-        if req.prefill.lease_deadline_unix and left_s < _MIN_LEASE_LEFT_S:
+        left_s = req.handoff.lease_deadline_unix - time.time()
+        if req.handoff.lease_deadline_unix and left_s < _MIN_LEASE_LEFT_S:
             raise BackendLeaseExpired(
-                f"the KV hand-off from {req.prefill.worker_name} expired {max(-left_s, 0):.1f} s ago, before this "
+                f"the KV hand-off from {req.handoff.worker_name} expired {max(-left_s, 0):.1f} s ago, before this "
                 "decode replica could pull it; retry the request (or raise lease_ttl_s)")
 
-    async def _reserve(self, req: DecodeRequest):
+    async def _reserve(self, req: GenerateRequest):
         """Blocks for the prompt; waits briefly when the pool is full."""
         aengine = self.worker.aengine
         deadline = asyncio.get_running_loop().time() + self.cfg.transfer_timeout_s
         while True:
             with engine_errors_as_backend_errors():
-                alloc = await aengine.reserve_external(req.request_id, req.prompt_token_ids, req.params)
+                alloc = await aengine.reserve_external(req.request_id, req.prompt_token_ids, req.params,
+                                                       block_hashes=self.worker.prompt_hashes(req))
             if alloc is not None:
                 return alloc
             if asyncio.get_running_loop().time() > deadline:
                 raise BackendOverloaded(f"decode replica {self.worker.name} has no free KV blocks; retry shortly")
             await asyncio.sleep(_RESERVE_RETRY_S)
 
-    async def _pull(self, req: DecodeRequest, alloc, stages: DecodeStages) -> int:
-        w, pre = self.worker, req.prefill
+    async def _pull(self, req: GenerateRequest, alloc, stages: DecodeStages) -> int:
+        w, pre = self.worker, req.handoff
         try:
             await _inject_pull_faults(req.faults)
         except TransferError as exc:  # fail_pull: as a broken connection mid-pull would
@@ -92,7 +94,10 @@ class DecodeServer(WorkerEndpoints):
         w.counters.transfer_seconds += stats.seconds
         return len(remote)
 
-    async def generate(self, req: DecodeRequest, routing: dict | None = None) -> AsyncIterator[TokenDelta]:
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[TokenDelta]:
+        if req.handoff is None:
+            raise BackendInvalidRequest(f"decode of {req.request_id} without a prefill hand-off: a whole request "
+                                        "goes to generate_colocated")
         w = self.worker
         stages = DecodeStages(req.trace_context, w.name, self.cfg.block_size, w.transfer.name)
         error: BaseException | None = None
@@ -107,7 +112,7 @@ class DecodeServer(WorkerEndpoints):
                 try:
                     stages.reserved()
                     pulled = await self._pull(req, alloc, stages)
-                    async for delta in self._decode(req, alloc, pulled, stages):
+                    async for delta in self._decode(req, stages):
                         yield delta
                 except BaseException:
                     # Every exit before the decode finished: the reservation goes back (a no-op once
@@ -119,14 +124,13 @@ class DecodeServer(WorkerEndpoints):
             raise
         finally:
             stages.finish(error)  # decode.queue + decode.generate spans, decode metrics
-            if pulled is None and req.prefill.block_ids:
+            if pulled is None and req.handoff.block_ids:
                 self._release_remote(req)  # no pull happened: the prefill side frees now, not at TTL
 
-    async def _decode(self, req: DecodeRequest, alloc, pulled: int, stages: DecodeStages
-                      ) -> AsyncIterator[TokenDelta]:
+    async def _decode(self, req: GenerateRequest, stages: DecodeStages) -> AsyncIterator[TokenDelta]:
         first = True
         with engine_errors_as_backend_errors():
-            async for out in self.worker.aengine.decode_external(req.request_id, req.prefill.first_token_id):
+            async for out in self.worker.aengine.decode_external(req.request_id, req.handoff.first_token_id):
                 stages.on_output(out)
                 faults.drop_stream(req.faults, 0 if first else 1)
                 if first and faults.has(req.faults, "stall_decode"):
@@ -136,15 +140,13 @@ class DecodeServer(WorkerEndpoints):
                 yield TokenDelta(out.new_token_ids, out.text_delta,
                                  out.finish_reason.value if out.finished else None,
                                  num_prompt_tokens=out.num_prompt_tokens,
-                                 num_cached_tokens=req.prefill.num_cached_tokens,
-                                 blocks_pulled=pulled if first else 0,
-                                 blocks_reused=alloc.num_cached_blocks if first else 0,
+                                 num_cached_tokens=req.handoff.num_cached_tokens,
                                  logprobs=out.logprobs, streamed_by=self.worker.name)
                 first = False
 
-    def _release_remote(self, req: DecodeRequest) -> None:
+    def _release_remote(self, req: GenerateRequest) -> None:
         """Tells the prefill replica to drop the lease, in the background (bounded)."""
-        transfer, pre = self.worker.transfer, req.prefill
+        transfer, pre = self.worker.transfer, req.handoff
 
         async def release() -> None:
             try:
@@ -156,8 +158,7 @@ class DecodeServer(WorkerEndpoints):
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def generate_colocated(self, request: PrefillRequest, routing: dict | None = None
-                                 ) -> AsyncIterator[TokenDelta]:
+    async def generate_colocated(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
         """Both phases here: the gateway's counted fallback when no prefill
         replica is alive and ``fallback_to_colocated`` is set."""
         capacity = self.cfg.scheduler.max_num_seqs + self.cfg.decode.max_queue

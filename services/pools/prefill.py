@@ -10,10 +10,11 @@ from collections.abc import AsyncIterator
 from ray import serve
 
 from services.pools import faults
+from services.backend import engine_errors_as_backend_errors
 from services.config import ClusterConfig
-from services.messages import PrefillRequest, PrefillResponse, TokenDelta
+from services.messages import GenerateRequest, LeaseRelease, PrefillResponse, TokenDelta
 from observability.stages import PrefillStages
-from services.pools.worker import Worker, WorkerEndpoints, engine_errors_as_backend_errors, stream_whole_request
+from services.pools.worker import Worker, WorkerEndpoints, stream_whole_request
 
 _SHORT_LEASE_S = 0.5  # the short_lease fault's TTL
 
@@ -31,7 +32,7 @@ class PrefillServer(WorkerEndpoints):
         self.worker = Worker(self.cfg, self.cfg.prefill, "prefill", _replica_name("prefill"))
         await self.worker.start()
 
-    async def prefill(self, request: PrefillRequest, routing: dict | None = None) -> PrefillResponse:
+    async def prefill(self, request: GenerateRequest) -> PrefillResponse:
         w = self.worker
         started = time.perf_counter()
         stages = PrefillStages(request.trace_context, w.name, self.cfg.block_size)
@@ -41,8 +42,8 @@ class PrefillServer(WorkerEndpoints):
             # A prefill replica's queue is everything not yet prefilled.
             with w.admitted(self.cfg.prefill.max_queue), engine_errors_as_backend_errors():
                 last = None
-                async for out in w.aengine.generate(request.request_id, request.prompt_token_ids,
-                                                    request.params, prefill_only=True):
+                async for out in w.aengine.generate(request.request_id, request.prompt_token_ids, request.params,
+                                                    prefill_only=True, block_hashes=w.prompt_hashes(request)):
                     last = out
                 if last.prefill is not None and faults.has(request.faults, "short_lease"):
                     last.prefill = await w.aengine.run(
@@ -65,18 +66,17 @@ class PrefillServer(WorkerEndpoints):
             lease_deadline_unix=last.prefill.lease_deadline_unix if last.prefill else 0.0,
             logprobs=last.logprobs, prompt_logprobs=last.prompt_logprobs)
 
-    async def generate_colocated(self, request: PrefillRequest, routing: dict | None = None
-                                 ) -> AsyncIterator[TokenDelta]:
+    async def generate_colocated(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
         """Both phases here: where the gateway resumes a stream whose decode
         replica died when no other decode replica is live and
         ``fallback_to_colocated`` is set (services/gateway/failover.py)."""
         async for delta in stream_whole_request(self.worker, request, self.cfg.prefill.max_queue):
             yield delta
 
-    async def release(self, request_id: str, routing: dict | None = None) -> bool:
-        """Drops a lease (the gateway's path when no pull will happen); the
-        gateway's ``routing`` header pins the call to the replica holding it."""
-        return await self.worker.aengine.release_lease(request_id)
+    async def release(self, release: LeaseRelease) -> bool:
+        """Drops a lease (the gateway's path when no pull will happen); its
+        ``routing.target_worker`` pins the call to the replica holding it."""
+        return await self.worker.aengine.release_lease(release.request_id)
 
 
 PrefillDeployment = serve.deployment(PrefillServer, name="prefill")

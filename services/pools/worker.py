@@ -20,13 +20,13 @@ from prefix_store.worker_id import WorkerId
 from router.replica_stats import ReplicaStats
 from services.pools import faults
 from observability import metrics, tracing
-from services.backend import BackendFailure, BackendInvalidRequest, BackendOverloaded, BackendUnavailable
+from services.backend import BackendOverloaded, engine_errors_as_backend_errors
 from services.cluster_secret import cluster_secret
 from services.config import ClusterConfig, PoolConfig
 from services.engine.async_engine import AsyncEngine
 from services.engine.engine import Engine
-from services.engine.errors import EngineDeadError, InvalidRequestError, RequestFailedError
 from services.replica_loopback import bind_replica_grpc_to_loopback
+from services.messages import GenerateRequest, TokenDelta
 from services.pools.status_board import publish_forever
 from transfer import KVLayout, create_backend
 
@@ -132,6 +132,11 @@ class Worker:
         finally:
             self.in_flight -= 1
 
+    def prompt_hashes(self, request: GenerateRequest) -> tuple[int, ...]:
+        """The gateway's hashes of the prompt's full blocks, for the engine to
+        take as they are (it hashes only when the gateway used another block size)."""
+        return request.block_hashes if request.routing.block_size == self.engine.kv_spec.block_size else ()
+
     def note_prefill(self, num_tokens: int, seconds: float) -> None:
         if seconds > 0 and num_tokens > 0:
             rate = num_tokens / seconds
@@ -195,35 +200,14 @@ class Worker:
             self.transfer.close()
 
 
-def as_backend_error(exc: BaseException) -> BaseException:
-    """The engine's typed errors as the BackendError that carries their HTTP
-    meaning across the Serve hop; anything else unchanged."""
-    if isinstance(exc, InvalidRequestError):
-        return BackendInvalidRequest(str(exc))
-    if isinstance(exc, RequestFailedError):
-        return BackendFailure(str(exc))
-    if isinstance(exc, EngineDeadError):
-        return BackendUnavailable(f"{exc}; the replica is being replaced: retry")
-    return exc
-
-
-@contextlib.contextmanager
-def engine_errors_as_backend_errors():
-    try:
-        yield
-    except (InvalidRequestError, RequestFailedError, EngineDeadError) as exc:
-        raise as_backend_error(exc) from exc
-
-
-async def stream_whole_request(worker: Worker, request, capacity: int):
+async def stream_whole_request(worker: Worker, request: GenerateRequest, capacity: int):
     """Both phases on this replica's engine (colocated mode, and the decode
     pool's fallback when no prefill replica is alive)."""
-    from services.messages import TokenDelta
-
     timer = metrics.RequestTimer(worker.role)
     with worker.admitted(capacity), engine_errors_as_backend_errors():
         async for out in worker.aengine.generate(request.request_id, request.prompt_token_ids, request.params,
-                                                 prior_output_token_ids=request.prior_output_token_ids):
+                                                 prior_output_token_ids=request.prior_output_token_ids,
+                                                 block_hashes=worker.prompt_hashes(request)):
             if timer.num_tokens == 0:
                 metrics.count_prompt_tokens(worker.role, worker.name, out.num_prompt_tokens,
                                             out.num_cached_tokens)

@@ -5,6 +5,7 @@ tie-breaking would have picked another."""
 
 import asyncio
 import random
+from types import SimpleNamespace
 
 import pytest
 
@@ -44,9 +45,9 @@ def build_app(index_url: str, model: str):
         def record_replica_metadata(self) -> dict:
             return {"worker_name": self.name}
 
-        async def __call__(self, request: dict) -> str:
+        async def __call__(self, request: SimpleNamespace) -> str:
             # what an engine does after prefill: report the blocks it now caches
-            self.publisher.on_event("stored", request["routing"]["block_hashes"])
+            self.publisher.on_event("stored", list(request.routing.block_hashes))
             await self.publisher.sync_once()
             return self.name
 
@@ -69,10 +70,11 @@ async def publish_as(url: str, model: str, worker: WorkerId, hashes: list[int]) 
         await index.close()
 
 
-def request_for(prefix: list[int], rng: random.Random) -> dict:
+def request_for(prefix: list[int], rng: random.Random) -> SimpleNamespace:
+    """A stand-in for GenerateRequest: the router reads only its ``routing``."""
     hashes = prefix + [rng.getrandbits(64) for _ in range(2)]
-    return {"routing": RoutingHeader(tuple(hashes), num_prompt_tokens=len(hashes) * BLOCK + 5).to_dict(),
-            "prompt_token_ids": "(elided)"}
+    return SimpleNamespace(routing=RoutingHeader(tuple(hashes), num_prompt_tokens=len(hashes) * BLOCK + 5),
+                           prompt_token_ids="(elided)")
 
 
 def test_cached_prefix_goes_to_the_replica_the_index_names(redis_server, unique_model):

@@ -17,7 +17,8 @@ import httpx
 import uvicorn
 from fastapi import FastAPI
 
-from services.backend import Backend, BackendError, BackendFailure, GenerateRequest, StreamChunk
+from services.backend import Backend, BackendError, BackendFailure
+from services.messages import GenerateRequest, TokenDelta
 from services.engine.tokenizer import Tokenizer
 from services.openai import OpenAISettings, configure_app, create_app
 
@@ -57,7 +58,7 @@ class FakeBackend(Backend):
     async def health(self) -> dict:
         return self.health_status
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[StreamChunk]:
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
         self.requests.append(request)
         self.started.set()
         s, done = self.script, False
@@ -75,7 +76,7 @@ class FakeBackend(Backend):
                 finish = None
                 if last and not s.omit_finish:
                     finish = "length" if n < len(s.pieces) else "stop"
-                yield StreamChunk([100 + i], s.pieces[i], finish, num_prompt_tokens=len(request.prompt_token_ids),
+                yield TokenDelta([100 + i], s.pieces[i], finish, num_prompt_tokens=len(request.prompt_token_ids),
                                   num_cached_tokens=s.cached_tokens)
             done = True
         finally:

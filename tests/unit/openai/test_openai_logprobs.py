@@ -13,7 +13,9 @@ import httpx
 import pytest
 from openai_fakes import MODEL, make_app, sse_events
 
-from services.backend import Backend, GenerateRequest, StreamChunk
+from services.backend import Backend
+from router.routing_header import RoutingHeader
+from services.messages import GenerateRequest, TokenDelta
 from services.engine.logprobs import TokenLogprob
 from services.engine.sampling_params import SamplingParams
 from services.openai.choices import choice_seed, generate_choices
@@ -37,7 +39,7 @@ class ScoredBackend(Backend):
     def entry(token_id: int, logprob: float, k: int) -> TokenLogprob:
         return TokenLogprob(token_id, logprob, tuple((10 + j, logprob - j - 1) for j in range(k)))
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[StreamChunk]:
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
         self.requests.append(request)
         p, done = request.params, False
         n = min(len(self.ids), p.max_tokens)
@@ -48,10 +50,10 @@ class ScoredBackend(Backend):
                 if i == 0 and p.prompt_logprobs is not None:
                     prompt = [self.entry(t, -1.0, p.prompt_logprobs) for t in request.prompt_token_ids[1:]]
                 lp = None if p.logprobs is None else [self.entry(self.ids[i], -0.5 * (i + 1), p.logprobs)]
-                yield StreamChunk([self.ids[i]], self.tokenizer.decode([self.ids[i]]),
+                yield TokenDelta([self.ids[i]], self.tokenizer.decode([self.ids[i]]),
                                   ("stop" if n == len(self.ids) else "length") if i == n - 1 else None,
                                   num_prompt_tokens=len(request.prompt_token_ids),
-                                  num_cached_tokens=16 if request.prefill_worker else 0,
+                                  num_cached_tokens=16 if request.routing.prefer_worker else 0,
                                   logprobs=lp, prompt_logprobs=prompt, worker_name="prefill-w0" if i == 0 else "")
             done = True
         finally:
@@ -145,8 +147,8 @@ async def test_n_choices_share_the_prompt_on_choice_0s_replica_with_their_own_se
     assert [c["index"] for c in body["choices"]] == [0, 1, 2]
     assert all(c["text"] == ANSWER for c in body["choices"])
     first, *rest = scored.requests
-    assert first.prefill_worker is None and first.params.seed == 42
-    assert [q.prefill_worker for q in rest] == ["prefill-w0"] * 2
+    assert first.routing.prefer_worker is None and first.params.seed == 42
+    assert [q.routing.prefer_worker for q in rest] == ["prefill-w0"] * 2
     assert [q.params.seed for q in rest] == [choice_seed(42, 1), choice_seed(42, 2)]
     assert len({q.request_id for q in scored.requests}) == 3
     usage = body["usage"]
@@ -178,7 +180,7 @@ async def test_echoed_n_choices_ask_prompt_logprobs_of_choice_0_only(api, scored
 
 
 async def test_closing_the_merged_stream_closes_every_choice(scored, tokenizer):
-    request = GenerateRequest("req", tokenizer.encode("Hi"), SamplingParams(max_tokens=3))
+    request = GenerateRequest("req", tokenizer.encode("Hi"), SamplingParams(max_tokens=3), RoutingHeader((), 1))
     merged = generate_choices(scored.generate, request, 3)
     seen = [await anext(merged) for _ in range(2)]
     await merged.aclose()

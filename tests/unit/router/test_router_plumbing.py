@@ -12,19 +12,23 @@ from prefix_store.memory_index import InMemoryPrefixIndex
 from prefix_store.worker_id import WorkerId
 from router.inflight import InFlightTracker
 from router.replica_stats import ReplicaStats
-from router.routing_header import RoutingHeader, find_routing_header
+from router.routing_header import RoutingHeader, routing_header_of
 
 
 # -- routing header ------------------------------------------------------------------
-def test_header_is_found_in_kwarg_first_arg_or_its_routing_attribute():
+@dataclass(frozen=True)
+class Message:
+    """Stands in for services.messages.GenerateRequest: the router reads only ``routing``."""
+    routing: object = None
+
+
+def test_header_is_read_by_type_from_the_calls_message():
     h = RoutingHeader((1, 2), num_prompt_tokens=40, block_size=16)
-    assert find_routing_header((), {"routing": h}) == h
-    assert find_routing_header((h,), {}) == h
-    assert find_routing_header(({"block_hashes": [1, 2], "num_prompt_tokens": 40},), {}) == h
-    assert find_routing_header((SimpleNamespace(routing=h),), {}) == h
-    assert find_routing_header(({"routing": h.to_dict(), "prompt": "x"},), {}) == h
-    assert find_routing_header(("just a prompt",), {}) is None
-    assert find_routing_header((), {}) is None
+    assert routing_header_of((Message(h), "other")) == h
+    assert routing_header_of((Message({"block_hashes": [1, 2]}),)) is None   # not a RoutingHeader
+    assert routing_header_of((h,)) is None                                    # a header, but not a message
+    assert routing_header_of(("just a prompt",)) is None
+    assert routing_header_of(()) is None
 
 
 def test_header_rejects_more_blocks_than_tokens():
@@ -71,8 +75,9 @@ class FakeReplica:
         return SimpleNamespace(unique_id=self.unique_id)
 
 
-def pending(request_id, *args, **kwargs):
-    return SimpleNamespace(args=list(args), kwargs=kwargs, routing_context=SimpleNamespace(should_backoff=False),
+def pending(request_id, header=None):
+    """A Serve pending request whose message carries ``header`` (anything else: no header)."""
+    return SimpleNamespace(args=[Message(header)], kwargs={}, routing_context=SimpleNamespace(should_backoff=False),
                            metadata=SimpleNamespace(internal_request_id=request_id))
 
 
@@ -94,7 +99,7 @@ async def test_serve_router_routes_to_the_index_holder_and_tracks_load():
     replicas = [FakeReplica("ra", {"worker_name": "w-a", "prefill_tokens_per_s": 1000.0}),
                 FakeReplica("rb", {"prefill_tokens_per_s": 1000.0}, {"worker_name": "w-b"})]
     header = RoutingHeader((11, 12, 13, 14), num_prompt_tokens=70, block_size=16)
-    pr = pending("q1", {"routing": header})
+    pr = pending("q1", header)
     ranks = await router.choose_replicas(replicas, pr)
     assert [r[0].unique_id for r in ranks] == ["rb", "ra"]
     assert pr.routing_context.should_backoff
@@ -150,4 +155,3 @@ async def test_target_pins_while_prefer_falls_back_once_the_replica_is_gone():
     survivors = replicas[:1]                          # w-b died
     assert await router.choose_replicas(survivors, pending("q3", pinned)) == []
     assert [r[0].unique_id for r in await router.choose_replicas(survivors, pending("q4", preferred))] == ["ra"]
-    assert RoutingHeader.from_mapping(preferred.to_dict()) == preferred

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from services.backend import BackendUnavailable, GenerateRequest
+from router.routing_header import RoutingHeader
+from services.backend import BackendUnavailable
+from services.messages import GenerateRequest
 from services.gateway.cluster_backend import ClusterBackend
 from services.engine.sampling_params import greedy
 from services.messages import TokenDelta
@@ -61,7 +63,7 @@ def _backend(live, fallback):
 
 
 async def _collect(backend):
-    return [c async for c in backend.generate(GenerateRequest("r1", [1, 2, 3], greedy(2)))]
+    return [c async for c in backend.generate(GenerateRequest("r1", [1, 2, 3], greedy(2), RoutingHeader((), 3)))]
 
 
 async def test_no_live_prefill_replica_is_503_naming_the_fix():

@@ -10,7 +10,9 @@ import inspect
 
 import pytest
 
-from services.backend import BackendOverloaded, BackendTimeout, GenerateRequest
+from services.backend import BackendOverloaded, BackendTimeout
+from router.routing_header import RoutingHeader
+from services.messages import GenerateRequest
 from services.gateway.cluster_backend import ClusterBackend, with_deadlines
 from services.engine.sampling_params import greedy
 from services.messages import TokenDelta
@@ -53,7 +55,7 @@ def _backend(decode_stream, **kw):
 
 async def _drain(backend):
     chunks = []
-    async for c in backend.generate(GenerateRequest("r1", list(range(20)), greedy(8))):
+    async for c in backend.generate(GenerateRequest("r1", list(range(20)), greedy(8), RoutingHeader((), 20))):
         chunks.append(c)
     return chunks
 
@@ -63,7 +65,7 @@ async def _settle(backend):
 
 
 def _releases(fake):
-    return [(args, kwargs["routing"]["target_worker"]) for name, args, kwargs in fake.calls
+    return [(args[0].request_id, args[0].routing.target_worker) for name, args, _ in fake.calls
             if name == "prefill.release"]
 
 
@@ -72,18 +74,18 @@ async def test_decode_429_releases_the_lease_on_its_prefill_replica():
     with pytest.raises(BackendOverloaded):
         await _drain(backend)
     await _settle(backend)
-    assert _releases(fake) == [(("r1",), "prefill-x")] and backend.num_lease_releases == 1
+    assert _releases(fake) == [("r1", "prefill-x")] and backend.num_lease_releases == 1
     assert backend.admission.in_flight == 0
 
 
 async def test_client_gone_after_the_first_token_releases():
     backend, fake = _backend(FakeStream([TokenDelta([6], "b")]))
-    chunks = backend.generate(GenerateRequest("r1", list(range(20)), greedy(8)))
+    chunks = backend.generate(GenerateRequest("r1", list(range(20)), greedy(8), RoutingHeader((), 20)))
     first = await anext(chunks)
     assert first.token_ids == [5]
     await chunks.aclose()  # the client left before the decode call
     await _settle(backend)
-    assert _releases(fake) == [(("r1",), "prefill-x")]
+    assert _releases(fake) == [("r1", "prefill-x")]
     assert [name for name, *_ in fake.calls] == ["prefill.prefill", "prefill.release"]
 
 
@@ -101,7 +103,7 @@ async def test_inter_token_deadline_aborts_the_stalled_stream_and_releases():
         await _drain(backend)
     await _settle(backend)
     assert stream.cancelled  # the decode call was cancelled: the replica aborts
-    assert _releases(fake) == [(("r1",), "prefill-x")]
+    assert _releases(fake) == [("r1", "prefill-x")]
 
 
 async def test_request_deadline_covers_the_wait_for_the_first_token():

@@ -5,18 +5,21 @@ max_failovers times."""
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 
 import pytest
 from ray import exceptions as ray_exceptions
 
+from router.routing_header import RoutingHeader
 from services.backend import (BackendFailure, BackendInvalidRequest, BackendKVTransferFailed, BackendLeaseExpired,
-                              BackendOverloaded, BackendTimeout, BackendUnavailable, GenerateRequest)
+                              BackendOverloaded, BackendTimeout, BackendUnavailable)
 from services.gateway.cluster_backend import ClusterBackend
 from services.engine.random_stream import position_seed
-from services.engine.sampling_params import greedy
+from services.engine.sampling_params import SamplingParams, greedy
 from services.gateway.failover import FailoverReason, decide, live_elsewhere, lost_reason, resume_target
-from services.messages import PrefillRequest, TokenDelta
+from services.gateway.resume import with_stream_seed
+from services.messages import GenerateRequest, TokenDelta
 from tests.unit.services.serve_fakes import HANDOFF, SERVERS, FakeResponse, FakeStream
 
 R = FailoverReason
@@ -112,8 +115,9 @@ def _backend(streams, live=None, **kw):
     return backend, cluster
 
 
-async def _drain(backend, max_tokens=5):
-    return [c async for c in backend.generate(GenerateRequest("r1", list(range(20)), greedy(max_tokens)))]
+async def _drain(backend, max_tokens=5, params=None):
+    request = GenerateRequest("r1", list(range(20)), params or greedy(max_tokens), RoutingHeader((), 20))
+    return [c async for c in backend.generate(request)]
 
 
 def _d(token, text, replica="decode-A", finish=None):
@@ -121,7 +125,7 @@ def _d(token, text, replica="decode-A", finish=None):
 
 
 def _resumes(cluster):
-    return [(name, args[0], kwargs["routing"]) for name, args, kwargs in cluster.calls
+    return [(name, args[0], args[0].routing) for name, args, _ in cluster.calls
             if name.endswith("generate_colocated")]
 
 
@@ -134,12 +138,33 @@ async def test_a_dead_decode_replica_is_resumed_on_another_with_the_tokens_sent(
     assert [t for c in chunks for t in c.token_ids] == [5, 6, 7, 8, 9]  # each token once
     assert "".join(c.text for c in chunks) == "abcde" and chunks[-1].finish_reason == "length"
     (name, message, routing), = _resumes(cluster)
-    assert name == "decode.generate_colocated" and isinstance(message, PrefillRequest)
+    assert name == "decode.generate_colocated" and isinstance(message, GenerateRequest) and message.handoff is None
     assert message.prior_output_token_ids == (5, 6, 7) and message.prompt_token_ids == list(range(20))
     assert message.request_id != "r1"  # a fresh engine id on the new replica
-    assert routing["avoid_workers"] == ["decode-A"] and routing["max_new_tokens"] == 2
+    assert routing.avoid_workers == ("decode-A",) and routing.max_new_tokens == 2
     assert backend.failovers.resumed == {"replica_died": 1}
     assert backend.admission.in_flight == 0
+
+
+async def test_an_unseeded_sampled_stream_resumes_with_the_seed_it_started_with():
+    streams = [FakeStream([_d(6, "b")], error=ray_exceptions.ActorDiedError()),
+               FakeStream([_d(7, "c", "decode-B", "length")])]
+    backend, cluster = _backend(streams, live={"decode": 2})
+    await _drain(backend, params=SamplingParams(max_tokens=3, temperature=0.8))
+    first = next(args[0] for name, args, _ in cluster.calls if name == "prefill.prefill")
+    (_, resumed, _), = _resumes(cluster)
+    assert first.params.seed is not None and resumed.params.seed == first.params.seed
+
+
+def test_only_unseeded_sampled_requests_get_a_seed():
+    routing = RoutingHeader((), 2)
+    sampled = GenerateRequest("r", [1, 2], SamplingParams(max_tokens=3, temperature=0.8), routing)
+    assert with_stream_seed(sampled, draw=lambda bits: 1234).params.seed == 1234
+    assert 0 <= with_stream_seed(sampled).params.seed < 2**63
+    seeded = dataclasses.replace(sampled, params=dataclasses.replace(sampled.params, seed=7))
+    assert with_stream_seed(seeded) is seeded
+    plain = GenerateRequest("r", [1, 2], greedy(3), routing)
+    assert with_stream_seed(plain) is plain
 
 
 async def test_a_failed_pull_is_recomputed_on_the_decode_side():
@@ -149,7 +174,7 @@ async def test_a_failed_pull_is_recomputed_on_the_decode_side():
     chunks = await _drain(backend, max_tokens=3)
     assert [t for c in chunks for t in c.token_ids] == [5, 6, 7]
     (_, message, routing), = _resumes(cluster)
-    assert message.prior_output_token_ids == (5,) and routing["avoid_workers"] == []  # the decode side is fine
+    assert message.prior_output_token_ids == (5,) and routing.avoid_workers == ()  # the decode side is fine
     assert backend.failovers.resumed == {"kv_transfer_failed": 1}
 
 
@@ -160,7 +185,7 @@ async def test_after_max_failovers_the_error_names_the_cause():
     backend, cluster = _backend(streams, live={"decode": 2})
     got = []
     with pytest.raises(BackendFailure, match=r"stream_broken .*lost its replica 3 times and max_failovers is 2"):
-        async for c in backend.generate(GenerateRequest("r1", list(range(20)), greedy(10))):
+        async for c in backend.generate(GenerateRequest("r1", list(range(20)), greedy(10), RoutingHeader((), 20))):
             got += c.token_ids
     assert got == [5, 6, 7, 8] and len(_resumes(cluster)) == 2
     assert _resumes(cluster)[1][1].prior_output_token_ids == (5, 6, 7)
@@ -185,7 +210,7 @@ async def test_a_stalled_replica_fails_over_only_when_another_is_live():
                                 live={"decode": 2}, inter_token_timeout_s=0.2)
     chunks = await _drain(backend, max_tokens=4)
     assert [t for c in chunks for t in c.token_ids] == [5, 6, 7, 8] and stalled.cancelled
-    assert _resumes(cluster)[0][2]["avoid_workers"] == ["decode-A"]
+    assert _resumes(cluster)[0][2].avoid_workers == ("decode-A",)
 
 
 async def test_with_one_dead_decode_replica_the_fallback_resumes_on_a_prefill_replica():
@@ -205,9 +230,6 @@ async def test_max_failovers_zero_keeps_the_old_error():
 
 
 def test_the_routing_header_carries_the_replicas_to_avoid():
-    from router.routing_header import RoutingHeader
-
     header = RoutingHeader((1, 2), 40, 16, 8, avoid_workers=("decode-a",))
-    again = RoutingHeader.from_mapping(header.to_dict())
-    assert again == header and again.avoid_workers == ("decode-a",)
-    assert RoutingHeader.from_mapping({"block_hashes": []}).avoid_workers == ()
+    assert header.avoid_workers == ("decode-a",)
+    assert RoutingHeader((), 0).avoid_workers == ()

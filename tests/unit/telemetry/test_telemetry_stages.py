@@ -13,7 +13,7 @@ import pytest
 from span_helpers import finished_spans
 
 from observability import metrics, tracing
-from services.backend import StreamChunk
+from services.messages import TokenDelta
 from services.engine.request import FinishReason
 from observability.stages import DecodeStages, PrefillStages, observe_gateway_stream
 
@@ -87,9 +87,9 @@ def test_gateway_stream_times_tokens_and_closes_the_backend(span_file: Path, obs
 
     async def backend():
         try:
-            yield StreamChunk([1], "a", num_cached_tokens=16)
-            yield StreamChunk([2, 3], "bc", "stop")
-            yield StreamChunk([4], "never read")
+            yield TokenDelta([1], "a", num_cached_tokens=16)
+            yield TokenDelta([2, 3], "bc", "stop")
+            yield TokenDelta([4], "never read")
         finally:
             closed.append(True)
 

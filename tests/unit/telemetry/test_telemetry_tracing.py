@@ -147,5 +147,6 @@ def test_mono_to_ns_maps_the_engine_clock() -> None:
 def test_carrier_of_finds_the_message_argument() -> None:
     class Msg:
         trace_context = {"traceparent": "00-" + "1" * 32 + "-" + "2" * 16 + "-01"}
-    assert tracing.carrier_of((Msg(),), {"routing": {}}) == Msg.trace_context
-    assert tracing.carrier_of((), {"routing": {}}) is None
+    assert tracing.carrier_of((Msg(),)) == Msg.trace_context
+    assert tracing.carrier_of(()) is None
+    assert tracing.carrier_of(("a prompt",)) is None
