@@ -117,8 +117,3 @@ def traffic_stats(workload: Workload, samples: int = 20_000) -> TrafficStats:
         output_mean=float(n_out.mean()),
         output_p95=percentile(n_out, 95),
     )
-
-
-def expected_requests(workload: Workload) -> int | None:
-    """How many requests the run will send, if known up front (progress bar)."""
-    return workload.stop.num_requests
