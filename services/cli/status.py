@@ -65,11 +65,28 @@ def run_status(args: argparse.Namespace) -> int:
     print(f"cluster: {state['mode']} on 127.0.0.1:{state['port']} (pid {state['pid']}), "
           f"index {redact_url(state['redis_url'])}")
     print("\n".join(format_board(board)) if board else "no replica has reported yet")
+    for line in seed_warnings(state, board):
+        print(line)
     from services.cli.ray_node import print_nodes
     print_nodes(state.get("ray_address"))
     print_autoscale(state)
     print_failovers(state)
     return 0
+
+
+def seed_warnings(state: dict, board: list[dict]) -> list[str]:
+    """A warning per replica whose block-hash seed is not the one the cluster's
+    config gives (services/model_meta.py): the gateway reports unhealthy meanwhile."""
+    from services.config import ClusterConfig
+    from services.engine.model.default import resolve_model_path
+    from services.model_meta import model_hash_seed, seed_mismatches
+
+    try:
+        cfg = ClusterConfig.model_validate(state["config"])
+        seed = model_hash_seed(resolve_model_path(cfg.model), cfg.dtype, cfg.kv_cache_dtype, cfg.block_size)
+    except (KeyError, ValueError, OSError):  # an older state file, or the model moved: nothing to compare
+        return []
+    return [f"warning: {line}" for line in seed_mismatches(seed, board)]
 
 
 def print_failovers(state: dict) -> None:
