@@ -65,4 +65,3 @@ def load_model(model: str | None = None, dtype: str | torch.dtype = "bfloat16",
     net.eval().requires_grad_(False)
     tokenizer = Tokenizer.from_path(path, cfg)
     return LoadedModel(cfg, net, tokenizer, path, path.stem if path.is_file() else path.name, weights_id(path))
-
