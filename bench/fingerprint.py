@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import platform
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from functools import lru_cache
 
 FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
@@ -43,9 +43,6 @@ class Fingerprint:
                 f"native kernels: {self.native_kernels}",
                 f"machine: copy {self.copy_gbs:.1f} GB/s (1 thread, 256 MiB), torch bf16 GEMM "
                 f"{self.torch_bf16_gemm_tflops * 1e3:.1f} GFLOP/s ({self.gemm_m}x576x1536, oneDNN)"]
-
-    def as_dict(self) -> dict:
-        return asdict(self)
 
 
 def _cpuinfo() -> tuple[str, tuple[str, ...]]:

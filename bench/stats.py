@@ -27,6 +27,9 @@ class Dist:
 
 
 def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0..100) of ``values``; NaN for no samples."""
+    if len(values) == 0:
+        return float("nan")
     return float(np.percentile(np.asarray(values, dtype=float), q))
 
 

@@ -10,11 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Literal
 
 import msgpack
 
-EventKind = Literal["stored", "evicted"]
 EVENT_KINDS: tuple[str, ...] = ("stored", "evicted")
 MAX_HASH = 2**64 - 1
 

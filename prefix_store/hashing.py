@@ -33,12 +33,6 @@ def model_fingerprint(*parts: object) -> BlockHash:
     return _h64("\x1f".join(str(p) for p in parts).encode())
 
 
-def hash_block_tokens(parent: BlockHash, token_ids: Sequence[int]) -> BlockHash:
-    """Hash of one full block given its parent's hash (or the seed)."""
-    payload = struct.pack("<Q", parent) + np.asarray(token_ids, dtype=np.int64).tobytes()
-    return _h64(payload)
-
-
 def hash_prompt_blocks(
     seed: BlockHash, token_ids: Sequence[int], block_size: int, start: int = 0,
     parent: BlockHash | None = None,

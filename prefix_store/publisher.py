@@ -203,9 +203,3 @@ class KVEventPublisher:
             raise
         self.counters.resyncs += 1
         self.counters.events_published += len(snapshot)
-
-    async def republish_all(self) -> bool:
-        """Force a full re-sync now (e.g. an operator knows Redis was wiped)."""
-        with self._lock:
-            self._needs_resync = True
-        return await self.sync_once()

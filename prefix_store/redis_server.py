@@ -86,31 +86,18 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-def _command(*words: str) -> bytes:
-    """One command in RESP (an array of bulk strings): safe for any password."""
-    out = [f"*{len(words)}\r\n".encode()]
-    for w in words:
-        data = w.encode()
-        out.append(b"$%d\r\n%s\r\n" % (len(data), data))
-    return b"".join(out)
-
-
 def ping(host: str, port: int, timeout_s: float = 0.5, password: str | None = None) -> bool:
     """True when a Redis answers PING on ``host:port`` (after AUTH with ``password``)."""
-    request = (_command("AUTH", password) if password else b"") + _command("PING")
-    expected = [b"+OK", b"+PONG"] if password else [b"+PONG"]
-    reply = b""
+    import redis
+
+    client = redis.Redis(host=host, port=port, password=password, socket_timeout=timeout_s,
+                         socket_connect_timeout=timeout_s)
     try:
-        with socket.create_connection((host, port), timeout=timeout_s) as s:
-            s.sendall(request)
-            while reply.count(b"\r\n") < len(expected):
-                chunk = s.recv(64)
-                if not chunk:
-                    break
-                reply += chunk
-    except OSError:
+        return bool(client.ping())
+    except (redis.RedisError, OSError):   # refused, timed out, or the password was refused
         return False
-    return reply.split(b"\r\n")[:len(expected)] == expected
+    finally:
+        client.close()
 
 
 class RedisServer:

@@ -182,12 +182,6 @@ class AutoscalingSettings(_Strict):
         return self
 
 
-class TracingSettings(_Strict):
-    enabled: bool = True
-    jsonl_dir: str = "runs/traces"
-    record_text: bool = False
-
-
 class ClusterConfig(_Strict):
     # A validation error must never print its input: it may hold an API key.
     model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
@@ -223,7 +217,6 @@ class ClusterConfig(_Strict):
         "gateway", description="gateway: the gateway replica serves HTTP on host:port itself, no Serve proxy "
                                "(one Serve hop less per streamed token); serve_proxy: Serve's HTTP proxy in front")
     max_body_bytes: int = Field(1 * 2**20, ge=1024)
-    tracing: TracingSettings = TracingSettings()
     autoscaling: AutoscalingSettings = AutoscalingSettings()
     # API keys: from here, api_key_file and PDCLUSTER_API_KEY together.  Only
     # their digests are dumped (deployment args, the state file); the clear

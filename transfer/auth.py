@@ -24,7 +24,6 @@ from transfer.wire import pack
 
 MIN_SECRET_BYTES = 16
 NONCE_BYTES = 32
-MAC_BYTES = hashlib.sha256().digest_size
 
 PULLER_PROOF = "puller-proof"
 OWNER_PROOF = "owner-proof"

@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from bench.stats import percentile
+
 MODEL = "SmolLM2-135M-Instruct"
 PROMPTS = ["The history of the printing press", "A short guide to growing tomatoes", "Why the sky is blue",
            "The rules of chess, explained simply", "How a bicycle stays upright", "A day in the life of a baker",
@@ -114,13 +116,6 @@ async def run_round(url: str, requests: list[dict], kill: Callable[[], None] | N
                                            for i, r in enumerate(requests))))
 
 
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 def kill_one_decode_replica(cluster, num_streams: int) -> Callable[[], None]:
     """A ``kill`` for run_round: SIGKILLs the decode replica with the most
     running requests, once the status board (0.5 s behind) shows the streams
@@ -204,15 +199,15 @@ def report(reference: list[StreamResult], disturbed: list[StreamResult], wall_s:
         if not ok[i]:
             print(f"  stream {i}: finish={d.finish_reason} errors={d.errors[:1]} tokens={d.completion_tokens} "
                   f"same_text={d.text == r.text}")
-    print(f"longest inter-token gap per stream, undisturbed: p50 {percentile(ref_gaps, 0.5) * 1e3:.0f} ms, "
-          f"p99 {percentile(ref_gaps, 0.99) * 1e3:.0f} ms")
-    print(f"longest inter-token gap per stream, disturbed:   p50 {percentile(gaps, 0.5) * 1e3:.0f} ms, "
-          f"p99 {percentile(gaps, 0.99) * 1e3:.0f} ms")
+    print(f"longest inter-token gap per stream, undisturbed: p50 {percentile(ref_gaps, 50) * 1e3:.0f} ms, "
+          f"p99 {percentile(ref_gaps, 99) * 1e3:.0f} ms")
+    print(f"longest inter-token gap per stream, disturbed:   p50 {percentile(gaps, 50) * 1e3:.0f} ms, "
+          f"p99 {percentile(gaps, 99) * 1e3:.0f} ms")
     print(f"resumed streams (failovers the gateway counted): {num_failovers}; their longest gap p50 "
-          f"{percentile(resumed, 0.5) * 1e3:.0f} ms, p99 {percentile(resumed, 0.99) * 1e3:.0f} ms; extra over "
-          f"the same stream undisturbed p50 {percentile(extra, 0.5) * 1e3:.0f} ms, p99 "
-          f"{percentile(extra, 0.99) * 1e3:.0f} ms; disturbed/undisturbed longest-gap p99 ratio "
-          f"{percentile(gaps, 0.99) / max(percentile(ref_gaps, 0.99), 1e-9):.2f}x")
+          f"{percentile(resumed, 50) * 1e3:.0f} ms, p99 {percentile(resumed, 99) * 1e3:.0f} ms; extra over "
+          f"the same stream undisturbed p50 {percentile(extra, 50) * 1e3:.0f} ms, p99 "
+          f"{percentile(extra, 99) * 1e3:.0f} ms; disturbed/undisturbed longest-gap p99 ratio "
+          f"{percentile(gaps, 99) / max(percentile(ref_gaps, 99), 1e-9):.2f}x")
     met = sum(ok) == n
     print(f"target failover_streams_completed: {sum(ok)}/{n} (goal == {n}/{n}) {'met' if met else 'missed'}",
           flush=True)

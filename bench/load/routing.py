@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import redis.asyncio as aioredis
 
 from bench.fingerprint import print_fingerprint
+from bench.stats import percentile
 from prefix_store.events import EventBatch
 from prefix_store.hashing import hash_prompt_blocks, model_fingerprint
 from prefix_store.memory_index import InMemoryPrefixIndex
@@ -42,11 +43,6 @@ from router.snapshot import ReplicaLoad, RequestShape, RoutingDecision, RoutingS
 BLOCK = 16
 SEED_HASH = model_fingerprint("bench-router", BLOCK)
 REPRODUCE = ".venv/bin/python -m bench.load.routing"
-
-
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 # ---------------------------------------------------------------- (a) lookup
@@ -103,10 +99,11 @@ async def bench_lookup(args: argparse.Namespace) -> tuple[float, float]:
         await client.aclose()
         await index.close()
     server_us = stats.get("cmdstat_evalsha", {}).get("usec_per_call", float("nan"))
-    print(f"    PING round trip (same run)  p50 {pct(ping_ms, 0.5):.3f} ms   p99 {pct(ping_ms, 0.99):.3f} ms\n"
+    print(f"    PING round trip (same run)  p50 {percentile(ping_ms, 50):.3f} ms   "
+          f"p99 {percentile(ping_ms, 99):.3f} ms\n"
           f"    redis-side script time {server_us:.1f} us/lookup (INFO commandstats); "
           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores", flush=True)
-    return pct(latencies_ms, 0.50), pct(latencies_ms, 0.99)
+    return percentile(latencies_ms, 50), percentile(latencies_ms, 99)
 
 
 # ------------------------------------------------------------ (b) simulation
@@ -280,7 +277,7 @@ async def simulate(policy_name: str, workload: Workload, args: argparse.Namespac
     computed = [r.computed_tokens for r in replicas.values()]
     return SimResult(policy_name, sum(r.hit_tokens for r in reqs) / sum(r.num_tokens for r in reqs),
                      max(routed) / statistics.mean(routed), max(computed) / max(1e-9, statistics.mean(computed)),
-                     pct(ttfts, 0.5), pct(ttfts, 0.99))
+                     percentile(ttfts, 50), percentile(ttfts, 99))
 
 
 # ---------------------------------------------------------------------- main

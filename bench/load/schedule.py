@@ -18,6 +18,7 @@ from typing import Iterator
 
 import numpy as np
 
+from bench.stats import percentile
 from bench.workload import Burst, Closed, Poisson, Workload
 
 
@@ -112,12 +113,7 @@ def traffic_stats(workload: Workload, samples: int = 20_000) -> TrafficStats:
     n_out = np.array([d[4] for d in draws])
     return TrafficStats(
         input_mean=float(n_in.mean()),
-        input_p95=float(np.percentile(n_in, 95)),
+        input_p95=percentile(n_in, 95),
         output_mean=float(n_out.mean()),
-        output_p95=float(np.percentile(n_out, 95)),
+        output_p95=percentile(n_out, 95),
     )
-
-
-def expected_requests(workload: Workload) -> int | None:
-    """How many requests the run will send, if known up front (progress bar)."""
-    return workload.stop.num_requests

@@ -89,14 +89,12 @@ def greedy_match(kv_dtype: str, max_tokens: int = 64, questions=CHAT_QUESTIONS, 
 def kv_capacity_and_transfer(kv_dtype: str = "int8", kv_mib: int = 512, max_tokens: int = 64,
                              greedy: bool = True, model_dtype: str = "bfloat16") -> dict[str, float]:
     """Measures and prints the three kv8 targets; returns the measured ratios."""
-    import gguf
-
     from services.engine.kv_cache import KVCacheSpec
     from services.engine.model.default import resolve_model_path
-    from services.engine.model.gguf_loader import read_gguf_config
+    from services.model_meta import read_model_config
     from transfer import KVLayout
 
-    mc = read_gguf_config(gguf.GGUFReader(str(resolve_model_path(None))))  # the bundled SmolLM2-135M
+    mc = read_model_config(resolve_model_path(None))  # the bundled SmolLM2-135M
     block_size, kv_bytes = 16, kv_mib * 2**20
     print(f"model: {mc.num_layers} layers, {mc.num_kv_heads} KV heads, head_dim {mc.head_dim}; block {block_size}; "
           f"KV budget {kv_mib} MiB; {CONTEXT_TOKENS}-token sequences")

@@ -8,11 +8,11 @@ arithmetic."""
 
 from __future__ import annotations
 
-import json
 import math
-import struct
 from dataclasses import dataclass
 from pathlib import Path
+
+from services.model_meta import count_parameters, read_model_config
 
 GiB = 1024**3  # memory sizes as runtimes report them
 GB = 1e9  # bandwidths and datasheet sizes are decimal
@@ -221,61 +221,20 @@ ACCELERATOR_PRESETS = {
 }
 
 
-def _gguf_shape(path: Path) -> ModelShape:
-    from gguf import GGUFReader
-
-    reader = GGUFReader(str(path))
-
-    def field(key: str, default=None):
-        return reader.fields[key].contents() if key in reader.fields else default
-
-    arch = field("general.architecture")
-    heads = int(field(f"{arch}.attention.head_count"))
-    hidden = int(field(f"{arch}.embedding_length"))
-    return ModelShape(
-        name=path.stem,
-        params=float(sum(int(t.n_elements) for t in reader.tensors)),
-        num_layers=int(field(f"{arch}.block_count")),
-        num_heads=heads,
-        num_kv_heads=int(field(f"{arch}.attention.head_count_kv")),
-        head_dim=int(field(f"{arch}.attention.key_length", hidden // heads)),
-        max_context=int(field(f"{arch}.context_length")),
-    )
-
-
-def _safetensors_params(directory: Path) -> float | None:
-    files = sorted(directory.glob("*.safetensors"))
-    if not files:
-        return None
-    total = 0
-    for file in files:
-        with file.open("rb") as f:
-            (size,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(size))
-        for name, meta in header.items():
-            if name != "__metadata__":
-                count = 1
-                for dim in meta["shape"]:
-                    count *= dim
-                total += count
-    return float(total)
-
-
-def _hf_shape(directory: Path) -> ModelShape:
-    config = json.loads((directory / "config.json").read_text())
-    heads = int(config["num_attention_heads"])
-    hidden = int(config["hidden_size"])
-    params = _safetensors_params(directory)
+def _file_shape(path: Path) -> ModelShape:
+    """The shape of a .gguf file or an HF directory (services/model_meta.py)."""
+    config = read_model_config(path)
+    params = count_parameters(path)
     if params is None:
-        raise ValueError(f"{directory} has no *.safetensors to count parameters: pass --params")
+        raise ValueError(f"{path} has no *.safetensors to count parameters: pass --params")
     return ModelShape(
-        name=directory.name,
+        name=path.stem if path.is_file() else path.name,
         params=params,
-        num_layers=int(config["num_hidden_layers"]),
-        num_heads=heads,
-        num_kv_heads=int(config.get("num_key_value_heads", heads)),
-        head_dim=int(config.get("head_dim") or hidden // heads),
-        max_context=config.get("max_position_embeddings"),
+        num_layers=config.num_layers,
+        num_heads=config.num_heads,
+        num_kv_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
+        max_context=config.max_position_embeddings,
     )
 
 
@@ -294,10 +253,8 @@ def read_model_shape(spec: str | None) -> ModelShape:
     if spec in MODEL_PRESETS:
         return MODEL_PRESETS[spec]
     path = Path(spec)
-    if path.suffix == ".gguf" and path.is_file():
-        return _gguf_shape(path)
-    if path.is_dir() and (path / "config.json").is_file():
-        return _hf_shape(path)
+    if (path.suffix == ".gguf" and path.is_file()) or (path.is_dir() and (path / "config.json").is_file()):
+        return _file_shape(path)
     raise FileNotFoundError(
         f"--model {spec!r}: not 'default', a preset ({', '.join(MODEL_PRESETS)}), a .gguf file, "
         f"or a directory with config.json"

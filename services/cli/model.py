@@ -12,10 +12,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import gguf
-
     from services.engine.model.default import ModelNotFoundError, resolve_model_path
-    from services.engine.model.gguf_loader import read_gguf_config
+    from services.model_meta import read_model_config
 
     try:
         path = resolve_model_path(args.model)
@@ -23,8 +21,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {exc}")
         return 1
     print(f"model: {path}")
-    if path.suffix == ".gguf":
-        cfg = read_gguf_config(gguf.GGUFReader(str(path)))
+    if path.suffix == ".gguf" or (path / "config.json").is_file():
+        cfg = read_model_config(path)
         print(f"  {cfg.arch}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, heads {cfg.num_heads}/"
               f"{cfg.num_kv_heads} kv, head dim {cfg.head_dim}, vocab {cfg.vocab_size}, "
               f"context {cfg.max_position_embeddings}, ~{cfg.num_parameters() / 1e6:.0f}M parameters")

@@ -10,6 +10,7 @@ import json
 
 from prefix_store.redis_url import redact_url
 from services.cli.cluster_runtime import STATE_FILE, write_state
+from services.cli.tables import plain_table, table_lines
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -31,15 +32,15 @@ def _state() -> dict:
 def format_board(board: list[dict]) -> list[str]:
     """One line per replica: role, name, engine state, running/waiting, KV used/total and dtype, hits,
     and speculative decoding's accepted/drafted tokens ('-' where it is off)."""
-    lines = [f"{'pool':<10} {'replica':<34} {'engine':<6} {'run':>4} {'wait':>4} {'kv used/total':>14} "
-             f"{'kv':>8} {'leased':>6} {'prompt hit/computed':>20} {'spec acc/draft':>15}"]
+    table = plain_table("pool", "replica", "engine", ">run", ">wait", ">kv used/total", ">kv", ">leased",
+                        ">prompt hit/computed", ">spec acc/draft")
     for s in board:
         used = s["kv_blocks_total"] - s["kv_blocks_free"]
         engine = "alive" if s.get("engine_alive", True) else "DEAD"
-        lines.append(f"{s['role']:<10} {s['name'][-34:]:<34} {engine:<6} {s['running']:>4} {s['waiting']:>4} "
-                     f"{used:>6}/{s['kv_blocks_total']:<7} {s.get('kv_dtype', '?'):>8} {s['leased_blocks']:>6} "
-                     f"{s['prompt_tokens_cached']:>9}/{s['prompt_tokens_computed']:<10} {_spec(s):>15}")
-    return lines
+        table.add_row(s["role"], s["name"][-34:], engine, str(s["running"]), str(s["waiting"]),
+                      f"{used}/{s['kv_blocks_total']}", s.get("kv_dtype", "?"), str(s["leased_blocks"]),
+                      f"{s['prompt_tokens_cached']}/{s['prompt_tokens_computed']}", _spec(s))
+    return table_lines(table)
 
 
 def _spec(s: dict) -> str:
@@ -64,11 +65,28 @@ def run_status(args: argparse.Namespace) -> int:
     print(f"cluster: {state['mode']} on 127.0.0.1:{state['port']} (pid {state['pid']}), "
           f"index {redact_url(state['redis_url'])}")
     print("\n".join(format_board(board)) if board else "no replica has reported yet")
+    for line in seed_warnings(state, board):
+        print(line)
     from services.cli.ray_node import print_nodes
     print_nodes(state.get("ray_address"))
     print_autoscale(state)
     print_failovers(state)
     return 0
+
+
+def seed_warnings(state: dict, board: list[dict]) -> list[str]:
+    """A warning per replica whose block-hash seed is not the one the cluster's
+    config gives (services/model_meta.py): the gateway reports unhealthy meanwhile."""
+    from services.config import ClusterConfig
+    from services.engine.model.default import resolve_model_path
+    from services.model_meta import model_hash_seed, seed_mismatches
+
+    try:
+        cfg = ClusterConfig.model_validate(state["config"])
+        seed = model_hash_seed(resolve_model_path(cfg.model), cfg.dtype, cfg.kv_cache_dtype, cfg.block_size)
+    except (KeyError, ValueError, OSError):  # an older state file, or the model moved: nothing to compare
+        return []
+    return [f"warning: {line}" for line in seed_mismatches(seed, board)]
 
 
 def print_failovers(state: dict) -> None:

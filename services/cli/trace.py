@@ -18,6 +18,8 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from services.cli.tables import plain_table, table_lines
+
 Span = dict[str, Any]
 ROOT_NAME = "gateway.request"
 BAR_WIDTH = 32
@@ -102,16 +104,17 @@ def select_trace(traces: dict[str, list[Span]], *, request_id: str | None = None
 
 
 def list_traces(traces: dict[str, list[Span]], limit: int) -> list[str]:
+    """A header, then the ``limit`` latest traces, one line each."""
     latest = sorted(traces, key=lambda t: _finished_ns(traces[t]), reverse=True)[:max(limit, 0)]
-    lines = []
+    table = plain_table("started", "trace", ">E2E", ">spans", "request")
     for t in latest:
         spans = traces[t]
         root = _root(spans)
         start = min(s["start_ns"] for s in spans)
         when = dt.datetime.fromtimestamp(start / 1e9).strftime("%Y-%m-%d %H:%M:%S")
         rid = (root or {}).get("attributes", {}).get("request.id", "-")
-        lines.append(f"{when}  {t}  {_ms(_finished_ns(spans) - start):>10}  {len(spans):>2} spans  request {rid}")
-    return lines
+        table.add_row(when, t, _ms(_finished_ns(spans) - start), str(len(spans)), str(rid))
+    return table_lines(table)
 
 
 # ---- rendering ------------------------------------------------------------------
@@ -199,21 +202,18 @@ def render_waterfall(spans: Sequence[Span], *, width: int = BAR_WIDTH, all_attri
     processes = {(s.get("service"), s.get("pid")) for s in spans}
     lines = [f"trace {first['trace_id']}  request {rid}  E2E {_ms(e2e_ns)}  "
              f"({len(spans)} spans, {len(processes)} processes)", ""]
-    name_w = max(len("  " * d + ("? " if m else "") + _label(s)) for d, s, m in rows)
-    svc_w = max(len(str(s.get("service") or "-")) for _, s, _ in rows)
-    lines.append(f"{'stage':<{name_w}}  {'service':<{svc_w}}  {'offset':>10}  {'duration':>10}  "
-                 f"{'':<{width + 2}}  details")
+    table = plain_table("stage", "service", ">offset", ">duration", "", "details")
     for depth, s, missing in rows:
         start, dur = s["start_ns"] - t0, s["end_ns"] - s["start_ns"]
         left = min(round(start / scale * width), width - 1)
         size = max(1, min(round(dur / scale * width), width - left))
         bar = "·" * left + "█" * size + "·" * (width - left - size)
         name = "  " * depth + ("? " if missing else "") + _label(s)
-        lines.append(f"{name:<{name_w}}  {str(s.get('service') or '-'):<{svc_w}}  {'+' + _ms(start):>10}  "
-                     f"{_ms(dur):>10}  |{bar}|  {_details(s)}".rstrip())
+        table.add_row(name, str(s.get("service") or "-"), "+" + _ms(start), _ms(dur), f"|{bar}|", _details(s))
         if all_attributes:
             for key, value in sorted(s.get("attributes", {}).items()):
-                lines.append(f"{'':<{name_w}}    {key} = {value}")
+                table.add_row("", "", "", "", "", f"{key} = {value}")
+    lines.extend(table_lines(table))
     lines.append("")
     lines.extend(_summary(spans, root, e2e_ns))
     return lines

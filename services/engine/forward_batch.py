@@ -30,7 +30,3 @@ class ForwardBatch:
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
-
-    @property
-    def num_prefill_seqs(self) -> int:
-        return int(self.prefill_context_lens.shape[0])

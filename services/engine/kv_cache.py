@@ -85,8 +85,6 @@ class KVCache:
         self._cached: dict[int, int] = {}  # block hash -> block id
         self._free: deque[int] = deque(range(spec.num_blocks))
         self._evictable: OrderedDict[int, None] = OrderedDict()  # oldest first
-        self.num_hit_queries = 0
-        self.num_evictions = 0
 
     # ---- sizes -------------------------------------------------------
     @property
@@ -143,10 +141,6 @@ class KVCache:
         if stored and self.on_event:
             self.on_event("stored", stored)
 
-    def cached_hashes(self) -> list[int]:
-        """Every hash held now (for republishing to a global index)."""
-        return list(self._cached)
-
     # ---- allocation --------------------------------------------------
     def can_allocate(self, n: int) -> bool:
         return n <= self.num_free_blocks
@@ -167,10 +161,8 @@ class KVCache:
                 evicted.append(h)
             self._ref[b] = 1
             out.append(b)
-        if evicted:
-            self.num_evictions += len(evicted)
-            if self.on_event:
-                self.on_event("evicted", evicted)
+        if evicted and self.on_event:
+            self.on_event("evicted", evicted)
         return out
 
     def free(self, block_ids: Sequence[int]) -> None:

@@ -62,7 +62,6 @@ class LeaseTable:
         self._freeable: list[tuple[int, ...]] = []  # readers done: the next expire() frees them
         self._num_held = 0  # block references held: live leases, draining and freeable ones
         self.num_expired = 0
-        self.num_released = 0
         self.num_refused_reads = 0
 
     # ---- the engine thread ------------------------------------------------
@@ -97,7 +96,6 @@ class LeaseTable:
             lease = self._leases.pop(lease_id, None)
             if lease is None:
                 return False
-            self.num_released += 1
             blocks = self._retire(lease)
             self._num_held -= len(blocks)
         if blocks:

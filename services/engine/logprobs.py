@@ -27,10 +27,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from services.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch   # imported where used: TokenLogprob travels to the gateway, which runs without torch
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,8 @@ class TokenLogprob:
 def token_logprobs(logits: torch.Tensor, token_ids: Sequence[int], ks: Sequence[int]) -> list[TokenLogprob]:
     """Row i of ``logits`` (raw, [R, vocab]) scored at ``token_ids[i]``, with
     its ``ks[i]`` likeliest alternatives.  One op per step, not per row."""
+    import torch
+
     if not len(token_ids):
         return []
     logprobs = torch.log_softmax(logits.float(), dim=-1)
@@ -66,6 +70,8 @@ class SampledLogprobs:
     tokens are known."""
 
     def __init__(self, logits: torch.Tensor, request_ids: Sequence[str], params: Sequence[SamplingParams]):
+        import torch
+
         rows = [row for row, p in enumerate(params) if p.logprobs is not None]
         self.request_ids = [request_ids[r] for r in rows]
         self.ks = [params[r].logprobs for r in rows]

@@ -100,15 +100,6 @@ class EngineStats:
     spec_emitted_tokens: int = 0
 
     @property
-    def spec_acceptance_rate(self) -> float | None:
-        """Accepted / proposed draft tokens; None before any draft."""
-        return self.spec_accepted_tokens / self.spec_proposed_tokens if self.spec_proposed_tokens else None
-
-    @property
     def spec_tokens_per_step(self) -> float | None:
         """Tokens a drafted request-step emitted on average (1 = no gain); None before any."""
         return self.spec_emitted_tokens / self.spec_verify_steps if self.spec_verify_steps else None
-
-    @property
-    def kv_usage(self) -> float:
-        return 1 - self.kv_blocks_free / self.kv_blocks_total

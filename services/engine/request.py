@@ -70,12 +70,6 @@ class Request:
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
-    @property
-    def max_total_tokens(self) -> int:
-        """Tokens whose K/V this request may ever hold (the last output token's
-        K/V is never computed)."""
-        return self.num_prompt_tokens + self.params.max_tokens - 1
-
     def check_invariants(self, block_size: int) -> None:
         assert 0 <= self.num_cached_tokens <= self.num_computed_tokens <= self.num_tokens, self
         assert len(self.block_ids) * block_size >= self.num_computed_tokens, self

@@ -166,8 +166,6 @@ def _checked_logit_bias(bias: object) -> tuple[tuple[int, float], ...]:
     return out
 
 
-GREEDY = SamplingParams(temperature=0.0)
-
 
 def greedy(max_tokens: int, **kw) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw)

@@ -10,22 +10,21 @@ from fastapi import FastAPI
 from ray import serve
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from kernels.kv_quant import pool_dtype
 from observability import tracing
+from services.config import ClusterConfig
+from services.engine.model.default import resolve_model_path
+from services.engine.tokenizer import Tokenizer
 from services.gateway.admission import Admission
 from services.gateway.cluster_backend import ClusterBackend
-from services.config import ClusterConfig
 from services.gateway.failover_log import FailoverLog
-from services.engine.model.config import ModelConfig
-from services.engine.model.default import resolve_model_path
-from services.engine.model.loader import block_hash_seed, parse_dtype, weights_id
-from services.engine.tokenizer import Tokenizer
 from services.gateway.http import GatewayHTTPServer
+from services.gateway.liveness import PoolLiveness
+from services.gateway.seed_check import SeedCheck
+from services.model_meta import model_hash_seed, read_model_config
 from services.openai.gateway_metrics import GatewayMetrics
 from services.openai.replica_board import StatusBoardReader
 from services.openai.routes import configure_app, create_app
 from services.openai.settings import OpenAISettings
-from services.gateway.liveness import PoolLiveness
 from services.replica_loopback import bind_replica_grpc_to_loopback
 
 log = logging.getLogger("pdcluster.gateway")
@@ -53,15 +52,20 @@ class _AttachHost:
 app.add_middleware(_AttachHost)
 
 
-def _model_config(path) -> ModelConfig:
-    import json
+class GatewayBackend(ClusterBackend):
+    """The cluster backend, healthy only while every replica hashes blocks
+    with the gateway's seed (seed_check.py)."""
 
-    if path.is_file():
-        import gguf
+    def __init__(self, handles: dict, *, seed_check: SeedCheck, **options):
+        super().__init__(handles, **options)
+        self.seed_check = seed_check
 
-        from services.engine.model.gguf_loader import read_gguf_config
-        return read_gguf_config(gguf.GGUFReader(str(path)))
-    return ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+    async def health(self) -> dict:
+        status = await super().health()
+        problems = await self.seed_check.problems()
+        if problems:
+            return {**status, "status": "unavailable", "reason": "; ".join(problems)}
+        return status
 
 
 @serve.ingress(app)
@@ -71,17 +75,19 @@ class Gateway:
         tracing.setup_tracing("pdcluster-gateway")
         cfg = ClusterConfig.model_validate(config)
         path = resolve_model_path(cfg.model)
-        mc = _model_config(path)
+        mc = read_model_config(path)
         max_len = min(cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         tokenizer = Tokenizer.from_path(path, mc)
+        hash_seed = model_hash_seed(path, cfg.dtype, cfg.kv_cache_dtype, cfg.block_size)
         settings = OpenAISettings(
-            served_model_names=(cfg.served_model_name,),
-            block_hash_seed=block_hash_seed(weights_id(path), pool_dtype(cfg.kv_cache_dtype, parse_dtype(cfg.dtype)),
-                                            cfg.block_size),
+            served_model_names=(cfg.served_model_name,), block_hash_seed=hash_seed,
             block_size=cfg.block_size, max_body_bytes=cfg.max_body_bytes,
             api_key_digests=cfg.api_key_digests)  # validating cfg refused an exposed host without keys
         adm = cfg.admission
-        backend = ClusterBackend(handles, mode=cfg.mode, model_name=cfg.served_model_name,
+        # The board: /metrics reads every replica's KV numbers from it, the seed check their seeds.
+        self.board = StatusBoardReader(cfg.index_url, cfg.cluster_name)
+        backend = GatewayBackend(handles, seed_check=SeedCheck(hash_seed, self.board, handles),
+                                 mode=cfg.mode, model_name=cfg.served_model_name,
                                  max_model_len=max_len, block_size=cfg.block_size,
                                  liveness=PoolLiveness(cfg.index_url, cfg.cluster_name),
                                  fallback_to_colocated=cfg.fallback_to_colocated,
@@ -92,8 +98,6 @@ class Gateway:
                                  inter_token_timeout_s=adm.inter_token_timeout_s,
                                  max_failovers=cfg.max_failovers,
                                  failovers=FailoverLog(cfg.index_url, cfg.cluster_name))
-        # /metrics: the admission counters, and every replica's KV numbers from the status board.
-        self.board = StatusBoardReader(cfg.index_url, cfg.cluster_name)
         gateway_metrics = GatewayMetrics(board=self.board, admission_view=backend.admission.view,
                                          failover_view=backend.failovers.view)
         _HOST.update(backend=backend, tokenizer=tokenizer, settings=settings, metrics=gateway_metrics)

@@ -7,11 +7,10 @@ pool that has no replica: it fails with 503, or falls back to colocated.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 
-from services.pools.status_board import board_pattern
+from services.pools.status_board import read_statuses
 
 log = logging.getLogger("pdcluster.gateway")
 _CACHE_S = 1.0
@@ -44,11 +43,9 @@ class PoolLiveness:
 
         if self._client is None:
             self._client = aioredis.from_url(self.redis_url, socket_timeout=0.2, socket_connect_timeout=0.2)
-        keys = [k async for k in self._client.scan_iter(board_pattern(self.cluster))]
         counts: dict[str, int] = {}
-        for raw in await self._client.mget(keys) if keys else []:
-            status = json.loads(raw) if raw else None
-            if status and status.get("engine_alive", True):  # a replica whose engine died does not count
+        for status in await read_statuses(self._client, self.cluster):
+            if status.get("engine_alive", True):  # a replica whose engine died does not count
                 role = status.get("role", "")
                 counts[role] = counts.get(role, 0) + 1
         return counts

@@ -11,12 +11,11 @@ it is never logged."""
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from typing import Any
 
-from services.pools.status_board import board_pattern
+from services.pools.status_board import read_statuses
 
 log = logging.getLogger("pdcluster.gateway")
 
@@ -56,17 +55,7 @@ class StatusBoardReader:
         if self._client is None:
             self._client = aioredis.from_url(self.redis_url, socket_timeout=self.timeout_s,
                                              socket_connect_timeout=self.timeout_s)
-        keys = [k async for k in self._client.scan_iter(board_pattern(self.cluster))]
-        values = await self._client.mget(keys) if keys else []
-        statuses = []
-        for raw in values:
-            try:
-                status = json.loads(raw) if raw else None
-            except ValueError:
-                continue   # a replica mid-upgrade may write something else: skip it, keep the rest
-            if isinstance(status, dict):
-                statuses.append(status)
-        return statuses
+        return await read_statuses(self._client, self.cluster)
 
     async def aclose(self) -> None:
         if self._client is not None:

@@ -20,11 +20,6 @@ def _key(cluster: str, worker: str = "*") -> str:
     return f"pdc:status:{cluster}:{worker}"
 
 
-def board_pattern(cluster: str) -> str:
-    """The SCAN pattern of every replica's status key in ``cluster``."""
-    return _key(cluster)
-
-
 async def publish_forever(redis_url: str, cluster: str, worker: str, status: Callable[[], dict]) -> None:
     """Background task of a worker; survives Redis outages."""
     import redis.asyncio as aioredis
@@ -41,8 +36,16 @@ async def publish_forever(redis_url: str, cluster: str, worker: str, status: Cal
         await client.aclose()
 
 
+async def read_statuses(client, cluster: str) -> list[dict]:
+    """Every live worker's latest status, through an open ``redis.asyncio``
+    client (the gateway's readers keep one)."""
+    keys = [k async for k in client.scan_iter(_key(cluster))]
+    return _parse(await client.mget(keys) if keys else [])
+
+
 def read_board(redis_url: str, cluster: str) -> list[dict]:
-    """Every live worker's latest status, sorted by role then name."""
+    """Every live worker's latest status, sorted by role then name (for the
+    CLI and tests, which have no event loop to share)."""
     import redis
 
     client = redis.Redis.from_url(redis_url, socket_timeout=2.0)
@@ -51,5 +54,18 @@ def read_board(redis_url: str, cluster: str) -> list[dict]:
         values = client.mget(keys) if keys else []
     finally:
         client.close()
-    out = [json.loads(v) for v in values if v]
-    return sorted(out, key=lambda s: (s.get("role", ""), s.get("name", "")))
+    return sorted(_parse(values), key=lambda s: (s.get("role", ""), s.get("name", "")))
+
+
+def _parse(values: list) -> list[dict]:
+    """The statuses among raw values: a key that expired between SCAN and MGET
+    is None, and a replica mid-upgrade may write something else; both are skipped."""
+    out = []
+    for raw in values:
+        try:
+            status = json.loads(raw) if raw else None
+        except ValueError:
+            continue
+        if isinstance(status, dict):
+            out.append(status)
+    return out

@@ -166,7 +166,7 @@ class Worker:
             "name": self.name, "role": self.role, "pid": os.getpid(), "engine_alive": self.engine_alive(),
             "running": s.num_running, "waiting": s.num_waiting, "awaiting_kv": s.num_awaiting_kv,
             "kv_blocks_total": s.kv_blocks_total, "kv_blocks_free": s.kv_blocks_free,
-            "kv_dtype": kv_dtype_label(self.engine.kv_spec.dtype),
+            "kv_dtype": kv_dtype_label(self.engine.kv_spec.dtype), "hash_seed": self.engine.hash_seed,
             "kv_blocks_cached": s.kv_blocks_cached, "leased_blocks": s.leased_blocks,
             "prompt_tokens_computed": s.prompt_tokens_computed, "prompt_tokens_cached": s.prompt_tokens_cached,
             "preemptions": s.num_preemptions, "in_flight": self.in_flight,

@@ -1,4 +1,4 @@
-"""Reads a llama-architecture GGUF: config from metadata, tensors dequantized
+"""Reads a llama-architecture GGUF: config from metadata (services/model_meta.py), tensors dequantized
 (F32/F16/BF16/Q8_0/Q4_0/Q4_1 and whatever else ``gguf`` dequantizes) and
 renamed to Hugging Face names.
 
@@ -15,8 +15,8 @@ import numpy as np
 import torch
 
 from services.engine.model.config import ModelConfig
+from services.model_meta import read_gguf_config
 
-_ARCH_MAP = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}
 _LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
@@ -36,44 +36,6 @@ _TOP_NAMES = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-
-
-def _field(reader, key: str, default=None):
-    f = reader.fields.get(key)
-    return default if f is None else f.contents()
-
-
-def read_gguf_config(reader) -> ModelConfig:
-    arch = _field(reader, "general.architecture")
-    if arch not in _ARCH_MAP:
-        raise ValueError(f"GGUF architecture {arch!r} is not supported; use llama, mistral or qwen2")
-    a = arch
-    heads = int(_field(reader, f"{a}.attention.head_count"))
-    hidden = int(_field(reader, f"{a}.embedding_length"))
-    vocab = _field(reader, f"{a}.vocab_size") or len(_field(reader, "tokenizer.ggml.tokens"))
-    names = {t.name for t in reader.tensors}
-    eos = _field(reader, "tokenizer.ggml.eos_token_id")
-    scaling = None
-    if _field(reader, f"{a}.rope.scaling.type") == "linear":
-        scaling = {"rope_type": "linear", "factor": float(_field(reader, f"{a}.rope.scaling.factor"))}
-    return ModelConfig(
-        arch=_ARCH_MAP[arch],
-        vocab_size=int(vocab),
-        hidden_size=hidden,
-        intermediate_size=int(_field(reader, f"{a}.feed_forward_length")),
-        num_layers=int(_field(reader, f"{a}.block_count")),
-        num_heads=heads,
-        num_kv_heads=int(_field(reader, f"{a}.attention.head_count_kv", heads)),
-        head_dim=int(_field(reader, f"{a}.attention.key_length", hidden // heads)),
-        rope_theta=float(_field(reader, f"{a}.rope.freq_base", 10000.0)),
-        rope_scaling=scaling,
-        rms_norm_eps=float(_field(reader, f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
-        max_position_embeddings=int(_field(reader, f"{a}.context_length", 2048)),
-        tie_word_embeddings="output.weight" not in names,
-        attention_bias="blk.0.attn_q.bias" in names,
-        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_ids=(int(eos),) if eos is not None else (),
-    )
 
 
 def _hf_name(name: str) -> str | None:

@@ -6,7 +6,6 @@ pool through ``kernels.ops``."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kernels import cpu_native, ops

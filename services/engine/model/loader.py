@@ -3,8 +3,6 @@ safetensors directory or a GGUF file."""
 
 from __future__ import annotations
 
-import hashlib
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,9 +13,9 @@ from services.engine.model.default import resolve_model_path
 from services.engine.model.gguf_loader import load_gguf
 from services.engine.model.llama import LlamaModel
 from services.engine.tokenizer import Tokenizer
+from services.model_meta import block_hash_seed, model_dtype_name, read_model_config, weights_id
 
-DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32,
-          "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16}
+__all__ = ["LoadedModel", "block_hash_seed", "load_model", "parse_dtype", "weights_id"]
 
 
 @dataclass
@@ -27,33 +25,19 @@ class LoadedModel:
     tokenizer: Tokenizer
     path: Path
     name: str
-    weights_id: str  # identifies the weights (file name + size + mtime digest)
+    weights_id: str  # identifies the weights (services/model_meta.weights_id)
 
 
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype {dtype!r} is not supported; use one of {sorted(DTYPES)}")
-    return DTYPES[dtype]
-
-
-def weights_id(path: Path) -> str:
-    files = [path] if path.is_file() else sorted(path.glob("*.safetensors"))
-    h = hashlib.blake2b(digest_size=8)
-    for f in files:
-        st = f.stat()
-        h.update(f"{f.name}:{st.st_size}".encode())
-    return h.hexdigest()
+    return getattr(torch, model_dtype_name(dtype))
 
 
 def _load_safetensors_dir(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     from safetensors.torch import load_file
 
-    config_file = path / "config.json"
-    if not config_file.is_file():
-        raise FileNotFoundError(f"{path} has no config.json; give a Hugging Face model directory or a .gguf file")
-    cfg = ModelConfig.from_hf(json.loads(config_file.read_text()))
+    cfg = read_model_config(path)
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{path} has no *.safetensors files")
@@ -81,11 +65,3 @@ def load_model(model: str | None = None, dtype: str | torch.dtype = "bfloat16",
     net.eval().requires_grad_(False)
     tokenizer = Tokenizer.from_path(path, cfg)
     return LoadedModel(cfg, net, tokenizer, path, path.stem if path.is_file() else path.name, weights_id(path))
-
-
-def block_hash_seed(weights: str, kv_dtype: torch.dtype, block_size: int) -> int:
-    """The seed of every block-hash chain for these weights, KV dtype and
-    block size: engine, gateway and index must agree on it."""
-    from prefix_store.hashing import model_fingerprint
-
-    return model_fingerprint(weights, kv_dtype, block_size)

@@ -1,5 +1,6 @@
 """`pdcluster status`'s replica table: one line per replica, the KV dtype,
-and speculative decoding's accepted/drafted tokens where it ran."""
+and speculative decoding's accepted/drafted tokens where it ran; a warning per replica hashing
+blocks with a seed other than the config's."""
 
 from services.cli.status import format_board
 
@@ -13,3 +14,17 @@ def test_a_line_per_replica_with_kv_dtype_and_spec_counters():
     assert "spec acc/draft" in header and "kv used/total" in header
     assert plain.split()[-1] == "-" and "int8" in plain and "10/100" in plain
     assert drafting.split()[-1] == "25/40"
+
+
+def test_a_replica_hashing_with_another_seed_is_a_warning():
+    from services.cli.status import seed_warnings
+    from services.config import ClusterConfig
+    from services.engine.model.default import default_model_path
+    from services.model_meta import model_hash_seed
+
+    state = {"config": ClusterConfig().model_dump()}
+    seed = model_hash_seed(default_model_path(), "bfloat16", "auto", 16)
+    board = [ROW | {"name": "d1", "hash_seed": seed}, ROW | {"name": "d2", "hash_seed": seed + 1}]
+    [warning] = seed_warnings(state, board)
+    assert warning.startswith("warning: replica d2") and f"{seed:#018x}" in warning
+    assert seed_warnings({"config": {"no_such_field": 1}}, board) == []

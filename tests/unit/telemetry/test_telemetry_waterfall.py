@@ -86,7 +86,10 @@ def test_select_trace_by_last_request_id_and_prefix() -> None:
     assert select_trace(traces, request_id="nope") is None
     assert select_trace(traces, trace_id="1111") == "11" * 16
     assert select_trace(traces, trace_id="1") is None  # ambiguous prefix
-    assert len(cli_trace.list_traces(traces, 2)) == 2
+    header, *latest = cli_trace.list_traces(traces, 2)
+    assert header.split() == ["started", "trace", "E2E", "spans", "request"]
+    assert [line.split()[2] for line in latest] == ["99" * 16, "12" * 16]  # latest finished first
+    assert latest[1].endswith("req-new")
 
 
 def test_cli_prints_the_last_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,0 +1,162 @@
+"""What a model is, read without its weights and without torch: its shape
+(from a GGUF header or an HF ``config.json``), its parameter count, the id of
+its weights and the seed of its block-hash chains.
+
+The gateway, the CLI and the planner read models through here; the engine's
+loader (services/engine/model/loader.py) reads the same config and seed from
+here and adds the tensors.
+
+The seed ties the router's, the index's and every engine's block hashes
+together, so the gateway and each replica must compute the same one::
+
+    block_hash_seed = model_fingerprint(weights_id, "torch.<kv pool dtype>", block_size)
+
+    weights_id       digest of the weights files' names and sizes
+    kv pool dtype    kv_cache_dtype, or the model's dtype for "auto"
+
+The dtype is spelled as torch prints it (``torch.bfloat16``): the engine
+hashed ``str(torch_dtype)`` before this module existed, and a seed must not
+change under a running index."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from collections.abc import Iterable
+from pathlib import Path
+
+from prefix_store.hashing import model_fingerprint
+from services.engine.model.config import ModelConfig
+
+# config names of a model dtype -> torch's name of it
+MODEL_DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "fp32": "float32",
+                "float16": "float16", "fp16": "float16"}
+# config names of a KV pool dtype -> torch's name ("auto": the model's); kernels/kv_quant.pool_dtype agrees
+_KV_POOL_DTYPES = {"bf16": "bfloat16", "int8": "int8", "fp8_e4m3": "float8_e4m3fn"}
+_GGUF_ARCHS = ("llama", "mistral", "qwen2")
+
+
+# ---- shape -----------------------------------------------------------------
+
+def read_model_config(path: Path) -> ModelConfig:
+    """The shape of the model at ``path``: a .gguf file or an HF directory."""
+    if path.is_file() and path.suffix == ".gguf":
+        import gguf
+
+        return read_gguf_config(gguf.GGUFReader(str(path)))
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"{path} has no config.json; give a Hugging Face model directory or a .gguf file")
+    return ModelConfig.from_hf(json.loads(config_file.read_text()))
+
+
+def _field(reader, key: str, default=None):
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def read_gguf_config(reader) -> ModelConfig:
+    """The shape from an open ``gguf.GGUFReader``'s metadata."""
+    a = _field(reader, "general.architecture")
+    if a not in _GGUF_ARCHS:
+        raise ValueError(f"GGUF architecture {a!r} is not supported; use llama, mistral or qwen2")
+    heads = int(_field(reader, f"{a}.attention.head_count"))
+    hidden = int(_field(reader, f"{a}.embedding_length"))
+    vocab = _field(reader, f"{a}.vocab_size") or len(_field(reader, "tokenizer.ggml.tokens"))
+    names = {t.name for t in reader.tensors}
+    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    scaling = None
+    if _field(reader, f"{a}.rope.scaling.type") == "linear":
+        scaling = {"rope_type": "linear", "factor": float(_field(reader, f"{a}.rope.scaling.factor"))}
+    return ModelConfig(
+        arch=a,
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(_field(reader, f"{a}.feed_forward_length")),
+        num_layers=int(_field(reader, f"{a}.block_count")),
+        num_heads=heads,
+        num_kv_heads=int(_field(reader, f"{a}.attention.head_count_kv", heads)),
+        head_dim=int(_field(reader, f"{a}.attention.key_length", hidden // heads)),
+        rope_theta=float(_field(reader, f"{a}.rope.freq_base", 10000.0)),
+        rope_scaling=scaling,
+        rms_norm_eps=float(_field(reader, f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
+        max_position_embeddings=int(_field(reader, f"{a}.context_length", 2048)),
+        tie_word_embeddings="output.weight" not in names,
+        attention_bias="blk.0.attn_q.bias" in names,
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=(int(eos),) if eos is not None else (),
+    )
+
+
+def count_parameters(path: Path) -> float | None:
+    """Parameters stored at ``path`` (GGUF tensors, or the safetensors headers
+    of an HF directory), counted without reading a weight; None: no weights files."""
+    if path.is_file() and path.suffix == ".gguf":
+        import gguf
+
+        return float(sum(int(t.n_elements) for t in gguf.GGUFReader(str(path)).tensors))
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        return None
+    total = 0
+    for file in files:
+        with file.open("rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(size))
+        for name, meta in header.items():
+            if name != "__metadata__":
+                count = 1
+                for dim in meta["shape"]:
+                    count *= dim
+                total += count
+    return float(total)
+
+
+# ---- identity --------------------------------------------------------------
+
+def weights_id(path: Path) -> str:
+    """Identifies the weights at ``path`` by file names and sizes (not contents: cheap, and stable across copies)."""
+    files = [path] if path.is_file() else sorted(path.glob("*.safetensors"))
+    h = hashlib.blake2b(digest_size=8)
+    for f in files:
+        st = f.stat()
+        h.update(f"{f.name}:{st.st_size}".encode())
+    return h.hexdigest()
+
+
+def model_dtype_name(dtype: str) -> str:
+    """torch's name of a configured model dtype ("bf16" -> "bfloat16")."""
+    if dtype not in MODEL_DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not supported; use one of {sorted(MODEL_DTYPES)}")
+    return MODEL_DTYPES[dtype]
+
+
+def kv_pool_dtype_name(kv_cache_dtype: str, model_dtype: str) -> str:
+    """torch's name of the KV pool's element dtype, as kernels/kv_quant.pool_dtype picks it."""
+    if kv_cache_dtype == "auto":
+        return model_dtype_name(model_dtype)
+    if kv_cache_dtype not in _KV_POOL_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of auto, {', '.join(_KV_POOL_DTYPES)}, got {kv_cache_dtype!r}")
+    return _KV_POOL_DTYPES[kv_cache_dtype]
+
+
+def block_hash_seed(weights: str, kv_dtype: object, block_size: int) -> int:
+    """The seed of every block-hash chain for these weights, KV pool dtype
+    (a torch dtype, or its name) and block size: engine, gateway and index
+    must agree on it."""
+    return model_fingerprint(weights, f"torch.{str(kv_dtype).removeprefix('torch.')}", block_size)
+
+
+def model_hash_seed(path: Path, dtype: str, kv_cache_dtype: str, block_size: int) -> int:
+    """``block_hash_seed`` of the model at ``path`` served with these config values."""
+    return block_hash_seed(weights_id(path), kv_pool_dtype_name(kv_cache_dtype, dtype), block_size)
+
+
+def seed_mismatches(expected_seed: int, statuses: Iterable[dict]) -> list[str]:
+    """One line per replica whose status reports a block-hash seed other than
+    ``expected_seed``; a status without ``hash_seed`` (not reported yet) passes."""
+    return [f"replica {s.get('name', '?')} ({s.get('role', '?')}) hashes blocks with seed {s['hash_seed']:#018x}, "
+            f"the gateway with {expected_seed:#018x}: they serve different weights, KV dtype or block size; "
+            f"start every pool and the gateway from the same model and config"
+            for s in statuses if s.get("hash_seed") is not None and s["hash_seed"] != expected_seed]
