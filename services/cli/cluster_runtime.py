@@ -29,6 +29,13 @@ APP_NAME = "pdcluster"
 DASHBOARD_PORT = 8265
 
 
+def _http_url(host_port: str | None) -> str | None:
+    """Ray reports its dashboard as HOST:PORT, or nothing when none runs."""
+    if not host_port:
+        return None
+    return host_port if "://" in host_port else f"http://{host_port}"
+
+
 def _descendants(proc=None) -> list:
     import psutil
 
@@ -65,6 +72,7 @@ class LocalCluster:
     # already; this connects to it) and this host's address on the internal network.
     address: str | None = None
     node_ip: str | None = None
+    dashboard_url: str | None = None  # what Ray reports once started; None where no dashboard runs
 
     def start(self, progress=print, on_ray_started=None) -> LocalCluster:
         """``on_ray_started``: called right after ray.init (which installs its
@@ -94,7 +102,8 @@ class LocalCluster:
         self.config = self.config.model_copy(update={"index_url": url})
         if self.address is not None and not ray.is_initialized():
             progress(f"connecting to the Ray cluster at {self.address} ...")
-            ray.init(address=self.address, runtime_env={"env_vars": replica_env()}, log_to_driver=False)
+            ctx = ray.init(address=self.address, runtime_env={"env_vars": replica_env()}, log_to_driver=False)
+            self.dashboard_url = _http_url(ctx.dashboard_url)
             if on_ray_started is not None:
                 on_ray_started()
         if not ray.is_initialized():
@@ -106,7 +115,8 @@ class LocalCluster:
             if self.metrics_port:
                 kwargs["_metrics_export_port"] = self.metrics_port
             before = {p.pid for p in _descendants()}
-            ray.init(**kwargs)
+            ctx = ray.init(**kwargs)
+            self.dashboard_url = _http_url(ctx.dashboard_url)
             self.started_ray = True
             self._ray_roots = [p for p in _descendants() if p.pid not in before]
             if on_ray_started is not None:

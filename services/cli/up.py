@@ -15,8 +15,7 @@ if TYPE_CHECKING:
 SNIPPET = """\
 ready in {ready:.0f} s: {mode} cluster serving {model}
   OpenAI API    http://{host}:{port}/v1     (GET /v1/models, POST /v1/chat/completions, /v1/completions)
-  Ray dashboard http://127.0.0.1:8265        (deployments: gateway, {pools})
-{auth}try:
+{dashboard}{auth}try:
   curl -s http://{host}:{port}/v1/chat/completions -H 'content-type: application/json'{curl_auth} \\
     -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "What is the capital of France?"}}], "max_tokens": 32}}'
   python -c "import os, openai; c = openai.OpenAI(base_url='http://{host}:{port}/v1', api_key={py_key}); \\
@@ -71,6 +70,14 @@ def _problem(error: dict) -> str:
     return (f"{where}: " if where else "") + error["msg"].removeprefix("Value error, ")
 
 
+def dashboard_line(url: str | None, pools: str) -> str:
+    """The snippet's dashboard line: the URL Ray reported once started, or
+    where to look instead (`up --head` runs `ray start --include-dashboard=false`)."""
+    if url:
+        return f"  Ray dashboard {url:<28} (deployments: gateway, {pools})\n"
+    return "  Ray dashboard none on this node: `pdcluster status` shows nodes, pools and replicas\n"
+
+
 def _auth_lines(config: ClusterConfig) -> dict:
     """The snippet's API-key parts; never the key itself."""
     from services.config import is_loopback
@@ -109,7 +116,8 @@ def run(args: argparse.Namespace) -> int:
         cluster.start(progress=lambda m: print(m, flush=True), on_ray_started=on_signal)
         pools = "colocated" if config.mode == "colocated" else "prefill, decode"
         print(SNIPPET.format(ready=cluster.ready_s, mode=config.mode, model=config.served_model_name,
-                             host=config.host, port=config.port, pools=pools, **_auth_lines(config)), flush=True)
+                             host=config.host, port=config.port,
+                             dashboard=dashboard_line(cluster.dashboard_url, pools), **_auth_lines(config)), flush=True)
         if config.autoscaling.enabled:
             from services.autoscale.controller import Autoscaler
             autoscaler = Autoscaler(cluster).start()

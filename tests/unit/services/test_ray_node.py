@@ -88,3 +88,15 @@ def test_status_node_table_shows_roles_heads_and_dead_nodes():
     assert header.split()[:3] == ["node", "address", "state"]
     assert head.split() == ["aaaaaaaaaaaa", "10.0.0.1", "alive", "prefill", "yes", "4"]
     assert dead.split() == ["bbbbbbbbbbbb", "10.0.0.2", "DEAD", "decode", "2"]
+
+
+def test_up_prints_a_dashboard_url_only_where_ray_reported_one():
+    from services.cli_up import SNIPPET, dashboard_line
+    from services.cluster_runtime import _http_url
+
+    assert _http_url("127.0.0.1:8265") == "http://127.0.0.1:8265" and _http_url("") is None and _http_url(None) is None
+    assert "http://127.0.0.1:8265" in dashboard_line("http://127.0.0.1:8265", "prefill, decode")
+    head = dashboard_line(None, "prefill, decode")  # `up --head`: ray start --include-dashboard=false
+    assert "http" not in head and "pdcluster status" in head
+    assert "--include-dashboard=false" in head_command("10.0.0.1")
+    assert "{dashboard}" in SNIPPET and "8265" not in SNIPPET
