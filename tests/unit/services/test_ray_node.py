@@ -91,8 +91,8 @@ def test_status_node_table_shows_roles_heads_and_dead_nodes():
 
 
 def test_up_prints_a_dashboard_url_only_where_ray_reported_one():
-    from services.cli_up import SNIPPET, dashboard_line
-    from services.cluster_runtime import _http_url
+    from services.cli.up import SNIPPET, dashboard_line
+    from services.cli.cluster_runtime import _http_url
 
     assert _http_url("127.0.0.1:8265") == "http://127.0.0.1:8265" and _http_url("") is None and _http_url(None) is None
     assert "http://127.0.0.1:8265" in dashboard_line("http://127.0.0.1:8265", "prefill, decode")
