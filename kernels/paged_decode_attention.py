@@ -3,7 +3,7 @@
 CPU path: K and V of this layer gathered from the sequences' blocks (one
 copy each, already in [B, tokens, kv_heads, d] order), then per KV head two
 batched matmuls over the query heads that share it (GQA without repeating
-K/V).  Scores and softmax in fp32 whatever the KV dtype; an 8-bit pool
+K/V).  Scores, softmax and the weighted sum of V in fp32 whatever the KV dtype; an 8-bit pool
 (:mod:`kernels.kv_quant`) is dequantized to fp32 as it is gathered."""
 
 from __future__ import annotations
@@ -43,5 +43,5 @@ def paged_decode_attention_ref(
         scores = torch.bmm(qg[:, h], k[:, :, h, :].float().transpose(1, 2))  # [B, g, N]
         scores.mul_(scale).masked_fill_(pad, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
-        out[:, h] = torch.bmm(probs.to(v.dtype), v[:, :, h, :]).to(q.dtype)
+        out[:, h] = torch.bmm(probs, v[:, :, h, :].float()).to(q.dtype)  # fp32 probs: a bf16 pool under fp32 q
     return out.view(batch, heads, head_dim)

@@ -23,7 +23,7 @@ from typing import Sequence
 
 from bench.plan.args import add_arguments, fail, one_line_errors
 from bench.plan.inputs import (
-    ACCELERATOR_PRESETS, DTYPE_BYTES, GB, GiB, MODEL_PRESETS, Deployment, PerInstance, Pipeline, PrefixCache,
+    ACCELERATOR_PRESETS, DTYPE_BYTES, GB, GiB, KV_SCALE_BYTES, MODEL_PRESETS, Deployment, PerInstance, Pipeline, PrefixCache,
     Questions, Slos, Speculation, Traffic, read_model_shape,
 )
 
@@ -77,6 +77,7 @@ def reserve_fraction(args) -> float:
 def deployment(args) -> Deployment:
     return Deployment(
         tp=args.tp, weight_bytes=DTYPE_BYTES[args.weight_dtype], kv_bytes=DTYPE_BYTES[args.kv_dtype],
+        kv_scale_bytes=KV_SCALE_BYTES.get(args.kv_dtype, 0),
         reserve_fraction=reserve_fraction(args), reserve_bytes=(args.reserve_gib if args.reserve_gib is not None else 0.0) * GiB, block_size=args.block_size,
         safety=args.safety, mbu=args.mbu, mfu=args.mfu, max_num_seqs=args.max_num_seqs,
         redundancy=args.redundancy, price_per_instance_hour=args.price_per_hour,

@@ -17,6 +17,10 @@ from services.model_meta import count_parameters, read_model_config
 GiB = 1024**3  # memory sizes as runtimes report them
 GB = 1e9  # bandwidths and datasheet sizes are decimal
 DTYPE_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "int8": 1.0, "int4": 0.5}
+# Bytes of scale per (token, KV head) row of an 8-bit KV cache: the engine keeps a
+# per-token-per-head scale beside each row's head_dim payload bytes
+# (kernels.kv_quant.SCALE_BYTES; a test pins the two together, the planner never imports torch).
+KV_SCALE_BYTES = {"fp8": 2, "int8": 2}
 
 
 @dataclass(frozen=True)
@@ -57,7 +61,8 @@ class Accelerator:
 class Deployment:
     tp: int = 1  # devices per instance (tensor parallel)
     weight_bytes: float = 2.0  # bytes per parameter (bf16)
-    kv_bytes: float = 2.0  # bytes per KV element
+    kv_bytes: float = 2.0  # bytes per KV element (payload)
+    kv_scale_bytes: float = 0.0  # bytes of scale per (token, KV head) row: 8-bit KV (KV_SCALE_BYTES)
     reserve_fraction: float = 0.10  # of device memory kept for activations, runtime
     reserve_bytes: float = 0.0  # and this much more, absolute
     block_size: int = 16  # KV block, tokens
@@ -82,6 +87,12 @@ class Deployment:
             raise ValueError(f"--redundancy must be >= 1, got {self.redundancy}")
         _positive(self.weight_bytes, "--weight-dtype")
         _positive(self.kv_bytes, "--kv-dtype")
+        if self.kv_scale_bytes < 0:
+            raise ValueError(f"KV scale bytes per row must be >= 0, got {self.kv_scale_bytes}")
+
+    def kv_row_bytes(self, head_dim: int) -> float:
+        """Bytes of one (token, KV head) row: payload plus its scale."""
+        return head_dim * self.kv_bytes + self.kv_scale_bytes
 
 
 @dataclass(frozen=True)

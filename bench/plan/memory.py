@@ -2,8 +2,12 @@
 the concurrency it allows.  Per device of an instance (TP devices):
 
     weights/device      = params x weight_bytes / tp
-    KV bytes/token      = 2 (K,V) x layers x kv_heads x head_dim x kv_bytes   (MHA: kv_heads = heads)
-    KV bytes/token/dev  = 2 x layers x ceil(kv_heads / tp) x head_dim x kv_bytes
+    KV bytes/token      = 2 (K,V) x layers x kv_heads x row   (MHA: kv_heads = heads)
+    KV bytes/token/dev  = 2 x layers x ceil(kv_heads / tp) x row
+    row                 = head_dim x kv_bytes + scale_bytes     (scale_bytes: 2 for 8-bit KV, 0 else)
+
+An 8-bit KV row carries its own scale (kernels/kv_quant.py), so int8/fp8 KV
+is 1 + 2 / head_dim bytes per element, not 1: x0.516 of bf16 at head_dim 64.
     KV budget/device    = memory x (1 - reserve_fraction) - reserve_bytes - weights/device
     KV capacity         = floor(KV budget/device / KV bytes/token/dev)        tokens per instance
     max concurrency     = floor(KV capacity / (ceil(context / block) x block))   (< 1: an error, nothing fits)
@@ -28,22 +32,31 @@ def weights_per_device(m: ModelShape, d: Deployment) -> Figure:
                   f"params {g(m.params)} x {g(d.weight_bytes)} B / tp {d.tp}", "params x weight_bytes / tp")
 
 
+def _row(m: ModelShape, d: Deployment) -> tuple[str, str]:
+    """One (token, KV head) row's bytes: the formula with numbers, and in words."""
+    if not d.kv_scale_bytes:
+        return f"head_dim {m.head_dim} x {g(d.kv_bytes)} B", "head_dim x kv_bytes"
+    return (f"(head_dim {m.head_dim} x {g(d.kv_bytes)} B + scale {g(d.kv_scale_bytes)} B)",
+            "(head_dim x kv_bytes + scale_bytes)")
+
+
 def kv_bytes_per_token(m: ModelShape, d: Deployment, kv_heads: int | None = None, key: str = "kv_bytes_per_token") -> Figure:
     heads = m.num_kv_heads if kv_heads is None else kv_heads
-    value = 2 * m.num_layers * heads * m.head_dim * d.kv_bytes
+    value = 2 * m.num_layers * heads * d.kv_row_bytes(m.head_dim)
     label = "KV bytes per token (instance)" if kv_heads is None else "KV bytes per token if MHA"
     name = "kv_heads" if kv_heads is None else "heads"
-    return Figure(key, label, value, "B",
-                  f"2 x layers {m.num_layers} x {name} {heads} x head_dim {m.head_dim} x {g(d.kv_bytes)} B",
-                  f"2 x layers x {name} x head_dim x kv_bytes")
+    row, row_words = _row(m, d)
+    return Figure(key, label, value, "B", f"2 x layers {m.num_layers} x {name} {heads} x {row}",
+                  f"2 x layers x {name} x {row_words}")
 
 
 def kv_bytes_per_token_device(m: ModelShape, d: Deployment) -> Figure:
     heads = math.ceil(m.num_kv_heads / d.tp)
-    value = 2 * m.num_layers * heads * m.head_dim * d.kv_bytes
+    value = 2 * m.num_layers * heads * d.kv_row_bytes(m.head_dim)
+    row, row_words = _row(m, d)
     return Figure("kv_bytes_per_token_device", "KV bytes per token per device", value, "B",
-                  f"2 x layers {m.num_layers} x ceil(kv_heads {m.num_kv_heads} / tp {d.tp}) x head_dim {m.head_dim} x {g(d.kv_bytes)} B",
-                  "2 x layers x ceil(kv_heads / tp) x head_dim x kv_bytes")
+                  f"2 x layers {m.num_layers} x ceil(kv_heads {m.num_kv_heads} / tp {d.tp}) x {row}",
+                  f"2 x layers x ceil(kv_heads / tp) x {row_words}")
 
 
 def kv_budget_per_device(a: Accelerator, d: Deployment, weights: Figure) -> Figure:

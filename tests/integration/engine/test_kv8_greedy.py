@@ -20,6 +20,7 @@ import pytest
 from services.engine.config import EngineConfig
 from services.engine.engine import Engine
 from services.engine.sampling_params import SamplingParams
+from tests.integration.engine.hand_off import decode_all, prefill_and_pull
 from tests.integration.engine.test_parity import NEAR_TIE_NATS
 
 QUESTIONS = ("What is the capital of France?", "Write a haiku about the sea.",
@@ -59,34 +60,14 @@ def test_int8_prefill_hand_off_over_a_real_pull_equals_one_engine(smol_bf16):
     """Prefill on one int8 engine, the blocks pulled (socket backend, scales
     inside them) into another, decode there: the tokens of one engine, and
     the pull's byte count is the int8 layout's, about half of bf16's."""
-    from transfer import KVLayout, create_backend
-
-    secret = b"kv8-hand-off-test-secret-0123456789"
-
     prefill, decode, whole = (Engine(EngineConfig(kv_cache_dtype="int8", num_kv_blocks=64), loaded=smol_bf16)
                               for _ in range(3))
     prompt = prefill.tokenizer.apply_chat_template([{"role": "user", "content": QUESTIONS[2] + " Be brief."}])
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     want = whole.generate([prompt], params)[0].new_token_ids
-    prefill.add_request("r", prompt, params, prefill_only=True)
-    outs = []
-    while prefill.has_unfinished():
-        outs += prefill.step()
-    (done,) = [o for o in outs if o.finished]
-    alloc = decode.reserve_external("r", prompt, params)
-    with create_backend("fallback", peer_id="prefill-0", secret=secret) as owner, \
-            create_backend("fallback", peer_id="decode-0", secret=secret, timeout_s=10.0) as puller:
-        owner.register_pool(prefill.kv.kv_pool, KVLayout.of_pool(prefill.kv.kv_pool, prefill.hash_seed))
-        puller.register_pool(decode.kv.kv_pool, KVLayout.of_pool(decode.kv.kv_pool, decode.hash_seed))
-        remote = done.prefill.block_ids[alloc.num_cached_blocks:]
-        stats = puller.pull(owner.describe(), remote, alloc.missing_block_ids)
-    assert stats.num_bytes == len(remote) * prefill.kv_spec.block_bytes
-    assert prefill.release_lease("r")
-    decode.commit_external("r", done.prefill.first_token_id)
-    tokens = [done.prefill.first_token_id]
-    while decode.has_unfinished():
-        tokens += [t for o in decode.step() for t in o.new_token_ids]
-    assert tokens == want
+    first, num_bytes, num_blocks = prefill_and_pull(prefill, decode, [("r", prompt, params)])
+    assert num_bytes == num_blocks * prefill.kv_spec.block_bytes > 0
+    assert decode_all(decode, first)["r"] == want
     for engine in (prefill, decode, whole):
         engine.check_integrity()
         assert engine.kv.num_free_blocks == engine.kv.num_total_blocks

@@ -47,6 +47,24 @@ def test_kv_bytes_per_token_gqa_vs_mha(plan):
     assert make_plan(mha, DEVICE, DEPLOY, TRAFFIC, SLOS).value("kv_bytes_per_token") == 20480
 
 
+def test_8bit_kv_rows_carry_their_scale():
+    """1 B per element + a 2 B scale per (token, KV head) row: 2 x 10 x 2 x (64 + 2)."""
+    int8 = make_plan(MODEL, DEVICE, Deployment(kv_bytes=1.0, kv_scale_bytes=2.0), TRAFFIC, SLOS)
+    assert int8.value("kv_bytes_per_token") == 2640
+    assert int8.value("kv_bytes_per_token_mha") == 10560  # 8 heads
+    tp2 = make_plan(MODEL, DEVICE, Deployment(tp=2, kv_bytes=1.0, kv_scale_bytes=2.0), TRAFFIC, SLOS)
+    assert tp2.value("kv_bytes_per_token_device") == 1320  # one KV head per device, its scales with it
+    with pytest.raises(ValueError, match="scale"):
+        Deployment(kv_scale_bytes=-1)
+
+
+def test_planner_scale_bytes_are_the_engines():
+    from bench.plan.inputs import KV_SCALE_BYTES
+    from kernels.kv_quant import SCALE_BYTES
+
+    assert KV_SCALE_BYTES == {"int8": SCALE_BYTES, "fp8": SCALE_BYTES}
+
+
 def test_kv_per_device_splits_heads_over_tp():
     tp2 = make_plan(MODEL, DEVICE, Deployment(tp=2, reserve_fraction=0.1), TRAFFIC, SLOS)
     assert tp2.value("kv_bytes_per_token_device") == 2560  # 2 x 10 x ceil(2/2) x 64 x 2

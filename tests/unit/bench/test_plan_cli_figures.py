@@ -51,6 +51,33 @@ def test_example_1_kv_per_token_per_request_and_for_n_requests(capsys):
     assert (v["max_concurrency"], v["safe_concurrency"]) == (57, 51)
 
 
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+def test_8bit_kv_per_token_counts_each_rows_scale_as_the_engine_stores_it(capsys, kv_dtype):
+    """An 8-bit KV row is head_dim bytes + a 2-byte scale (kernels/kv_quant.py):
+    the planner's KV bytes per token is the engine's block bytes / block size."""
+    import torch
+
+    from services.engine.kv_cache import KVCacheSpec
+    from kernels.kv_quant import pool_dtype
+
+    v = values(capsys, [*SMALL, "--kv-dtype", kv_dtype])
+    assert v["kv_bytes_per_token"] == 2 * 30 * 3 * (64 + 2)  # not 2 x 30 x 3 x 64 x 1
+    assert v["kv_bytes_per_token_device"] == v["kv_bytes_per_token"]
+    engine_dtype = pool_dtype({"int8": "int8", "fp8": "fp8_e4m3"}[kv_dtype], torch.bfloat16)
+    spec = KVCacheSpec(1, 16, 30, 3, 64, engine_dtype)
+    assert v["kv_bytes_per_token"] == spec.block_bytes / 16
+    bf16 = values(capsys, SMALL)
+    assert v["kv_bytes_per_token"] / bf16["kv_bytes_per_token"] == pytest.approx(66 / 128)
+    assert v["kv_capacity_tokens"] == math.floor(v["kv_budget_per_device_bytes"] / v["kv_bytes_per_token_device"])
+
+
+def test_8bit_kv_formula_shows_the_scale(capsys):
+    assert main([*EXAMPLE_1, "--kv-dtype", "int8", "--explain"]) == 0
+    out = capsys.readouterr().out
+    assert "= 2 x layers x kv_heads x (head_dim x kv_bytes + scale_bytes)\n" in out
+    assert "= 2 x layers 32 x kv_heads 8 x (head_dim 128 x 1 B + scale 2 B)\n" in out
+
+
 @pytest.mark.parametrize("dtype, bytes_per_param", [("fp32", 4), ("bf16", 2), ("fp8", 1), ("int4", 0.5)])
 def test_weight_bytes_by_dtype(capsys, dtype, bytes_per_param):
     v = values(capsys, [*EXAMPLE_1, "--weight-dtype", dtype, "--accelerator", "h200"])
