@@ -23,7 +23,9 @@ from tests.integration.engine.hand_off import decode_all, prefill_and_pull
 from tests.integration.engine.test_engine_spec_decode import CODE
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+# int8 only: the hand-off and verification code is the same for every KV dtype, and the
+# int8 case also covers the scales travelling with the blocks (fp32 KV: ~70 s more per run).
+@pytest.mark.parametrize("kv_cache_dtype", ["int8"])
 def test_ngram_speculation_after_a_hand_off_equals_one_engine_without_it(smol_fp32, kv_cache_dtype):
     tok = smol_fp32.tokenizer
     code = tok.apply_chat_template([{"role": "user", "content": "Repeat this code exactly:\n" + CODE}])
