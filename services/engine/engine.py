@@ -23,7 +23,7 @@ from types import MappingProxyType
 
 import torch
 
-from kernels import cpu_native
+from kernels import ops
 from kernels.kv_quant import pool_dtype
 
 from services.engine.config import EngineConfig
@@ -68,7 +68,7 @@ class Engine:
         # would spin beside it, so torch ops inside a native step get one thread.
         self._native = self.loaded.model.native_stack is not None
         if self._native:
-            cpu_native.set_num_threads(config.num_threads or torch.get_num_threads())
+            ops.set_native_threads(config.num_threads or torch.get_num_threads())
         self.tokenizer = self.loaded.tokenizer
         mc = self.loaded.config
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
