@@ -107,8 +107,8 @@ def measure_bf16_gemm_tflops(m: int = 1024, k: int = 576, n: int = 1536) -> tupl
 
 def _native_kernels() -> str:
     try:
-        from kernels import cpu_native
-        return cpu_native.loaded_variant() or "off (torch reference ops)"
+        from kernels import ops
+        return ops.native_variant() or "off (torch reference ops)"
     except Exception as exc:  # noqa: BLE001 - a fingerprint never fails a benchmark
         return f"unknown ({type(exc).__name__})"
 

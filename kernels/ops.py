@@ -12,12 +12,17 @@ triton imports; CPU bf16 tensors of a supported shape go to
 :mod:`kernels.cpu_native`; anything else to the torch reference.  Triton
 modules are imported lazily, on the first CUDA call, so CPU-only use never
 imports triton.
+
+Also here, so that nothing outside kernels/ reaches past this module: the
+whole-stack native path (:func:`decoder_stack`), the native work pool's size
+and the name of the variant in use, and the RoPE caches the ops read.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
+from collections.abc import Sequence
 from typing import Callable
 
 import torch
@@ -26,18 +31,19 @@ import torch.nn.functional as F
 from kernels import cpu_native
 from kernels.activation import silu_mul_ref
 from kernels.block_copy import gather_blocks_ref, scatter_blocks_ref
+from kernels.cpu_native import DecoderStack
 from kernels.kv_quant import is_quantized
 from kernels.kv_write import write_kv_ref
 from kernels.paged_decode_attention import paged_decode_attention_ref
 from kernels.prefill_attention import prefill_attention_ref
 from kernels.rmsnorm import fused_add_rmsnorm_ref, rmsnorm_ref
-from kernels.rope import apply_rope_ref
+from kernels.rope import apply_rope_ref, rope_cos_sin
 
 __all__ = [
     "write_kv", "paged_decode_attention", "prefill_attention", "gather_blocks",
     "scatter_blocks", "rmsnorm", "fused_add_rmsnorm", "apply_rope", "linear", "pack_linear_weight", "silu_mul", "triton_available",
+    "DecoderStack", "decoder_stack", "decoder_stack_takes", "set_native_threads", "native_variant", "rope_cos_sin",
 ]
-
 
 
 @functools.cache
@@ -172,3 +178,41 @@ def apply_rope(
             and cos_cache.is_contiguous() and sin_cache.is_contiguous()):
         return cpu_native.apply_rope(q, k, positions, cos_cache, sin_cache)
     return apply_rope_ref(q, k, positions, cos_cache, sin_cache)
+
+
+# ---- the whole decoder stack in one native call ----------------------------
+
+# One layer's weights, as decoder_stack takes them (projections as returned by pack_linear_weight):
+#   (input_layernorm, w_qkv, b_qkv | None, w_o, post_attention_layernorm, w_gate_up, w_down)
+LayerTensors = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor,
+                     torch.Tensor]
+
+
+def decoder_stack(layers: Sequence[LayerTensors], hidden_size: int, intermediate_size: int, num_heads: int,
+                  num_kv_heads: int, head_dim: int, eps: float) -> DecoderStack | None:
+    """Every layer in one native call (the engine thread gives up the GIL once
+    per step, not once per layer) when every projection was packed for the
+    native kernels and the shapes suit them; None elsewhere: run the layers
+    op by op.  The tensors must outlive the stack."""
+    packed = all(w.dim() == 4 for (_, w_qkv, _, w_o, _, w_gate_up, w_down) in layers
+                 for w in (w_qkv, w_o, w_gate_up, w_down))
+    norms = [t for (ln1, _, _, _, ln2, _, _) in layers for t in (ln1, ln2)]
+    if not (packed and cpu_native.handles(*norms) and head_dim % 32 == 0 and num_heads % num_kv_heads == 0):
+        return None
+    return DecoderStack([cpu_native.layer_weights(*layer) for layer in layers],
+                        hidden_size, intermediate_size, num_heads, num_kv_heads, head_dim, eps)
+
+
+def decoder_stack_takes(kv_pool: torch.Tensor) -> bool:
+    """Whether a :class:`DecoderStack` can run over ``kv_pool`` (bf16 or 8-bit, on the CPU)."""
+    return cpu_native.handles_pool(kv_pool)
+
+
+def set_native_threads(n: int) -> None:
+    """Threads in the native kernels' own work pool (torch's are separate)."""
+    cpu_native.set_num_threads(n)
+
+
+def native_variant() -> str | None:
+    """The native CPU kernels in use ("avx512_bf16", "avx2"), or None: the torch references run."""
+    return cpu_native.loaded_variant()

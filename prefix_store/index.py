@@ -1,138 +1,36 @@
-"""The global prefix index: which live worker holds how many leading blocks.
+"""Prefix indexes by URL scheme: ``make_index(url, cluster=, model=)``.
 
-Contract every implementation keeps (tests/integration/prefix_store runs one
-behavioural suite against all of them):
-
-* ``publish`` applies a worker's coalesced stored/evicted batch.
-* ``register``/``heartbeat`` keep a worker live for ``ttl_s``; a worker whose
-  heartbeat lapses stops matching within its TTL; registering a *newer* epoch
-  of the same name retires the old one at once (its entries never count
-  again); a heartbeat from an *older* epoch is refused (``SUPERSEDED``).
-* ``lookup(block_hashes)`` returns, for every live worker holding block 0,
-  how many *leading* blocks it holds.  It never raises: when the backing
-  store is down or slow it returns an empty, ``degraded`` result within its
-  timeout, so the router falls back to load-only routing.
-* Write operations raise ``IndexUnavailable`` so the publisher can buffer
-  and re-sync; nothing else escapes.
+The interface and its contract are prefix_store.index_base (re-exported
+here); this module is the explicit table of the implementations and imports
+them, nothing imports it back.  A new store: implement ``PrefixIndex`` in its
+own module with a ``from_url(url, *, cluster, model, **options)`` factory and
+add it to ``INDEXES``.
 """
 
 from __future__ import annotations
 
-import enum
-from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable
 
-from prefix_store.events import EventBatch
+from prefix_store import memory_index, redis_index
+from prefix_store.index_base import (
+    HeartbeatStatus, IndexCounters, IndexUnavailable, LookupResult, PrefixIndex, PurgeReport,
+)
 from prefix_store.redis_url import redact_url
-from prefix_store.worker_id import WorkerId
 
-
-class IndexUnavailable(RuntimeError):
-    """The index could not apply a write; the caller should buffer and retry."""
-
-
-class HeartbeatStatus(enum.Enum):
-    REGISTERED = "registered"    # was not live (new, expired, or index restarted): republish
-    RENEWED = "renewed"          # was live at this epoch
-    TOOK_OVER = "took_over"      # replaced an older epoch of the same name
-    SUPERSEDED = "superseded"    # a newer epoch of this name is live: stop publishing
-
-
-@dataclass(frozen=True)
-class LookupResult:
-    """Leading-match length in blocks per live worker name (only names with >= 1)."""
-
-    matched_blocks: dict[str, int]
-    num_blocks: int
-    degraded: bool = False       # True: the index could not answer; treat as no matches
-    error: str = ""
-
-    @classmethod
-    def unavailable(cls, num_blocks: int, error: str) -> "LookupResult":
-        return cls({}, num_blocks, degraded=True, error=error)
-
-    def best(self) -> tuple[str, int] | None:
-        if not self.matched_blocks:
-            return None
-        name = max(self.matched_blocks, key=lambda n: (self.matched_blocks[n], n))
-        return name, self.matched_blocks[name]
-
-
-@dataclass
-class IndexCounters:
-    lookups: int = 0
-    lookup_failures: int = 0      # errors and timeouts
-    lookups_skipped: int = 0      # answered "no matches" without trying (store marked down)
-    publishes: int = 0
-    publish_failures: int = 0
-    purged_blocks: int = 0
-    last_error: str = ""
-
-
-@dataclass
-class PurgeReport:
-    workers_purged: list[str] = field(default_factory=list)
-    blocks_removed: int = 0
-
-
-class PrefixIndex(ABC):
-    """Async interface; the serving path awaits it on its event loop."""
-
-    counters: IndexCounters
-
-    @abstractmethod
-    async def register(self, worker: WorkerId, ttl_s: float, info: dict | None = None) -> HeartbeatStatus:
-        """Make ``worker`` live for ``ttl_s`` (same rules as ``heartbeat``)."""
-
-    @abstractmethod
-    async def heartbeat(self, worker: WorkerId, ttl_s: float) -> HeartbeatStatus: ...
-
-    @abstractmethod
-    async def deregister(self, worker: WorkerId) -> None:
-        """Stop matching ``worker`` now and delete its entries."""
-
-    @abstractmethod
-    async def publish(self, worker: WorkerId, batch: EventBatch) -> None: ...
-
-    @abstractmethod
-    async def clear_worker(self, worker: WorkerId) -> int:
-        """Delete every entry of ``worker`` (live or not); returns blocks removed.
-        A worker calls it on itself before republishing its full block set."""
-
-    @abstractmethod
-    async def lookup(self, block_hashes: Sequence[int]) -> LookupResult: ...
-
-    @abstractmethod
-    async def live_workers(self) -> list[WorkerId]:
-        """Workers live at their current epoch, sorted (for operators and tests)."""
-
-    @abstractmethod
-    async def purge_dead_workers(self) -> PurgeReport:
-        """Delete the entries of every worker that is no longer live at its epoch."""
-
-    async def close(self) -> None:
-        return None
-
+__all__ = ["INDEXES", "HeartbeatStatus", "IndexCounters", "IndexUnavailable", "LookupResult", "PrefixIndex",
+           "PurgeReport", "make_index"]
 
 IndexFactory = Callable[..., PrefixIndex]
-_REGISTRY: dict[str, IndexFactory] = {}
-
-
-def register_index(scheme: str) -> Callable[[IndexFactory], IndexFactory]:
-    def deco(factory: IndexFactory) -> IndexFactory:
-        _REGISTRY[scheme] = factory
-        return factory
-    return deco
+INDEXES: dict[str, IndexFactory] = {
+    "memory": memory_index.from_url,
+    "redis": redis_index.from_url,
+}
 
 
 def make_index(url: str | None, *, cluster: str, model: str, **options) -> PrefixIndex:
     """``url`` is ``redis://[:password@]host:port[/db]`` or ``memory://`` (or None)."""
-    import prefix_store.memory_index  # noqa: F401  (registers "memory")
-    import prefix_store.redis_index  # noqa: F401  (registers "redis")
-
     scheme = "memory" if not url else url.split("://", 1)[0]
-    if scheme not in _REGISTRY:
+    if scheme not in INDEXES:
         raise ValueError(f"prefix index URL {redact_url(url)!r}: unknown scheme {scheme!r}; use one of "
-                         f"{sorted(_REGISTRY)} (e.g. redis://127.0.0.1:6379 or memory://)")
-    return _REGISTRY[scheme](url, cluster=cluster, model=model, **options)
+                         f"{sorted(INDEXES)} (e.g. redis://127.0.0.1:6379 or memory://)")
+    return INDEXES[scheme](url, cluster=cluster, model=model, **options)

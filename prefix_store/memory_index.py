@@ -16,9 +16,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from prefix_store.events import EventBatch
-from prefix_store.index import (
-    HeartbeatStatus, IndexCounters, LookupResult, PrefixIndex, PurgeReport, register_index,
-)
+from prefix_store.index_base import HeartbeatStatus, IndexCounters, LookupResult, PrefixIndex, PurgeReport
 from prefix_store.worker_id import WorkerId
 
 
@@ -127,9 +125,8 @@ class InMemoryPrefixIndex(PrefixIndex):
         return self._info.get(worker.key)
 
 
-@register_index("memory")
-def _from_url(url: str | None, *, cluster: str, model: str, clock: Callable[[], float] = time.monotonic,
-              **_store_options) -> InMemoryPrefixIndex:
+def from_url(url: str | None, *, cluster: str, model: str, clock: Callable[[], float] = time.monotonic,
+             **_store_options) -> InMemoryPrefixIndex:
     """One private index per call (there is nothing to share across processes);
     store options such as timeouts do not apply and are ignored."""
     return InMemoryPrefixIndex(clock=clock)

@@ -25,7 +25,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from prefix_store.events import EventBatch, check_kind
-from prefix_store.index import HeartbeatStatus, IndexUnavailable, PrefixIndex
+from prefix_store.index_base import HeartbeatStatus, IndexUnavailable, PrefixIndex
 from prefix_store.worker_id import WorkerId
 
 log = logging.getLogger(__name__)

@@ -27,9 +27,8 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from prefix_store.events import EventBatch
-from prefix_store.index import (
+from prefix_store.index_base import (
     HeartbeatStatus, IndexCounters, IndexUnavailable, LookupResult, PrefixIndex, PurgeReport,
-    register_index,
 )
 from prefix_store.redis_layout import (
     DEREGISTER_LUA, HEARTBEAT_LUA, LOOKUP_LUA, PURGE_LUA, RedisKeys, hex16, packed_hex, parse_lookup_reply,
@@ -232,6 +231,5 @@ class RedisPrefixIndex(PrefixIndex):
         return None if blob is None else msgpack.unpackb(blob)
 
 
-@register_index("redis")
-def _from_url(url: str, *, cluster: str, model: str, **options) -> RedisPrefixIndex:
+def from_url(url: str, *, cluster: str, model: str, **options) -> RedisPrefixIndex:
     return RedisPrefixIndex(url, cluster=cluster, model=model, **options)

@@ -36,7 +36,7 @@ The whole rule:
 
 from __future__ import annotations
 
-from router.policy import RoutingPolicy
+from router.policy_base import RoutingPolicy
 from router.snapshot import (
     ReplicaLoad, RoutingDecision, RoutingSnapshot, affinity_rank, estimated_ttft_s,
 )

@@ -16,7 +16,7 @@ from prefill.
 
 from __future__ import annotations
 
-from router.policy import RoutingPolicy
+from router.policy_base import RoutingPolicy
 from router.snapshot import ReplicaLoad, RoutingDecision, RoutingSnapshot, affinity_rank, blocks_needed
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import random
 
-from router.policy import RoutingPolicy
+from router.policy_base import RoutingPolicy
 from router.snapshot import ReplicaLoad, RoutingDecision, RoutingSnapshot, estimated_ttft_s
 
 

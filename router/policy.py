@@ -1,50 +1,31 @@
-"""Routing policy interface and registry.
+"""Routing policies by name: ``make_policy("cache_aware", **options)``.
 
-A policy turns a ``RoutingSnapshot`` into a ``RoutingDecision`` and does no
-I/O.  Policies may keep tiny private state (a round-robin turn, an RNG) but
-the rule itself lives in a pure module-level function beside each class.
-
-Capability flag: ``uses_prefix_index`` -- the router queries the global
-prefix index (one round trip) only for policies that set it.
+The interface is router.policy_base (re-exported here); this module is the
+explicit table of the built-in policies and imports them, nothing imports
+it back.  A new policy: subclass ``RoutingPolicy`` in its own module, add
+the class to ``POLICIES``.
 """
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-from typing import ClassVar
+from router.cache_aware import CacheAwarePolicy
+from router.decode_policy import DecodeByKVPolicy
+from router.least_loaded import LeastLoadedPolicy
+from router.policy_base import RoutingPolicy
+from router.round_robin import RoundRobinPolicy
 
-from router.snapshot import RoutingDecision, RoutingSnapshot
+__all__ = ["POLICIES", "RoutingPolicy", "make_policy", "policy_names"]
 
-_POLICIES: dict[str, type["RoutingPolicy"]] = {}
-
-
-class RoutingPolicy(ABC):
-    name: ClassVar[str]
-    uses_prefix_index: ClassVar[bool] = False
-
-    @abstractmethod
-    def choose(self, snapshot: RoutingSnapshot) -> RoutingDecision: ...
-
-    def __init_subclass__(cls, **kwargs) -> None:
-        super().__init_subclass__(**kwargs)
-        if "name" in cls.__dict__:
-            _POLICIES[cls.name] = cls
-
-
-def _load_builtin_policies() -> None:
-    import router.cache_aware  # noqa: F401  (each import registers its policy)
-    import router.decode_policy  # noqa: F401
-    import router.least_loaded  # noqa: F401
-    import router.round_robin  # noqa: F401
+POLICIES: dict[str, type[RoutingPolicy]] = {
+    cls.name: cls for cls in (CacheAwarePolicy, DecodeByKVPolicy, LeastLoadedPolicy, RoundRobinPolicy)
+}
 
 
 def make_policy(name: str, **options) -> RoutingPolicy:
-    _load_builtin_policies()
-    if name not in _POLICIES:
-        raise ValueError(f"routing policy {name!r} is unknown: use one of {sorted(_POLICIES)}")
-    return _POLICIES[name](**options)
+    if name not in POLICIES:
+        raise ValueError(f"routing policy {name!r} is unknown: use one of {sorted(POLICIES)}")
+    return POLICIES[name](**options)
 
 
 def policy_names() -> list[str]:
-    _load_builtin_policies()
-    return sorted(_POLICIES)
+    return sorted(POLICIES)

@@ -5,7 +5,7 @@ The baseline every other policy is measured against.
 
 from __future__ import annotations
 
-from router.policy import RoutingPolicy
+from router.policy_base import RoutingPolicy
 from router.snapshot import RoutingDecision, RoutingSnapshot, estimated_ttft_s
 
 

@@ -18,7 +18,7 @@ from transfer.layout import KVLayout, check_compatible
 from transfer.lease_guard import LEASE_SAFETY_MARGIN_S, OWNER_FREE_GRACE_S, LeaseGuard
 from transfer.peer import Notification, PeerDescriptor
 from transfer.pool_alloc import allocate_kv_pool
-from transfer.registry import backend_class, backend_names, create_backend, register_backend
+from transfer.registry import backend_class, backend_names, create_backend
 from transfer.runs import BlockRun, coalesce_block_runs
 
 __all__ = [
@@ -27,5 +27,4 @@ __all__ = [
     "LeaseExpiredError", "LeaseGuard",
     "Notification", "PeerDescriptor", "TransferBackend", "TransferError", "TransferStats", "allocate_kv_pool",
     "backend_class", "backend_names", "check_compatible", "coalesce_block_runs", "create_backend",
-    "register_backend",
 ]

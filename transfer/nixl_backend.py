@@ -42,7 +42,6 @@ from transfer.errors import BackendUnavailableError, TransferError
 from transfer.layout import KVLayout
 from transfer.lease_guard import LeaseGuard
 from transfer.peer import PeerDescriptor, peer_id_of_agent
-from transfer.registry import register_backend
 from transfer.runs import BlockRun, runs_to_regions
 
 log = logging.getLogger("pdcluster.transfer")
@@ -61,7 +60,6 @@ def _load_nixl() -> tuple[Any, Any]:
     return nixl_agent, nixl_agent_config
 
 
-@register_backend
 class NixlBackend(TransferBackend):
     name = "nixl"
     one_sided = True  # on same-host CMA and RDMA; over plain TCP the owner's ticker serves it

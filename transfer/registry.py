@@ -5,42 +5,36 @@ backend that cannot start always does).
 
 ``internal_host`` is the address the peer serves on and advertises
 (transfer.address): the socket backend's block server binds it, NIXL's UCX
-uses the device that holds it; a non-loopback one needs the cluster secret."""
+uses the device that holds it; a non-loopback one needs the cluster secret.
+
+The interface is transfer.base; this module is the explicit table of the
+backends and imports them, nothing imports it back.  A new backend:
+subclass ``TransferBackend`` in its own module, add the class to ``BACKENDS``."""
 
 from __future__ import annotations
 
-import importlib
 import logging
 from typing import Any
 
 from transfer.address import check_exposure, device_of
 from transfer.base import TransferBackend
 from transfer.errors import BackendUnavailableError
+from transfer.nixl_backend import NixlBackend
+from transfer.socket_backend import SocketBackend
 
 log = logging.getLogger("pdcluster.transfer")
 
-_BACKENDS: dict[str, type[TransferBackend]] = {}
-_BUILTIN_MODULES = ("transfer.nixl_backend", "transfer.socket_backend")
+BACKENDS: dict[str, type[TransferBackend]] = {cls.name: cls for cls in (NixlBackend, SocketBackend)}
 AUTO_ORDER = ("nixl", "fallback")
 
 
-def register_backend(cls: type[TransferBackend]) -> type[TransferBackend]:
-    """Class decorator: makes ``cls`` creatable by its ``name``."""
-    if cls.name in _BACKENDS and _BACKENDS[cls.name] is not cls:
-        raise ValueError(f"transfer backend {cls.name!r} is already registered by {_BACKENDS[cls.name]}")
-    _BACKENDS[cls.name] = cls
-    return cls
-
-
 def backend_names() -> list[str]:
-    _load_builtins()
-    return sorted(_BACKENDS)
+    return sorted(BACKENDS)
 
 
 def backend_class(name: str) -> type[TransferBackend]:
-    _load_builtins()
     try:
-        return _BACKENDS[name]
+        return BACKENDS[name]
     except KeyError:
         raise ValueError(f"unknown transfer backend {name!r}; choose one of {backend_names()} or 'auto'") from None
 
@@ -78,8 +72,3 @@ def _transport_options(cls: type[TransferBackend], internal_host: str | None) ->
         return {}
     device = device_of(internal_host)  # also: the address is this host's own, or it fails here, loudly
     return {"host": internal_host} if cls.needs_listener else {"net_devices": device}
-
-
-def _load_builtins() -> None:
-    for module in _BUILTIN_MODULES:
-        importlib.import_module(module)

@@ -29,7 +29,6 @@ from transfer.layout import KVLayout
 from transfer.lease_guard import LeaseGuard, lease_expired_error
 from transfer.peer import PeerDescriptor
 from transfer.pool_bytes import PoolBytes
-from transfer.registry import register_backend
 from transfer.runs import BlockRun
 from transfer.socket_auth import answer_challenge
 from transfer.wire import MAX_REPLY_BYTES, recv_exactly, recv_frame, send_frame
@@ -94,7 +93,6 @@ class _SocketPeer:
         return sock
 
 
-@register_backend
 class SocketBackend(TransferBackend):
     name = "fallback"
     one_sided = False  # the owner's server thread sends every byte

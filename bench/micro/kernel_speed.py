@@ -25,7 +25,7 @@ from typing import Callable
 import torch
 
 from bench.fingerprint import print_fingerprint
-from kernels import cpu_native, ops
+from kernels import ops
 from kernels.block_copy import gather_blocks_ref, scatter_blocks_ref
 from kernels.kv_write import write_kv_ref
 from kernels.paged_decode_attention import paged_decode_attention_ref
@@ -157,7 +157,7 @@ def linear_table(min_time_s: float, copy_peak: float) -> None:
     and ``ops.linear`` on packed weights; weight GB/s against copy_ tells how
     close a decode GEMV is to its bandwidth floor."""
     cpu = torch.device("cpu")
-    print(f"linear (y = x W^T, bf16; {cpu_native.loaded_variant() or 'no native'} kernels vs torch):")
+    print(f"linear (y = x W^T, bf16; {ops.native_variant() or 'no native'} kernels vs torch):")
     print(f"{'shape M x K -> N':<28}{'torch bf16':>11}{'torch fp32':>11}{'ours ms':>9}{'vs bf16':>9}{'vs fp32':>9}"
           f"{'GFLOP/s':>9}{'W GB/s':>8}{'of copy_':>9}")
     for m in LINEAR_ROWS:
@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         peak = copy_gbps(device, args.min_time_s)
         print(f"device: CPU, {torch.get_num_threads()} torch threads; plain copy_ {peak:.1f} GB/s (this run)")
-        print(f"compares: each op through kernels.ops (native kernels: {cpu_native.loaded_variant() or 'none'}) "
+        print(f"compares: each op through kernels.ops (native kernels: {ops.native_variant() or 'none'}) "
               "with the torch reference, and its bandwidth with copy_")
     print(f"shapes: SmolLM2-135M, {HEADS} q / {KV_HEADS} kv heads, head dim {HEAD_DIM}, {LAYERS} layers, "
           f"block size {BLOCK_SIZE}, {DTYPE}; bandwidth = minimum bytes moved / time")
@@ -226,7 +226,7 @@ def main(argv: list[str] | None = None) -> None:
 def run_cases(cases: list[Case], device: torch.device, on_gpu: bool, peak: float,
               min_time_s: float) -> dict[str, float]:
     """Prints one row per case; returns the measured GB/s by case name."""
-    fast_name = "triton ms" if on_gpu else ("native ms" if cpu_native.available() else "ops ms")
+    fast_name = "triton ms" if on_gpu else ("native ms" if ops.native_variant() is not None else "ops ms")
     head = f"{'op':<38}{'torch ms':>10}{fast_name:>11}{'speedup':>9}"
     print(head + f"{'GB/s':>9}{'of peak' if on_gpu else 'of copy_':>10}{'TFLOP/s':>9}")
     gbps: dict[str, float] = {}

@@ -48,7 +48,7 @@ def owner_stdio(host: str, backends: list[str], pool_blocks: int) -> int:
 
     import torch
 
-    from bench.micro.transfer_speed import SMOLLM2, fill_pattern
+    from bench.micro.transfer_cases import SMOLLM2, fill_pattern
     from transfer import allocate_kv_pool, create_backend
 
     torch.set_num_threads(1)
@@ -85,7 +85,7 @@ def puller_stdio(host: str, owner_ns: str, owner_host: str, backends: list[str],
     measures every size, writes one JSON line of median seconds per case."""
     import torch
 
-    from bench.micro.transfer_speed import SMOLLM2, measure_size, reps_for
+    from bench.micro.transfer_cases import SMOLLM2, measure_size, reps_for
     from transfer import allocate_kv_pool, create_backend
 
     torch.set_num_threads(1)
@@ -124,7 +124,7 @@ def run(sizes: list[int], backends: list[str], reps_scale: float) -> int:
     from bench.fingerprint import print_fingerprint
     from bench.micro.netns import two_hosts, unavailable_reason
     from bench.targets import print_target
-    from bench.micro.transfer_speed import SMOLLM2
+    from bench.micro.transfer_cases import SMOLLM2
 
     print_fingerprint()
     why_not = unavailable_reason()
@@ -163,7 +163,7 @@ def run(sizes: list[int], backends: list[str], reps_scale: float) -> int:
 
 
 def print_table(results: dict, sizes: list[int], backends: list[str]) -> None:
-    from bench.micro.transfer_speed import SMOLLM2
+    from bench.micro.transfer_cases import SMOLLM2
 
     print(f"\n{'scenario':<10} {'blocks':>6} {'MiB':>7}  " + "  ".join(f"{b + ' GB/s':>14}" for b in backends)
           + f"  {'memcpy GB/s':>11}")

@@ -18,11 +18,12 @@ import dataclasses
 import logging
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 
 import torch
 
-from kernels import cpu_native
+from kernels import ops
 from kernels.kv_quant import pool_dtype
 
 from services.engine.config import EngineConfig
@@ -32,9 +33,9 @@ from services.engine.grammar import GrammarCache
 from services.engine.kv_cache import KVCache, KVCacheSpec, KVEventCallback
 from services.engine.lease import LeaseTable
 from services.engine.model.loader import LoadedModel, block_hash_seed, load_model
-from services.engine.output_history import check_prior_output, seed_output_history
+from services.engine.output_history import check_prior_output, replay_prior_output
 from services.engine.outputs import EngineStats, ExternalKVAllocation, PrefillResult, RequestOutput
-from services.engine.request import FinishReason, Request, RequestStatus
+from services.engine.request import FinishReason, Request
 from services.engine.runner import ModelRunner
 from services.engine.sampler import SampleResult
 from services.engine.sampling_params import SamplingParams
@@ -67,7 +68,7 @@ class Engine:
         # would spin beside it, so torch ops inside a native step get one thread.
         self._native = self.loaded.model.native_stack is not None
         if self._native:
-            cpu_native.set_num_threads(config.num_threads or torch.get_num_threads())
+            ops.set_native_threads(config.num_threads or torch.get_num_threads())
         self.tokenizer = self.loaded.tokenizer
         mc = self.loaded.config
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
@@ -84,7 +85,6 @@ class Engine:
         self.grammars = GrammarCache(self.tokenizer, mc.vocab_size)
         self.runner.sampler.grammar.bind(self.grammars)
         self.leases = LeaseTable(self.kv.free, config.lease_ttl_s)
-        self.awaiting_kv: dict[str, Request] = {}
         # A reservation waits at most as long as the lease it will pull from.
         self.reservation_ttl_s = config.lease_ttl_s
         self._reservation_expiry: dict[str, float] = {}  # request id -> time.monotonic()
@@ -96,6 +96,11 @@ class Engine:
         self.num_failed_steps = 0
         self.num_expired_reservations = 0
         self._consecutive_failed_steps = 0
+
+    @property
+    def awaiting_kv(self) -> Mapping[str, Request]:
+        """Reserved requests whose prompt K/V is coming from outside (read-only: the scheduler's)."""
+        return MappingProxyType(self.scheduler.awaiting_kv)
 
     # ---- intake --------------------------------------------------------
     def _make_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
@@ -154,8 +159,9 @@ class Engine:
         req = self._make_request(request_id, prompt, params, prefill_only, block_hashes)
         self.requests[request_id] = req
         self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop)
-        seed_output_history(req, prior_output_token_ids, self._detok[request_id], self.tokenizer.eos_token_ids)
-        self.scheduler.add(req)
+        replay_prior_output(self._detok[request_id], prior_output_token_ids, params.ignore_eos,
+                            self.tokenizer.eos_token_ids)
+        self.scheduler.add(req, prior_output_token_ids)
         return req
 
     # ---- disaggregation: K/V written from outside ------------------------
@@ -168,18 +174,11 @@ class Engine:
         if ttl_s is not None and not 0 < ttl_s < float("inf"):
             raise InvalidRequestError(f"ttl_s must be a finite number of seconds > 0, got {ttl_s!r}")
         req = self._make_request(request_id, prompt_token_ids, params, block_hashes=block_hashes)
-        sched, bs = self.scheduler, self.kv_spec.block_size
-        match = self.kv.match_prefix(sched.update_hashes(req))
-        need = -(-req.num_prompt_tokens // bs) - match.num_blocks
-        if need > self.kv.num_free_blocks - match.num_evictable:
+        num_cached_blocks = self.scheduler.reserve_external(req)
+        if num_cached_blocks is None:
             return None
-        self.kv.acquire(match.block_ids)
-        req.block_ids = list(match.block_ids) + self.kv.allocate(need)
-        req.num_cached_tokens = match.num_blocks * bs
-        req.status = RequestStatus.WAITING_FOR_KV
-        self.awaiting_kv[request_id] = req
         self._reservation_expiry[request_id] = time.monotonic() + (ttl_s or self.reservation_ttl_s)
-        return ExternalKVAllocation(request_id, tuple(req.block_ids), match.num_blocks)
+        return ExternalKVAllocation(request_id, tuple(req.block_ids), num_cached_blocks)
 
     def commit_external(self, request_id: str, first_token_id: int) -> Request:
         """The reserved blocks now hold the prompt's K/V: decode from
@@ -188,25 +187,19 @@ class Engine:
         if isinstance(first_token_id, bool) or not isinstance(first_token_id, int) or not 0 <= first_token_id < vocab:
             raise InvalidRequestError(
                 f"first token id {first_token_id!r} is outside this model's vocabulary [0, {vocab})")
-        req = self.awaiting_kv.pop(request_id, None)
+        req = self.scheduler.commit_external(request_id, first_token_id)
         self._reservation_expiry.pop(request_id, None)
         if req is None:
             raise UnknownRequestError(f"no reserved request {request_id!r} (never reserved, aborted, or expired "
                                       "before the K/V came): call reserve_external again")
-        req.num_computed_tokens = req.num_prompt_tokens
-        self.scheduler.commit_computed_blocks(req)
         self.requests[request_id] = req
         detok = IncrementalDetokenizer(self.tokenizer, req.params.stop)
         self._detok[request_id] = detok
-        req.output_token_ids.append(first_token_id)
         detok.add(first_token_id)
-        req.status = RequestStatus.RUNNING
         reason = self._stop_reason(req, first_token_id, detok)
         if reason is not None:
             self._finish(req, reason)
             self._forget(request_id)
-        else:
-            self.scheduler.running.append(req)
         return req
 
     def expire_stale(self, now: float | None = None) -> None:
@@ -235,12 +228,11 @@ class Engine:
     # ---- control ----------------------------------------------------------
     def abort(self, request_id: str) -> bool:
         self._reservation_expiry.pop(request_id, None)
-        req = self.awaiting_kv.pop(request_id, None) or self.requests.get(request_id)
+        req = self.scheduler.awaiting_kv.get(request_id) or self.requests.get(request_id)
         if req is None:
             return self.leases.release(request_id)
         if not req.is_finished:
-            self.scheduler.remove(req)
-            req.status, req.finish_reason = RequestStatus.FINISHED, FinishReason.ABORT
+            self.scheduler.finish(req, FinishReason.ABORT)
         self._forget(request_id)
         return True
 
@@ -411,7 +403,8 @@ class Engine:
         """Asserts the pool is consistent and every block reference has an
         owner: a request (running, waiting or reserved) or the lease table."""
         self.kv.check_integrity()
-        reqs = list(self.scheduler.running) + list(self.scheduler.waiting) + list(self.awaiting_kv.values())
+        s = self.scheduler
+        reqs = list(s.running) + list(s.waiting) + list(s.awaiting_kv.values())
         owners: Counter[int] = Counter(self.leases.held_block_ids())
         for req in reqs:
             req.check_invariants(self.kv_spec.block_size)

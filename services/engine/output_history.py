@@ -25,7 +25,6 @@ from collections.abc import Sequence
 
 from services.engine.detokenizer import IncrementalDetokenizer
 from services.engine.errors import InvalidRequestError
-from services.engine.request import Request
 
 
 def check_prior_output(prior: Sequence[int], max_tokens: int, vocab_size: int) -> None:
@@ -39,12 +38,12 @@ def check_prior_output(prior: Sequence[int], max_tokens: int, vocab_size: int) -
                                   f"[0, {vocab_size})")
 
 
-def seed_output_history(req: Request, prior: Sequence[int], detok: IncrementalDetokenizer,
+def replay_prior_output(detok: IncrementalDetokenizer, prior: Sequence[int], ignore_eos: bool,
                         eos_token_ids: Sequence[int]) -> None:
-    """Makes ``prior`` the request's first output tokens and replays them
-    through ``detok`` the way post-processing would have (EOS adds no text
-    unless ignore_eos), discarding the text: the client already has it."""
-    req.output_token_ids.extend(prior)
+    """Replays ``prior`` through ``detok`` the way post-processing would have
+    (EOS adds no text unless ignore_eos), discarding the text: the client
+    already has it.  The request itself gets ``prior`` as its first output
+    tokens from ``Scheduler.add``."""
     for token in prior:
-        if req.params.ignore_eos or token not in eos_token_ids:
+        if ignore_eos or token not in eos_token_ids:
             detok.add(token)

@@ -17,6 +17,16 @@ draft of k tokens after its last one (k+1 tokens, one query); the draft's
 blocks come only from free ones -- a draft never preempts anyone -- and
 ``update()`` keeps the accepted part and frees the blocks past it.
 
+Two more ways in, both admitted here (the scheduler is the only writer of
+its queues): a resumed request enters ``waiting`` with the output another
+replica generated (``add(req, prior_output_token_ids)``, output_history.py),
+and a request whose prompt K/V is computed elsewhere is reserved into
+``awaiting_kv`` (``reserve_external``) and joins ``running`` once the K/V has
+landed (``commit_external``)::
+
+    add ------------------------> waiting --admit--> running --finish--> (gone)
+    reserve_external --> awaiting_kv --commit_external--^
+
 The scheduler never runs the model; ``update()`` applies the step's result.
 """
 
@@ -24,6 +34,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from prefix_store.hashing import hash_prompt_blocks
@@ -84,6 +95,7 @@ class Scheduler:
         self.hash_seed = hash_seed
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.awaiting_kv: dict[str, Request] = {}  # reserved blocks, prompt K/V coming from outside
         self._admission_paused = False
         self.num_preemptions = 0
         self.num_prompt_tokens_computed = 0
@@ -107,17 +119,51 @@ class Scheduler:
         self.kv.commit(req.block_ids[:n_full], hashes)
 
     # ---- queue -------------------------------------------------------
-    def add(self, req: Request) -> None:
+    def add(self, req: Request, prior_output_token_ids: Sequence[int] = ()) -> None:
+        """Queues ``req``.  A resumed request brings the output another replica
+        generated: it counts as output, and admission recomputes its K/V as it
+        does a preempted request's (output_history.py)."""
+        req.output_token_ids.extend(prior_output_token_ids)
         req.status = RequestStatus.WAITING
         self.waiting.append(req)
 
-    def remove(self, req: Request) -> None:
-        """Takes an unfinished request out of the queues and frees its blocks."""
-        if req in self.running:
+    def reserve_external(self, req: Request) -> int | None:
+        """Admits ``req`` to wait for its prompt's K/V from outside: blocks for
+        the whole prompt, the leading ones found in the prefix cache taken by
+        reference.  Returns how many blocks the cache held, or None if the
+        pool cannot hold the prompt now."""
+        match = self.kv.match_prefix(self.update_hashes(req))
+        need = _cdiv(req.num_prompt_tokens, self.block_size) - match.num_blocks
+        if need > self.kv.num_free_blocks - match.num_evictable:
+            return None
+        self.kv.acquire(match.block_ids)
+        req.block_ids = list(match.block_ids) + self.kv.allocate(need)
+        req.num_cached_tokens = match.num_blocks * self.block_size
+        req.status = RequestStatus.WAITING_FOR_KV
+        self.awaiting_kv[req.request_id] = req
+        return match.num_blocks
+
+    def commit_external(self, request_id: str, first_token_id: int) -> Request | None:
+        """The reserved blocks of ``request_id`` hold its prompt's K/V now: its
+        full blocks enter the prefix cache and it runs, decoding from
+        ``first_token_id``.  None if nothing is reserved under that id."""
+        req = self.awaiting_kv.pop(request_id, None)
+        if req is None:
+            return None
+        req.num_computed_tokens = req.num_prompt_tokens
+        self.commit_computed_blocks(req)
+        req.output_token_ids.append(first_token_id)
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        return req
+
+    def _dequeue(self, req: Request) -> None:
+        if self.awaiting_kv.get(req.request_id) is req:
+            del self.awaiting_kv[req.request_id]
+        elif req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        self.free_blocks(req)
 
     def free_blocks(self, req: Request) -> None:
         if req.block_ids:
@@ -278,10 +324,7 @@ class Scheduler:
     def finish(self, req: Request, reason: FinishReason, keep_blocks: bool = False) -> list[int]:
         """Ends a request; frees its blocks unless ``keep_blocks`` (then the
         caller owns them, e.g. under a lease).  Returns the block ids."""
-        if req in self.running:
-            self.running.remove(req)
-        elif req in self.waiting:
-            self.waiting.remove(req)
+        self._dequeue(req)
         blocks = req.block_ids
         if keep_blocks:
             req.block_ids = []

@@ -8,8 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels import cpu_native, ops
-from kernels.rope import rope_cos_sin
+from kernels import ops
 from services.engine.forward_batch import ForwardBatch
 from services.engine.model.config import ModelConfig
 from services.engine.model.rope_scaling import rope_inv_freq
@@ -72,7 +71,7 @@ class LlamaModel(nn.Module):
         if self.embed_tokens.weight.device.type == "meta":
             return  # built for real after to_empty()
         inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-        cos, sin = rope_cos_sin(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, inv_freq)
+        cos, sin = ops.rope_cos_sin(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, inv_freq)
         device = self.embed_tokens.weight.device
         self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
 
@@ -99,30 +98,23 @@ class LlamaModel(nn.Module):
             self.lm_head_packed = packed if packed is not self.embed_tokens.weight else None
         self.native_stack = self._native_stack()
 
-    native_stack: "cpu_native.DecoderStack | None" = None
+    native_stack: ops.DecoderStack | None = None
 
-    def _native_stack(self) -> "cpu_native.DecoderStack | None":
-        """The fused-layer path when every layer's projections were packed for
-        the native CPU kernels and the shapes suit them."""
+    def _native_stack(self) -> ops.DecoderStack | None:
+        """The fused-layer path, where ops offers it for these weights."""
         cfg = self.cfg
-        packed = all(p.weight.dim() == 4 for layer in self.layers
-                     for p in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj))
-        norms = [t for layer in self.layers for t in (layer.input_layernorm, layer.post_attention_layernorm)]
-        if not (packed and cpu_native.handles(*norms) and cfg.head_dim % 32 == 0
-                and cfg.num_heads % cfg.num_kv_heads == 0):
-            return None
-        return cpu_native.DecoderStack(
-            [cpu_native.layer_weights(layer.input_layernorm, layer.qkv_proj.weight, layer.qkv_proj.bias,
-                                      layer.o_proj.weight, layer.post_attention_layernorm,
-                                      layer.gate_up_proj.weight, layer.down_proj.weight) for layer in self.layers],
-            cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps)
+        layers = [(layer.input_layernorm, layer.qkv_proj.weight, layer.qkv_proj.bias, layer.o_proj.weight,
+                   layer.post_attention_layernorm, layer.gate_up_proj.weight, layer.down_proj.weight)
+                  for layer in self.layers]
+        return ops.decoder_stack(layers, cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
+                                 cfg.head_dim, cfg.rms_norm_eps)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_pool: torch.Tensor) -> torch.Tensor:
         """Returns fp32 logits [len(batch.logits_indices), vocab]."""
         eps = self.cfg.rms_norm_eps
         hidden = self.embed_tokens(batch.input_ids)
-        if self.native_stack is not None and cpu_native.handles_pool(kv_pool):  # bf16 or 8-bit KV
+        if self.native_stack is not None and ops.decoder_stack_takes(kv_pool):  # bf16 or 8-bit KV
             x, residual = self.native_stack.forward(hidden, batch, kv_pool, self.rope_cos, self.rope_sin)
         else:
             residual = hidden

@@ -129,3 +129,45 @@ def test_finish_keep_blocks_hands_them_over():
     assert blocks == [0, 1] and s.kv.num_free_blocks == 6
     s.kv.free(blocks)
     assert s.kv.num_free_blocks == 8
+
+
+def test_reserve_external_takes_cached_blocks_then_commit_runs_it():
+    s = make_scheduler()
+    a = make_request("a", 9, max_tokens=1)
+    s.add(a)
+    step(s)  # a's two full blocks (0, 1) enter the prefix cache; a finished by max_tokens below
+    s.finish(a, FinishReason.LENGTH)
+    b = make_request("b", 10)  # same first 9 tokens: two cached blocks, one new
+    assert s.reserve_external(b) == 2
+    assert b.block_ids == [0, 1, 3] and b.num_cached_tokens == 8 and b.num_computed_tokens == 0
+    assert b.status is RequestStatus.WAITING_FOR_KV and s.awaiting_kv == {"b": b} and s.num_unfinished == 0
+    assert s.commit_external("b", 42) is b
+    assert b.status is RequestStatus.RUNNING and s.running == [b] and not s.awaiting_kv
+    assert b.num_computed_tokens == 10 and b.output_token_ids == [42]
+    out = step(s)
+    assert [(e.request.request_id, e.num_new_tokens) for e in out.decodes] == [("b", 1)]
+    assert s.commit_external("b", 42) is None  # nothing reserved under that id any more
+
+
+def test_reserve_external_refuses_what_the_pool_cannot_hold():
+    s = make_scheduler(num_blocks=2)
+    assert s.reserve_external(make_request("a", 9)) is None
+    assert not s.awaiting_kv and s.kv.num_free_blocks == 2
+
+
+def test_finish_frees_a_reservation():
+    s = make_scheduler()
+    a = make_request("a", 8)
+    s.reserve_external(a)
+    s.finish(a, FinishReason.ABORT)
+    assert not s.awaiting_kv and a.block_ids == [] and s.kv.num_free_blocks == 8
+
+
+def test_resumed_request_enters_with_its_prior_output_and_recomputes_it():
+    s = make_scheduler(num_blocks=16)
+    a = make_request("a", 5, max_tokens=8)
+    s.add(a, prior_output_token_ids=[70, 71, 72])
+    assert a.output_token_ids == [70, 71, 72] and a.num_tokens == 8
+    out = step(s, token=9)
+    assert [(e.request.request_id, e.num_new_tokens) for e in out.prefills] == [("a", 8)]
+    assert a.output_token_ids == [70, 71, 72, 9] and a.num_prompt_tokens == 5

@@ -2,7 +2,9 @@
 
 - the libraries under the services (router, prefix_store, transfer, kernels,
   observability) never import ``services``, not even lazily;
-- no import circle among modules at import time;
+- no import circle among modules, lazy imports inside functions included;
+- outside kernels/, kernels are reached only through ``kernels.ops`` (and
+  ``kernels.kv_quant`` for the KV pool's format names, see below);
 - no bench module is named like a standard-library module or a top-level
   package, so ``python bench/<room>/<x>.py`` cannot shadow one."""
 
@@ -117,12 +119,61 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def test_no_import_circles():
-    graph = {m: _imports(m, top_level_only=True) for m in MODULES}
+    """Lazy imports (inside functions) count too: a circle broken only by
+    deferring one import is still a circle in the design."""
+    graph = {m: _imports(m, top_level_only=False) for m in MODULES}
     # A package's __init__ importing its own submodules is how packages re-export; not a circle.
     for m, deps in graph.items():
         if MODULES[m].name == "__init__.py":
             graph[m] = {d for d in deps if not d.startswith(m + ".")}
     assert not _cycles(graph), _cycles(graph)
+
+
+# The doors into kernels/ from outside it.  kernels.ops dispatches every op
+# (Triton, native CPU, torch reference) and is the only way to run one.
+# kernels.kv_quant is open too, for the KV pool's format only: the pool dtype
+# for a config value, its label, the row width.  Those names compute nothing
+# on tensors; they are facts about the pool's bytes that the config, the KV
+# cache and the worker's status must agree on with the kernels, so they are
+# defined once, beside the kernels that read the rows.  kv_quant's
+# quantize/dequantize references are kernels and stay behind ops.
+KV_FORMAT_NAMES = {"pool_dtype", "kv_dtype_label", "row_width", "pool_head_dim", "is_quantized", "SCALE_BYTES",
+                   "KV_CACHE_DTYPES", "QUANTIZED_DTYPES"}
+# A kernel benchmark times each op against its torch reference, which lives beside the kernel.
+MAY_REACH_INTO_KERNELS = {"bench.micro.kernel_speed"}
+
+
+def _kernel_imports(module: str) -> list[tuple[str, tuple[str, ...]]]:
+    """(kernels module, names taken from it; () for the module itself), lazy imports included."""
+    found = []
+    for node in ast.walk(ast.parse(MODULES[module].read_text())):
+        if isinstance(node, ast.Import):
+            found += [(a.name, ()) for a in node.names if a.name.split(".")[0] == "kernels"]
+        elif isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] == "kernels":
+            if node.module == "kernels":
+                found += [(f"kernels.{a.name}", ()) for a in node.names]
+            else:
+                found.append((node.module, tuple(a.name for a in node.names)))
+    return found
+
+
+def _allowed_kernel_import(target: str, names: tuple[str, ...]) -> bool:
+    return target == "kernels.ops" or (target == "kernels.kv_quant" and bool(names) and set(names) <= KV_FORMAT_NAMES)
+
+
+def test_kernels_are_reached_only_through_ops():
+    offenders = sorted(f"{m} imports {target}" + (f" ({', '.join(names)})" if names else "")
+                       for m in MODULES if m.split(".")[0] != "kernels" and m not in MAY_REACH_INTO_KERNELS
+                       for target, names in _kernel_imports(m) if not _allowed_kernel_import(target, names))
+    assert not offenders, "go through kernels.ops (add the entry it lacks there):\n" + "\n".join(offenders)
+
+
+def test_kernel_import_rule_tells_ops_from_the_rest():
+    assert _allowed_kernel_import("kernels.ops", ())
+    assert _allowed_kernel_import("kernels.kv_quant", ("pool_dtype", "row_width"))
+    assert not _allowed_kernel_import("kernels.kv_quant", ("quantize_rows",))
+    assert not _allowed_kernel_import("kernels.kv_quant", ())
+    assert not _allowed_kernel_import("kernels.cpu_native", ())
 
 
 def test_cycle_finder_finds_a_circle():
