@@ -46,7 +46,10 @@ def call_and_check(app, case) -> int:
 def test_fuzzed_bodies_are_never_5xx_and_conform(fuzz_app, path, mode):
     statuses: set[int] = set()
 
-    @settings(max_examples=EXAMPLES_PER_RUN, deadline=None, database=None,
+    # derandomize: the same examples every run. The positive runs must reach the backend at least once,
+    # and whether 250 random schema-valid bodies include one it accepts depends on the seed (seed 5 made
+    # every chat body a 400/404): a fixed draw keeps that check from flipping with pytest's random seed.
+    @settings(max_examples=EXAMPLES_PER_RUN, deadline=None, database=None, derandomize=True,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large])
     @given(case=SCHEMA[path]["POST"].as_strategy(generation_mode=mode))
     def run(case):
