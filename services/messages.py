@@ -42,7 +42,7 @@ class PrefillResponse:
 class GenerateRequest:
     request_id: str
     prompt_token_ids: list[int]
-    params: SamplingParams           # built once, from the HTTP request (services/openai/params.py)
+    params: SamplingParams           # built once, from the HTTP request (services/openai/protocol.py)
     routing: RoutingHeader           # the prompt's block hashes and where this call may go
     trace_context: dict[str, str] = field(default_factory=dict)  # W3C carrier
     faults: tuple[str, ...] = ()     # test-only fault injection (services/pools/faults.py)
