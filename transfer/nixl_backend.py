@@ -180,6 +180,8 @@ class NixlBackend(TransferBackend):
             with self._lock:
                 self._inbox.append((peer_id_of_agent(sender), payload))
             return
+        if obj["op"] == "ping":
+            return
         try:
             msg = decode(obj, sender)
         except TransferError as e:

@@ -19,7 +19,7 @@ from transfer.errors import TransferError
 from transfer.lease_guard import lease_expired_error
 from transfer.peer import PeerDescriptor
 from transfer.runs import BlockRun
-from transfer.write_request import WriteDone, WriteRequest, sign_cancel, sign_request, verify
+from transfer.write_request import PING, PING_INTERVAL_S, WriteDone, WriteRequest, sign_cancel, sign_request, verify
 
 if TYPE_CHECKING:
     from transfer.nixl_backend import NixlBackend
@@ -89,7 +89,11 @@ def pull_by_write(backend: NixlBackend, desc: PeerDescriptor, runs: list[BlockRu
 
 
 def _await(backend: NixlBackend, seq: int, deadline: Deadline, desc: PeerDescriptor) -> tuple[str, WriteDone]:
+    """The owner's answer to ``seq``; TransferError at the deadline, or as soon as
+    a ping finds the owner gone (nothing of ours is outstanding on the connection
+    otherwise: UCX would not tell)."""
     spin_until = time.perf_counter() + _SPIN_S
+    ping_at = time.monotonic() + PING_INTERVAL_S
     sleep_s = 20e-6
     while True:
         backend._collect_notifications()  # progresses the worker: the WRITE's bytes land meanwhile
@@ -97,6 +101,9 @@ def _await(backend: NixlBackend, seq: int, deadline: Deadline, desc: PeerDescrip
         if answer is not None:
             return answer
         deadline.check()
+        if time.monotonic() >= ping_at:
+            backend._send(desc, PING, deadline)
+            ping_at = time.monotonic() + PING_INTERVAL_S
         if time.perf_counter() > spin_until:
             time.sleep(sleep_s)
             sleep_s = min(sleep_s * 1.5, _MAX_SLEEP_S)

@@ -6,6 +6,8 @@ carried as NIXL notifications between the two agents:
                       {"op": "wrote", "seq", "ok": true, "tag"} sent once the bytes landed
                     | {"op": "wrote", "seq", "ok": false, "code", "error", "tag"}  nothing written
     puller -> owner   {"op": "cancel", "seq", "tag"}   the puller gave up: do not start, or stop
+    puller -> owner   {"op": "ping"}   while waiting, every PING_INTERVAL_S: ignored by the owner,
+                      but sending it fails at once when the owner's host reset the connection
 
 ``runs`` are [owner block, puller block, count] triples; ``puller`` is the
 puller's own signed PeerDescriptor (where its pool lies, its agent metadata);
@@ -31,6 +33,8 @@ from transfer.runs import BlockRun
 from transfer.wire import MAX_DESCRIPTOR_BYTES, pack, unpack
 
 MAX_ERROR_CHARS = 500
+PING = pack({"op": "ping"})
+PING_INTERVAL_S = 0.1
 _RUN_BYTES = 1 + 3 * 9  # a msgpack [owner, puller, count] triple of uint64s, at most
 
 
@@ -113,7 +117,8 @@ def verify(msg: Message, secret: ClusterSecret | None, sender_agent: str, receiv
 
 
 def is_write_message(obj: Any) -> bool:
-    return isinstance(obj, dict) and obj.get("op") in ("write", "wrote", "cancel")
+    """A message of the write path (ping included); anything else is a lease release."""
+    return isinstance(obj, dict) and obj.get("op") in ("write", "wrote", "cancel", "ping")
 
 
 def decode(obj: dict[str, Any], sender: str) -> Message:
