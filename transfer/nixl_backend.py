@@ -76,10 +76,10 @@ def _load_nixl() -> tuple[Any, Any]:
 
 class NixlBackend(TransferBackend):
     name = "nixl"
-    one_sided = True  # on same-host CMA and RDMA; over plain TCP the owner's ticker serves it
+    one_sided = True  # READs on same-host CMA and RDMA; in pull mode "write" the owner's ticker moves the bytes
     device_memory = True
     needs_listener = False
-    checks_lease_on_read = False  # one-sided: the puller's deadline checks stand in (see transfer.base)
+    checks_lease_on_read = False  # READs: the puller's deadline checks stand in; a WRITE asks the guard
 
     def __init__(self, peer_id: str | None = None, timeout_s: float = 10.0, secret: bytes | None = None,
                  progress_interval_s: float | None = 0.005, ucx_error_handling: str = "none",
