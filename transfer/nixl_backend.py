@@ -145,8 +145,11 @@ class NixlBackend(TransferBackend):
         backing off in proportion to the time since the last write (pulls come in bursts)."""
         last_busy = 0.0
         while not self._stop.is_set():
-            self._collect_notifications()
-            self._writer.service()
+            try:
+                self._collect_notifications()
+                self._writer.service()
+            except Exception:  # a bug must not stop the owner's progress for good
+                log.exception("kv nixl progress tick failed: peer=%s", self.peer_id)
             now = time.monotonic()
             if self._writer.busy:
                 last_busy = now

@@ -113,6 +113,9 @@ class NixlWriter:
 
     def _start(self, sender: str, req: WriteRequest) -> None:
         b = self._backend
+        if b._pool is None:
+            b._reject_notification("dropping a write request: this side serves no pool: from=%r", sender[:140])
+            return
         if not verify(req, b._secret, sender, b.agent_name):
             b._reject_notification("dropping a write request that failed authentication: from=%r", sender[:140])
             return
