@@ -8,6 +8,9 @@ made for one purpose is never accepted for another:
     "owner-proof"    the same fields                                   socket auth, owner -> puller
     "descriptor"     PeerDescriptor.body()                             describe() signs, pull() verifies
     "lease-release"  sender id, owner id, owner epoch, lease id        a release notification
+    "write-request"  puller agent, owner agent, the request's fields   NIXL write path, puller -> owner
+    "write-done"     owner agent, puller agent, seq, ok, code, error   NIXL write path, owner -> puller
+    "write-cancel"   puller agent, owner agent, seq                    NIXL write path, puller -> owner
 
 Fields are packed as one msgpack list (length-prefixed, so no two field lists
 encode alike).  The secret itself never leaves ClusterSecret: not in a repr,
@@ -29,6 +32,9 @@ PULLER_PROOF = "puller-proof"
 OWNER_PROOF = "owner-proof"
 DESCRIPTOR = "descriptor"
 LEASE_RELEASE = "lease-release"
+WRITE_REQUEST = "write-request"
+WRITE_DONE = "write-done"
+WRITE_CANCEL = "write-cancel"
 
 
 class ClusterSecret:

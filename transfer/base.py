@@ -21,6 +21,11 @@ How the lease keeps a read from seeing recycled blocks (transfer.lease_guard):
                       deadline - LEASE_SAFETY_MARGIN_S, bounds it by the lease, and
                       discards bytes that landed after the deadline; the owner
                       frees the blocks only OWNER_FREE_GRACE_S after the deadline.
+    NIXL, pull mode   (over TCP, transfer.pull_mode) the owner WRITEs at the
+    "write"           puller's signed request: it asks the guard first and keeps
+                      the blocks pinned until the WRITE is over, as the socket
+                      fallback does (transfer.nixl_writer); the puller's checks
+                      run as well.
     both              the puller's checks run on every backend; a pull that
                       fails them sends no notification (see pull).
 
@@ -37,6 +42,10 @@ anyone who reaches the port or agent is served as before):
                       handshaking ones, and bounds every frame by its pool.
                       Bytes are authenticated per connection, not encrypted:
                       whoever can sniff the link (loopback by default) sees KV.
+    NIXL (write)      every write request, answer and cancellation carries a tag
+                      over both agents' names and its fields; the owner refuses
+                      replays (transfer.replay_window) and requests past their
+                      expiry, and writes only into the pool a signed descriptor names.
     NIXL              describe() signs the descriptor and pull() checks the
                       signature before loading its agent metadata, so a forged
                       descriptor cannot point a puller at another agent or

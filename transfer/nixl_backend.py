@@ -1,4 +1,5 @@
-"""NIXL backend: one READ per pull, issued by the puller (one-sided pull).
+"""NIXL backend: one READ per pull issued by the puller (one-sided), or, in
+pull mode "write", one WRITE issued by the owner at the puller's request.
 
 How it is set up, and why (measured with nixl 1.5.1 on a 2-core CPU host):
 
@@ -22,6 +23,12 @@ How it is set up, and why (measured with nixl 1.5.1 on a 2-core CPU host):
   ``add_remote_agent``; notifications carry a tag.  The READs themselves are
   not authenticated: see transfer.base for what that leaves open.
 
+- Pull mode (transfer.pull_mode): over UCX's TCP transport a READ is emulated
+  with active messages the owner's CPU answers fragment by fragment, while a
+  WRITE is a zero-copy send; there the owner writes (transfer.nixl_writer,
+  transfer.nixl_write_puller), and, seeing every pull, checks the lease as the
+  socket fallback does.  On one host (cma) the puller READs: no round trip.
+
 Remote descriptors are built from the peer descriptor's ``pool_addr`` rather
 than NIXL's pickled descriptor lists: nothing from the wire is unpickled."""
 
@@ -41,13 +48,20 @@ from transfer.deadline import Deadline
 from transfer.errors import BackendUnavailableError, TransferError
 from transfer.layout import KVLayout
 from transfer.lease_guard import LeaseGuard
+from transfer.nixl_write_puller import WriteMailbox, pull_by_write
+from transfer.nixl_writer import NixlWriter
 from transfer.peer import PeerDescriptor, peer_id_of_agent
+from transfer.pull_mode import choose_pull_mode
 from transfer.runs import BlockRun, runs_to_regions
+from transfer.wire import unpack
+from transfer.write_request import WriteDone, decode, is_write_message, max_message_bytes
 
 log = logging.getLogger("pdcluster.transfer")
 
 _SPIN_S = 200e-6  # poll without sleeping this long: small pulls finish in ~50 us
 _MAX_SLEEP_S = 1e-3
+_BUSY_TICK_S = 100e-6  # while the owner writes: progress its worker often enough to keep the socket full
+_BACKOFF = 0.05  # after a write, the idle tick is this fraction of the time since (a pull waits ~2.5% of the gap)
 
 
 def _load_nixl() -> tuple[Any, Any]:
@@ -62,20 +76,23 @@ def _load_nixl() -> tuple[Any, Any]:
 
 class NixlBackend(TransferBackend):
     name = "nixl"
-    one_sided = True  # on same-host CMA and RDMA; over plain TCP the owner's ticker serves it
+    one_sided = True  # READs on same-host CMA and RDMA; in pull mode "write" the owner's ticker moves the bytes
     device_memory = True
     needs_listener = False
-    checks_lease_on_read = False  # one-sided: the puller's deadline checks stand in (see transfer.base)
+    checks_lease_on_read = False  # READs: the puller's deadline checks stand in; a WRITE asks the guard
 
     def __init__(self, peer_id: str | None = None, timeout_s: float = 10.0, secret: bytes | None = None,
                  progress_interval_s: float | None = 0.005, ucx_error_handling: str = "none",
-                 net_devices: str | None = None) -> None:
+                 net_devices: str | None = None, pull_mode: str = "auto") -> None:
         """``net_devices``: UCX_NET_DEVICES for this process's agents (``lo``, or
-        the device of the address peers reach this host on); None keeps the environment's."""
+        the device of the address peers reach this host on); None keeps the environment's.
+        ``pull_mode``: "read", "write" or "auto" (transfer.pull_mode: the measured best for
+        the transport UCX will use).  An owner serves write requests in every mode."""
         super().__init__(peer_id, timeout_s, secret)
         nixl_agent, nixl_agent_config = _load_nixl()
         if net_devices is not None:  # UCX reads it when the agent's context starts, just below
             os.environ["UCX_NET_DEVICES"] = net_devices
+        self.pull_mode = choose_pull_mode(pull_mode, os.environ)
         try:
             self._agent = nixl_agent(self.agent_name, nixl_agent_config(enable_prog_thread=False, backends=[]))
             self._agent.create_backend("UCX", {"ucx_error_handling_mode": ucx_error_handling})
@@ -87,7 +104,14 @@ class NixlBackend(TransferBackend):
         self._inbox: list[tuple[str, bytes]] = []
         self._progress_interval_s = progress_interval_s
         self._stop = threading.Event()
+        self._wake = threading.Event()  # a write request arrived, or close()
         self._ticker: threading.Thread | None = None
+        self._lease_guard: LeaseGuard | None = None
+        self._remote_agents: set[str] = set()  # loaded in NIXL: owners pulled from, pullers written to
+        self._writer = NixlWriter(self)
+        self._mailbox = WriteMailbox()
+        self._max_message_bytes = 0
+        self._own_encoded: bytes | None = None
         self._reg_descs: Any = None
         self._mem_type = "DRAM"
         self._device_id = 0
@@ -97,6 +121,8 @@ class NixlBackend(TransferBackend):
     def _register(self, kv_pool: torch.Tensor, layout: KVLayout, lease_guard: LeaseGuard | None) -> None:
         self._mem_type = "DRAM" if kv_pool.device.type == "cpu" else "VRAM"
         self._device_id = kv_pool.device.index or 0
+        self._lease_guard = lease_guard  # asked by the writer: an owner that WRITEs sees every pull
+        self._max_message_bytes = max_message_bytes(kv_pool.shape[0])
         with self._lock:
             try:
                 self._reg_descs = self._agent.register_memory(kv_pool)
@@ -115,10 +141,25 @@ class NixlBackend(TransferBackend):
                 "agent_metadata": bytes(metadata)}
 
     def _tick(self) -> None:
-        while not self._stop.wait(self._progress_interval_s):
-            self._collect_notifications()
+        """Every ``progress_interval_s`` when idle; every _BUSY_TICK_S while writing,
+        backing off in proportion to the time since the last write (pulls come in bursts)."""
+        last_busy = 0.0
+        while not self._stop.is_set():
+            try:
+                self._collect_notifications()
+                self._writer.service()
+            except Exception:  # a bug must not stop the owner's progress for good
+                log.exception("kv nixl progress tick failed: peer=%s", self.peer_id)
+            now = time.monotonic()
+            if self._writer.busy:
+                last_busy = now
+            self._wake.wait(min(max(_BUSY_TICK_S, (now - last_busy) * _BACKOFF), self._progress_interval_s))
+            self._wake.clear()
 
     def _collect_notifications(self) -> None:
+        """Progresses the worker and routes what arrived: write requests and
+        cancellations to the writer, answers to the mailbox, the rest (lease
+        releases) to the inbox."""
         with self._lock:
             if self._agent is None:
                 return
@@ -127,12 +168,37 @@ class NixlBackend(TransferBackend):
             except Exception as e:
                 log.warning("nixl notification poll failed: %s", e)
                 return
-            for sender, payloads in fresh.items():
-                sender = sender.decode() if isinstance(sender, bytes) else sender
-                self._inbox.extend((peer_id_of_agent(sender), bytes(p)) for p in payloads)
+        for sender, payloads in fresh.items():
+            sender = sender.decode() if isinstance(sender, bytes) else sender
+            for payload in payloads:
+                self._route(sender, bytes(payload))
+
+    def _route(self, sender: str, payload: bytes) -> None:
+        try:
+            obj = unpack(payload, max(self._max_message_bytes, 4096), f"notification from {sender!r:.140}")
+        except TransferError as e:
+            self._reject_notification("ignoring a malformed transfer notification: %s", e)
+            return
+        if not is_write_message(obj):
+            with self._lock:
+                self._inbox.append((peer_id_of_agent(sender), payload))
+            return
+        if obj["op"] == "ping":
+            return
+        try:
+            msg = decode(obj, sender)
+        except TransferError as e:
+            self._reject_notification("ignoring a malformed write-path notification: %s", e)
+            return
+        if isinstance(msg, WriteDone):
+            self._mailbox.deliver(sender, msg)
+        else:
+            self._writer.submit(sender, msg)
+            self._wake.set()
 
     def _raw_notifications(self) -> list[tuple[str, bytes]]:
         self._collect_notifications()
+        self._writer.service()  # also serves writes where no ticker runs (progress_interval_s=None)
         with self._lock:
             out, self._inbox = self._inbox, []
         return out
@@ -140,7 +206,17 @@ class NixlBackend(TransferBackend):
     # ---- puller side ------------------------------------------------------
 
     def _connect(self, desc: PeerDescriptor, deadline: Deadline) -> str:
+        self._ensure_remote_agent(desc)
+        return desc.agent_name
+
+    def _ensure_remote_agent(self, desc: PeerDescriptor) -> None:
+        """Loads and connects ``desc``'s agent unless it is (as an owner pulled
+        from, or a puller written to: one copy per agent in NIXL)."""
         with self._lock:
+            if self._agent is None:
+                raise TransferError(f"{self.name} backend {self.peer_id} is closed; create a new one")
+            if desc.agent_name in self._remote_agents:
+                return
             try:
                 name = self._add_remote_agent(desc)
                 if name != desc.agent_name:
@@ -153,7 +229,7 @@ class NixlBackend(TransferBackend):
             except Exception as e:
                 raise TransferError(f"NIXL handshake with {desc.peer_id} failed ({type(e).__name__}: {e}); "
                                     "is the peer running the same nixl version?") from e
-        return name
+            self._remote_agents.add(name)
 
     def _add_remote_agent(self, desc: PeerDescriptor) -> str:
         """Loads the peer's metadata; once more after dropping a stale copy NIXL still holds."""
@@ -166,6 +242,7 @@ class NixlBackend(TransferBackend):
         return name.decode() if isinstance(name, bytes) else name
 
     def _drop_remote_agent(self, name: str) -> bool:
+        self._remote_agents.discard(name)
         try:
             self._agent.remove_remote_agent(name)
             return True
@@ -181,6 +258,9 @@ class NixlBackend(TransferBackend):
     def _read_runs(self, conn: str, desc: PeerDescriptor, runs: list[BlockRun], lease_id: str | None,
                    deadline: Deadline) -> None:
         assert self._pool is not None
+        if self.pull_mode == "write":
+            pull_by_write(self, desc, runs, lease_id, deadline)
+            return
         block_bytes = desc.block_bytes
         local = _descriptor_array(runs_to_regions(runs, self._pool.data_ptr(), block_bytes, "local"),
                                   self._device_id)
@@ -201,7 +281,7 @@ class NixlBackend(TransferBackend):
                                 "current descriptor") from e
         finally:
             if handle is not None:
-                self._release(handle, deadline)
+                self._release(handle, deadline.what)
 
     def _wait(self, handle: Any, state: str, deadline: Deadline) -> None:
         spin_until = time.perf_counter() + _SPIN_S
@@ -217,7 +297,7 @@ class NixlBackend(TransferBackend):
             raise TransferError(f"{deadline.what} failed: NIXL reported {state}; the peer is likely gone. "
                                 "Free the local blocks and fetch its current descriptor")
 
-    def _release(self, handle: Any, deadline: Deadline) -> None:
+    def _release(self, handle: Any, what: str) -> None:
         with self._lock:
             if self._agent is None:
                 return
@@ -225,22 +305,36 @@ class NixlBackend(TransferBackend):
                 self._agent.release_xfer_handle(handle)
             except Exception as e:
                 # NIXL could not cancel an active READ: the local blocks may still be written.
-                log.error("nixl could not release the transfer of %s (%s); its local blocks must not be "
-                          "reused until the peer is gone", deadline.what, e)
+                log.error("nixl could not release the transfer of %s (%s); its blocks must not be "
+                          "reused until the peer is gone", what, e)
 
     def _notify(self, conn: str, desc: PeerDescriptor, notif_payload: bytes, deadline: Deadline) -> None:
+        self._send(desc, notif_payload, deadline)
+
+    def _send(self, desc: PeerDescriptor, payload: bytes, deadline: Deadline) -> None:
         with self._lock:
+            if self._agent is None:
+                raise TransferError(f"{self.name} backend {self.peer_id} is closed; create a new one")
             try:
-                self._agent.send_notif(conn, notif_payload)
+                self._agent.send_notif(desc.agent_name, payload)
             except Exception as e:
-                raise TransferError(f"notifying {desc.peer_id} failed ({type(e).__name__}: {e})") from e
+                raise TransferError(f"{deadline.what}: sending to {desc.peer_id} failed "
+                                    f"({type(e).__name__}: {e})") from e
+
+    def _own_descriptor(self) -> bytes:
+        """This side's signed descriptor, the write requests' ``puller`` (fixed for the epoch)."""
+        if self._own_encoded is None:
+            self._own_encoded = self.describe()
+        return self._own_encoded
 
     # ---- shutdown ---------------------------------------------------------
 
     def _close(self) -> None:
         self._stop.set()
+        self._wake.set()
         if self._ticker is not None:
             self._ticker.join(timeout=5)
+        self._writer.close()  # every write in flight released, its lease read ended
         with self._lock:
             if self._reg_descs is not None:
                 try:

@@ -12,10 +12,19 @@ from collections.abc import Callable
 
 import torch
 
-from transfer import KVLayout, TransferBackend, coalesce_block_runs
+from transfer import KVLayout, TransferBackend, coalesce_block_runs, create_backend
 
 SMOLLM2 = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, dtype="bfloat16", block_size=16,
                    model_fingerprint=0x5E0117)
+
+
+def bench_backend(column: str, **options: object) -> TransferBackend:
+    """The backend of one bench column: a registry name ("nixl" pulls in its
+    default mode, "auto"), or "nixl-read" / "nixl-write" (NIXL in that pull mode)."""
+    base, _, mode = column.partition("-")
+    if base == "nixl" and mode:
+        return create_backend("nixl", pull_mode=mode, **options)
+    return create_backend(column, **options)
 
 
 def fragmented_block_ids(num_blocks: int, pool_blocks: int, rng: random.Random, max_run: int = 32) -> list[int]:

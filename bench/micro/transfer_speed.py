@@ -4,6 +4,7 @@ measured in the same run.
 
     python -m bench.micro.transfer_speed                      # the full table (~1 min, ~4.5 GB of RAM)
     python -m bench.micro.transfer_speed --sizes 1,16,64 --backends nixl
+    python -m bench.micro.transfer_speed --backends nixl,fallback,nixl-write   # NIXL's READ (default here) vs the owner's WRITE
     python -m bench.micro.transfer_speed --two-hosts          # over a veth between two network namespaces (root)
 
 Block lists are fragmented the way a busy pool is (runs of 1..32 consecutive
@@ -29,8 +30,8 @@ os.environ.setdefault("UCX_NET_DEVICES", "lo")
 import torch
 
 from bench.fingerprint import print_fingerprint
-from bench.micro.transfer_cases import SMOLLM2, fill_pattern, measure_size, reps_for
-from transfer import TransferBackend, allocate_kv_pool, create_backend
+from bench.micro.transfer_cases import SMOLLM2, bench_backend, fill_pattern, measure_size, reps_for
+from transfer import TransferBackend, allocate_kv_pool
 
 OVERHEAD_GOAL_MS = 1.0
 MEMCPY_RATIO_GOAL = 0.8
@@ -43,23 +44,23 @@ def owner_main(conn, backends: list[str], pool_blocks: int, secret: bytes | None
     torch.set_num_threads(1)
     pool = allocate_kv_pool(pool_blocks, SMOLLM2)
     fill_pattern(pool)
-    owners: list[TransferBackend] = []
+    owners: dict[str, TransferBackend] = {}
     for name in backends:
-        backend = create_backend(name, peer_id=f"bench-owner-{name}", secret=secret)
-        backend.register_pool(pool, SMOLLM2)
-        owners.append(backend)
-    conn.send({b.name: b.describe() for b in owners})
+        owners[name] = bench_backend(name, peer_id=f"bench-owner-{name}", secret=secret)
+        owners[name].register_pool(pool, SMOLLM2)
+    conn.send({name: b.describe() for name, b in owners.items()})
     while not conn.poll(0.005):
-        for backend in owners:
+        for backend in owners.values():
             backend.poll_notifications()  # what a prefill replica does between steps
-    for backend in owners:
+    for backend in owners.values():
         backend.close()
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default=DEFAULT_SIZES, help="block counts per pull")
-    parser.add_argument("--backends", default="nixl,fallback")
+    parser.add_argument("--backends", default="nixl,fallback",
+                        help="columns: nixl (its default pull mode), fallback, nixl-read, nixl-write")
     parser.add_argument("--reps-scale", type=float, default=1.0, help="multiply repetitions (noise vs time)")
     parser.add_argument("--no-secret", action="store_true", help="run without the cluster secret (no authentication)")
     parser.add_argument("--two-hosts", action="store_true",
@@ -88,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     pool = allocate_kv_pool(pool_blocks, SMOLLM2)  # 2 MiB pages, as the engine's pool should be
     memcpy_src = allocate_kv_pool(pool_blocks, SMOLLM2)
     memcpy_src.fill_(1.0)
-    pullers = {name: create_backend(name, peer_id=f"bench-puller-{name}", timeout_s=60.0, secret=secret)
+    pullers = {name: bench_backend(name, peer_id=f"bench-puller-{name}", timeout_s=60.0, secret=secret)
                for name in backends}
     for backend in pullers.values():
         backend.register_pool(pool, SMOLLM2)

@@ -11,7 +11,14 @@ UCX_TLS=tcp on both sides: the namespaces share one kernel, and UCX would
 otherwise take shared memory (cma) and never touch the veth.  Each side binds
 and advertises its own address (transfer.address); both hold one cluster
 secret, as replicas do.  The target is NIXL's bandwidth over the veth
-against the socket fallback's over the same veth, at the largest size."""
+against the socket fallback's over the same veth, at the largest size.
+
+Over UCX's TCP transport a NIXL READ is "software emulation" (UCX_PROTO_INFO=y):
+the owner answers with active-message fragments its CPU must progress, two
+bounce-buffer copies per byte.  A WRITE is a zero-copy send from the owner, so
+"nixl" (pull mode "auto", transfer.pull_mode) asks the owner to WRITE here;
+add the column "nixl-read" (--backends nixl,fallback,nixl-read) to measure
+the READ beside it in the same run."""
 
 from __future__ import annotations
 
@@ -48,25 +55,25 @@ def owner_stdio(host: str, backends: list[str], pool_blocks: int) -> int:
 
     import torch
 
-    from bench.micro.transfer_cases import SMOLLM2, fill_pattern
-    from transfer import allocate_kv_pool, create_backend
+    from bench.micro.transfer_cases import SMOLLM2, bench_backend, fill_pattern
+    from transfer import allocate_kv_pool
 
     torch.set_num_threads(1)
     secret = bytes.fromhex(os.environ[SECRET_ENV])
     pool = allocate_kv_pool(pool_blocks, SMOLLM2)
     fill_pattern(pool)
     tick = os.environ.get("PDCLUSTER_BENCH_OWNER_TICK_S")  # experiment: the NIXL owner's progress interval
-    owners = [create_backend(name, peer_id=f"bench-owner-{name}", secret=secret, internal_host=host,
-                             **({"progress_interval_s": float(tick)} if tick and name == "nixl" else {}))
-              for name in backends]
-    for backend in owners:
+    owners = {name: bench_backend(name, peer_id=f"bench-owner-{name}", secret=secret, internal_host=host,
+                                  **({"progress_interval_s": float(tick)} if tick and name.startswith("nixl") else {}))
+              for name in backends}
+    for backend in owners.values():
         backend.register_pool(pool, SMOLLM2)
-    descriptors = {b.name: b.describe() for b in owners}
+    descriptors = {name: b.describe() for name, b in owners.items()}
     print(DESCRIPTORS + base64.b64encode(pickle.dumps(descriptors)).decode(), flush=True)
     while not select.select([sys.stdin], [], [], 0.005)[0]:
-        for backend in owners:
+        for backend in owners.values():
             backend.poll_notifications()
-    for backend in owners:
+    for backend in owners.values():
         backend.close()
     return 0
 
@@ -85,8 +92,8 @@ def puller_stdio(host: str, owner_ns: str, owner_host: str, backends: list[str],
     measures every size, writes one JSON line of median seconds per case."""
     import torch
 
-    from bench.micro.transfer_cases import SMOLLM2, measure_size, reps_for
-    from transfer import allocate_kv_pool, create_backend
+    from bench.micro.transfer_cases import SMOLLM2, bench_backend, measure_size, reps_for
+    from transfer import allocate_kv_pool
 
     torch.set_num_threads(1)
     secret = bytes.fromhex(os.environ[SECRET_ENV])
@@ -95,7 +102,7 @@ def puller_stdio(host: str, owner_ns: str, owner_host: str, backends: list[str],
                                        "--pool-blocks", str(pool_blocks))],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
-        pullers = {name: create_backend(name, peer_id=f"bench-puller-{name}", timeout_s=60.0, secret=secret,
+        pullers = {name: bench_backend(name, peer_id=f"bench-puller-{name}", timeout_s=60.0, secret=secret,
                                         internal_host=host) for name in backends}
         pool = allocate_kv_pool(pool_blocks, SMOLLM2)
         memcpy_src = allocate_kv_pool(pool_blocks, SMOLLM2)

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from transfer import KVLayout, LayoutMismatchError, TransferError, create_backend
+from services.engine.lease import LeaseTable
 from transfer_peer_proc import (LAYOUT, SECRET, SPAWN, FreeList, OwnerProcess, make_pool, pull_jobs, puller_main,
-                                same_bytes)
+                                same_bytes, write_puller_main)
 
 pytestmark = pytest.mark.integration
 BACKENDS = ["nixl", "fallback"]
@@ -135,14 +136,20 @@ def test_restarted_owner_is_rehandshaken(owners, puller):
         backend.pull(stale, [1], [1])
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_killing_the_owner_mid_pull_raises_within_the_timeout(backend):
-    owner = OwnerProcess(backend, num_blocks=4096).wait_ready()  # 4 MiB: each pull takes milliseconds
+@pytest.mark.parametrize("backend, env", [
+    ("fallback", {}), ("nixl", {}),
+    ("nixl", {"UCX_TLS": "tcp"}),  # pull mode "auto" picks the owner's WRITE over TCP
+], ids=["fallback", "nixl", "nixl-write-tcp"])
+def test_killing_the_owner_mid_pull_raises_within_the_timeout(backend, env, monkeypatch):
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)  # read when this process's NIXL agent is created
+    owner = OwnerProcess(backend, num_blocks=4096, env=env).wait_ready()  # 4 MiB: each pull takes milliseconds
     timeout_s = 2.0
     try:
         with create_backend(backend, peer_id="decode-0", secret=SECRET, timeout_s=timeout_s) as puller:
             puller.register_pool(torch.zeros(4096, *LAYOUT.block_shape, dtype=LAYOUT.torch_dtype), LAYOUT)
             free, remote = FreeList(4096), list(range(4096))
+            puller.pull(owner.descriptor, [0], [0])  # handshakes (both ways when the owner WRITEs) before the clock
             killed_at: list[float] = []
             killer = threading.Timer(0.3, lambda: (killed_at.append(time.monotonic()), owner.kill()))
             killer.start()
@@ -196,6 +203,39 @@ def test_a_stalled_owner_times_out_or_is_not_needed(backend, env, stalls, monkey
             assert same_bytes(pool, make_pool(64, owner.seed))
     finally:
         owner.stop()
+
+
+def test_a_puller_killed_mid_write_leaves_every_block_freeable(monkeypatch):
+    """The owner WRITEs 16 MiB per pull over TCP; SIGKILL the puller while one
+    is in flight: the owner's write fails or expires, its lease read ends, and
+    once the lease is released every block is back in the free list."""
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    num_blocks = 16384
+    free = FreeList(num_blocks)
+    leases = LeaseTable(free.give_back, default_ttl_s=30.0)
+    with create_backend("nixl", peer_id="prefill-0", secret=SECRET) as owner:
+        owner.register_pool(make_pool(num_blocks, 3), LAYOUT, lease_guard=leases)
+        leases.pin("req-1", free.take(num_blocks))
+        conn, child = SPAWN.Pipe()
+        pulls = SPAWN.Value("i", 0)
+        puller = SPAWN.Process(target=write_puller_main, daemon=True,
+                               args=(child, owner.describe(), num_blocks, "req-1", {"UCX_TLS": "tcp"}, pulls))
+        puller.start()
+        try:
+            assert conn.poll(60) and conn.recv() == "ready"
+            wait_until(lambda: pulls.value >= 1, 30.0, "the puller never completed a pull")
+            wait_until(lambda: owner._writer._inflight, 10.0, "no write was ever in flight")
+            puller.kill()
+            puller.join(10)
+            killed_at = time.monotonic()
+            wait_until(lambda: not owner._writer.busy, 10.0, "the owner's write to a dead puller never ended")
+            assert time.monotonic() - killed_at < 4.0  # the request's expiry (the puller's 3 s timeout) at most
+        finally:
+            if puller.is_alive():
+                puller.kill()
+        assert leases.release("req-1")
+        assert free.count == num_blocks, "a lease read never ended: its blocks stay pinned"
+        assert owner._writer.num_written == pulls.value or owner._writer.num_written == pulls.value + 1
 
 
 def wait_until(predicate, timeout_s: float, message: str) -> None:

@@ -176,3 +176,19 @@ class OwnerProcess:
 def _proc_state(pid: int) -> str:
     with open(f"/proc/{pid}/stat") as f:
         return f.read().rsplit(")", 1)[1].split()[0]
+
+
+def write_puller_main(conn: Any, descriptor: bytes, num_blocks: int, lease_id: str, env: dict[str, str],
+                      pulls: Any) -> None:
+    """A decode replica whose pulls the owner WRITEs: pulls every block under
+    ``lease_id`` again and again (counting them in ``pulls``) until killed."""
+    os.environ.update(env)
+    torch.set_num_threads(1)
+    backend = create_backend("nixl", peer_id=f"decode-{os.getpid()}", secret=SECRET, timeout_s=3.0,
+                             pull_mode="write")
+    backend.register_pool(torch.zeros(num_blocks, *LAYOUT.block_shape, dtype=LAYOUT.torch_dtype), LAYOUT)
+    conn.send("ready")
+    everything = list(range(num_blocks))
+    while True:
+        backend.pull(descriptor, everything, everything, notif=lease_id)
+        pulls.value += 1

@@ -12,10 +12,18 @@ import pytest
 import torch
 from transfer_raw_client import SECRET
 
-from transfer import KVLayout, create_backend
+from transfer import KVLayout, TransferBackend, create_backend
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, dtype="bfloat16", block_size=4, model_fingerprint=7)
 BACKENDS = ["nixl", "fallback"]
+PULL_KINDS = ["nixl", "nixl-write", "fallback"]  # "nixl-write": the owner WRITEs at the puller's request
+
+
+def pull_backend(kind: str, **options) -> TransferBackend:
+    """A backend of ``kind`` (PULL_KINDS): NIXL pulls by READ or by the owner's WRITE."""
+    if kind.startswith("nixl"):
+        return create_backend("nixl", pull_mode="write" if kind == "nixl-write" else "read", **options)
+    return create_backend(kind, **options)
 
 
 class FakeLeases:
@@ -68,11 +76,11 @@ def make_pool(num_blocks: int, seed: int, layout: KVLayout = LAYOUT) -> torch.Te
     return raw.view(layout.torch_dtype).view(num_blocks, *layout.block_shape)
 
 
-@pytest.fixture(params=BACKENDS)
+@pytest.fixture(params=PULL_KINDS)
 def pair(request):
     """(owner, puller, owner_pool, puller_pool) on one backend, both holding the cluster secret."""
-    owner = create_backend(request.param, peer_id="prefill-0", secret=SECRET)
-    puller = create_backend(request.param, peer_id="decode-0", secret=SECRET, timeout_s=5.0)
+    owner = pull_backend(request.param, peer_id="prefill-0", secret=SECRET)
+    puller = pull_backend(request.param, peer_id="decode-0", secret=SECRET, timeout_s=5.0)
     owner_pool, puller_pool = make_pool(64, 1), make_pool(48, 2)
     owner.register_pool(owner_pool, LAYOUT)
     puller.register_pool(puller_pool, LAYOUT)

@@ -1,0 +1,118 @@
+"""The puller's half of a pull served as a NIXL WRITE (see transfer.nixl_writer
+for the owner's, transfer.write_request for the messages).
+
+The puller sends one signed request per pull and waits, progressing its own
+UCX worker (which receives the WRITE's bytes over TCP), for the owner's
+"wrote" notification of that seq: ok once every byte landed, or a typed
+refusal.  When its deadline passes it sends a cancellation and raises; the
+owner stops at the request's ``expires`` (set a margin before that deadline)
+either way, so no byte lands after the caller freed its blocks."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from transfer.deadline import Deadline
+from transfer.errors import TransferError
+from transfer.lease_guard import lease_expired_error
+from transfer.peer import PeerDescriptor
+from transfer.runs import BlockRun
+from transfer.write_request import PING, PING_INTERVAL_S, WriteDone, WriteRequest, sign_cancel, sign_request, verify
+
+if TYPE_CHECKING:
+    from transfer.nixl_backend import NixlBackend
+
+_SPIN_S = 200e-6
+_MAX_SLEEP_S = 200e-6  # the worker must keep draining the socket while the WRITE arrives
+OWNER_STOP_MARGIN_S = 0.05  # the owner gives up this long (at most a quarter of the wait) before the puller
+
+
+class WriteMailbox:
+    """The owner's answers, by seq, for the pulls waiting on them (filled while
+    routing notifications, taken by the waiting thread)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._next_seq = 0
+        self._waiting: set[int] = set()
+        self._answers: dict[int, tuple[str, WriteDone]] = {}
+
+    def open(self) -> int:
+        with self._lock:
+            self._next_seq += 1
+            self._waiting.add(self._next_seq)
+            return self._next_seq
+
+    def deliver(self, sender: str, done: WriteDone) -> None:
+        with self._lock:
+            if done.seq in self._waiting:  # else a late answer to a pull that gave up
+                self._answers[done.seq] = (sender, done)
+
+    def take(self, seq: int) -> tuple[str, WriteDone] | None:
+        with self._lock:
+            return self._answers.pop(seq, None)
+
+    def close(self, seq: int) -> None:
+        with self._lock:
+            self._waiting.discard(seq)
+            self._answers.pop(seq, None)
+
+
+def pull_by_write(backend: NixlBackend, desc: PeerDescriptor, runs: list[BlockRun], lease_id: str | None,
+                  deadline: Deadline) -> None:
+    """Asks ``desc``'s owner to WRITE ``runs`` into this side's pool; returns once they landed."""
+    mailbox = backend._mailbox
+    seq = mailbox.open()
+    wait_s = deadline.remaining_s()
+    expires = time.time() + wait_s - min(OWNER_STOP_MARGIN_S, wait_s / 4)
+    req = sign_request(WriteRequest(seq, lease_id, tuple(runs), expires, backend._own_descriptor()),
+                       backend._secret, backend.agent_name, desc.agent_name)
+    try:
+        backend._send(desc, req.encode(), deadline)
+        sender, done = _await(backend, seq, deadline, desc)
+    except BaseException:
+        _cancel(backend, desc, seq)
+        raise
+    finally:
+        mailbox.close(seq)
+    if sender != desc.agent_name or not verify(done, backend._secret, sender, backend.agent_name):
+        raise TransferError(f"{deadline.what}: the answer did not come from {desc.peer_id} of this cluster "
+                            "(wrong sender or tag); free the local blocks and fetch its current descriptor")
+    if done.ok:
+        return
+    if done.code == "lease_expired":
+        raise lease_expired_error(lease_id, desc.peer_id, f"the owner refused: {done.error}")
+    raise TransferError(f"{deadline.what} refused by the owner ({done.code}: {done.error}); "
+                        "free the local blocks and retry, or prefill again")
+
+
+def _await(backend: NixlBackend, seq: int, deadline: Deadline, desc: PeerDescriptor) -> tuple[str, WriteDone]:
+    """The owner's answer to ``seq``; TransferError at the deadline, or as soon as
+    a ping finds the owner gone (nothing of ours is outstanding on the connection
+    otherwise: UCX would not tell)."""
+    spin_until = time.perf_counter() + _SPIN_S
+    ping_at = time.monotonic() + PING_INTERVAL_S
+    sleep_s = 20e-6
+    while True:
+        backend._collect_notifications()  # progresses the worker: the WRITE's bytes land meanwhile
+        answer = backend._mailbox.take(seq)
+        if answer is not None:
+            return answer
+        deadline.check()
+        if time.monotonic() >= ping_at:
+            backend._send(desc, PING, deadline)
+            ping_at = time.monotonic() + PING_INTERVAL_S
+        if time.perf_counter() > spin_until:
+            time.sleep(sleep_s)
+            sleep_s = min(sleep_s * 1.5, _MAX_SLEEP_S)
+
+
+def _cancel(backend: NixlBackend, desc: PeerDescriptor, seq: int) -> None:
+    """Best effort: the owner stops at the request's expiry anyway."""
+    msg = sign_cancel(seq, backend._secret, backend.agent_name, desc.agent_name)
+    try:
+        backend._send(desc, msg.encode(), Deadline(1.0, f"cancel of write {seq}"))
+    except TransferError:
+        pass
