@@ -40,7 +40,6 @@ import threading
 import time
 from typing import Any
 
-import numpy as np
 import torch
 
 from transfer.base import TransferBackend
@@ -52,7 +51,7 @@ from transfer.nixl_write_puller import WriteMailbox, pull_by_write
 from transfer.nixl_writer import NixlWriter
 from transfer.peer import PeerDescriptor, peer_id_of_agent
 from transfer.pull_mode import choose_pull_mode
-from transfer.runs import BlockRun, runs_to_regions
+from transfer.runs import BlockRun, descriptor_array, runs_to_regions
 from transfer.wire import unpack
 from transfer.write_request import WriteDone, decode, is_write_message, max_message_bytes
 
@@ -262,9 +261,9 @@ class NixlBackend(TransferBackend):
             pull_by_write(self, desc, runs, lease_id, deadline)
             return
         block_bytes = desc.block_bytes
-        local = _descriptor_array(runs_to_regions(runs, self._pool.data_ptr(), block_bytes, "local"),
+        local = descriptor_array(runs_to_regions(runs, self._pool.data_ptr(), block_bytes, "local"),
                                   self._device_id)
-        remote = _descriptor_array(runs_to_regions(runs, desc.pool_addr, block_bytes, "remote"), desc.device_id)
+        remote = descriptor_array(runs_to_regions(runs, desc.pool_addr, block_bytes, "remote"), desc.device_id)
         handle = None
         try:
             with self._lock:
@@ -342,11 +341,3 @@ class NixlBackend(TransferBackend):
                 except Exception as e:
                     log.info("nixl deregister_memory failed at close: %s", e)
             self._agent = None  # the native agent goes with its last reference
-
-
-def _descriptor_array(regions: list[tuple[int, int]], device_id: int) -> np.ndarray:
-    """NIXL's Nx3 (address, length, device id) descriptor list."""
-    out = np.empty((len(regions), 3), dtype=np.uint64)
-    for i, (addr, length) in enumerate(regions):
-        out[i] = (addr, length, device_id)
-    return out

@@ -12,17 +12,15 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import TYPE_CHECKING
 
 from transfer.deadline import Deadline
 from transfer.errors import TransferError
+from transfer.nixl_host import NixlHost
 from transfer.lease_guard import lease_expired_error
 from transfer.peer import PeerDescriptor
 from transfer.runs import BlockRun
 from transfer.write_request import PING, PING_INTERVAL_S, WriteDone, WriteRequest, sign_cancel, sign_request, verify
 
-if TYPE_CHECKING:
-    from transfer.nixl_backend import NixlBackend
 
 _SPIN_S = 200e-6
 _MAX_SLEEP_S = 200e-6  # the worker must keep draining the socket while the WRITE arrives
@@ -60,7 +58,7 @@ class WriteMailbox:
             self._answers.pop(seq, None)
 
 
-def pull_by_write(backend: NixlBackend, desc: PeerDescriptor, runs: list[BlockRun], lease_id: str | None,
+def pull_by_write(backend: NixlHost, desc: PeerDescriptor, runs: list[BlockRun], lease_id: str | None,
                   deadline: Deadline) -> None:
     """Asks ``desc``'s owner to WRITE ``runs`` into this side's pool; returns once they landed."""
     mailbox = backend._mailbox
@@ -88,7 +86,7 @@ def pull_by_write(backend: NixlBackend, desc: PeerDescriptor, runs: list[BlockRu
                         "free the local blocks and retry, or prefill again")
 
 
-def _await(backend: NixlBackend, seq: int, deadline: Deadline, desc: PeerDescriptor) -> tuple[str, WriteDone]:
+def _await(backend: NixlHost, seq: int, deadline: Deadline, desc: PeerDescriptor) -> tuple[str, WriteDone]:
     """The owner's answer to ``seq``; TransferError at the deadline, or as soon as
     a ping finds the owner gone (nothing of ours is outstanding on the connection
     otherwise: UCX would not tell)."""
@@ -109,7 +107,7 @@ def _await(backend: NixlBackend, seq: int, deadline: Deadline, desc: PeerDescrip
             sleep_s = min(sleep_s * 1.5, _MAX_SLEEP_S)
 
 
-def _cancel(backend: NixlBackend, desc: PeerDescriptor, seq: int) -> None:
+def _cancel(backend: NixlHost, desc: PeerDescriptor, seq: int) -> None:
     """Best effort: the owner stops at the request's expiry anyway."""
     msg = sign_cancel(seq, backend._secret, backend.agent_name, desc.agent_name)
     try:

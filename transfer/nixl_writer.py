@@ -26,17 +26,16 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from transfer.errors import TransferError
+from transfer.nixl_host import NixlHost
 from transfer.layout import layout_differences
 from transfer.peer import PeerDescriptor
 from transfer.replay_window import ReplayWindow
-from transfer.runs import BlockRun, runs_to_regions
+from transfer.runs import BlockRun, descriptor_array, runs_to_regions
 from transfer.write_request import WriteCancel, WriteDone, WriteRequest, sign_done, verify
 
-if TYPE_CHECKING:
-    from transfer.nixl_backend import NixlBackend
 
 log = logging.getLogger("pdcluster.transfer")
 
@@ -54,7 +53,7 @@ class _Write:
 
 
 class NixlWriter:
-    def __init__(self, backend: NixlBackend) -> None:
+    def __init__(self, backend: NixlHost) -> None:
         self._backend = backend
         self._queue_lock = threading.Lock()
         self._service_lock = threading.Lock()
@@ -178,13 +177,12 @@ class NixlWriter:
         self._inflight.append(write)
 
     def _initialize(self, desc: PeerDescriptor, req: WriteRequest) -> Any:
-        from transfer.nixl_backend import _descriptor_array
 
         b = self._backend
         assert b._pool is not None
         bb = desc.block_bytes
-        own = _descriptor_array(runs_to_regions(req.runs, b._pool.data_ptr(), bb, "remote"), b._device_id)
-        theirs = _descriptor_array(runs_to_regions(req.runs, desc.pool_addr, bb, "local"), desc.device_id)
+        own = descriptor_array(runs_to_regions(req.runs, b._pool.data_ptr(), bb, "remote"), b._device_id)
+        theirs = descriptor_array(runs_to_regions(req.runs, desc.pool_addr, bb, "local"), desc.device_id)
         done = sign_done(WriteDone(req.seq, True), b._secret, b.agent_name, desc.agent_name).encode()
         with b._lock:
             own_descs = b._agent.get_xfer_descs(own, b._mem_type)

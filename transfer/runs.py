@@ -15,6 +15,8 @@ import operator
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 
 @dataclass(frozen=True)
 class BlockRun:
@@ -96,3 +98,11 @@ def runs_to_regions(runs: Sequence[BlockRun], base_addr: int, block_bytes: int,
         raise ValueError(f"side must be 'remote' or 'local', got {side!r}")
     key = "remote_start" if side == "remote" else "local_start"
     return [(base_addr + getattr(run, key) * block_bytes, run.num_blocks * block_bytes) for run in runs]
+
+
+def descriptor_array(regions: list[tuple[int, int]], device_id: int) -> np.ndarray:
+    """NIXL's Nx3 (address, length, device id) descriptor list of ``regions``."""
+    out = np.empty((len(regions), 3), dtype=np.uint64)
+    for i, (addr, length) in enumerate(regions):
+        out[i] = (addr, length, device_id)
+    return out
