@@ -37,6 +37,7 @@ import dataclasses
 import logging
 import math
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any
 
 from ray import exceptions as ray_exceptions
@@ -160,7 +161,7 @@ class ClusterBackend(Backend):
         prefill_live = await self._live_count("prefill") if self.mode != "colocated" else None
         target = resume_target(self.mode, elsewhere, prefill_live, self.fallback_to_colocated)
         num_tokens = len(req.prompt_token_ids) + len(progress.token_ids)  # to prefill again
-        return resume_path(target, num_tokens, self.resume_local_max_tokens, prefill_live, lost.reason)
+        return resume_path(target, num_tokens, self.resume_local_max_tokens, prefill_live, elsewhere, lost.reason)
 
     async def _live_count(self, pool: str) -> int | None:
         if self.liveness is None or pool not in self.handles:
@@ -178,9 +179,10 @@ class ClusterBackend(Backend):
         else:
             stream = getattr(self.handles[target.pool].options(stream=True), target.method).remote(message)
             chunks = self._relay(stream, progress)
-        async for chunk in chunks:
-            # The prompt's logprobs went out with the first attempt's first chunk.
-            yield chunk if chunk.prompt_logprobs is None else dataclasses.replace(chunk, prompt_logprobs=None)
+        async with aclosing(chunks):  # closed with this attempt, not when collected
+            async for chunk in chunks:
+                # The prompt's logprobs went out with the first attempt's first chunk.
+                yield chunk if chunk.prompt_logprobs is None else dataclasses.replace(chunk, prompt_logprobs=None)
 
     async def _resume_via_prefill_pool(self, message: GenerateRequest, progress: StreamProgress,
                                        pending: PendingSpan) -> AsyncIterator[TokenDelta]:
@@ -194,11 +196,13 @@ class ClusterBackend(Backend):
                         "on the decode pool", message.request_id, exc)
             pending.path = RECOMPUTE
             stream = self.handles["decode"].options(stream=True).generate_colocated.remote(message)
-            async for chunk in self._relay(stream, progress):
-                yield chunk
+            async with aclosing(self._relay(stream, progress)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
             return
-        async for chunk in self._decode_handoff(message, pre, progress):
-            yield chunk
+        async with aclosing(self._decode_handoff(message, pre, progress)) as chunks:
+            async for chunk in chunks:
+                yield chunk
 
     async def _generate(self, req: GenerateRequest, progress: StreamProgress | None = None
                         ) -> AsyncIterator[TokenDelta]:
@@ -226,8 +230,10 @@ class ClusterBackend(Backend):
                 yield chunk
             return
         pre = await self._prefill(req)
-        async for chunk in self._decode_handoff(req, pre, progress):
-            yield chunk
+        # Closed with this generator (the client left): its lease release must not wait for GC.
+        async with aclosing(self._decode_handoff(req, pre, progress)) as chunks:
+            async for chunk in chunks:
+                yield chunk
 
     async def _decode_handoff(self, req: GenerateRequest, pre: PrefillResponse,
                               progress: StreamProgress | None) -> AsyncIterator[TokenDelta]:

@@ -16,7 +16,8 @@ cluster_backend.py):
                                                            router waits for the respawned replica,
                                                            within the inter-token deadline
     how:        on the decode pool, prompt + tokens sent > resume_local_max_tokens,
-                a live prefill replica (or unknown), and the loss was not the hand-off's own
+                a live prefill replica (or unknown), a live decode replica to take the
+                hand-off (or unknown), and the loss was not the hand-off's own
                                                         -> through the prefill pool: it prefills
                                                            prompt + tokens sent and hands the KV
                                                            off to a decode replica (generate),
@@ -31,10 +32,11 @@ new replica (its prefix cache and the global index keep that short when the
 prompt is shared) and streams on from the next token (resume.py).  A long
 remainder would stall every stream on that decode replica for several
 prefill chunks -- the interference disaggregation exists to remove -- so it
-goes through the prefill pool instead, unless the pool has no live replica
-or the lost hand-off was the prefill pool's (a failed pull, an expired
-lease: the replica that made it may be the one gone; recomputing needs
-nothing from it).  The remainder is counted without prefix-cache hits: the
+goes through the prefill pool instead, unless the pool has no live replica,
+no decode replica but a respawning one could take the hand-off (its lease
+would run down while the router waits), or the lost hand-off was the
+prefill pool's (a failed pull, an expired lease: the replica that made it
+may be the one gone; recomputing needs nothing from it).  The remainder is counted without prefix-cache hits: the
 gateway does not know them, and the replica that prefills finds them either
 way.
 
@@ -140,11 +142,12 @@ def resume_target(mode: str, decode_elsewhere: int | None, prefill_live: int | N
 
 
 def resume_path(target: ResumeTarget, num_tokens: int, local_max_tokens: int, prefill_live: int | None,
-                reason: FailoverReason) -> ResumeTarget:
+                decode_elsewhere: int | None, reason: FailoverReason) -> ResumeTarget:
     """``target``, through the prefill pool when the ``num_tokens`` to
     prefill again (prompt + tokens sent) are too many to recompute on the new
-    decode replica (see the rule at the top)."""
-    if (target.pool != "decode" or num_tokens <= local_max_tokens or prefill_live == 0
+    decode replica (see the rule at the top).  ``prefill_live``,
+    ``decode_elsewhere``: live replicas (None: unknown), as for resume_target."""
+    if (target.pool != "decode" or num_tokens <= local_max_tokens or prefill_live == 0 or decode_elsewhere == 0
             or reason in HANDOFF_LOST):
         return target
     return ResumeTarget("decode", "generate", via_prefill_pool=True)

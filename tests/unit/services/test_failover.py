@@ -11,17 +11,18 @@ import inspect
 import pytest
 from ray import exceptions as ray_exceptions
 
+from observability import tracing
+from observability.exporters import read_spans
 from router.routing_header import RoutingHeader
 from services.backend import (BackendFailure, BackendInvalidRequest, BackendKVTransferFailed, BackendLeaseExpired,
                               BackendOverloaded, BackendTimeout, BackendUnavailable)
+from services.config import ClusterConfig, RouterSettings, SchedulerSettings
 from services.gateway.cluster_backend import ClusterBackend
 from services.engine.random_stream import position_seed
 from services.engine.sampling_params import SamplingParams, greedy
 from services.gateway.failover import (FailoverReason, ResumeTarget, decide, live_elsewhere, lost_reason, resume_path,
                                        resume_target)
 from services.gateway.resume import with_stream_seed
-from observability import tracing
-from observability.exporters import read_spans
 from services.messages import GenerateRequest, PrefillResponse, TokenDelta
 from tests.unit.services.serve_fakes import HANDOFF, SERVERS, FakeResponse, FakeStream
 
@@ -59,21 +60,32 @@ DECODE = ResumeTarget("decode", "generate_colocated")
 VIA_PREFILL = ResumeTarget("decode", "generate", via_prefill_pool=True)
 
 
-@pytest.mark.parametrize("target, num_tokens, prefill_live, reason, want", [
-    (DECODE, 513, 1, R.REPLICA_DIED, VIA_PREFILL),      # long: prefilled by the prefill pool, handed off
-    (DECODE, 513, None, R.STREAM_BROKEN, VIA_PREFILL),  # liveness unknown: as for a fresh long prompt
-    (DECODE, 512, 1, R.REPLICA_DIED, DECODE),           # short: recomputed on the new decode replica
-    (DECODE, 513, 0, R.REPLICA_DIED, DECODE),           # no live prefill replica
-    (DECODE, 513, 1, R.KV_TRANSFER_FAILED, DECODE),     # the hand-off itself was lost: no second one
-    (DECODE, 513, 1, R.KV_LEASE_EXPIRED, DECODE),
-    (ResumeTarget("prefill", "generate_colocated"), 513, 1, R.REPLICA_DIED,
-     ResumeTarget("prefill", "generate_colocated")),    # the fallback runs both phases on a prefill replica
-    (ResumeTarget("colocated", "generate"), 513, None, R.REPLICA_DIED, ResumeTarget("colocated", "generate")),
+@pytest.mark.parametrize("target, num_tokens, prefill_live, decode_live, reason, want", [
+    (DECODE, 513, 1, 1, R.REPLICA_DIED, VIA_PREFILL),           # long: prefilled by the prefill pool, handed off
+    (DECODE, 513, None, None, R.STREAM_BROKEN, VIA_PREFILL),    # liveness unknown: as for a fresh long prompt
+    (DECODE, 512, 1, 1, R.REPLICA_DIED, DECODE),                # short: recomputed on the new decode replica
+    (DECODE, 513, 0, 1, R.REPLICA_DIED, DECODE),                # no live prefill replica
+    (DECODE, 513, 1, 0, R.REPLICA_DIED, DECODE),                # waiting for a respawn: no lease to run down
+    (DECODE, 513, 1, 1, R.KV_TRANSFER_FAILED, DECODE),          # the hand-off itself was lost: no second one
+    (DECODE, 513, 1, 1, R.KV_LEASE_EXPIRED, DECODE),
+    (ResumeTarget("prefill", "generate_colocated"), 513, 1, 0, R.REPLICA_DIED,
+     ResumeTarget("prefill", "generate_colocated")),            # the fallback runs both phases on a prefill replica
+    (ResumeTarget("colocated", "generate"), 513, None, None, R.REPLICA_DIED, ResumeTarget("colocated", "generate")),
 ])
-def test_resume_path(target, num_tokens, prefill_live, reason, want):
-    got = resume_path(target, num_tokens, 512, prefill_live, reason)
+def test_resume_path(target, num_tokens, prefill_live, decode_live, reason, want):
+    got = resume_path(target, num_tokens, 512, prefill_live, decode_live, reason)
     assert got == want
     assert got.path == ("prefill_pool" if want.via_prefill_pool else "recompute")
+
+
+def test_resume_local_max_tokens_defaults_to_what_a_decode_replica_would_prefill_itself():
+    assert ClusterConfig().resume_local_max_tokens() == 512  # one prefill chunk (the default chunk size)
+    assert ClusterConfig(scheduler=SchedulerSettings(prefill_chunk_size=128)).resume_local_max_tokens() == 128
+    assert ClusterConfig(router=RouterSettings(local_prefill_max_tokens=300)).resume_local_max_tokens() == 300
+    configured = RouterSettings(local_prefill_max_tokens=300, resume_local_max_tokens=0)
+    assert ClusterConfig(router=configured).resume_local_max_tokens() == 0  # every long-enough resume: prefill pool
+    with pytest.raises(ValueError, match="resume_local_max_tokens"):
+        RouterSettings(resume_local_max_tokens=-1)
 
 
 def test_lost_reasons_are_replica_losses_only():
