@@ -36,9 +36,9 @@ goes through the prefill pool instead, unless the pool has no live replica,
 no decode replica but a respawning one could take the hand-off (its lease
 would run down while the router waits), or the lost hand-off was the
 prefill pool's (a failed pull, an expired lease: the replica that made it
-may be the one gone; recomputing needs nothing from it).  The remainder is counted without prefix-cache hits: the
-gateway does not know them, and the replica that prefills finds them either
-way.
+may be the one gone; recomputing needs nothing from it).  The remainder is
+counted without prefix-cache hits: the gateway does not know them, and the
+replica that prefills finds them either way.
 
 What is not a lost replica -- a full pool (429), a request the engine
 refused or failed alone (bad parameters, non-finite logits), the end-to-end

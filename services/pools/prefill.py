@@ -57,7 +57,7 @@ class PrefillServer(WorkerEndpoints):
             raise
         stages.done(last)  # prefill.queue + prefill.compute spans, prefill metrics
         seconds = time.perf_counter() - started
-        computed = last.num_prompt_tokens - last.num_cached_tokens
+        computed = last.num_prompt_tokens + len(request.prior_output_token_ids) - last.num_cached_tokens
         w.note_prefill(computed, seconds)
         w.counters.prompt_tokens += last.num_prompt_tokens
         w.counters.prompt_tokens_cached += last.num_cached_tokens
