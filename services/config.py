@@ -114,6 +114,12 @@ class RouterSettings(_Strict):
         0, ge=0, description="disaggregated mode: prompts of at most this many tokens are prefilled on the decode "
                              "replica itself (no KV transfer, no prefill-pool queue); longer ones go to the prefill "
                              "pool.  0: every prompt goes to the prefill pool")
+    resume_local_max_tokens: int | None = Field(
+        None, ge=0, description="mid-stream failover: a resumed stream with at most this many tokens to prefill "
+                                "again (prompt + tokens already sent) recomputes them on the new decode replica; "
+                                "a longer one is prefilled by the prefill pool and handed off, as a long prompt "
+                                "is.  None: local_prefill_max_tokens when set, else one prefill chunk "
+                                "(scheduler.prefill_chunk_size)")
 
 
 class AdmissionSettings(_Strict):
@@ -287,6 +293,17 @@ class ClusterConfig(_Strict):
         if not isinstance(data, dict):
             raise ValueError(f"{path}: expected a mapping of config keys at the top level")
         return cls.model_validate({**data, **(overrides or {})})
+
+    def resume_local_max_tokens(self) -> int:
+        """router.resume_local_max_tokens, its default resolved: a stream whose
+        fresh prompt of that size the decode replica would prefill itself may
+        recompute as much there after a failover; without conditional
+        disaggregation, one prefill chunk (one step's stall for the replica's
+        other streams)."""
+        r = self.router
+        if r.resume_local_max_tokens is not None:
+            return r.resume_local_max_tokens
+        return r.local_prefill_max_tokens or self.scheduler.prefill_chunk_size
 
     def engine_config(self, pool: PoolConfig) -> EngineConfig:
         s = self.scheduler

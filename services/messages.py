@@ -2,7 +2,8 @@
 engine and back (pickled by Ray across each hop; plain dataclasses).
 
     GenerateRequest   one shape for every call: prefill, decode (``handoff``
-                      set), colocated, a resumed stream (``prior_output_token_ids``)
+                      set), colocated, a resumed stream (``prior_output_token_ids``,
+                      on a whole-request call, or on both calls of a hand-off)
     PrefillResponse   the prefill replica's answer: first token + where its KV is
     TokenDelta        one streamed piece, replica -> gateway -> HTTP layer
     LeaseRelease      drop a hand-off's lease on the replica holding it
@@ -27,7 +28,7 @@ class PrefillResponse:
     text: str                      # the first token's text delta
     finish_reason: str | None      # set when the first token already ends the request
     block_ids: tuple[int, ...]     # pinned under lease ``request_id`` unless finished
-    num_tokens: int                # prompt tokens whose K/V the blocks hold
+    num_tokens: int                # prompt tokens whose K/V the blocks hold (then a resumed stream's prior output's)
     num_cached_tokens: int         # of those, prefix-cache hits on the prefill replica
     peer: bytes                    # the prefill replica's transfer descriptor
     worker_name: str

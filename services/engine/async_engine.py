@@ -159,13 +159,16 @@ class AsyncEngine:
             await self._close_stream(request_id, abort=added and not ended)
 
     async def reserve_external(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-                               ttl_s: float | None = None, block_hashes: Sequence[int] = ()
-                               ) -> ExternalKVAllocation | None:
-        """Blocks for a prompt whose K/V comes from outside (see
-        Engine.reserve_external); freed unless committed within ``ttl_s``."""
+                               ttl_s: float | None = None, block_hashes: Sequence[int] = (),
+                               prior_output_token_ids: Sequence[int] = ()) -> ExternalKVAllocation | None:
+        """Blocks for a prompt (and a resumed request's prior output) whose K/V
+        comes from outside (see Engine.reserve_external); freed unless
+        committed within ``ttl_s``."""
         await self._compile_grammar(params)
+        # Only a resumed request passes its prior output (engines without resume need not know it).
+        extra = {"prior_output_token_ids": tuple(prior_output_token_ids)} if prior_output_token_ids else {}
         return await self._call(lambda: self.engine.reserve_external(request_id, prompt_token_ids, params, ttl_s,
-                                                                     block_hashes),
+                                                                     block_hashes, **extra),
                                 undo=self._abort_reservation)
 
     async def decode_external(self, request_id: str, first_token_id: int) -> AsyncIterator[RequestOutput]:

@@ -166,14 +166,20 @@ class Engine:
 
     # ---- disaggregation: K/V written from outside ------------------------
     def reserve_external(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-                         ttl_s: float | None = None, block_hashes: Sequence[int] = ()) -> ExternalKVAllocation | None:
+                         ttl_s: float | None = None, block_hashes: Sequence[int] = (),
+                         prior_output_token_ids: Sequence[int] = ()) -> ExternalKVAllocation | None:
         """Allocates blocks for a prompt whose K/V someone else computed.
         None if the pool cannot hold it now (retry later).  Unless committed
         within ``ttl_s`` (default ``reservation_ttl_s``), the reservation is
-        aborted and its blocks freed."""
+        aborted and its blocks freed.  ``prior_output_token_ids``: a resumed
+        request's output so far, whose K/V the prefill side computed after the
+        prompt's; it counts as output, as in add_request (output_history.py)."""
         if ttl_s is not None and not 0 < ttl_s < float("inf"):
             raise InvalidRequestError(f"ttl_s must be a finite number of seconds > 0, got {ttl_s!r}")
+        if prior_output_token_ids:
+            check_prior_output(prior_output_token_ids, params.max_tokens, self.loaded.config.vocab_size)
         req = self._make_request(request_id, prompt_token_ids, params, block_hashes=block_hashes)
+        req.output_token_ids.extend(prior_output_token_ids)  # a fresh request: the scheduler reserves all its tokens
         num_cached_blocks = self.scheduler.reserve_external(req)
         if num_cached_blocks is None:
             return None
@@ -181,8 +187,9 @@ class Engine:
         return ExternalKVAllocation(request_id, tuple(req.block_ids), num_cached_blocks)
 
     def commit_external(self, request_id: str, first_token_id: int) -> Request:
-        """The reserved blocks now hold the prompt's K/V: decode from
-        ``first_token_id`` (already sent to the client by the prefill side)."""
+        """The reserved blocks now hold the K/V of the prompt (and of a
+        resumed request's prior output): decode from ``first_token_id``
+        (already sent to the client by the prefill side)."""
         vocab = self.loaded.config.vocab_size
         if isinstance(first_token_id, bool) or not isinstance(first_token_id, int) or not 0 <= first_token_id < vocab:
             raise InvalidRequestError(
@@ -195,6 +202,9 @@ class Engine:
         self.requests[request_id] = req
         detok = IncrementalDetokenizer(self.tokenizer, req.params.stop)
         self._detok[request_id] = detok
+        # The client has the prior output's text and the first token's: replayed, so stop
+        # strings and the text deltas that follow continue from them.
+        replay_prior_output(detok, req.output_token_ids[:-1], req.params.ignore_eos, self.tokenizer.eos_token_ids)
         detok.add(first_token_id)
         reason = self._stop_reason(req, first_token_id, detok)
         if reason is not None:

@@ -14,7 +14,7 @@ class PrefillResult:
     lease ``lease_id`` (== request id) until released or expired."""
     first_token_id: int
     block_ids: tuple[int, ...]
-    num_tokens: int          # prompt tokens whose K/V the blocks hold
+    num_tokens: int          # prompt tokens whose K/V the blocks hold (a resumed request's prior output follows)
     num_cached_tokens: int   # of those, found in the prefix cache
     # time.time() from which the owner refuses reads of block_ids (0 = unknown:
     # treat as expired); the blocks stay unrecycled EXPIRY_GRACE_S longer.

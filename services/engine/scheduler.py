@@ -22,7 +22,8 @@ its queues): a resumed request enters ``waiting`` with the output another
 replica generated (``add(req, prior_output_token_ids)``, output_history.py),
 and a request whose prompt K/V is computed elsewhere is reserved into
 ``awaiting_kv`` (``reserve_external``) and joins ``running`` once the K/V has
-landed (``commit_external``)::
+landed (``commit_external``); a resumed request can come that way too, its
+prior output's K/V computed with the prompt's by a prefill replica::
 
     add ------------------------> waiting --admit--> running --finish--> (gone)
     reserve_external --> awaiting_kv --commit_external--^
@@ -128,12 +129,18 @@ class Scheduler:
         self.waiting.append(req)
 
     def reserve_external(self, req: Request) -> int | None:
-        """Admits ``req`` to wait for its prompt's K/V from outside: blocks for
-        the whole prompt, the leading ones found in the prefix cache taken by
+        """Admits ``req`` to wait for its K/V from outside: blocks for all its
+        tokens -- the prompt, and a resumed request's output so far (another
+        replica generated it; the prefill replica computed its K/V with the
+        prompt's) -- the leading ones found in the prefix cache taken by
         reference.  Returns how many blocks the cache held, or None if the
-        pool cannot hold the prompt now."""
+        pool cannot hold it now::
+
+            [ prompt ........ | prior output ...... ]   req.num_tokens: K/V written from outside
+            [ cached | reserved ................... ]   then commit_external: + first token, decode on
+        """
         match = self.kv.match_prefix(self.update_hashes(req))
-        need = _cdiv(req.num_prompt_tokens, self.block_size) - match.num_blocks
+        need = _cdiv(req.num_tokens, self.block_size) - match.num_blocks
         if need > self.kv.num_free_blocks - match.num_evictable:
             return None
         self.kv.acquire(match.block_ids)
@@ -144,13 +151,14 @@ class Scheduler:
         return match.num_blocks
 
     def commit_external(self, request_id: str, first_token_id: int) -> Request | None:
-        """The reserved blocks of ``request_id`` hold its prompt's K/V now: its
-        full blocks enter the prefix cache and it runs, decoding from
-        ``first_token_id``.  None if nothing is reserved under that id."""
+        """The reserved blocks of ``request_id`` hold its K/V now (prompt, and
+        prior output if resumed): its full blocks enter the prefix cache and it
+        runs, decoding from ``first_token_id``.  None if nothing is reserved
+        under that id."""
         req = self.awaiting_kv.pop(request_id, None)
         if req is None:
             return None
-        req.num_computed_tokens = req.num_prompt_tokens
+        req.num_computed_tokens = req.num_tokens
         self.commit_computed_blocks(req)
         req.output_token_ids.append(first_token_id)
         req.status = RequestStatus.RUNNING

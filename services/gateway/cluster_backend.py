@@ -25,7 +25,10 @@ tokens already sent, at most ``max_failovers`` times (the rule is in
 failover.py, the resume message in resume.py)::
 
     client   t0 t1 t2 t3 ........ (pause) ........ t4 t5 ...   one id, one usage
-    replica  [prefill][ decode A    ]X  [ decode B: recompute prompt+t0..t3 | t4 t5 ... ]"""
+    replica  [prefill][ decode A    ]X  [ decode B: recompute prompt+t0..t3 | t4 t5 ... ]
+
+or, when prompt + t0..t3 is long, through the prefill pool as a fresh long
+prompt goes (prefill replica: prompt+t0..t3 -> t4, KV pulled by decode B: t5 ...)."""
 
 from __future__ import annotations
 
@@ -34,6 +37,7 @@ import dataclasses
 import logging
 import math
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any
 
 from ray import exceptions as ray_exceptions
@@ -44,9 +48,9 @@ from router.routing_header import RoutingHeader
 from services.backend import Backend, BackendError, BackendFailure, BackendOverloaded, BackendUnavailable
 from services.gateway.admission import Admission
 from services.gateway.deadlines import with_deadlines, with_gap_deadline
-from services.gateway.failover import (AVOIDED, FailoverReason, ReplicaLost, ResumeTarget, decide, gave_up_message,
-                                       live_elsewhere, lost_reason, resume_target)
-from services.gateway.failover_log import FailoverLog
+from services.gateway.failover import (AVOIDED, RECOMPUTE, FailoverReason, ReplicaLost, ResumeTarget, decide,
+                                       gave_up_message, live_elsewhere, lost_reason, resume_path, resume_target)
+from services.gateway.failover_log import FailoverLog, PendingSpan
 from services.gateway.liveness import PoolLiveness
 from services.gateway.resume import StreamProgress, resume_request, with_stream_seed
 from services.messages import GenerateRequest, LeaseRelease, PrefillResponse, TokenDelta
@@ -76,9 +80,11 @@ class ClusterBackend(Backend):
                  block_size: int, liveness: PoolLiveness | None = None, fallback_to_colocated: bool = False,
                  local_prefill_max_tokens: int = 0, admission: Admission | None = None,
                  request_timeout_s: float = 300.0, inter_token_timeout_s: float = 30.0,
-                 max_failovers: int = 2, failovers: FailoverLog | None = None):
+                 max_failovers: int = 2, failovers: FailoverLog | None = None, resume_local_max_tokens: int = 512):
         self.handles = handles
         self.max_failovers = max_failovers
+        # A resumed stream with more tokens to prefill again than this goes through the prefill pool.
+        self.resume_local_max_tokens = resume_local_max_tokens
         self.failovers = failovers or FailoverLog()
         self.admission = admission or Admission(ttft_slo_s=float("inf"), max_in_flight=1 << 30, shed=False)
         self.request_timeout_s, self.inter_token_timeout_s = request_timeout_s, inter_token_timeout_s
@@ -123,7 +129,7 @@ class ClusterBackend(Backend):
             try:
                 async for chunk in chunks:
                     if pending is not None:  # the new replica's first token: the pause is over
-                        self.failovers.span(pending, req.trace_context, progress.replica)
+                        self.failovers.span(pending, req.trace_context, progress.replica or chunk.worker_name)
                         pending = None
                     progress.add(chunk)
                     yield chunk
@@ -133,9 +139,9 @@ class ClusterBackend(Backend):
                     self.failovers.span(pending, req.trace_context, "", error=lost)
                 target = await self._failover_target(req, progress, lost)  # raises when it cannot
                 pending = self.failovers.resumed_on(req.request_id, lost.reason.value, lost.replica, target.pool,
-                                                    progress.num_failovers + 1, len(progress.token_ids))
+                                                    progress.num_failovers + 1, len(progress.token_ids), target.path)
                 progress.failed_over(lost.reason.value, lost.replica, avoid=lost.reason in AVOIDED)
-                attempt = self._resume(req, progress, target)
+                attempt = self._resume(req, progress, target, pending)
             finally:
                 await chunks.aclose()  # client gone or failed: the attempt's replica call is cancelled
 
@@ -152,22 +158,51 @@ class ClusterBackend(Backend):
             if lost.reason is FailoverReason.INTER_TOKEN_DEADLINE or progress.num_failovers == 0:
                 raise lost.final_error() from lost  # as without failover: the loss's own error
             raise BackendFailure(gave_up_message(lost, decision.why, tuple(progress.lost))) from lost
-        prefill_live = await self._live_count("prefill") if self.fallback_to_colocated else None
-        return resume_target(self.mode, elsewhere, prefill_live, self.fallback_to_colocated)
+        prefill_live = await self._live_count("prefill") if self.mode != "colocated" else None
+        target = resume_target(self.mode, elsewhere, prefill_live, self.fallback_to_colocated)
+        num_tokens = len(req.prompt_token_ids) + len(progress.token_ids)  # to prefill again
+        return resume_path(target, num_tokens, self.resume_local_max_tokens, prefill_live, elsewhere, lost.reason)
 
     async def _live_count(self, pool: str) -> int | None:
         if self.liveness is None or pool not in self.handles:
             return None
         return await self.liveness.live(pool)
 
-    async def _resume(self, req: GenerateRequest, progress: StreamProgress,
-                      target: ResumeTarget) -> AsyncIterator[TokenDelta]:
-        """Continues ``req`` on a replica of ``target.pool`` from prompt + the tokens already sent."""
-        stream = getattr(self.handles[target.pool].options(stream=True), target.method).remote(
-            resume_request(req, progress))
-        async for chunk in self._relay(stream, progress):
-            # The prompt's logprobs went out with the first attempt's first chunk.
-            yield chunk if chunk.prompt_logprobs is None else dataclasses.replace(chunk, prompt_logprobs=None)
+    async def _resume(self, req: GenerateRequest, progress: StreamProgress, target: ResumeTarget,
+                      pending: PendingSpan) -> AsyncIterator[TokenDelta]:
+        """Continues ``req`` on a replica of ``target.pool`` from prompt + the
+        tokens already sent: recomputed there, or prefilled by the prefill
+        pool and handed off (``target.via_prefill_pool``)."""
+        message = resume_request(req, progress)
+        if target.via_prefill_pool:
+            chunks = self._resume_via_prefill_pool(message, progress, pending)
+        else:
+            stream = getattr(self.handles[target.pool].options(stream=True), target.method).remote(message)
+            chunks = self._relay(stream, progress)
+        async with aclosing(chunks):  # closed with this attempt, not when collected
+            async for chunk in chunks:
+                # The prompt's logprobs went out with the first attempt's first chunk.
+                yield chunk if chunk.prompt_logprobs is None else dataclasses.replace(chunk, prompt_logprobs=None)
+
+    async def _resume_via_prefill_pool(self, message: GenerateRequest, progress: StreamProgress,
+                                       pending: PendingSpan) -> AsyncIterator[TokenDelta]:
+        """The hand-off path of a fresh request, for prompt + tokens sent.  A
+        prefill pool that cannot take it (no replica answers, a full queue)
+        costs the stream a recompute on the decode pool, never an error."""
+        try:
+            pre = await self._prefill(message)
+        except (BackendFailure, BackendOverloaded, BackendUnavailable) as exc:
+            log.warning("failover of %s: the prefill pool could not prefill the remainder (%s); recomputing it "
+                        "on the decode pool", message.request_id, exc)
+            pending.path = RECOMPUTE
+            stream = self.handles["decode"].options(stream=True).generate_colocated.remote(message)
+            async with aclosing(self._relay(stream, progress)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+            return
+        async with aclosing(self._decode_handoff(message, pre, progress)) as chunks:
+            async for chunk in chunks:
+                yield chunk
 
     async def _generate(self, req: GenerateRequest, progress: StreamProgress | None = None
                         ) -> AsyncIterator[TokenDelta]:
@@ -195,6 +230,14 @@ class ClusterBackend(Backend):
                 yield chunk
             return
         pre = await self._prefill(req)
+        # Closed with this generator (the client left): its lease release must not wait for GC.
+        async with aclosing(self._decode_handoff(req, pre, progress)) as chunks:
+            async for chunk in chunks:
+                yield chunk
+
+    async def _decode_handoff(self, req: GenerateRequest, pre: PrefillResponse,
+                              progress: StreamProgress | None) -> AsyncIterator[TokenDelta]:
+        """The prefill replica's first token, then the decode replica's stream from its hand-off."""
         decoded = False  # a decode token back means the decode side pulled and released the lease
         try:
             yield TokenDelta([pre.first_token_id], pre.text, pre.finish_reason,

@@ -97,6 +97,7 @@ class Gateway:
                                  request_timeout_s=adm.request_timeout_s,
                                  inter_token_timeout_s=adm.inter_token_timeout_s,
                                  max_failovers=cfg.max_failovers,
+                                 resume_local_max_tokens=cfg.resume_local_max_tokens(),
                                  failovers=FailoverLog(cfg.index_url, cfg.cluster_name))
         gateway_metrics = GatewayMetrics(board=self.board, admission_view=backend.admission.view,
                                          failover_view=backend.failovers.view)

@@ -15,13 +15,30 @@ cluster_backend.py):
                 none otherwise                          -> decode pool, generate_colocated: the
                                                            router waits for the respawned replica,
                                                            within the inter-token deadline
+    how:        on the decode pool, prompt + tokens sent > resume_local_max_tokens,
+                a live prefill replica (or unknown), a live decode replica to take the
+                hand-off (or unknown), and the loss was not the hand-off's own
+                                                        -> through the prefill pool: it prefills
+                                                           prompt + tokens sent and hands the KV
+                                                           off to a decode replica (generate),
+                                                           as for a fresh long prompt
+                otherwise                               -> recompute on the new replica itself
 
 A stalled replica (the inter-token deadline) is alive and no respawn is
 coming, so with no other replica the stream ends with the deadline's error
 as before; a dead one is being replaced, so waiting for it is worth the
 deadline.  A resumed attempt recomputes prompt + tokens already sent on the
 new replica (its prefix cache and the global index keep that short when the
-prompt is shared) and streams on from the next token (resume.py).
+prompt is shared) and streams on from the next token (resume.py).  A long
+remainder would stall every stream on that decode replica for several
+prefill chunks -- the interference disaggregation exists to remove -- so it
+goes through the prefill pool instead, unless the pool has no live replica,
+no decode replica but a respawning one could take the hand-off (its lease
+would run down while the router waits), or the lost hand-off was the
+prefill pool's (a failed pull, an expired lease: the replica that made it
+may be the one gone; recomputing needs nothing from it).  The remainder is
+counted without prefix-cache hits: the gateway does not know them, and the
+replica that prefills finds them either way.
 
 What is not a lost replica -- a full pool (429), a request the engine
 refused or failed alone (bad parameters, non-finite logits), the end-to-end
@@ -80,10 +97,21 @@ class FailoverDecision:
     why: str        # when not resuming: the sentence the error event carries
 
 
+# Losses of the hand-off itself: the resumed attempt does not hand off again.
+HANDOFF_LOST = frozenset({FailoverReason.KV_TRANSFER_FAILED, FailoverReason.KV_LEASE_EXPIRED})
+RECOMPUTE, PREFILL_POOL = "recompute", "prefill_pool"
+
+
 @dataclass(frozen=True)
 class ResumeTarget:
-    pool: str       # the Serve pool to resume on
-    method: str     # its method that runs both phases for a PrefillRequest
+    pool: str       # the Serve pool that streams the resumed attempt
+    method: str     # its method: both phases (generate_colocated / generate), or decode after a hand-off
+    via_prefill_pool: bool = False  # prefilled by the prefill pool, KV handed off to ``pool``
+
+    @property
+    def path(self) -> str:
+        """What the ``decode.failover`` span and the log line call it."""
+        return PREFILL_POOL if self.via_prefill_pool else RECOMPUTE
 
 
 def decide(reason: FailoverReason, num_failovers: int, max_failovers: int, tokens_left: int,
@@ -111,6 +139,18 @@ def resume_target(mode: str, decode_elsewhere: int | None, prefill_live: int | N
     if fallback_to_colocated and prefill_live:
         return ResumeTarget("prefill", "generate_colocated")
     return ResumeTarget("decode", "generate_colocated")
+
+
+def resume_path(target: ResumeTarget, num_tokens: int, local_max_tokens: int, prefill_live: int | None,
+                decode_elsewhere: int | None, reason: FailoverReason) -> ResumeTarget:
+    """``target``, through the prefill pool when the ``num_tokens`` to
+    prefill again (prompt + tokens sent) are too many to recompute on the new
+    decode replica (see the rule at the top).  ``prefill_live``,
+    ``decode_elsewhere``: live replicas (None: unknown), as for resume_target."""
+    if (target.pool != "decode" or num_tokens <= local_max_tokens or prefill_live == 0 or decode_elsewhere == 0
+            or reason in HANDOFF_LOST):
+        return target
+    return ResumeTarget("decode", "generate", via_prefill_pool=True)
 
 
 def live_elsewhere(live: int | None, lost_here: int) -> int | None:

@@ -4,7 +4,10 @@ the gateway's /metrics), and a per-cluster tally in Redis that `pdcluster
 status` prints.
 
 The span runs from the moment the stream lost its replica to the first
-token from the new one (the pause the client saw), and names both replicas;
+token from the new one (the pause the client saw), and names both replicas
+(through the prefill pool, the new one is the prefill replica that sent that
+token; the decode replica's own spans follow in the same trace) and the path
+(``failover.path``: ``recompute`` on the new replica, or ``prefill_pool``);
 a failover whose new attempt failed too ends with that error.  Recording
 never raises into a request, and never waits on Redis: the tally is
 bumped in the background."""
@@ -22,6 +25,7 @@ log = logging.getLogger("pdcluster.gateway")
 DEAD_REPLICA = "failover.dead_replica"
 NEW_REPLICA = "failover.new_replica"
 REASON = "failover.reason"
+PATH = "failover.path"
 
 
 def tally_key(cluster: str) -> str:
@@ -38,6 +42,7 @@ class PendingSpan:
     number: int           # 1 for a stream's first failover
     tokens_sent: int
     pool: str
+    path: str             # "recompute" or "prefill_pool" (failover.ResumeTarget.path)
 
 
 class FailoverLog:
@@ -54,13 +59,13 @@ class FailoverLog:
         return {"resumed": dict(self.resumed), "gave_up": dict(self.gave_up)}
 
     def resumed_on(self, request_id: str, reason: str, dead_replica: str, pool: str, number: int,
-                   tokens_sent: int) -> PendingSpan:
+                   tokens_sent: int, path: str) -> PendingSpan:
         self.resumed[reason] += 1
         metrics.count_failover(reason)
         self._bump(reason)
-        log.warning("failover: request=%s reason=%s dead_replica=%s resume_pool=%s failover=%d tokens_sent=%d",
-                    request_id, reason, dead_replica or "?", pool, number, tokens_sent)
-        return PendingSpan(time.time_ns(), reason, dead_replica, number, tokens_sent, pool)
+        log.warning("failover: request=%s reason=%s dead_replica=%s resume_pool=%s path=%s failover=%d "
+                    "tokens_sent=%d", request_id, reason, dead_replica or "?", pool, path, number, tokens_sent)
+        return PendingSpan(time.time_ns(), reason, dead_replica, number, tokens_sent, pool, path)
 
     def gave_up_on(self, request_id: str, reason: str, dead_replica: str, why: str) -> None:
         self.gave_up[reason] += 1
@@ -74,7 +79,7 @@ class FailoverLog:
         try:
             tracing.record_span("decode.failover", pending.started_ns, time.time_ns(), carrier, {
                 REASON: pending.reason, DEAD_REPLICA: pending.dead_replica or "unknown",
-                NEW_REPLICA: new_replica or "none", tracing.POOL: pending.pool,
+                NEW_REPLICA: new_replica or "none", tracing.POOL: pending.pool, PATH: pending.path,
                 "failover.number": pending.number, tracing.OUTPUT_TOKENS: pending.tokens_sent}, error=error)
         except Exception:  # noqa: BLE001 - observability must not break the stream
             log.exception("recording the decode.failover span failed")

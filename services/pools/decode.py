@@ -51,13 +51,15 @@ class DecodeServer(WorkerEndpoints):
                 "decode replica could pull it; retry the request (or raise lease_ttl_s)")
 
     async def _reserve(self, req: GenerateRequest):
-        """Blocks for the prompt; waits briefly when the pool is full."""
+        """Blocks for the prompt (and a resumed stream's tokens already sent,
+        whose KV the prefill replica computed too); waits briefly when the pool is full."""
         aengine = self.worker.aengine
         deadline = asyncio.get_running_loop().time() + self.cfg.transfer_timeout_s
         while True:
             with engine_errors_as_backend_errors():
                 alloc = await aengine.reserve_external(req.request_id, req.prompt_token_ids, req.params,
-                                                       block_hashes=self.worker.prompt_hashes(req))
+                                                       block_hashes=self.worker.prompt_hashes(req),
+                                                       prior_output_token_ids=req.prior_output_token_ids)
             if alloc is not None:
                 return alloc
             if asyncio.get_running_loop().time() > deadline:
@@ -132,7 +134,7 @@ class DecodeServer(WorkerEndpoints):
         with engine_errors_as_backend_errors():
             async for out in self.worker.aengine.decode_external(req.request_id, req.handoff.first_token_id):
                 stages.on_output(out)
-                faults.drop_stream(req.faults, 0 if first else 1)
+                faults.drop_stream(req.faults, 0 if first else 1, resumed=bool(req.prior_output_token_ids))
                 if first and faults.has(req.faults, "stall_decode"):
                     self.worker.aengine.inject_fault("stall", faults.seconds(req.faults, "stall_decode"))
                 if first and faults.has(req.faults, "kill_decode_engine"):

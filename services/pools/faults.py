@@ -16,6 +16,7 @@ request, whatever the pool sizes.
     kill_decode_engine     decode: the engine loop dies after the first decoded token (mid-stream)
     drop_stream            any replica streaming it: the stream breaks after its first token, on every
                            attempt (a request that loses its replica again and again: failover's bound)
+    drop_stream_once       the same on the first attempt only: one failover, and no replica to respawn
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import os
 ENV = "PDCLUSTER_FAULTS"
 HEADER = "x-pdcluster-fault"
 KINDS = frozenset({"short_lease", "delay_pull", "fail_pull", "die_before_pull", "reject_decode", "stall_decode",
-                   "kill_prefill_engine", "kill_decode_engine", "drop_stream"})
+                   "kill_prefill_engine", "kill_decode_engine", "drop_stream", "drop_stream_once"})
 
 
 def enabled() -> bool:
@@ -56,7 +57,8 @@ def seconds(faults: tuple[str, ...], kind: str, default: float = 1.0) -> float:
     return default
 
 
-def drop_stream(faults_: tuple[str, ...], num_deltas_sent: int) -> None:
-    """Raises as a broken stream would, once a delta went out (fault drop_stream)."""
-    if num_deltas_sent and has(faults_, "drop_stream"):
+def drop_stream(faults_: tuple[str, ...], num_deltas_sent: int, resumed: bool = False) -> None:
+    """Raises as a broken stream would, once a delta went out (fault
+    drop_stream; drop_stream_once unless the request is a resumed one)."""
+    if num_deltas_sent and (has(faults_, "drop_stream") or (has(faults_, "drop_stream_once") and not resumed)):
         raise RuntimeError("the stream broke (injected fault drop_stream)")

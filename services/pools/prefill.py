@@ -1,6 +1,8 @@
 """PrefillServer: computes a prompt's KV (chunked, reusing its local prefix
 cache), samples the first token, and keeps the prompt's blocks pinned under
-a lease until the decode replica has pulled them (or the lease expires)."""
+a lease until the decode replica has pulled them (or the lease expires).
+A resumed stream's request brings the tokens already sent: their KV is
+computed after the prompt's, and the token sampled is the next one."""
 
 from __future__ import annotations
 
@@ -42,8 +44,10 @@ class PrefillServer(WorkerEndpoints):
             # A prefill replica's queue is everything not yet prefilled.
             with w.admitted(self.cfg.prefill.max_queue), engine_errors_as_backend_errors():
                 last = None
+                # A resumed stream's long remainder (services/gateway/failover.py): prompt + prior output.
                 async for out in w.aengine.generate(request.request_id, request.prompt_token_ids, request.params,
-                                                    prefill_only=True, block_hashes=w.prompt_hashes(request)):
+                                                    prefill_only=True, block_hashes=w.prompt_hashes(request),
+                                                    prior_output_token_ids=request.prior_output_token_ids):
                     last = out
                 if last.prefill is not None and faults.has(request.faults, "short_lease"):
                     last.prefill = await w.aengine.run(
@@ -53,7 +57,7 @@ class PrefillServer(WorkerEndpoints):
             raise
         stages.done(last)  # prefill.queue + prefill.compute spans, prefill metrics
         seconds = time.perf_counter() - started
-        computed = last.num_prompt_tokens - last.num_cached_tokens
+        computed = last.num_prompt_tokens + len(request.prior_output_token_ids) - last.num_cached_tokens
         w.note_prefill(computed, seconds)
         w.counters.prompt_tokens += last.num_prompt_tokens
         w.counters.prompt_tokens_cached += last.num_cached_tokens

@@ -211,7 +211,7 @@ async def stream_whole_request(worker: Worker, request: GenerateRequest, capacit
             if timer.num_tokens == 0:
                 metrics.count_prompt_tokens(worker.role, worker.name, out.num_prompt_tokens,
                                             out.num_cached_tokens)
-            faults.drop_stream(request.faults, timer.num_tokens)
+            faults.drop_stream(request.faults, timer.num_tokens, resumed=bool(request.prior_output_token_ids))
             timer.on_tokens(len(out.new_token_ids))
             yield TokenDelta(out.new_token_ids, out.text_delta,
                              out.finish_reason.value if out.finished else None,

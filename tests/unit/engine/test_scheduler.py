@@ -171,3 +171,34 @@ def test_resumed_request_enters_with_its_prior_output_and_recomputes_it():
     out = step(s, token=9)
     assert [(e.request.request_id, e.num_new_tokens) for e in out.prefills] == [("a", 8)]
     assert a.output_token_ids == [70, 71, 72, 9] and a.num_prompt_tokens == 5
+
+
+def test_a_resumed_request_reserves_its_prior_output_too_and_decodes_after_it():
+    s = make_scheduler(num_blocks=16)
+    a = make_request("a", 9, max_tokens=1)
+    s.add(a)
+    step(s)  # a's two full blocks (0, 1) enter the prefix cache
+    s.finish(a, FinishReason.LENGTH)
+    # Resumed: the same 9 prompt tokens, 4 output tokens sent before the hop: 13 tokens of K/V from outside.
+    b = make_request("b", 9, max_tokens=8)
+    b.output_token_ids.extend([70, 71, 72, 73])
+    assert s.reserve_external(b) == 2
+    assert b.block_ids == [0, 1, 3, 4] and b.num_cached_tokens == 8 and b.num_computed_tokens == 0
+    assert s.commit_external("b", 42) is b
+    assert b.num_computed_tokens == 13 and b.output_token_ids == [70, 71, 72, 73, 42]
+    assert len(b.block_hashes) == 3  # the prior output's full block is hashed and cached with the prompt's
+    assert s.kv.match_prefix(b.block_hashes).num_blocks == 3
+    out = step(s, token=9)
+    assert [(e.request.request_id, e.num_new_tokens) for e in out.decodes] == [("b", 1)]
+    assert b.num_computed_tokens == 14 and b.output_token_ids[-1] == 9
+    s.finish(b, FinishReason.LENGTH)
+    s.kv.check_integrity()
+    assert s.kv.num_free_blocks == 16
+
+
+def test_a_resumed_reservation_is_refused_when_its_prior_output_does_not_fit():
+    s = make_scheduler(num_blocks=3)
+    b = make_request("b", 9, max_tokens=8)  # 3 blocks for the prompt alone would fit
+    b.output_token_ids.extend([70, 71, 72, 73])
+    assert s.reserve_external(b) is None
+    assert not s.awaiting_kv and s.kv.num_free_blocks == 3

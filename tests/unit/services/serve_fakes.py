@@ -19,13 +19,15 @@ HANDOFF = PrefillResponse(request_id="r1", first_token_id=5, text="a", finish_re
 
 
 class FakeResponse:
-    """A DeploymentResponse: awaitable, cancellable."""
+    """A DeploymentResponse: awaitable (its value, or it raises ``error``), cancellable."""
 
-    def __init__(self, value):
-        self.value, self.cancelled = value, False
+    def __init__(self, value, error: BaseException | None = None):
+        self.value, self.error, self.cancelled = value, error, False
 
     def __await__(self):
         async def get():
+            if self.error is not None:
+                raise self.error
             return self.value
         return get().__await__()
 

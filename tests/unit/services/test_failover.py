@@ -11,15 +11,19 @@ import inspect
 import pytest
 from ray import exceptions as ray_exceptions
 
+from observability import tracing
+from observability.exporters import read_spans
 from router.routing_header import RoutingHeader
 from services.backend import (BackendFailure, BackendInvalidRequest, BackendKVTransferFailed, BackendLeaseExpired,
                               BackendOverloaded, BackendTimeout, BackendUnavailable)
+from services.config import ClusterConfig, RouterSettings, SchedulerSettings
 from services.gateway.cluster_backend import ClusterBackend
 from services.engine.random_stream import position_seed
 from services.engine.sampling_params import SamplingParams, greedy
-from services.gateway.failover import FailoverReason, decide, live_elsewhere, lost_reason, resume_target
+from services.gateway.failover import (FailoverReason, ResumeTarget, decide, live_elsewhere, lost_reason, resume_path,
+                                       resume_target)
 from services.gateway.resume import with_stream_seed
-from services.messages import GenerateRequest, TokenDelta
+from services.messages import GenerateRequest, PrefillResponse, TokenDelta
 from tests.unit.services.serve_fakes import HANDOFF, SERVERS, FakeResponse, FakeStream
 
 R = FailoverReason
@@ -52,6 +56,38 @@ def test_resume_target_prefers_another_decode_replica_then_the_fallback():
     assert live_elsewhere(2, 1) == 1 and live_elsewhere(1, 3) == 0 and live_elsewhere(None, 1) is None
 
 
+DECODE = ResumeTarget("decode", "generate_colocated")
+VIA_PREFILL = ResumeTarget("decode", "generate", via_prefill_pool=True)
+
+
+@pytest.mark.parametrize("target, num_tokens, prefill_live, decode_live, reason, want", [
+    (DECODE, 513, 1, 1, R.REPLICA_DIED, VIA_PREFILL),           # long: prefilled by the prefill pool, handed off
+    (DECODE, 513, None, None, R.STREAM_BROKEN, VIA_PREFILL),    # liveness unknown: as for a fresh long prompt
+    (DECODE, 512, 1, 1, R.REPLICA_DIED, DECODE),                # short: recomputed on the new decode replica
+    (DECODE, 513, 0, 1, R.REPLICA_DIED, DECODE),                # no live prefill replica
+    (DECODE, 513, 1, 0, R.REPLICA_DIED, DECODE),                # waiting for a respawn: no lease to run down
+    (DECODE, 513, 1, 1, R.KV_TRANSFER_FAILED, DECODE),          # the hand-off itself was lost: no second one
+    (DECODE, 513, 1, 1, R.KV_LEASE_EXPIRED, DECODE),
+    (ResumeTarget("prefill", "generate_colocated"), 513, 1, 0, R.REPLICA_DIED,
+     ResumeTarget("prefill", "generate_colocated")),            # the fallback runs both phases on a prefill replica
+    (ResumeTarget("colocated", "generate"), 513, None, None, R.REPLICA_DIED, ResumeTarget("colocated", "generate")),
+])
+def test_resume_path(target, num_tokens, prefill_live, decode_live, reason, want):
+    got = resume_path(target, num_tokens, 512, prefill_live, decode_live, reason)
+    assert got == want
+    assert got.path == ("prefill_pool" if want.via_prefill_pool else "recompute")
+
+
+def test_resume_local_max_tokens_defaults_to_what_a_decode_replica_would_prefill_itself():
+    assert ClusterConfig().resume_local_max_tokens() == 512  # one prefill chunk (the default chunk size)
+    assert ClusterConfig(scheduler=SchedulerSettings(prefill_chunk_size=128)).resume_local_max_tokens() == 128
+    assert ClusterConfig(router=RouterSettings(local_prefill_max_tokens=300)).resume_local_max_tokens() == 300
+    configured = RouterSettings(local_prefill_max_tokens=300, resume_local_max_tokens=0)
+    assert ClusterConfig(router=configured).resume_local_max_tokens() == 0  # every long-enough resume: prefill pool
+    with pytest.raises(ValueError, match="resume_local_max_tokens"):
+        RouterSettings(resume_local_max_tokens=-1)
+
+
 def test_lost_reasons_are_replica_losses_only():
     assert lost_reason(BackendKVTransferFailed("x")) is R.KV_TRANSFER_FAILED
     assert lost_reason(BackendLeaseExpired("x")) is R.KV_LEASE_EXPIRED
@@ -73,10 +109,12 @@ def test_position_seeds_differ_by_seed_and_position():
 
 
 class _Cluster:
-    """Fake Serve handles: each streaming call takes the next scripted stream."""
+    """Fake Serve handles: each streaming call takes the next scripted stream,
+    each prefill call the next scripted hand-off (a PrefillResponse, or the
+    error it raises; HANDOFF once the script is used up)."""
 
-    def __init__(self, streams):
-        self.streams, self.calls = list(streams), []
+    def __init__(self, streams, prefills=()):
+        self.streams, self.prefills, self.calls = list(streams), list(prefills), []
 
     def pool(self, name):
         cluster = self
@@ -91,7 +129,10 @@ class _Cluster:
                         inspect.signature(getattr(SERVERS[name], method)).bind(None, *args, **kwargs)
                         cluster.calls.append((f"{name}.{method}", args, kwargs))
                         if method == "prefill":
-                            return FakeResponse(HANDOFF)
+                            answer = cluster.prefills.pop(0) if cluster.prefills else HANDOFF
+                            if isinstance(answer, BaseException):
+                                return FakeResponse(None, error=answer)
+                            return FakeResponse(answer)
                         if method == "release":
                             return FakeResponse(True)
                         return cluster.streams.pop(0)
@@ -107,8 +148,8 @@ class _Liveness:
         return self.counts.get(role, 0)
 
 
-def _backend(streams, live=None, **kw):
-    cluster = _Cluster(streams)
+def _backend(streams, live=None, prefills=(), **kw):
+    cluster = _Cluster(streams, prefills)
     handles = {"prefill": cluster.pool("prefill"), "decode": cluster.pool("decode")}
     backend = ClusterBackend(handles, mode="disaggregated", model_name="m", max_model_len=64, block_size=16,
                              liveness=_Liveness({"prefill": 1} | live) if live is not None else None, **kw)
@@ -233,3 +274,76 @@ def test_the_routing_header_carries_the_replicas_to_avoid():
     header = RoutingHeader((1, 2), 40, 16, 8, avoid_workers=("decode-a",))
     assert header.avoid_workers == ("decode-a",)
     assert RoutingHeader((), 0).avoid_workers == ()
+
+
+# ---- a long remainder goes through the prefill pool -----------------------------------------------
+@pytest.fixture
+def failover_spans(tmp_path, monkeypatch):
+    """The decode.failover spans this test records, read back from a real JSONL exporter."""
+    for name in ("OTEL_SDK_DISABLED", "OTEL_TRACES_EXPORTER", "OTEL_TRACES_SAMPLER", "PDCLUSTER_TRACING",
+                 "PDCLUSTER_TRACE_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    tracing._reset_for_tests()
+    path = tmp_path / "spans.jsonl"
+    tracing.setup_tracing("pdcluster-gateway", jsonl_path=path)
+
+    def read() -> list[dict]:
+        tracing.force_flush()
+        return [s["attributes"] for s in read_spans(path)[0] if s["name"] == "decode.failover"]
+    yield read
+    tracing._reset_for_tests()
+
+
+def _resumed_handoff() -> PrefillResponse:
+    """The prefill replica's answer for the resumed message: the token after the three sent."""
+    return dataclasses.replace(HANDOFF, request_id="r1~r1", first_token_id=8, text="d", block_ids=(6, 7),
+                               worker_name="prefill-y")
+
+
+async def test_a_long_remainder_is_prefilled_by_the_prefill_pool_and_handed_off(failover_spans):
+    died = ray_exceptions.ActorDiedError()
+    streams = [FakeStream([_d(6, "b"), _d(7, "c")], error=died),
+               FakeStream([_d(9, "e", "decode-B"), _d(10, "f", "decode-B", "length")])]
+    # 20 prompt tokens + 3 sent = 23 to prefill again: more than 22.
+    backend, cluster = _backend(streams, live={"decode": 2}, prefills=[HANDOFF, _resumed_handoff()],
+                                resume_local_max_tokens=22)
+    chunks = await _drain(backend, max_tokens=6)
+    assert [t for c in chunks for t in c.token_ids] == [5, 6, 7, 8, 9, 10]  # each token once
+    assert "".join(c.text for c in chunks) == "abcdef" and chunks[-1].finish_reason == "length"
+    assert _resumes(cluster) == []  # nothing recomputed on a decode replica
+    prefill_calls = [args[0] for name, args, _ in cluster.calls if name == "prefill.prefill"]
+    assert len(prefill_calls) == 2 and prefill_calls[1].prior_output_token_ids == (5, 6, 7)
+    assert prefill_calls[1].request_id == "r1~r1" and prefill_calls[1].handoff is None
+    decode_calls = [args[0] for name, args, _ in cluster.calls if name == "decode.generate"]
+    resumed = decode_calls[1]
+    assert resumed.handoff.first_token_id == 8 and resumed.prior_output_token_ids == (5, 6, 7)
+    assert resumed.routing.avoid_workers == ("decode-A",) and resumed.routing.max_new_tokens == 3
+    span, = failover_spans()  # the pause ended with the prefill replica's token
+    assert span["failover.path"] == "prefill_pool" and span["failover.new_replica"] == "prefill-y"
+    assert span["failover.dead_replica"] == "decode-A"
+    assert backend.failovers.resumed == {"replica_died": 1}
+
+
+async def test_a_short_remainder_is_recomputed_on_the_decode_pool(failover_spans):
+    streams = [FakeStream([_d(6, "b"), _d(7, "c")], error=ray_exceptions.ActorDiedError()),
+               FakeStream([_d(8, "d", "decode-B"), _d(9, "e", "decode-B", "length")])]
+    backend, cluster = _backend(streams, live={"decode": 2}, resume_local_max_tokens=23)  # 23 to prefill: local
+    chunks = await _drain(backend)
+    assert [t for c in chunks for t in c.token_ids] == [5, 6, 7, 8, 9]
+    assert len(_resumes(cluster)) == 1 and sum(name == "prefill.prefill" for name, _, _ in cluster.calls) == 1
+    span, = failover_spans()
+    assert span["failover.path"] == "recompute" and span["failover.new_replica"] == "decode-B"
+
+
+async def test_when_the_prefill_pool_cannot_take_the_remainder_it_is_recomputed(failover_spans):
+    streams = [FakeStream([_d(6, "b"), _d(7, "c")], error=ray_exceptions.ActorDiedError()),
+               FakeStream([_d(8, "d", "decode-B"), _d(9, "e", "decode-B", "length")])]
+    died = ray_exceptions.ActorDiedError()
+    backend, cluster = _backend(streams, live={"decode": 2}, prefills=[HANDOFF, died, died],
+                                resume_local_max_tokens=0)
+    chunks = await _drain(backend)
+    assert [t for c in chunks for t in c.token_ids] == [5, 6, 7, 8, 9]  # a pause, not an error
+    (name, message, _), = _resumes(cluster)
+    assert name == "decode.generate_colocated" and message.prior_output_token_ids == (5, 6, 7)
+    span, = failover_spans()
+    assert span["failover.path"] == "recompute"

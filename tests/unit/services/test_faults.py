@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
+
 from services.pools import faults
+
+
 def test_off_without_the_environment_switch(monkeypatch):
     monkeypatch.delenv(faults.ENV, raising=False)
     assert faults.parse("kill_prefill_engine") == ()
@@ -16,3 +20,12 @@ def test_parsed_when_enabled_and_unknown_kinds_dropped(monkeypatch):
     assert faults.seconds(got, "delay_pull") == 1.5
     assert faults.seconds(got, "stall_decode", default=2.0) == 2.0  # unparsable: the default
     assert faults.seconds(("delay_pull:1e9",), "delay_pull") == 600.0  # bounded
+
+
+def test_drop_stream_once_breaks_only_the_first_attempt():
+    faults.drop_stream(("drop_stream_once",), 0)  # nothing sent yet: nothing to break
+    with pytest.raises(RuntimeError, match="stream broke"):
+        faults.drop_stream(("drop_stream_once",), 1)
+    faults.drop_stream(("drop_stream_once",), 1, resumed=True)  # the resumed attempt streams on
+    with pytest.raises(RuntimeError, match="stream broke"):
+        faults.drop_stream(("drop_stream",), 1, resumed=True)  # drop_stream breaks every attempt

@@ -6,6 +6,11 @@ sent in one prefill pass, and only in fp32 do those logits match the
 original decode steps' closely enough that greedy output never flips on a
 near-tie (bf16 does, now and then; see tests/integration/engine/test_engine_resume.py).
 
+A resumed stream with more than RESUME_LOCAL_MAX_TOKENS tokens to prefill
+again goes through the prefill pool; every other test here stays below it
+(prompts of a few tokens, at most 200 generated), so they recompute on the
+new replica.  Spans go to one file per session (``trace_file``).
+
 Tests here SIGKILL replicas; each leaves both decode replicas serving
 (``wait_decode_replicas``) before it ends."""
 
@@ -18,11 +23,12 @@ import time
 import pytest
 
 from prefix_store.redis_server import free_service_port
-from services.config import AdmissionSettings, ClusterConfig
+from services.config import AdmissionSettings, ClusterConfig, RouterSettings
 from tests.integration.cluster.conftest import board, directory_cluster, small_pool, stop_after_directory
 from tests.integration.faults.conftest import wait_serving
 
 INTER_TOKEN_TIMEOUT_S = 30.0
+RESUME_LOCAL_MAX_TOKENS = 256
 _RUNNING: list = []
 
 
@@ -31,16 +37,27 @@ def pytest_runtest_teardown(item, nextitem):
 
 
 @pytest.fixture(scope="session")
-def failover_cluster():
+def trace_file(tmp_path_factory):
+    return tmp_path_factory.mktemp("failover-traces") / "spans.jsonl"
+
+
+@pytest.fixture(scope="session")
+def failover_cluster(trace_file):
     os.environ["PDCLUSTER_FAULTS"] = "1"
+    traces_before = os.environ.get("PDCLUSTER_TRACE_FILE")
+    os.environ["PDCLUSTER_TRACE_FILE"] = str(trace_file)  # replicas inherit the driver's environment
     config = ClusterConfig(port=free_service_port(), dtype="float32", prefill=small_pool(kv_cache_mib=160),
                            decode=small_pool(num_replicas=2, kv_cache_mib=160), fallback_to_colocated=True,
-                           lease_ttl_s=120.0,
+                           lease_ttl_s=120.0, router=RouterSettings(resume_local_max_tokens=RESUME_LOCAL_MAX_TOKENS),
                            admission=AdmissionSettings(shed=False, inter_token_timeout_s=INTER_TOKEN_TIMEOUT_S))
     try:
         yield from directory_cluster(config, _RUNNING)
     finally:
         os.environ.pop("PDCLUSTER_FAULTS", None)
+        if traces_before is None:
+            os.environ.pop("PDCLUSTER_TRACE_FILE", None)
+        else:
+            os.environ["PDCLUSTER_TRACE_FILE"] = traces_before
 
 
 @pytest.fixture(scope="session")

@@ -10,18 +10,24 @@
    cause, then [DONE]; no hang.
 4. A pull that fails (the prefill side gone mid-hand-off) is recomputed on
    the decode side: the text is the undisturbed one.
+5. A stream whose remainder (prompt + tokens sent) is long is prefilled
+   again by the prefill pool and handed off to a decode replica: greedy and
+   seeded texts equal the undisturbed ones, and the decode.failover span
+   says so (path prefill_pool).
 After each: free == total KV blocks on every surviving replica."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 
 import httpx
 import pytest
 
 from bench.load.failover import body, kill_one_decode_replica, run_round, stream_completion
+from observability.exporters import read_spans
 from tests.integration.faults.conftest import wait_no_leaks
-from tests.integration.faults.failover.conftest import decode_replicas, wait_decode_replicas
+from tests.integration.faults.failover.conftest import RESUME_LOCAL_MAX_TOKENS, decode_replicas, wait_decode_replicas
 
 pytestmark = pytest.mark.integration
 STREAMS = 8
@@ -98,3 +104,34 @@ def test_a_failed_pull_is_recomputed_on_the_decode_side(failover_cluster, failov
     assert _metric(failover_url, "kv_transfer_failed") == before + 1
     wait_no_leaks(failover_cluster, timeout_s=5.0)
     assert len(decode_replicas(failover_cluster)) == 2
+
+
+def _long_prompt(i: int) -> str:
+    """Well over RESUME_LOCAL_MAX_TOKENS tokens (about 12 per sentence)."""
+    facts = ["the river delta shelters migrating birds every spring", "the old bridge hums under heavy lorries",
+             "the bakery on the corner bakes bread from ancient grains", "the lighthouse keeper logged every storm"]
+    return " ".join(f"({n}) In year {n + i}, {facts[(n + i) % len(facts)]}." for n in range(40)) + " In short,"
+
+
+def _failover_paths(trace_file) -> list[str]:
+    return [s["attributes"].get("failover.path") for s in read_spans(trace_file)[0] if s["name"] == "decode.failover"]
+
+
+def test_a_long_remainder_is_prefilled_by_the_prefill_pool(failover_cluster, failover_url, trace_file):
+    requests = [body(0, 24) | {"prompt": _long_prompt(0)},
+                body(1, 24, temperature=0.8, seed=1234) | {"prompt": _long_prompt(1)}]
+    assert all(len(r["prompt"].split()) > RESUME_LOCAL_MAX_TOKENS for r in requests)  # tokens > words
+
+    async def both(fault):
+        return await asyncio.gather(*(_one(failover_url, r, fault) for r in requests))
+
+    reference = asyncio.run(both(None))
+    before = _failover_paths(trace_file).count("prefill_pool") if trace_file.exists() else 0
+    # Each stream breaks after its first decoded token, once: the resumed attempt streams on.
+    disturbed = asyncio.run(both("drop_stream_once"))
+    _assert_survived(reference, disturbed, 24)
+    deadline = time.monotonic() + 10.0  # spans reach the file in the gateway's next export batch
+    while _failover_paths(trace_file).count("prefill_pool") < before + 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _failover_paths(trace_file).count("prefill_pool") == before + 2
+    wait_no_leaks(failover_cluster, timeout_s=5.0)
