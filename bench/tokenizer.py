@@ -107,5 +107,7 @@ def load_tokenizer(spec: str | None = None) -> TextTokenizer:
     if path.is_dir():
         tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     else:
-        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+        from services.model_cache import tokenizer_dir
+
+        tok = AutoTokenizer.from_pretrained(str(tokenizer_dir(path)), local_files_only=True)  # its converted copy
     return HFTokenizer(name=path.name, tokenizer=tok)

@@ -280,7 +280,10 @@ class ClusterConfig(_Strict):
     @classmethod
     def from_yaml(cls, path: str | Path, overrides: dict | None = None) -> "ClusterConfig":
         """``overrides``: top-level keys that win over the file's (command-line flags)."""
-        data = yaml.safe_load(Path(path).read_text()) or {}
+        try:
+            data = yaml.safe_load(Path(path).read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ValueError(f"{path}: not valid YAML: {' '.join(str(e).split())}") from None
         if not isinstance(data, dict):
             raise ValueError(f"{path}: expected a mapping of config keys at the top level")
         return cls.model_validate({**data, **(overrides or {})})

@@ -1,5 +1,6 @@
 """What a model is, read without its weights and without torch: its shape
-(from a GGUF header or an HF ``config.json``), its parameter count, the id of
+(from an HF ``config.json``, or a GGUF's metadata through its converted copy,
+services/model_cache.py), its parameter count, the id of
 its weights and the seed of its block-hash chains.
 
 The gateway, the CLI and the planner read models through here; the engine's
@@ -31,13 +32,13 @@ from pathlib import Path
 
 from prefix_store.hashing import model_fingerprint
 from services.engine.model.config import ModelConfig
+from services.model_cache import cached_config, tensors_file
 
 # config names of a model dtype -> torch's name of it
 MODEL_DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "fp32": "float32",
                 "float16": "float16", "fp16": "float16"}
 # config names of a KV pool dtype -> torch's name ("auto": the model's); kernels/kv_quant.pool_dtype agrees
 _KV_POOL_DTYPES = {"bf16": "bfloat16", "int8": "int8", "fp8_e4m3": "float8_e4m3fn"}
-_GGUF_ARCHS = ("llama", "mistral", "qwen2")
 # 8-bit pools' K smoothing (services/engine/model/k_smoothing.py): bump the
 # version whenever the derivation of its shift changes
 K_SMOOTHING_ID = "k-smoothing-v1"
@@ -46,64 +47,31 @@ _SMOOTHED_POOL_DTYPES = ("int8", "float8_e4m3fn")
 
 # ---- shape -----------------------------------------------------------------
 
+def is_gguf(path: Path) -> bool:
+    return path.is_file() and path.suffix == ".gguf"
+
+
 def read_model_config(path: Path) -> ModelConfig:
     """The shape of the model at ``path``: a .gguf file or an HF directory."""
-    if path.is_file() and path.suffix == ".gguf":
-        import gguf
-
-        return read_gguf_config(gguf.GGUFReader(str(path)))
+    if is_gguf(path):
+        return cached_config(path)
     config_file = path / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"{path} has no config.json; give a Hugging Face model directory or a .gguf file")
     return ModelConfig.from_hf(json.loads(config_file.read_text()))
 
 
-def _field(reader, key: str, default=None):
-    f = reader.fields.get(key)
-    return default if f is None else f.contents()
-
-
-def read_gguf_config(reader) -> ModelConfig:
-    """The shape from an open ``gguf.GGUFReader``'s metadata."""
-    a = _field(reader, "general.architecture")
-    if a not in _GGUF_ARCHS:
-        raise ValueError(f"GGUF architecture {a!r} is not supported; use llama, mistral or qwen2")
-    heads = int(_field(reader, f"{a}.attention.head_count"))
-    hidden = int(_field(reader, f"{a}.embedding_length"))
-    vocab = _field(reader, f"{a}.vocab_size") or len(_field(reader, "tokenizer.ggml.tokens"))
-    names = {t.name for t in reader.tensors}
-    eos = _field(reader, "tokenizer.ggml.eos_token_id")
-    scaling = None
-    if _field(reader, f"{a}.rope.scaling.type") == "linear":
-        scaling = {"rope_type": "linear", "factor": float(_field(reader, f"{a}.rope.scaling.factor"))}
-    return ModelConfig(
-        arch=a,
-        vocab_size=int(vocab),
-        hidden_size=hidden,
-        intermediate_size=int(_field(reader, f"{a}.feed_forward_length")),
-        num_layers=int(_field(reader, f"{a}.block_count")),
-        num_heads=heads,
-        num_kv_heads=int(_field(reader, f"{a}.attention.head_count_kv", heads)),
-        head_dim=int(_field(reader, f"{a}.attention.key_length", hidden // heads)),
-        rope_theta=float(_field(reader, f"{a}.rope.freq_base", 10000.0)),
-        rope_scaling=scaling,
-        rms_norm_eps=float(_field(reader, f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
-        max_position_embeddings=int(_field(reader, f"{a}.context_length", 2048)),
-        tie_word_embeddings="output.weight" not in names,
-        attention_bias="blk.0.attn_q.bias" in names,
-        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_ids=(int(eos),) if eos is not None else (),
-    )
+def safetensors_files(path: Path) -> list[Path]:
+    """The safetensors files holding the weights at ``path``: an HF
+    directory's, or the one of a GGUF's converted copy."""
+    return [tensors_file(path)] if is_gguf(path) else sorted(path.glob("*.safetensors"))
 
 
 def count_parameters(path: Path) -> float | None:
-    """Parameters stored at ``path`` (GGUF tensors, or the safetensors headers
-    of an HF directory), counted without reading a weight; None: no weights files."""
-    if path.is_file() and path.suffix == ".gguf":
-        import gguf
-
-        return float(sum(int(t.n_elements) for t in gguf.GGUFReader(str(path)).tensors))
-    files = sorted(path.glob("*.safetensors"))
+    """Parameters stored at ``path`` (the safetensors headers of an HF
+    directory, or of a GGUF's converted copy), counted without reading a
+    weight; None: no weights files."""
+    files = safetensors_files(path)
     if not files:
         return None
     total = 0

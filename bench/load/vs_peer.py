@@ -128,6 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     for key in WORKLOADS:
         print(f"# {key} per round, tok/s: ours {[round(x) for x in o.tok_s[key]]}, vLLM {[round(x) for x in v.tok_s[key]]}")
     print(f"# request errors: ours {o.errors}, vLLM {v.errors}")
+    if o.errors or v.errors:
+        print("# WARNING: failed requests are left out of tok/s, so a figure above counts only what was served; "
+              "see runs/vs_peer_ours.log and the peer's log for why")
     print(target("a_c16_tok_s_ratio", med(o.tok_s["a"]) / med(v.tok_s["a"]), ">=", 1.2))
     print(target("b_c1_tpot_p50_ratio", med(o.tpot_p50_b) / med(v.tpot_p50_b), "<=", 1.0))
     print(target("c_c8_tok_s_ratio", med(o.tok_s["c"]) / med(v.tok_s["c"]), ">=", 1.0))

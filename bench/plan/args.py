@@ -87,8 +87,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--params", type=number(0, 1e14, lo_open=True), help="override the parameter count, e.g. 8e9")
     for flag, hi in (("--layers", 1000), ("--heads", 1024), ("--kv-heads", 1024), ("--head-dim", 4096)):
         m.add_argument(flag, type=number(1, hi, integer=True), help=f"override the model's value, 1..{hi}")
-    m.add_argument("--weight-dtype", default="bf16", choices=DTYPE_BYTES, help="(default: %(default)s)")
-    m.add_argument("--kv-dtype", default="bf16", choices=DTYPE_BYTES, help="(default: %(default)s)")
+    m.add_argument("--config", help="a cluster config (deploy/*.yaml): its model, dtype, kv_cache_dtype, block_size "
+                                    "and speculative.num_tokens become the defaults of --model, --weight-dtype, "
+                                    "--kv-dtype, --block-size and --spec-k (flags given win)")
+    # None: from --config, else the default in bench/plan/cli.py CONFIG_DEFAULTS
+    m.add_argument("--weight-dtype", choices=DTYPE_BYTES, help="(default: the config's dtype, else bf16)")
+    m.add_argument("--kv-dtype", choices=DTYPE_BYTES, help="(default: the config's kv_cache_dtype, else bf16)")
 
     h = p.add_argument_group("hardware and deployment")
     h.add_argument("--accelerator", default="h100-sxm", choices=ACCELERATOR_PRESETS, help="datasheet preset (default: %(default)s)")
@@ -98,13 +102,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     h.add_argument("--bandwidth-gbs", type=number(0, 1e6, lo_open=True), help="override device memory bandwidth, GB/s (1e9 B/s)")
     h.add_argument("--tflops", type=number(0, 1e6, lo_open=True), help="override device dense bf16 TFLOP/s")
     d = Deployment()
+    h.add_argument("--block-size", type=number(1, 4096, integer=True),
+                   help=f"KV block tokens (default: the config's block_size, else {d.block_size})")
     h.add_argument("--tp", type=number(1, 1024, integer=True), default=d.tp, help="devices per instance (default: %(default)s)")
     reserve = h.add_mutually_exclusive_group()
     reserve.add_argument("--reserve-fraction", type=number(0, 1, hi_open=True),
                          help=f"fraction of device memory held back (default: {d.reserve_fraction:g}; 0 with --reserve-gib)")
     reserve.add_argument("--reserve-gib", type=number(0, 1e5), help="memory held back per device, GiB, instead of a fraction")
     for flag, default, kind, what in (
-        ("--block-size", d.block_size, number(1, 4096, integer=True), "KV block tokens"),
         ("--safety", d.safety, FRACTION, "fraction of max concurrency to plan for, (0, 1]"),
         ("--mbu", d.mbu, FRACTION, "achieved/peak bandwidth, (0, 1]"),
         ("--mfu", d.mfu, FRACTION, "achieved/peak FLOP/s, (0, 1]"),

@@ -50,6 +50,36 @@ def build_parser() -> argparse.ArgumentParser:
 
 # --- from flags to inputs -------------------------------------------------
 
+# Flags a cluster config can set: (flag dest, default without a config).
+CONFIG_DEFAULTS = {"weight_dtype": "bf16", "kv_dtype": "bf16", "block_size": Deployment().block_size}
+_CONFIG_DTYPES = {"bfloat16": "bf16", "float32": "fp32", "bf16": "bf16", "int8": "int8", "fp8_e4m3": "fp8"}
+
+
+def settings_from_config(args: argparse.Namespace) -> list[str]:
+    """Fills the model flags left unset from ``--config`` (the cluster's own
+    settings, so the planner's KV bytes and speculation model are the
+    cluster's), then from CONFIG_DEFAULTS; returns notes naming what came
+    from the config."""
+    notes: list[str] = []
+    if args.config:
+        from services.config import ClusterConfig
+
+        cfg = ClusterConfig.from_yaml(args.config)
+        weight = _CONFIG_DTYPES[cfg.dtype]
+        found = {"model": cfg.model, "weight_dtype": weight, "block_size": cfg.block_size,
+                 "kv_dtype": weight if cfg.kv_cache_dtype == "auto" else _CONFIG_DTYPES[cfg.kv_cache_dtype]}
+        # speculation's k: only when the acceptance question is asked (--spec-accept/--spec-cost)
+        if cfg.speculative.method != "none" and (args.spec_accept is not None or args.spec_cost is not None):
+            found["spec_k"] = cfg.speculative.num_tokens
+        for dest, value in found.items():
+            if getattr(args, dest) is None and value is not None:
+                setattr(args, dest, value)
+                notes.append(f"--{dest.replace('_', '-')} {value} from {args.config}")
+    for dest, value in CONFIG_DEFAULTS.items():
+        if getattr(args, dest) is None:
+            setattr(args, dest, value)
+    return notes
+
 
 def model_shape(args):
     shape = read_model_shape(args.model)
@@ -166,7 +196,7 @@ def reproduce_command(args: argparse.Namespace) -> str:
     values = dict(vars(args), reserve_fraction=reserve_fraction(args))
     parts = ["pdcluster", "plan"]
     for dest, value in sorted(values.items()):
-        if dest in ("func", "command", "json", "explain") or value is None:
+        if dest in ("func", "command", "json", "explain", "config") or value is None:
             continue
         if dest.startswith("profile_") and not args.profile:
             continue
@@ -210,6 +240,7 @@ def main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
     json_only = args.json is not None and str(args.json) == "-"
     console = Console(stderr=json_only)
     try:
+        from_config = settings_from_config(args)
         profile = _profile(args, console) if args.profile else None
         if args.model is not None and args.model not in MODEL_PRESETS and Path(args.model).exists():
             console.print(f"reading the model shape from {args.model} ...")
@@ -220,6 +251,7 @@ def main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
                          step=profile.step if profile else None, prefill=profile.prefill if profile else None)
     except (ValueError, OSError, RuntimeError) as exc:
         return fail(exc)
+    notes = from_config + notes
     inputs = input_lines(args, shape, hw, dep, traffic, slos, profile is not None) + [f"note: {n}" for n in notes]
     command = reproduce_command(args)
     if args.json is not None:

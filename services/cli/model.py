@@ -26,4 +26,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"  {cfg.arch}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, heads {cfg.num_heads}/"
               f"{cfg.num_kv_heads} kv, head dim {cfg.head_dim}, vocab {cfg.vocab_size}, "
               f"context {cfg.max_position_embeddings}, ~{cfg.num_parameters() / 1e6:.0f}M parameters")
+    if path.suffix == ".gguf":
+        from services.model_cache import converted
+
+        print(f"  converted copy (what every load reads): {converted(path)}")
     return 0

@@ -19,10 +19,10 @@ class Tokenizer:
     def from_path(cls, path: Path, config) -> "Tokenizer":
         from transformers import AutoTokenizer
 
-        if path.is_file():
-            hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-        else:
-            hf = AutoTokenizer.from_pretrained(str(path))
+        from services.model_cache import tokenizer_dir
+
+        # a GGUF's tokenizer is read from its converted copy (services/model_cache.py)
+        hf = AutoTokenizer.from_pretrained(str(tokenizer_dir(path) if path.is_file() else path))
         return cls(hf, config.eos_token_ids)
 
     @property

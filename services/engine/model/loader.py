@@ -10,10 +10,10 @@ import torch
 
 from services.engine.model.config import ModelConfig
 from services.engine.model.default import resolve_model_path
-from services.engine.model.gguf_loader import load_gguf
 from services.engine.model.llama import LlamaModel
 from services.engine.tokenizer import Tokenizer
-from services.model_meta import block_hash_seed, model_dtype_name, read_model_config, weights_id
+from services.model_meta import (block_hash_seed, is_gguf, model_dtype_name, read_model_config, safetensors_files,
+                                 weights_id)
 
 __all__ = ["LoadedModel", "block_hash_seed", "load_model", "parse_dtype", "weights_id"]
 
@@ -34,32 +34,32 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return getattr(torch, model_dtype_name(dtype))
 
 
-def _load_safetensors_dir(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def _load_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor at ``path`` (an HF directory's safetensors files, or a
+    GGUF's converted copy: services/model_cache.py) as stored: the model's
+    ``copy_`` casts each once, into its parameter."""
     from safetensors.torch import load_file
 
-    cfg = read_model_config(path)
-    files = sorted(path.glob("*.safetensors"))
+    files = safetensors_files(path)
     if not files:
         raise FileNotFoundError(f"{path} has no *.safetensors files")
     state: dict[str, torch.Tensor] = {}
     for f in files:
-        state.update({k: v.to(dtype) for k, v in load_file(str(f)).items()})
-    return cfg, state
+        state.update(load_file(str(f)))
+    return state
 
 
 def load_model(model: str | None = None, dtype: str | torch.dtype = "bfloat16",
                device: str = "cpu") -> LoadedModel:
     path = resolve_model_path(model)
     torch_dtype = parse_dtype(dtype)
-    if path.is_file() and path.suffix == ".gguf":
-        cfg, state = load_gguf(path, torch_dtype)
-    elif path.is_dir():
-        cfg, state = _load_safetensors_dir(path, torch_dtype)
-    else:
+    if not (is_gguf(path) or path.is_dir()):
         raise ValueError(f"{path}: expected a .gguf file or a directory with config.json and *.safetensors")
+    cfg = read_model_config(path)
+    state = _load_tensors(path)
     with torch.device("meta"):
-        net = LlamaModel(cfg)
-    net = net.to_empty(device=device).to(torch_dtype)
+        net = LlamaModel(cfg).to(torch_dtype)  # cast while still free: no fp32 copy to allocate
+    net = net.to_empty(device=device)
     net.reset_rope()  # fp32 caches, rebuilt after to_empty and the cast
     net.load_hf_state(state)
     net.eval().requires_grad_(False)

@@ -7,10 +7,8 @@ token for token.  fp32 weights, as in test_engine_spec_decode.py (in bf16 a
 can flip).  With int8 KV too: the pulled 8-bit blocks, scales inside, feed
 the verification queries as they feed plain decode.
 
-Not a Ray-cluster test: the session cluster of tests/integration/cluster
-runs bf16 without speculation, and a second cluster for this one assertion
-would cost a minute of start-up; the engines, the pull and the lease are the
-cluster's own, only Serve's RPC between them is left out."""
+The same on a real Ray Serve cluster (fp32 KV, Serve's RPC between the
+pools): tests/integration/pools/test_spec_decode_cluster.py."""
 
 from __future__ import annotations
 

@@ -75,6 +75,7 @@ BAD_INPUTS = [
     (["--model", "no-such-model"], "--model 'no-such-model'"),
     (["--workload", "no-such-workload"], "workload 'no-such-workload' not found"),
     (["--json", "/no/such/dir/plan.json"], "--json /no/such/dir/plan.json"),
+    (["--config", "/no/such/cluster.yaml"], "/no/such/cluster.yaml"),
 ]
 
 
@@ -102,3 +103,14 @@ def test_no_traceback_through_pdcluster(flags):
     assert "Traceback" not in result.stderr
     assert len(result.stderr.splitlines()) == 1, result.stderr
     assert result.stderr.startswith("pdcluster plan: error: ")
+
+
+@pytest.mark.parametrize("text, message", [("dtype: [", "not valid YAML"), ("dtype: fp7", "dtype"),
+                                           ("- a list", "expected a mapping")])
+def test_a_bad_cluster_config_is_one_line_and_exit_2(capsys, tmp_path, text, message):
+    config = tmp_path / "cluster.yaml"
+    config.write_text(text)
+    assert main([*BASE, "--config", str(config)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and len(captured.err.splitlines()) == 1, captured.err
+    assert message in captured.err

@@ -272,3 +272,23 @@ def test_tables_show_memory_in_gb_and_gib_and_explain_walks_the_arithmetic(capsy
     assert "= 2 x layers 32 x kv_heads 8 x head_dim 128 x 2 B\n" in out
     assert "= 131.07 kB (128.00 KiB)\n" in out
     assert "reproduce: pdcluster plan" in out
+
+
+def test_a_cluster_config_sets_the_kv_bytes_and_the_speculation_k_the_cluster_runs(capsys, tmp_path):
+    """--config: the planner's KV dtype, weight dtype, block size and spec k
+    are the cluster's; a flag given on the command line still wins."""
+    config = tmp_path / "cluster.yaml"
+    config.write_text("dtype: float32\nkv_cache_dtype: int8\nblock_size: 32\n"
+                      "speculative: {method: ngram, num_tokens: 6}\n")
+    spec = ["--spec-accept", "0.5", "--spec-cost", "0.1"]
+    from_config = run_json(capsys, [*SMALL, "--config", str(config), *spec])
+    by_flags = run_json(capsys, [*SMALL, "--weight-dtype", "fp32", "--kv-dtype", "int8", "--block-size", "32",
+                                 "--spec-k", "6", *spec])
+    assert from_config["figures"] == by_flags["figures"]
+    v = {k: f["value"] for k, f in from_config["figures"].items()}
+    shape = read_model_shape("default")
+    assert v["kv_bytes_per_token"] == 2 * shape.num_layers * shape.num_kv_heads * (shape.head_dim + 2)
+    assert v["spec_tokens_per_step"] == pytest.approx((1 - 0.5 ** 7) / 0.5)  # k = 6
+    assert any("--kv-dtype int8 from" in n for n in from_config["inputs"]["notes"])
+    overridden = values(capsys, [*SMALL, "--config", str(config), "--kv-dtype", "bf16"])
+    assert overridden["kv_bytes_per_token"] == 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * 2
