@@ -82,7 +82,7 @@ class LayerStep(ctypes.Structure):
                 *((n, _ptr) for n in ("prefill_tables", "prefill_starts", "prefill_lens")),
                 ("scale", _f32), ("eps", _f32), ("nthreads", _int),
                 *((n, _ptr) for n in ("normed", "qkv", "attn", "proj", "gate_up", "act")),
-                ("kv_kind", _i64)]
+                ("kv_kind", _i64), ("k_shift", _ptr)]
 
 
 _SIGNATURES = {
@@ -97,8 +97,8 @@ _SIGNATURES = {
     "pd_decoder_stack_bf16": [ctypes.POINTER(LayerWeights), _i64, ctypes.POINTER(LayerStep), _ptr, _ptr, _ptr, _ptr],
     "pd_rope_bf16": [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr],
     "pd_write_kv_bf16": [_ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _i64],
-    # 8-bit KV pools (csrc/kv8_kernels.h): the bf16 signatures plus the pool's kind
-    "pd_write_kv_q8": [_ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _int],
+    # 8-bit KV pools (csrc/kv8_kernels.h): the bf16 signatures plus the pool's kind (and the write's K shift)
+    "pd_write_kv_q8": [_ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _int, _ptr],
     "pd_paged_decode_attention_q8": [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64,
                                      _i64, _i64, _i64, _f32, _int, _int],
     "pd_prefill_attention_q8": [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64,
@@ -322,7 +322,9 @@ def apply_rope(
     return q, k
 
 
-def write_kv(kv_pool: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def write_kv(kv_pool: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
+             k_shift: torch.Tensor | None = None) -> None:
+    """``k_shift``: None, or [kv_heads, head_dim] fp32 (K smoothing; 8-bit pools only)."""
     _, num_layers, _, block_size, kv_heads, _ = kv_pool.shape
     head_dim = k.shape[2]
     slots = slot_mapping.to(torch.int64).contiguous()
@@ -330,9 +332,21 @@ def write_kv(kv_pool: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor
             num_layers, layer)
     kind = KV_KINDS[kv_pool.dtype]
     if kind:
-        library().pd_write_kv_q8(*args, kind)
+        shift = _k_shift(k_shift, (kv_heads, head_dim))
+        library().pd_write_kv_q8(*args, kind, _p(shift))
+    elif k_shift is not None:
+        raise ValueError("k_shift (K smoothing) applies to 8-bit pools only: pass None for a bf16 pool")
     else:
         library().pd_write_kv_bf16(*args)
+
+
+def _k_shift(k_shift: torch.Tensor | None, shape: tuple[int, ...]) -> torch.Tensor | None:
+    """The K shift as the C side reads it: contiguous fp32 of ``shape``."""
+    if k_shift is None:
+        return None
+    if tuple(k_shift.shape) != shape or k_shift.dtype != torch.float32:
+        raise ValueError(f"k_shift must be float32 of shape {shape}, got {k_shift.dtype} {tuple(k_shift.shape)}")
+    return k_shift.contiguous()
 
 
 def layer_weights(ln1: torch.Tensor, w_qkv: torch.Tensor, b_qkv: torch.Tensor | None, w_o: torch.Tensor,
@@ -354,9 +368,10 @@ class DecoderStack:
         self.heads, self.kv_heads, self.head_dim, self.eps = heads, kv_heads, head_dim, eps
 
     def forward(self, hidden: torch.Tensor, batch, kv_pool: torch.Tensor, cos: torch.Tensor,
-                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                sin: torch.Tensor, k_shift: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``hidden``: [T, hidden] embeddings (becomes the residual stream, in
-        place).  Returns (last layer's MLP output, residual)."""
+        place); ``k_shift``: None or [layers, kv_heads, head_dim] fp32, K
+        smoothing of an 8-bit pool.  Returns (last layer's MLP output, residual)."""
         t, dt = hidden.shape[0], hidden.dtype
         h, d, kvh = self.heads, self.head_dim, self.kv_heads
         _, num_layers, _, block_size, _, _ = kv_pool.shape
@@ -370,12 +385,16 @@ class DecoderStack:
         dec_tables, dec_lens = batch.decode_block_tables.contiguous(), batch.decode_context_lens.contiguous()
         pre_tables, pre_lens = batch.prefill_block_tables.contiguous(), batch.prefill_context_lens.contiguous()
         pre_starts = batch.prefill_query_start_loc.contiguous()
+        if k_shift is not None and not KV_KINDS[kv_pool.dtype]:
+            raise ValueError("k_shift (K smoothing) applies to 8-bit pools only: pass None for a bf16 pool")
+        shift = _k_shift(k_shift, (len(self.layers), kvh, d))
         step = LayerStep(
             t, self.hidden, self.inter, h, kvh, d, num_layers, block_size,
             _p(positions), _p(slots), _p(cos), _p(sin),
             batch.num_decode_tokens, dec_tables.shape[1], _p(dec_tables), _p(dec_lens),
             pre_lens.shape[0], pre_tables.shape[1], _p(pre_tables), _p(pre_starts), _p(pre_lens),
-            d ** -0.5, self.eps, num_threads(), *(_p(b) for b in bufs.values()), KV_KINDS[kv_pool.dtype])
+            d ** -0.5, self.eps, num_threads(), *(_p(b) for b in bufs.values()), KV_KINDS[kv_pool.dtype],
+            _p(shift))
         library().pd_decoder_stack_bf16(self.layers, len(self.layers), ctypes.byref(step), _p(kv_pool), _p(hidden),
                                         _p(outs[0]), _p(outs[1]))
         return outs[(len(self.layers) - 1) % 2], hidden

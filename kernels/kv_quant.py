@@ -24,6 +24,22 @@ pools hold the same bytes)::
     q     = int8:  clamp(round_half_even(x / scale), -127, 127)
             e4m3:  e4m3_round_nearest_even(clamp(x / scale, -448, 448))
     scale == 0 (an all-zero row): q = 0
+
+K smoothing: K rows are quantized after subtracting a fixed per-(layer, kv
+head, channel) vector ``b`` (``k_shift``), so the row's scale follows the
+spread of K rather than its outlier channels' constant offset::
+
+    K row stored = quantize(k - b)           V rows: never shifted
+
+No add-back anywhere: for any query q, q . (k_j - b) = q . k_j - q . b, and
+q . b is the same for every key j of that query's (layer, kv head), so the
+softmax over keys is unchanged.  It stays exact only while every key a query
+sees carries the same shift: every K row of an 8-bit pool is written shifted
+(decode, prefill chunks, speculative verification all write through
+``write_kv`` before attending), and ``b`` is a pure function of the weights
+(services/engine/model/k_smoothing.py), part of the block hash seed
+(services/model_meta.py), so shifted blocks never meet other shifts across
+replicas.  bf16/fp32 pools are never shifted.
 """
 
 from __future__ import annotations
@@ -64,11 +80,12 @@ def pool_head_dim(kv_pool: torch.Tensor) -> int:
     return kv_pool.shape[-1] - SCALE_BYTES if is_quantized(kv_pool.dtype) else kv_pool.shape[-1]
 
 
-def quantize_rows(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def quantize_rows(x: torch.Tensor, dtype: torch.dtype, shift: torch.Tensor | None = None) -> torch.Tensor:
     """``x`` [..., head_dim] (any float dtype) -> packed rows [..., head_dim + 2]
-    of ``dtype`` (int8 or float8_e4m3fn), scales included."""
+    of ``dtype`` (int8 or float8_e4m3fn), scales included.  ``shift`` (fp32,
+    broadcast against ``x``; K smoothing) is subtracted in fp32 first."""
     qmax = _QMAX[dtype]
-    xf = x.float()
+    xf = x.float() if shift is None else x.float() - shift
     scale = (xf.abs().amax(dim=-1, keepdim=True) / qmax).to(torch.bfloat16)
     s = scale.float()
     scaled = torch.where(s > 0, xf / torch.where(s > 0, s, 1.0), 0.0)

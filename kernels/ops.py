@@ -41,7 +41,8 @@ from kernels.rope import apply_rope_ref, rope_cos_sin
 
 __all__ = [
     "write_kv", "paged_decode_attention", "prefill_attention", "gather_blocks",
-    "scatter_blocks", "rmsnorm", "fused_add_rmsnorm", "apply_rope", "linear", "pack_linear_weight", "silu_mul", "triton_available",
+    "scatter_blocks", "rmsnorm", "fused_add_rmsnorm", "apply_rope", "linear", "pack_linear_weight",
+    "unpack_linear_weight", "silu_mul", "triton_available",
     "DecoderStack", "decoder_stack", "decoder_stack_takes", "set_native_threads", "native_variant", "rope_cos_sin",
 ]
 
@@ -90,6 +91,15 @@ def _native_attention(q: torch.Tensor, kv_pool: torch.Tensor) -> bool:
             and q.shape[1] % kv_pool.shape[4] == 0)
 
 
+def unpack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
+    """The plain [N, K] weight (a copy) of one :func:`pack_linear_weight`
+    returned; any other tensor unchanged."""
+    if weight.dim() != 4:
+        return weight
+    tiles, half_k, tile, pair = weight.shape  # cpu_native.pack_weight: [N / tile, K / 2, tile, 2]
+    return weight.permute(0, 2, 1, 3).reshape(tiles * tile, half_k * pair)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear``; ``weight`` as given or as returned by :func:`pack_linear_weight`."""
     if weight.dim() == 4:
@@ -105,13 +115,19 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 def write_kv(
     kv_pool: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
+    k_shift: torch.Tensor | None = None,
 ) -> None:
+    """``k_shift``: None, or this layer's [kv_heads, head_dim] fp32 K
+    smoothing shift, subtracted from K before quantizing (8-bit pools only:
+    :mod:`kernels.kv_quant`)."""
+    if k_shift is not None and not is_quantized(kv_pool.dtype):
+        raise ValueError(f"k_shift (K smoothing) applies to 8-bit pools only; this pool is {kv_pool.dtype}: pass None")
     if _triton_kv(kv_pool):
         return _triton("kv_write", "write_kv_triton")(kv_pool, layer, k, v, slot_mapping)
     if (cpu_native.handles(k, v) and cpu_native.handles_pool(kv_pool) and _rows_ok(k, v)
             and k.stride(0) == v.stride(0)):
-        return cpu_native.write_kv(kv_pool, layer, k, v, slot_mapping)
-    return write_kv_ref(kv_pool, layer, k, v, slot_mapping)
+        return cpu_native.write_kv(kv_pool, layer, k, v, slot_mapping, k_shift)
+    return write_kv_ref(kv_pool, layer, k, v, slot_mapping, k_shift)
 
 
 def paged_decode_attention(

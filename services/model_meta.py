@@ -10,10 +10,13 @@ here and adds the tensors.
 The seed ties the router's, the index's and every engine's block hashes
 together, so the gateway and each replica must compute the same one::
 
-    block_hash_seed = model_fingerprint(weights_id, "torch.<kv pool dtype>", block_size)
+    block_hash_seed = model_fingerprint(weights_id, "torch.<kv pool dtype>[+K_SMOOTHING_ID]", block_size)
 
     weights_id       digest of the weights files' names and sizes
     kv pool dtype    kv_cache_dtype, or the model's dtype for "auto"
+    K_SMOOTHING_ID   8-bit pools only: how their K rows are shifted before
+                     quantizing (services/engine/model/k_smoothing.py), so
+                     blocks shifted two ways never share a hash
 
 The dtype is spelled as torch prints it (``torch.bfloat16``): the engine
 hashed ``str(torch_dtype)`` before this module existed, and a seed must not
@@ -36,6 +39,10 @@ MODEL_DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32"
                 "float16": "float16", "fp16": "float16"}
 # config names of a KV pool dtype -> torch's name ("auto": the model's); kernels/kv_quant.pool_dtype agrees
 _KV_POOL_DTYPES = {"bf16": "bfloat16", "int8": "int8", "fp8_e4m3": "float8_e4m3fn"}
+# 8-bit pools' K smoothing (services/engine/model/k_smoothing.py): bump the
+# version whenever the derivation of its shift changes
+K_SMOOTHING_ID = "k-smoothing-v1"
+_SMOOTHED_POOL_DTYPES = ("int8", "float8_e4m3fn")
 
 
 # ---- shape -----------------------------------------------------------------
@@ -112,8 +119,11 @@ def kv_pool_dtype_name(kv_cache_dtype: str, model_dtype: str) -> str:
 def block_hash_seed(weights: str, kv_dtype: object, block_size: int) -> int:
     """The seed of every block-hash chain for these weights, KV pool dtype
     (a torch dtype, or its name) and block size: engine, gateway and index
-    must agree on it."""
-    return model_fingerprint(weights, f"torch.{str(kv_dtype).removeprefix('torch.')}", block_size)
+    must agree on it.  8-bit pools hold K shifted by the K smoothing, whose
+    id joins the dtype; plain pools' seeds are as before it existed."""
+    name = str(kv_dtype).removeprefix("torch.")
+    label = f"torch.{name}+{K_SMOOTHING_ID}" if name in _SMOOTHED_POOL_DTYPES else f"torch.{name}"
+    return model_fingerprint(weights, label, block_size)
 
 
 def model_hash_seed(path: Path, dtype: str, kv_cache_dtype: str, block_size: int) -> int:

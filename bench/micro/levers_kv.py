@@ -17,8 +17,12 @@ is printed beside it, with where each divergence happened and how close
 the baseline's top two were there.  For scale, fp32 weights also compare
 bf16 KV against fp32 KV: what bf16's own rounding of K and V costs.
 
+8-bit KV is K-smoothed (kernels/kv_quant.py): the bench prints the
+calibration's cost at load; ``--no-k-smoothing`` forces the shift to zero
+(the bytes of unshifted rows) for an A/B in the same code.
+
     python -m bench.micro.levers_kv [--kv-dtype int8|fp8_e4m3] [--kv-mib 512] [--max-tokens 64]
-                                    [--model-dtype both|float32|bfloat16] [--skip-greedy]
+                                    [--model-dtype both|float32|bfloat16] [--skip-greedy] [--no-k-smoothing]
 """
 
 from __future__ import annotations
@@ -97,13 +101,20 @@ def compare(baseline, ours) -> GreedyMatch:
 
 
 def greedy_match(kv_dtype: str, max_tokens: int = 64, questions=CHAT_QUESTIONS, model_dtype: str = "bfloat16",
-                 baselines: tuple[str, ...] = ("bf16",)) -> dict[str, GreedyMatch]:
+                 baselines: tuple[str, ...] = ("bf16",), k_smoothing: bool = True) -> dict[str, GreedyMatch]:
     """Greedy tokens with ``kv_dtype`` KV against each of ``baselines`` KV on
     the same weights (``model_dtype``); for a pair "a/b" in ``baselines``, a
     against b instead of ``kv_dtype`` against it.  Keyed like ``baselines``."""
+    from services.engine.model.k_smoothing import calibration_token_ids, k_smoothing_shift
     from services.engine.model.loader import load_model
 
     loaded = load_model(None, model_dtype, "cpu")
+    ids = calibration_token_ids(loaded.tokenizer)
+    t0 = time.perf_counter()
+    shift = k_smoothing_shift(loaded.model, ids)  # what Engine() does for an 8-bit pool, timed here
+    print(f"    K smoothing calibration: {time.perf_counter() - t0:.2f} s (float64 prefill of {len(ids)} tokens); "
+          f"smoothing {'on' if k_smoothing else 'OFF (shift forced to zero)'}")
+    loaded.model.k_shift = shift if k_smoothing else torch.zeros_like(shift)
     names = {kv_dtype, *(n for b in baselines for n in b.split("/"))}
     runs = {name: greedy_outputs(name, max_tokens, questions, loaded, model_dtype) for name in sorted(names)}
     result = {}
@@ -123,7 +134,8 @@ def print_greedy(label: str, g: GreedyMatch) -> None:
 
 
 def kv_capacity_and_transfer(kv_dtype: str = "int8", kv_mib: int = 512, max_tokens: int = 64,
-                             greedy: bool = True, model_dtype: str = "both") -> dict[str, float]:
+                             greedy: bool = True, model_dtype: str = "both",
+                             k_smoothing: bool = True) -> dict[str, float]:
     """Measures and prints the three kv8 targets; returns the measured ratios."""
     from services.engine.kv_cache import KVCacheSpec
     from services.engine.model.default import resolve_model_path
@@ -153,11 +165,11 @@ def kv_capacity_and_transfer(kv_dtype: str = "int8", kv_mib: int = 512, max_toke
     print(f"  {kv_dtype} / bf16: capacity x{capacity:.2f}, transfer bytes x{transfer:.3f}")
     result = {"kv8_capacity_ratio": capacity, "kv8_transfer_bytes_ratio": transfer}
     if greedy:
-        result |= greedy_section(kv_dtype, max_tokens, model_dtype)
+        result |= greedy_section(kv_dtype, max_tokens, model_dtype, k_smoothing)
     return result
 
 
-def greedy_section(kv_dtype: str, max_tokens: int, model_dtype: str) -> dict[str, float]:
+def greedy_section(kv_dtype: str, max_tokens: int, model_dtype: str, k_smoothing: bool = True) -> dict[str, float]:
     """The greedy comparisons for ``model_dtype`` ("both", "float32" or
     "bfloat16"); kv8_greedy_match is the fp32-weights count when measured."""
     print(f"  greedy {kv_dtype} KV vs bf16 KV, {len(CHAT_QUESTIONS)} chat prompts x {max_tokens} tokens "
@@ -168,7 +180,8 @@ def greedy_section(kv_dtype: str, max_tokens: int, model_dtype: str) -> dict[str
             continue
         t0 = time.perf_counter()
         extra = ("bf16/auto",) if weights == "float32" else ()  # bf16 KV vs fp32 KV: bf16's own rounding
-        got = greedy_match(kv_dtype, max_tokens, model_dtype=weights, baselines=("bf16", *extra))
+        got = greedy_match(kv_dtype, max_tokens, model_dtype=weights, baselines=("bf16", *extra),
+                           k_smoothing=k_smoothing)
         print(f"  {weights} weights ({time.perf_counter() - t0:.0f} s):")
         print_greedy(f"{kv_dtype} KV vs bf16 KV", got["bf16"])
         if extra:
@@ -198,13 +211,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--model-dtype", choices=("both", "float32", "bfloat16"), default="both",
                     help="weights of the greedy comparison; the target is the float32 count when measured")
     ap.add_argument("--skip-greedy", action="store_true", help="sizes and transfer bytes only (seconds)")
+    ap.add_argument("--no-k-smoothing", action="store_true", help="8-bit K unshifted (for an A/B)")
     args = ap.parse_args(argv)
     print_fingerprint()
     print(f"# reproduce: python -m bench.micro.levers_kv --kv-dtype {args.kv_dtype} --kv-mib {args.kv_mib} "
           f"--max-tokens {args.max_tokens} --model-dtype {args.model_dtype}"
-          f"{' --skip-greedy' if args.skip_greedy else ''}", flush=True)
+          f"{' --skip-greedy' if args.skip_greedy else ''}{' --no-k-smoothing' if args.no_k_smoothing else ''}",
+          flush=True)
     print_kv_targets(kv_capacity_and_transfer(args.kv_dtype, args.kv_mib, args.max_tokens, not args.skip_greedy,
-                                              args.model_dtype))
+                                              args.model_dtype, not args.no_k_smoothing))
 
 
 if __name__ == "__main__":

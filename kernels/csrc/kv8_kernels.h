@@ -59,32 +59,36 @@ static inline float kv8_scale(const uint8_t *row, int64_t D) {
     return to_f32(s);
 }
 
-static void quantize_row(const bf16 *x, uint8_t *row, int64_t D, int kind) {
+/* shift: NULL, or D fp32 values subtracted first (K smoothing, kernels/kv_quant.py) */
+static void quantize_row(const bf16 *x, const float *shift, uint8_t *row, int64_t D, int kind) {
     const float qmax = kind == PD_KV_INT8 ? 127.f : 448.f;
+    float xs[D];
+    for (int64_t i = 0; i < D; i++) xs[i] = shift ? to_f32(x[i]) - shift[i] : to_f32(x[i]);
     float amax = 0.f;
-    for (int64_t i = 0; i < D; i++) amax = fmaxf(amax, fabsf(to_f32(x[i])));
+    for (int64_t i = 0; i < D; i++) amax = fmaxf(amax, fabsf(xs[i]));
     const bf16 sb = to_bf16(amax / qmax);
     const float s = to_f32(sb);
     for (int64_t i = 0; i < D; i++) {
-        float y = s > 0.f ? to_f32(x[i]) / s : 0.f;
+        float y = s > 0.f ? xs[i] / s : 0.f;
         y = fminf(fmaxf(y, -qmax), qmax);
         row[i] = kind == PD_KV_INT8 ? (uint8_t)(int8_t)nearbyintf(y) : fp8_encode(y);
     }
     memcpy(row + D, &sb, sizeof sb);
 }
 
-/* K and V rows of the step's tokens (row-strided bf16 views), quantized into their slots. */
+/* K and V rows of the step's tokens (row-strided bf16 views), quantized into
+ * their slots; k_shift: NULL or this layer's [KVH, D] fp32 K smoothing shift. */
 void pd_write_kv_q8(uint8_t *kv, const bf16 *k, const bf16 *v, int64_t row_stride, const int64_t *slots,
                     int64_t T, int64_t KVH, int64_t D, int64_t block_size, int64_t num_layers, int64_t layer,
-                    int kind) {
+                    int kind, const float *k_shift) {
     fp8_table_init();
     const int64_t W = D + KV8_SCALE_BYTES, half = block_size * KVH * W;
     for (int64_t t = 0; t < T; t++) {
         const int64_t blk = slots[t] / block_size, off = slots[t] % block_size;
         uint8_t *dst = kv + (blk * num_layers + layer) * 2 * half + off * KVH * W;
         for (int64_t h = 0; h < KVH; h++) {
-            quantize_row(k + t * row_stride + h * D, dst + h * W, D, kind);
-            quantize_row(v + t * row_stride + h * D, dst + half + h * W, D, kind);
+            quantize_row(k + t * row_stride + h * D, k_shift ? k_shift + h * D : NULL, dst + h * W, D, kind);
+            quantize_row(v + t * row_stride + h * D, NULL, dst + half + h * W, D, kind);
         }
     }
 }

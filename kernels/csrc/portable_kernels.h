@@ -85,6 +85,7 @@ typedef struct {
     int nthreads;
     bf16 *normed, *qkv, *attn, *proj, *gate_up, *act;  /* scratch */
     int64_t kv_kind;  /* PD_KV_BF16 | PD_KV_INT8 | PD_KV_FP8: the pool's format (kv8_kernels.h) */
+    const float *k_shift;  /* NULL, or [num_layers, KVH, D] fp32: K smoothing of an 8-bit pool */
 } pd_layer_step;
 
 static void decoder_layer(const pd_layer_weights *w, const pd_layer_step *s, bf16 *kv, int64_t layer,
@@ -97,7 +98,7 @@ static void decoder_layer(const pd_layer_weights *w, const pd_layer_step *s, bf1
     const int q8 = (int)s->kv_kind;
     if (q8)
         pd_write_kv_q8((uint8_t *)kv, s->qkv + qs, s->qkv + qs + kvs, width, s->slots, T, s->KVH, s->D,
-                       s->block_size, s->num_layers, layer, q8);
+                       s->block_size, s->num_layers, layer, q8, s->k_shift ? s->k_shift + layer * kvs : NULL);
     else
         pd_write_kv_bf16(kv, s->qkv + qs, s->qkv + qs + kvs, width, s->slots, T, s->KVH, s->D, s->block_size,
                          s->num_layers, layer);

@@ -24,7 +24,7 @@ from types import MappingProxyType
 import torch
 
 from kernels import ops
-from kernels.kv_quant import pool_dtype
+from kernels.kv_quant import is_quantized, pool_dtype
 
 from services.engine.config import EngineConfig
 from services.engine.detokenizer import IncrementalDetokenizer
@@ -32,6 +32,7 @@ from services.engine.errors import EngineDeadError, InvalidRequestError, Request
 from services.engine.grammar import GrammarCache
 from services.engine.kv_cache import KVCache, KVCacheSpec, KVEventCallback
 from services.engine.lease import LeaseTable
+from services.engine.model.k_smoothing import calibration_token_ids, k_smoothing_shift
 from services.engine.model.loader import LoadedModel, block_hash_seed, load_model
 from services.engine.output_history import check_prior_output, replay_prior_output
 from services.engine.outputs import EngineStats, ExternalKVAllocation, PrefillResult, RequestOutput
@@ -73,6 +74,8 @@ class Engine:
         mc = self.loaded.config
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         self.kv_spec = kv_spec_for(config, self.loaded)
+        if is_quantized(self.kv_spec.dtype) and self.loaded.model.k_shift is None:  # computed once per load
+            self.loaded.model.k_shift = k_smoothing_shift(self.loaded.model, calibration_token_ids(self.tokenizer))
         self.hash_seed = block_hash_seed(self.loaded.weights_id, self.kv_spec.dtype, config.block_size)
         self.kv = KVCache(self.kv_spec, config.device, on_kv_event, config.enable_prefix_caching)
         self.speculator = NgramSpeculator(config.speculative) if config.speculative.enabled else None

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from kernels import ops
+from kernels.kv_quant import is_quantized
 from services.engine.forward_batch import ForwardBatch
 from services.engine.model.config import ModelConfig
 from services.engine.model.rope_scaling import rope_inv_freq
@@ -28,7 +29,8 @@ class DecoderLayer(nn.Module):
         self.scale = cfg.head_dim ** -0.5
 
     def attention(self, x: torch.Tensor, batch: ForwardBatch, kv_pool: torch.Tensor,
-                  cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+                  cos: torch.Tensor, sin: torch.Tensor, k_shift: torch.Tensor | None = None) -> torch.Tensor:
+        """``k_shift``: this layer's K smoothing shift, for an 8-bit pool (else None)."""
         cfg = self.cfg
         qkv = ops.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
         q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
@@ -36,7 +38,7 @@ class DecoderLayer(nn.Module):
         k = k.reshape(-1, cfg.num_kv_heads, cfg.head_dim)
         v = v.reshape(-1, cfg.num_kv_heads, cfg.head_dim)
         q, k = ops.apply_rope(q, k, batch.positions, cos, sin)
-        ops.write_kv(kv_pool, self.index, k, v, batch.slot_mapping)
+        ops.write_kv(kv_pool, self.index, k, v, batch.slot_mapping, k_shift)
         d = batch.num_decode_tokens
         parts = []
         if d:
@@ -99,6 +101,10 @@ class LlamaModel(nn.Module):
         self.native_stack = self._native_stack()
 
     native_stack: ops.DecoderStack | None = None
+    # [layers, kv_heads, head_dim] fp32: subtracted from K before it enters an
+    # 8-bit pool (kernels/kv_quant.py, K smoothing); set by the engine from
+    # services/engine/model/k_smoothing.py; plain pools never see it
+    k_shift: torch.Tensor | None = None
 
     def _native_stack(self) -> ops.DecoderStack | None:
         """The fused-layer path, where ops offers it for these weights."""
@@ -114,15 +120,17 @@ class LlamaModel(nn.Module):
         """Returns fp32 logits [len(batch.logits_indices), vocab]."""
         eps = self.cfg.rms_norm_eps
         hidden = self.embed_tokens(batch.input_ids)
+        k_shift = self.k_shift if is_quantized(kv_pool.dtype) else None
         if self.native_stack is not None and ops.decoder_stack_takes(kv_pool):  # bf16 or 8-bit KV
-            x, residual = self.native_stack.forward(hidden, batch, kv_pool, self.rope_cos, self.rope_sin)
+            x, residual = self.native_stack.forward(hidden, batch, kv_pool, self.rope_cos, self.rope_sin, k_shift)
         else:
             residual = hidden
             x = ops.rmsnorm(hidden, self.layers[0].input_layernorm, eps)
             for i, layer in enumerate(self.layers):
                 if i > 0:
                     x, residual = ops.fused_add_rmsnorm(x, residual, layer.input_layernorm, eps)
-                attn = layer.attention(x, batch, kv_pool, self.rope_cos, self.rope_sin)
+                attn = layer.attention(x, batch, kv_pool, self.rope_cos, self.rope_sin,
+                                       None if k_shift is None else k_shift[i])
                 x, residual = ops.fused_add_rmsnorm(attn, residual, layer.post_attention_layernorm, eps)
                 x = layer.mlp(x)
         residual = residual.index_select(0, batch.logits_indices)

@@ -98,10 +98,17 @@ def prefill_then_decode(model: LlamaModel, pool: torch.Tensor) -> torch.Tensor:
     return torch.cat([model(prefill, pool), model(decode, pool)])
 
 
+def tiny_shift() -> torch.Tensor:
+    """A K smoothing shift for tiny_model: [layers, kv_heads, head_dim] fp32."""
+    return (torch.randn(3, 2, 32, generator=torch.Generator().manual_seed(4)) * 0.5).bfloat16().float()
+
+
+@pytest.mark.parametrize("smoothed", [False, True])
 @pytest.mark.parametrize("model_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn])
-def test_tiny_model_logits_over_8bit_kv_are_close_to_plain_kv(dtype, model_dtype):
+def test_tiny_model_logits_over_8bit_kv_are_close_to_plain_kv(dtype, model_dtype, smoothed):
     model = tiny_model(model_dtype)
+    model.k_shift = tiny_shift() if smoothed else None  # plain pools never see it
     want = prefill_then_decode(model, torch.zeros(10, 3, 2, BS, 2, 32, dtype=model_dtype))
     got = prefill_then_decode(model, torch.zeros(10, 3, 2, BS, 2, 34, dtype=dtype))
     err = (got - want).abs().max() / want.abs().max()
@@ -110,14 +117,20 @@ def test_tiny_model_logits_over_8bit_kv_are_close_to_plain_kv(dtype, model_dtype
 
 
 @pytest.mark.skipif(not cpu_native.available(), reason="needs AVX-512 BF16 or AVX2+FMA, and a C compiler")
+@pytest.mark.parametrize("smoothed", [False, True])
 @pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn])
-def test_fused_native_stack_over_8bit_kv_equals_the_per_op_path(dtype):
+def test_fused_native_stack_over_8bit_kv_equals_the_per_op_path(dtype, smoothed):
     model = tiny_model()
     assert model.native_stack is not None
-    pools = [torch.zeros(10, 3, 2, BS, 2, 34, dtype=dtype) for _ in range(2)]
+    model.k_shift = tiny_shift() if smoothed else None
+    pools = [torch.zeros(10, 3, 2, BS, 2, 34, dtype=dtype) for _ in range(3)]
     fused = prefill_then_decode(model, pools[0])
     stack, model.native_stack = model.native_stack, None
     per_op = prefill_then_decode(model, pools[1])
     model.native_stack = stack
     assert torch.equal(pools[0].view(torch.uint8), pools[1].view(torch.uint8))
     torch.testing.assert_close(fused, per_op, atol=1e-2, rtol=1e-2)
+    if smoothed:  # both paths shifted K: the bytes are not the unshifted ones
+        model.k_shift = None
+        prefill_then_decode(model, pools[2])
+        assert not torch.equal(pools[0].view(torch.uint8), pools[2].view(torch.uint8))
