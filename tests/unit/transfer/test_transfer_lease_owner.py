@@ -9,7 +9,7 @@ import struct
 import time
 
 import pytest
-from transfer_lease_fakes import LAYOUT, FakeLeases, lease_ids_notified, make_pool, same_bytes, wait_until
+from transfer_lease_fakes import LAYOUT, FakeLeases, lease_ids_notified, make_pool, owner_and_puller, same_bytes, wait_until
 from transfer_raw_client import SECRET, open_session
 
 from transfer import LeaseExpiredError, TransferError, backend_class, create_backend
@@ -22,14 +22,8 @@ from transfer.wire import MAX_REPLY_BYTES, recv_exactly, recv_frame, send_frame
 def guarded():
     """A fallback owner of 64 blocks behind a FakeLeases guard, and a puller of 48."""
     leases = FakeLeases()
-    owner = create_backend("fallback", peer_id="prefill-0", secret=SECRET)
-    puller = create_backend("fallback", peer_id="decode-0", secret=SECRET, timeout_s=5.0)
-    owner_pool, puller_pool = make_pool(64, 1), make_pool(48, 2)
-    owner.register_pool(owner_pool, LAYOUT, lease_guard=leases)
-    puller.register_pool(puller_pool, LAYOUT)
-    yield leases, owner, puller, owner_pool, puller_pool
-    puller.close()
-    owner.close()
+    for owner, puller, owner_pool, puller_pool in owner_and_puller("fallback", lease_guard=leases):
+        yield leases, owner, puller, owner_pool, puller_pool
     leases.check_integrity()
 
 

@@ -7,7 +7,8 @@ replayed, expired and out-of-range requests without writing a byte."""
 import time
 
 import pytest
-from transfer_lease_fakes import LAYOUT, FakeLeases, lease_ids_notified, make_pool, pull_backend, same_bytes, wait_until
+from transfer_lease_fakes import (LAYOUT, FakeLeases, lease_ids_notified, make_pool, owner_and_puller, pull_backend,
+                                 same_bytes, wait_until)
 from transfer_raw_client import SECRET
 
 from transfer import LeaseExpiredError, TransferError
@@ -74,14 +75,8 @@ def test_malformed_requests_are_typed_errors(bad):
 def guarded():
     """A NIXL owner of 64 blocks behind a FakeLeases guard, and a puller of 48 that asks for WRITEs."""
     leases = FakeLeases()
-    owner = pull_backend("nixl-write", peer_id="prefill-0", secret=SECRET)
-    puller = pull_backend("nixl-write", peer_id="decode-0", secret=SECRET, timeout_s=5.0)
-    owner_pool, puller_pool = make_pool(64, 1), make_pool(48, 2)
-    owner.register_pool(owner_pool, LAYOUT, lease_guard=leases)
-    puller.register_pool(puller_pool, LAYOUT)
-    yield leases, owner, puller, owner_pool, puller_pool
-    puller.close()
-    owner.close()
+    for owner, puller, owner_pool, puller_pool in owner_and_puller("nixl-write", lease_guard=leases):
+        yield leases, owner, puller, owner_pool, puller_pool
     leases.check_integrity()
 
 

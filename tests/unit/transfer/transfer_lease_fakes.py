@@ -76,17 +76,24 @@ def make_pool(num_blocks: int, seed: int, layout: KVLayout = LAYOUT) -> torch.Te
     return raw.view(layout.torch_dtype).view(num_blocks, *layout.block_shape)
 
 
-@pytest.fixture(params=PULL_KINDS)
-def pair(request):
-    """(owner, puller, owner_pool, puller_pool) on one backend, both holding the cluster secret."""
-    owner = pull_backend(request.param, peer_id="prefill-0", secret=SECRET)
-    puller = pull_backend(request.param, peer_id="decode-0", secret=SECRET, timeout_s=5.0)
+def owner_and_puller(kind: str, lease_guard=None):
+    """(owner, puller, owner_pool, puller_pool) on one backend of ``kind``
+    (PULL_KINDS), both holding the cluster secret: an owner of 64 blocks
+    (behind ``lease_guard`` if given) and a puller of 48.  A fixture body:
+    closes both after."""
+    owner = pull_backend(kind, peer_id="prefill-0", secret=SECRET)
+    puller = pull_backend(kind, peer_id="decode-0", secret=SECRET, timeout_s=5.0)
     owner_pool, puller_pool = make_pool(64, 1), make_pool(48, 2)
-    owner.register_pool(owner_pool, LAYOUT)
+    owner.register_pool(owner_pool, LAYOUT, lease_guard=lease_guard)
     puller.register_pool(puller_pool, LAYOUT)
     yield owner, puller, owner_pool, puller_pool
     puller.close()
     owner.close()
+
+
+@pytest.fixture(params=PULL_KINDS)
+def pair(request):
+    yield from owner_and_puller(request.param)
 
 
 def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
