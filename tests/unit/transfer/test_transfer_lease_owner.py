@@ -9,7 +9,7 @@ import struct
 import time
 
 import pytest
-from transfer_lease_fakes import LAYOUT, FakeLeases, lease_ids_notified, make_pool, owner_and_puller, same_bytes, wait_until
+from transfer_lease_fakes import LAYOUT, FakeLeases, guarded_owner_and_puller, lease_ids_notified, make_pool, same_bytes, wait_until
 from transfer_raw_client import SECRET, open_session
 
 from transfer import LeaseExpiredError, TransferError, backend_class, create_backend
@@ -21,10 +21,7 @@ from transfer.wire import MAX_REPLY_BYTES, recv_exactly, recv_frame, send_frame
 @pytest.fixture
 def guarded():
     """A fallback owner of 64 blocks behind a FakeLeases guard, and a puller of 48."""
-    leases = FakeLeases()
-    for owner, puller, owner_pool, puller_pool in owner_and_puller("fallback", lease_guard=leases):
-        yield leases, owner, puller, owner_pool, puller_pool
-    leases.check_integrity()
+    yield from guarded_owner_and_puller("fallback")
 
 
 def test_only_the_socket_owner_checks_leases_on_read():

@@ -7,8 +7,7 @@ replayed, expired and out-of-range requests without writing a byte."""
 import time
 
 import pytest
-from transfer_lease_fakes import (LAYOUT, FakeLeases, lease_ids_notified, make_pool, owner_and_puller, pull_backend,
-                                 same_bytes, wait_until)
+from transfer_lease_fakes import guarded_owner_and_puller, lease_ids_notified, same_bytes, wait_until
 from transfer_raw_client import SECRET
 
 from transfer import LeaseExpiredError, TransferError
@@ -74,10 +73,7 @@ def test_malformed_requests_are_typed_errors(bad):
 @pytest.fixture
 def guarded():
     """A NIXL owner of 64 blocks behind a FakeLeases guard, and a puller of 48 that asks for WRITEs."""
-    leases = FakeLeases()
-    for owner, puller, owner_pool, puller_pool in owner_and_puller("nixl-write", lease_guard=leases):
-        yield leases, owner, puller, owner_pool, puller_pool
-    leases.check_integrity()
+    yield from guarded_owner_and_puller("nixl-write")
 
 
 def test_a_written_pull_is_checked_against_the_lease_and_its_read_ended(guarded):

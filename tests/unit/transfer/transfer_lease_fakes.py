@@ -91,6 +91,15 @@ def owner_and_puller(kind: str, lease_guard=None):
     owner.close()
 
 
+def guarded_owner_and_puller(kind: str):
+    """(leases, owner, puller, owner_pool, puller_pool): owner_and_puller with
+    the owner behind a FakeLeases guard, whose integrity is checked after."""
+    leases = FakeLeases()
+    for backends in owner_and_puller(kind, lease_guard=leases):
+        yield (leases, *backends)
+    leases.check_integrity()
+
+
 @pytest.fixture(params=PULL_KINDS)
 def pair(request):
     yield from owner_and_puller(request.param)
