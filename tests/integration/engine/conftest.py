@@ -1,9 +1,11 @@
 """Real-model fixtures: the bundled SmolLM2 GGUF, our engine and Hugging Face
-transformers on the same weights, greedy references cached per session."""
+transformers on the same weights (loaded once per session)."""
 
 from __future__ import annotations
 
+import copy
 import functools
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -59,38 +61,69 @@ def parity_prompts(smol_fp32) -> list[list[int]]:
     return prompts
 
 
-@functools.lru_cache(maxsize=4)
-def _hf_model(dtype: torch.dtype):
+@functools.lru_cache(maxsize=1)
+def _hf_fp32():
     from transformers import AutoModelForCausalLM, GgufConfig
 
     path = default_model_path()
     hf = AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=dtype,
+        str(path.parent), gguf_file=path.name, dtype=torch.float32,
         quantization_config=GgufConfig(gguf_file=path.name, dequantize=True))
     return hf.eval()
 
 
-def hf_greedy(hf, prompt: list[int], max_new_tokens: int, eos_ids) -> tuple[list[int], list[torch.Tensor]]:
-    """Transformers' greedy tokens (stopping at EOS) and each step's log-probs."""
+@functools.lru_cache(maxsize=4)
+def _hf_model(dtype: torch.dtype):
+    """Transformers' model of the bundled GGUF in `dtype`, loaded once.  Other
+    dtypes cast the fp32 load's parameters (buffers such as RoPE's inv_freq stay
+    fp32): the same tensors and logits as `from_pretrained(dtype=...)`, checked
+    bit for bit, without a second minute-long GGUF dequantization."""
+    fp32 = _hf_fp32()
+    if dtype == torch.float32:
+        return fp32
+    hf = copy.deepcopy(fp32)
+    for param in hf.parameters():
+        param.data = param.data.to(dtype)
+    hf.config.dtype = dtype
+    return hf
+
+
+def hf_greedy(hf, prompt: list[int], max_new_tokens: int, eos_ids) -> list[int]:
+    """Transformers' own greedy generation (stopping at EOS)."""
     with torch.inference_mode():
         out = hf.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
-                          eos_token_id=list(eos_ids), pad_token_id=eos_ids[0],
-                          output_scores=True, return_dict_in_generate=True)
-    tokens = out.sequences[0, len(prompt):].tolist()
-    logprobs = [torch.log_softmax(s[0].float(), -1) for s in out.scores]
-    return tokens, logprobs
+                          eos_token_id=list(eos_ids), pad_token_id=eos_ids[0])
+    return out[0, len(prompt):].tolist()
 
 
-@pytest.fixture(scope="session")
-def hf_reference():
-    cache: dict = {}
+def hf_next_token_logprobs(dtype: torch.dtype, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """Transformers' log-probs, teacher-forced on `tokens`: row i scores the
+    token after prompt + tokens[:i] (rows len(tokens) + 1), from one forward
+    pass instead of one per generated token."""
+    with torch.inference_mode():
+        logits = _hf_model(dtype)(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:].float()
+    return torch.log_softmax(logits, dim=-1)
 
-    def get(dtype: torch.dtype, prompt: list[int], max_new_tokens: int, eos_ids):
-        key = (dtype, tuple(prompt), max_new_tokens)
-        if key not in cache:
-            cache[key] = hf_greedy(_hf_model(dtype), prompt, max_new_tokens, eos_ids)
-        return cache[key]
-    return get
+
+@dataclass(frozen=True)
+class Divergence:
+    position: int      # the first output position where transformers' greedy choice differs
+    margin: float      # transformers' top-1 minus top-2 log-prob there, in nats
+
+
+def divergence_from_transformers(dtype: torch.dtype, prompt: list[int], tokens: list[int], max_new_tokens: int,
+                                 eos_ids) -> Divergence | None:
+    """Where `tokens` stops being transformers' greedy continuation of `prompt`,
+    or None when they are the same sequence: each token is transformers'
+    argmax given everything before it, and the output ends where greedy
+    generation would (EOS, or max_new_tokens)."""
+    rows = hf_next_token_logprobs(dtype, prompt, tokens)
+    stopped = len(tokens) == max_new_tokens or (tokens and tokens[-1] in eos_ids)
+    for j in range(len(tokens) + (0 if stopped else 1)):
+        top2 = torch.topk(rows[j], 2)
+        if j == len(tokens) or int(top2.indices[0]) != tokens[j]:
+            return Divergence(j, float(top2.values[0] - top2.values[1]))
+    return None
 
 
 def make_engine(loaded, num_kv_blocks: int = 512, **sched) -> Engine:
