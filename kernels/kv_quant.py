@@ -42,9 +42,8 @@ shifted (decode, prefill chunks, speculative verification all write through
 replicas.  bf16/fp32 pools are never shifted.
 
 Prompt chunks read the pool for their cached prefix only: their own keys and
-values are the model's, as computed, never quantized (vLLM and SGLang do
-the same), so quantization error never enters the hidden states of the
-tokens being prefilled.  Those keys are unshifted, so the prefix's K rows
+values are the model's, as computed, never quantized, so quantization error
+never enters the hidden states of the tokens being prefilled.  Those keys are unshifted, so the prefix's K rows
 get ``b`` added back as they are dequantized: every key the chunk sees is
 unshifted (kernels/prefill_attention.py draws it).  Verifying a draft reads
 every key from the pool, shifted, as the decode steps it stands for do.

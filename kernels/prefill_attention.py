@@ -10,7 +10,7 @@ One sequence's keys, with ``q_len`` new tokens at the end::
 Over an 8-bit pool (:mod:`kernels.kv_quant`) a prompt chunk reads only its
 cached prefix from the pool; its own keys and values come from
 :class:`ChunkKV`, as the model computed them, so quantization never reaches
-the hidden states of the tokens being prefilled (what vLLM and SGLang do).
+the hidden states of the tokens being prefilled.
 The pool's K rows are stored shifted by ``b`` (K smoothing); the fresh chunk
 K is not, so the prefix keys get ``b`` added back as they are dequantized
 and every key such a query sees is unshifted::
