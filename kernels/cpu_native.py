@@ -40,6 +40,8 @@ from pathlib import Path
 
 import torch
 
+from kernels.prefill_attention import ChunkKV
+
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
@@ -82,7 +84,7 @@ class LayerStep(ctypes.Structure):
                 *((n, _ptr) for n in ("prefill_tables", "prefill_starts", "prefill_lens")),
                 ("scale", _f32), ("eps", _f32), ("nthreads", _int),
                 *((n, _ptr) for n in ("normed", "qkv", "attn", "proj", "gate_up", "act")),
-                ("kv_kind", _i64), ("k_shift", _ptr)]
+                ("kv_kind", _i64), ("k_shift", _ptr), ("prefill_fresh", _ptr)]
 
 
 _SIGNATURES = {
@@ -97,12 +99,13 @@ _SIGNATURES = {
     "pd_decoder_stack_bf16": [ctypes.POINTER(LayerWeights), _i64, ctypes.POINTER(LayerStep), _ptr, _ptr, _ptr, _ptr],
     "pd_rope_bf16": [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr],
     "pd_write_kv_bf16": [_ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _i64],
-    # 8-bit KV pools (csrc/kv8_kernels.h): the bf16 signatures plus the pool's kind (and the write's K shift)
+    # 8-bit KV pools (csrc/kv8_kernels.h): the bf16 signatures plus the pool's kind (and the write's K shift,
+    # and prefill's chunk K/V: kernels/prefill_attention.py ChunkKV)
     "pd_write_kv_q8": [_ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _int, _ptr],
     "pd_paged_decode_attention_q8": [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64,
                                      _i64, _i64, _i64, _f32, _int, _int],
     "pd_prefill_attention_q8": [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64,
-                                _i64, _i64, _f32, _int, _int],
+                                _i64, _i64, _f32, _int, _int, _ptr, _ptr, _i64, _ptr, _ptr],
 }
 
 # The KV pool formats the native kernels read and write (PD_KV_* in csrc/kv8_kernels.h).
@@ -275,8 +278,9 @@ def paged_decode_attention(
 
 def prefill_attention(
     q: torch.Tensor, kv_pool: torch.Tensor, layer: int, block_tables: torch.Tensor,
-    query_start_loc: torch.Tensor, context_lens: torch.Tensor, scale: float,
+    query_start_loc: torch.Tensor, context_lens: torch.Tensor, scale: float, chunk: ChunkKV | None = None,
 ) -> torch.Tensor:
+    """``chunk``: None, or the new tokens' own K/V (8-bit pools only; kernels/prefill_attention.py)."""
     tokens, heads, head_dim = q.shape
     _, num_layers, _, block_size, kv_heads, _ = kv_pool.shape
     out = torch.empty(tokens, heads, head_dim, dtype=q.dtype)
@@ -286,11 +290,27 @@ def prefill_attention(
     args = (_p(q), q.stride(0), _p(kv_pool), _p(out), _p(tables), _p(starts), _p(lens), lens.shape[0], heads,
             kv_heads, head_dim, tables.shape[1], block_size, num_layers, layer, scale, num_threads())
     kind = KV_KINDS[kv_pool.dtype]
+    if chunk is not None:
+        chunk.check(q, kv_pool, lens.shape[0])
     if kind:
-        library().pd_prefill_attention_q8(*args, kind)
+        k, v, stride, fresh, shift = _chunk_args(chunk)
+        library().pd_prefill_attention_q8(*args, kind, _p(k), _p(v), stride, _p(fresh), _p(shift))
     else:
         library().pd_prefill_attention_bf16(*args)
     return out
+
+
+def _chunk_args(chunk: ChunkKV | None):
+    """(k, v, row stride, fresh, k_shift) as pd_prefill_attention_q8 reads them: bf16
+    rows with packed heads, one stride for both; int32 flags; fp32 shift."""
+    if chunk is None:
+        return None, None, 0, None, None
+    k, v = chunk.k.to(torch.bfloat16), chunk.v.to(torch.bfloat16)
+    if not (k.stride(2) == v.stride(2) == 1 and k.stride(1) == v.stride(1) == k.shape[2]
+            and k.stride(0) == v.stride(0)):
+        k, v = k.contiguous(), v.contiguous()
+    shift = None if chunk.k_shift is None else chunk.k_shift.contiguous()
+    return k, v, k.stride(0), chunk.fresh.to(torch.int32).contiguous(), shift
 
 
 def fused_add_rmsnorm(
@@ -385,6 +405,7 @@ class DecoderStack:
         dec_tables, dec_lens = batch.decode_block_tables.contiguous(), batch.decode_context_lens.contiguous()
         pre_tables, pre_lens = batch.prefill_block_tables.contiguous(), batch.prefill_context_lens.contiguous()
         pre_starts = batch.prefill_query_start_loc.contiguous()
+        pre_fresh = batch.prefill_fresh_kv.to(torch.int32).contiguous()  # read over 8-bit pools only
         if k_shift is not None and not KV_KINDS[kv_pool.dtype]:
             raise ValueError("k_shift (K smoothing) applies to 8-bit pools only: pass None for a bf16 pool")
         shift = _k_shift(k_shift, (len(self.layers), kvh, d))
@@ -394,7 +415,7 @@ class DecoderStack:
             batch.num_decode_tokens, dec_tables.shape[1], _p(dec_tables), _p(dec_lens),
             pre_lens.shape[0], pre_tables.shape[1], _p(pre_tables), _p(pre_starts), _p(pre_lens),
             d ** -0.5, self.eps, num_threads(), *(_p(b) for b in bufs.values()), KV_KINDS[kv_pool.dtype],
-            _p(shift))
+            _p(shift), _p(pre_fresh))
         library().pd_decoder_stack_bf16(self.layers, len(self.layers), ctypes.byref(step), _p(kv_pool), _p(hidden),
                                         _p(outs[0]), _p(outs[1]))
         return outs[(len(self.layers) - 1) % 2], hidden

@@ -31,15 +31,22 @@ spread of K rather than its outlier channels' constant offset::
 
     K row stored = quantize(k - b)           V rows: never shifted
 
-No add-back anywhere: for any query q, q . (k_j - b) = q . k_j - q . b, and
-q . b is the same for every key j of that query's (layer, kv head), so the
-softmax over keys is unchanged.  It stays exact only while every key a query
-sees carries the same shift: every K row of an 8-bit pool is written shifted
-(decode, prefill chunks, speculative verification all write through
+Decode needs no add-back: for any query q, q . (k_j - b) = q . k_j - q . b,
+and q . b is the same for every key j of that query's (layer, kv head), so
+the softmax over keys is unchanged.  It stays exact only while every key a
+query sees carries the same shift: every K row of an 8-bit pool is written
+shifted (decode, prefill chunks, speculative verification all write through
 ``write_kv`` before attending), and ``b`` is a pure function of the weights
 (services/engine/model/k_smoothing.py), part of the block hash seed
 (services/model_meta.py), so shifted blocks never meet other shifts across
 replicas.  bf16/fp32 pools are never shifted.
+
+Prompt chunks read the pool for their cached prefix only: their own keys and
+values are the model's, as computed, never quantized, so quantization error
+never enters the hidden states of the tokens being prefilled.  Those keys are unshifted, so the prefix's K rows
+get ``b`` added back as they are dequantized: every key the chunk sees is
+unshifted (kernels/prefill_attention.py draws it).  Verifying a draft reads
+every key from the pool, shifted, as the decode steps it stands for do.
 """
 
 from __future__ import annotations

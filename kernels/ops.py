@@ -35,7 +35,7 @@ from kernels.cpu_native import DecoderStack
 from kernels.kv_quant import is_quantized
 from kernels.kv_write import write_kv_ref
 from kernels.paged_decode_attention import paged_decode_attention_ref
-from kernels.prefill_attention import prefill_attention_ref
+from kernels.prefill_attention import ChunkKV, prefill_attention_ref
 from kernels.rmsnorm import fused_add_rmsnorm_ref, rmsnorm_ref
 from kernels.rope import apply_rope_ref, rope_cos_sin
 
@@ -43,7 +43,7 @@ __all__ = [
     "write_kv", "paged_decode_attention", "prefill_attention", "gather_blocks",
     "scatter_blocks", "rmsnorm", "fused_add_rmsnorm", "apply_rope", "linear", "pack_linear_weight",
     "unpack_linear_weight", "silu_mul", "triton_available",
-    "DecoderStack", "decoder_stack", "decoder_stack_takes", "set_native_threads", "native_variant", "rope_cos_sin",
+    "ChunkKV", "DecoderStack", "decoder_stack", "decoder_stack_takes", "set_native_threads", "native_variant", "rope_cos_sin",
 ]
 
 
@@ -144,14 +144,20 @@ def paged_decode_attention(
 
 def prefill_attention(
     q: torch.Tensor, kv_pool: torch.Tensor, layer: int, block_tables: torch.Tensor,
-    query_start_loc: torch.Tensor, context_lens: torch.Tensor, scale: float,
+    query_start_loc: torch.Tensor, context_lens: torch.Tensor, scale: float, chunk: ChunkKV | None = None,
 ) -> torch.Tensor:
+    """``chunk``: None, or the new tokens' own K/V, which prompt chunks over
+    an 8-bit pool attend to instead of their quantized rows
+    (:mod:`kernels.prefill_attention`); plain pools take None."""
+    if chunk is not None:
+        chunk.check(q, kv_pool, context_lens.shape[0])
     if _on_cuda(q) and _triton_kv(kv_pool):
         fn = _triton("prefill_attention", "prefill_attention_triton")
         return fn(q, kv_pool, layer, block_tables, query_start_loc, context_lens, scale)
     if _native_attention(q, kv_pool):
-        return cpu_native.prefill_attention(q, kv_pool, layer, block_tables, query_start_loc, context_lens, scale)
-    return prefill_attention_ref(q, kv_pool, layer, block_tables, query_start_loc, context_lens, scale)
+        return cpu_native.prefill_attention(q, kv_pool, layer, block_tables, query_start_loc, context_lens, scale,
+                                            chunk)
+    return prefill_attention_ref(q, kv_pool, layer, block_tables, query_start_loc, context_lens, scale, chunk)
 
 
 def gather_blocks(kv_pool: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:

@@ -258,12 +258,45 @@ void pd_paged_decode_attention_q8(const bf16 *q, int64_t q_row_stride, const uin
 /* Prefill over an 8-bit pool: the sequences' blocks of this layer are
  * dequantized (to bf16, as the torch reference does) into a one-layer bf16
  * scratch pool, then the variant's bf16 prefill kernel runs on it (it packs
- * K and V per head anyway, so this costs one more pass over the context). */
+ * K and V per head anyway, so this costs one more pass over the context).
+ *
+ * A prompt chunk (fresh[s] = 1; kernels/prefill_attention.py) takes its own
+ * keys and values from the step's rows as computed (chunk_k / chunk_v, row
+ * t beside query row t, chunk_stride apart) and only its cached prefix from
+ * the pool, K with the shift added back, so every key it sees is unshifted:
+ *
+ *     scratch row of token p <  ctx - q_len   bf16(deq(pool row) (+ k_shift for K))
+ *     scratch row of token p >= ctx - q_len   the chunk's own bf16 row, copied
+ *
+ * fresh NULL (or 0 for s): every key from the pool, shifted, as decode reads it. */
+static void kv8_fill_scratch_block(bf16 *dst, const uint8_t *src, int64_t block_size, int64_t KVH, int64_t D,
+                                   int kind, int64_t p0, int64_t chunk_from, int64_t chunk_end, int64_t chunk_row0,
+                                   const bf16 *chunk_k, const bf16 *chunk_v, int64_t chunk_stride,
+                                   const float *k_shift) {
+    const int64_t W = D + KV8_SCALE_BYTES;
+    for (int64_t r = 0; r < 2 * block_size * KVH; r++) {
+        const int64_t is_v = r / (block_size * KVH), p = p0 + (r / KVH) % block_size, h = r % KVH;
+        if (p >= chunk_from && p < chunk_end) {
+            const bf16 *own = (is_v ? chunk_v : chunk_k) + (chunk_row0 + p - chunk_from) * chunk_stride + h * D;
+            memcpy(dst + r * D, own, sizeof(bf16) * (size_t)D);
+            continue;
+        }
+        const uint8_t *row = src + r * W;
+        const float sc = kv8_scale(row, D);
+        const float *add = is_v || !k_shift ? NULL : k_shift + h * D;
+        for (int64_t d = 0; d < D; d++) {
+            const float qv = kind == PD_KV_INT8 ? (float)(int8_t)row[d] : fp8_value[row[d]];
+            dst[r * D + d] = to_bf16(add ? qv * sc + add[d] : qv * sc);
+        }
+    }
+}
+
 void pd_prefill_attention_q8(const bf16 *q, int64_t q_row_stride, const uint8_t *kv, bf16 *out,
                              const int32_t *block_tables, const int32_t *query_start_loc,
                              const int32_t *context_lens, int64_t S, int64_t H, int64_t KVH, int64_t D,
                              int64_t max_blocks, int64_t block_size, int64_t num_layers, int64_t layer,
-                             float scale, int nthreads, int kind) {
+                             float scale, int nthreads, int kind, const bf16 *chunk_k, const bf16 *chunk_v,
+                             int64_t chunk_stride, const int32_t *fresh, const float *k_shift) {
     fp8_table_init();
     const int64_t W = D + KV8_SCALE_BYTES, half = block_size * KVH * W, rows = 2 * block_size * KVH;
     int64_t used = 0;
@@ -272,19 +305,16 @@ void pd_prefill_attention_q8(const bf16 *q, int64_t q_row_stride, const uint8_t 
     int32_t *tables = (int32_t *)calloc((size_t)(S * max_blocks > 0 ? S * max_blocks : 1), sizeof(int32_t));
     int64_t next = 0;
     for (int64_t s = 0; s < S; s++) {
-        const int64_t nb = (context_lens[s] + block_size - 1) / block_size;
+        const int64_t ctx = context_lens[s], nb = (ctx + block_size - 1) / block_size;
+        const int own = fresh && fresh[s] && chunk_k && chunk_v;
+        const int64_t q_len = query_start_loc[s + 1] - query_start_loc[s];
+        const int64_t chunk_from = own ? ctx - q_len : ctx;  /* own chunk: tokens chunk_from .. ctx - 1 */
         for (int64_t j = 0; j < nb; j++, next++) {
             tables[s * max_blocks + j] = (int32_t)next;
             const uint8_t *src = kv + ((int64_t)block_tables[s * max_blocks + j] * num_layers + layer) * 2 * half;
-            bf16 *dst = scratch + next * rows * D;
-            for (int64_t r = 0; r < rows; r++) {
-                const uint8_t *row = src + r * W;
-                const float sc = kv8_scale(row, D);
-                for (int64_t d = 0; d < D; d++) {
-                    const float qv = kind == PD_KV_INT8 ? (float)(int8_t)row[d] : fp8_value[row[d]];
-                    dst[r * D + d] = to_bf16(qv * sc);
-                }
-            }
+            kv8_fill_scratch_block(scratch + next * rows * D, src, block_size, KVH, D, kind, j * block_size,
+                                   chunk_from, ctx, query_start_loc[s], chunk_k, chunk_v,
+                                   chunk_stride, own ? k_shift : NULL);
         }
     }
     pd_prefill_attention_bf16(q, q_row_stride, scratch, out, tables, query_start_loc, context_lens, S, H, KVH, D,

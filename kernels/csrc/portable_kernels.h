@@ -64,7 +64,8 @@ void pd_write_kv_bf16(bf16 *kv, const bf16 *k, const bf16 *v, int64_t row_stride
  *
  *     normed = rmsnorm(residual += prev)       (prev NULL: layer 0, no add)
  *     q, k, v = split(normed @ Wqkv + bias);  rope(q, k);  kv[slots] = k, v
- *     attn = decode attention (first n_decode tokens) | prefill attention (the rest)
+ *     attn = decode attention (first n_decode tokens) | prefill attention (the rest;
+ *            over an 8-bit pool a prompt chunk reads its own k, v from here, not the pool)
  *     normed = rmsnorm(residual += attn @ Wo)
  *     out = (silu(normed @ Wgate) * (normed @ Wup)) @ Wdown
  *
@@ -86,6 +87,8 @@ typedef struct {
     bf16 *normed, *qkv, *attn, *proj, *gate_up, *act;  /* scratch */
     int64_t kv_kind;  /* PD_KV_BF16 | PD_KV_INT8 | PD_KV_FP8: the pool's format (kv8_kernels.h) */
     const float *k_shift;  /* NULL, or [num_layers, KVH, D] fp32: K smoothing of an 8-bit pool */
+    const int32_t *prefill_fresh;  /* NULL, or [n_prefill_seqs]: 1 = a prompt chunk, attends to its own K/V as
+                                    * computed over an 8-bit pool (kv8_kernels.h), 0 = reads the pool */
 } pd_layer_step;
 
 static void decoder_layer(const pd_layer_weights *w, const pd_layer_step *s, bf16 *kv, int64_t layer,
@@ -110,11 +113,14 @@ static void decoder_layer(const pd_layer_weights *w, const pd_layer_step *s, bf1
         pd_paged_decode_attention_bf16(s->qkv, width, kv, s->attn, s->decode_tables, s->decode_lens, s->n_decode,
                                        s->H, s->KVH, s->D, s->decode_max_blocks, s->block_size, s->num_layers,
                                        layer, s->scale, s->nthreads);
-    if (s->n_prefill_seqs && q8)
-        pd_prefill_attention_q8(s->qkv + s->n_decode * width, width, (const uint8_t *)kv, s->attn + s->n_decode * qs,
+    if (s->n_prefill_seqs && q8) {
+        const bf16 *rows = s->qkv + s->n_decode * width;  /* the prefill part's q | k | v rows */
+        pd_prefill_attention_q8(rows, width, (const uint8_t *)kv, s->attn + s->n_decode * qs,
                                 s->prefill_tables, s->prefill_starts, s->prefill_lens, s->n_prefill_seqs, s->H,
                                 s->KVH, s->D, s->prefill_max_blocks, s->block_size, s->num_layers, layer,
-                                s->scale, s->nthreads, q8);
+                                s->scale, s->nthreads, q8, rows + qs, rows + qs + kvs, width, s->prefill_fresh,
+                                s->k_shift ? s->k_shift + layer * kvs : NULL);
+    }
     else if (s->n_prefill_seqs)
         pd_prefill_attention_bf16(s->qkv + s->n_decode * width, width, kv, s->attn + s->n_decode * qs,
                                   s->prefill_tables, s->prefill_starts, s->prefill_lens, s->n_prefill_seqs, s->H,

@@ -26,6 +26,10 @@ class ForwardBatch:
     prefill_query_start_loc: torch.Tensor  # [P+1] int32, offsets into the prefill part
     prefill_context_lens: torch.Tensor    # [P] int32 (incl. the new chunk)
     logits_indices: torch.Tensor   # [N] int64: rows whose next-token logits we need
+    # [P] int32: 1 = a prompt chunk, which over an 8-bit pool attends to its own
+    # K/V as computed (kernels/prefill_attention.py); 0 = a draft's verification,
+    # which reads every key from the pool, as the decode steps it stands for do
+    prefill_fresh_kv: torch.Tensor
 
     @property
     def num_tokens(self) -> int:

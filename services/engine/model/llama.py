@@ -45,9 +45,12 @@ class DecoderLayer(nn.Module):
             parts.append(ops.paged_decode_attention(
                 q[:d], kv_pool, self.index, batch.decode_block_tables, batch.decode_context_lens, self.scale))
         if batch.num_tokens > d:
+            chunk = None  # plain pools hold the chunk's K/V as stored; 8-bit ones attend to it as computed
+            if is_quantized(kv_pool.dtype):
+                chunk = ops.ChunkKV(k[d:], v[d:], batch.prefill_fresh_kv, k_shift)
             parts.append(ops.prefill_attention(
                 q[d:], kv_pool, self.index, batch.prefill_block_tables,
-                batch.prefill_query_start_loc, batch.prefill_context_lens, self.scale))
+                batch.prefill_query_start_loc, batch.prefill_context_lens, self.scale, chunk))
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
         return ops.linear(out.reshape(-1, cfg.q_size), self.o_proj.weight)
 

@@ -42,7 +42,8 @@ def keys_written_by_the_model(model: LlamaModel) -> torch.Tensor:
         num_decode_tokens=0, decode_block_tables=torch.zeros(0, 1, dtype=torch.int32),
         decode_context_lens=torch.zeros(0, dtype=torch.int32), prefill_block_tables=table,
         prefill_query_start_loc=torch.tensor([0, N], dtype=torch.int32),
-        prefill_context_lens=torch.tensor([N], dtype=torch.int32), logits_indices=torch.tensor([N - 1]))
+        prefill_context_lens=torch.tensor([N], dtype=torch.int32), logits_indices=torch.tensor([N - 1]),
+        prefill_fresh_kv=torch.ones(1, dtype=torch.int32))
     model(batch, pool)
     return pool[:, :, 0].permute(1, 0, 2, 3, 4).reshape(3, -1, 2, 32)[:, :N]
 

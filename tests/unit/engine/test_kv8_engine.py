@@ -74,28 +74,42 @@ def tiny_model(dtype: torch.dtype = torch.bfloat16) -> LlamaModel:
     return model
 
 
-def prefill_then_decode(model: LlamaModel, pool: torch.Tensor) -> torch.Tensor:
-    """A 37-token prompt in blocks [3, 7, 1], then one decode step: both logits."""
+def prefill_then_decode(model: LlamaModel, pool: torch.Tensor, chunks: tuple[int, ...] = (37,),
+                        shifts: list[torch.Tensor] | None = None) -> torch.Tensor:
+    """A 37-token prompt in blocks [3, 7, 1], prefilled in ``chunks``, then one
+    decode step: the logits of each chunk's last token and of the decode step.
+    ``shifts``: the model's K shift for each of those forwards in turn."""
     from services.engine.forward_batch import ForwardBatch
 
     table = [3, 7, 1]
-    n = 37
+    n = sum(chunks)
+    assert n == 37
     ids = [(7 * p + 3) % 320 for p in range(n + 1)]
     slot = lambda p: table[p // BS] * BS + p % BS  # noqa: E731
     t = torch.tensor([table], dtype=torch.int32)
     empty = torch.zeros(0, 1, dtype=torch.int32)
-    prefill = ForwardBatch(
-        input_ids=torch.tensor(ids[:n]), positions=torch.arange(n),
-        slot_mapping=torch.tensor([slot(p) for p in range(n)]),
-        num_decode_tokens=0, decode_block_tables=empty, decode_context_lens=torch.zeros(0, dtype=torch.int32),
-        prefill_block_tables=t, prefill_query_start_loc=torch.tensor([0, n], dtype=torch.int32),
-        prefill_context_lens=torch.tensor([n], dtype=torch.int32), logits_indices=torch.tensor([n - 1]))
+    logits, done = [], 0
+    for c in chunks:
+        prefill = ForwardBatch(
+            input_ids=torch.tensor(ids[done:done + c]), positions=torch.arange(done, done + c),
+            slot_mapping=torch.tensor([slot(p) for p in range(done, done + c)]),
+            num_decode_tokens=0, decode_block_tables=empty, decode_context_lens=torch.zeros(0, dtype=torch.int32),
+            prefill_block_tables=t, prefill_query_start_loc=torch.tensor([0, c], dtype=torch.int32),
+            prefill_context_lens=torch.tensor([done + c], dtype=torch.int32), logits_indices=torch.tensor([c - 1]),
+            prefill_fresh_kv=torch.ones(1, dtype=torch.int32))
+        if shifts is not None:
+            model.k_shift = shifts[len(logits)]
+        logits.append(model(prefill, pool))
+        done += c
     decode = ForwardBatch(
         input_ids=torch.tensor([ids[n]]), positions=torch.tensor([n]), slot_mapping=torch.tensor([slot(n)]),
         num_decode_tokens=1, decode_block_tables=t, decode_context_lens=torch.tensor([n + 1], dtype=torch.int32),
         prefill_block_tables=empty, prefill_query_start_loc=torch.zeros(1, dtype=torch.int32),
-        prefill_context_lens=torch.zeros(0, dtype=torch.int32), logits_indices=torch.tensor([0]))
-    return torch.cat([model(prefill, pool), model(decode, pool)])
+        prefill_context_lens=torch.zeros(0, dtype=torch.int32), logits_indices=torch.tensor([0]),
+        prefill_fresh_kv=torch.zeros(0, dtype=torch.int32))
+    if shifts is not None:
+        model.k_shift = shifts[-1]
+    return torch.cat([*logits, model(decode, pool)])
 
 
 def tiny_shift() -> torch.Tensor:
@@ -103,34 +117,55 @@ def tiny_shift() -> torch.Tensor:
     return (torch.randn(3, 2, 32, generator=torch.Generator().manual_seed(4)) * 0.5).bfloat16().float()
 
 
+@pytest.mark.parametrize("chunks", [(37,), (21, 16)])
 @pytest.mark.parametrize("smoothed", [False, True])
 @pytest.mark.parametrize("model_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn])
-def test_tiny_model_logits_over_8bit_kv_are_close_to_plain_kv(dtype, model_dtype, smoothed):
+def test_tiny_model_logits_over_8bit_kv_are_close_to_plain_kv(dtype, model_dtype, smoothed, chunks):
     model = tiny_model(model_dtype)
     model.k_shift = tiny_shift() if smoothed else None  # plain pools never see it
-    want = prefill_then_decode(model, torch.zeros(10, 3, 2, BS, 2, 32, dtype=model_dtype))
-    got = prefill_then_decode(model, torch.zeros(10, 3, 2, BS, 2, 34, dtype=dtype))
+    want = prefill_then_decode(model, torch.zeros(10, 3, 2, BS, 2, 32, dtype=model_dtype), chunks)
+    got = prefill_then_decode(model, torch.zeros(10, 3, 2, BS, 2, 34, dtype=dtype), chunks)
     err = (got - want).abs().max() / want.abs().max()
     assert err < (0.02 if dtype is torch.int8 else 0.08), err
     assert (got.argmax(-1) == want.argmax(-1)).all()
 
 
 @pytest.mark.skipif(not cpu_native.available(), reason="needs AVX-512 BF16 or AVX2+FMA, and a C compiler")
+@pytest.mark.parametrize("chunks", [(37,), (21, 16)])
 @pytest.mark.parametrize("smoothed", [False, True])
 @pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn])
-def test_fused_native_stack_over_8bit_kv_equals_the_per_op_path(dtype, smoothed):
+def test_fused_native_stack_over_8bit_kv_equals_the_per_op_path(dtype, smoothed, chunks):
     model = tiny_model()
     assert model.native_stack is not None
     model.k_shift = tiny_shift() if smoothed else None
     pools = [torch.zeros(10, 3, 2, BS, 2, 34, dtype=dtype) for _ in range(3)]
-    fused = prefill_then_decode(model, pools[0])
+    fused = prefill_then_decode(model, pools[0], chunks)
     stack, model.native_stack = model.native_stack, None
-    per_op = prefill_then_decode(model, pools[1])
+    per_op = prefill_then_decode(model, pools[1], chunks)
     model.native_stack = stack
     assert torch.equal(pools[0].view(torch.uint8), pools[1].view(torch.uint8))
     torch.testing.assert_close(fused, per_op, atol=1e-2, rtol=1e-2)
     if smoothed:  # both paths shifted K: the bytes are not the unshifted ones
         model.k_shift = None
-        prefill_then_decode(model, pools[2])
+        prefill_then_decode(model, pools[2], chunks)
         assert not torch.equal(pools[0].view(torch.uint8), pools[2].view(torch.uint8))
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_a_chunk_after_a_cached_prefix_adds_back_the_shift_its_rows_carry(native):
+    """The second chunk's own K is unshifted and the first chunk's rows carry
+    the model's K shift: it must add back exactly that shift.  Written under
+    one shift and read back under another, the logits move far off."""
+    if native and not cpu_native.available():
+        pytest.skip("needs AVX-512 BF16 or AVX2+FMA, and a C compiler")
+    model = tiny_model()
+    if not native:
+        model.native_stack = None
+    big = tiny_shift() * 8
+    want = prefill_then_decode(model, torch.zeros(10, 3, 2, BS, 2, 32, dtype=torch.bfloat16), (21, 16))
+    err = lambda got: ((got - want).abs().max() / want.abs().max()).item()  # noqa: E731
+    pool = lambda: torch.zeros(10, 3, 2, BS, 2, 34, dtype=torch.int8)  # noqa: E731
+    same = err(prefill_then_decode(model, pool(), (21, 16), [big, big, big]))
+    other = err(prefill_then_decode(model, pool(), (21, 16), [big, -big, -big]))
+    assert same < 0.02 and other > 5 * same, (same, other)

@@ -118,3 +118,25 @@ def test_rejected_drafts_give_their_blocks_back():
     kv.check_integrity()
     s.finish(req, None)
     assert kv.num_free_blocks == 16
+
+
+def test_a_verification_reads_every_key_from_the_pool_and_a_prompt_chunk_its_own():
+    """ForwardBatch.prefill_fresh_kv: a draft's verification must compute what
+    the plain decode steps it stands for compute (they read the pool), a prompt
+    chunk attends to its own K/V as computed (kernels/prefill_attention.py)."""
+    from services.engine.runner import ModelRunner
+
+    kv = KVCache(KVCacheSpec(16, BS, 1, 1, 2, torch.float32))
+    spec = NgramSpeculator(SpeculativeConfig(method="ngram", num_tokens=4, ngram_min=2))
+    s = Scheduler(SchedulerConfig(), kv, hash_seed=42, speculator=spec)
+    req = make_request("a", [5, 6, 7, 8, 5, 6])
+    s.add(req)
+    s.update(s.schedule(), {"a": 7})
+    s.add(make_request("b", [1, 2, 3]))
+    out = s.schedule()
+    batch = ModelRunner(None, kv).build_batch(out)[0]
+    flags = {e.request.request_id: int(f) for e, f in zip(out.prefills, batch.prefill_fresh_kv)}
+    assert flags == {"a": 0, "b": 1} and out.prefills[0].spec_token_ids
+    for r in list(s.running):
+        s.finish(r, None)
+    assert kv.num_free_blocks == 16

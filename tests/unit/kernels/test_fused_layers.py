@@ -53,7 +53,7 @@ def mixed_batch() -> ForwardBatch:
         prefill_block_tables=table([tables[2], tables[3]]),
         prefill_query_start_loc=torch.tensor([0, 9, 16], dtype=torch.int32),
         prefill_context_lens=torch.tensor([9, 32], dtype=torch.int32),
-        logits_indices=torch.tensor([0, 1, 10, 17]))
+        logits_indices=torch.tensor([0, 1, 10, 17]), prefill_fresh_kv=torch.ones(2, dtype=torch.int32))
 
 
 @pytest.mark.parametrize("bias", [False, True])
