@@ -26,10 +26,10 @@ import collections
 import shlex
 import statistics
 import sys
-import time
 from dataclasses import dataclass
 
 from bench.fingerprint import print_fingerprint
+from bench.machine_load import OtherLoad
 from bench.load.loadgen import run_workload
 from bench.plan.inputs import read_model_shape
 from bench.plan.closed_loop import EngineLimits, Speeds
@@ -67,22 +67,6 @@ class Measured:
     other_cores: float = float("nan")  # CPU used by processes outside this run's tree (the machine is shared)
 
 
-def _cpu_seconds() -> tuple[float, float]:
-    """(busy CPU seconds of the whole machine, CPU seconds of this process and its descendants)."""
-    import psutil
-
-    t = psutil.cpu_times()
-    busy = t.user + t.nice + t.system + getattr(t, "irq", 0) + getattr(t, "softirq", 0) + getattr(t, "steal", 0)
-    own = 0.0
-    for proc in [psutil.Process(), *psutil.Process().children(recursive=True)]:
-        try:
-            c = proc.cpu_times()
-            own += c.user + c.system
-        except psutil.Error:
-            pass
-    return busy, own
-
-
 def workload(case: Case, requests_per_client: int, seed: int) -> Workload:
     return Workload(
         name=case.name.split(" (")[0].replace(" ", "_"), seed=seed,
@@ -94,10 +78,9 @@ def workload(case: Case, requests_per_client: int, seed: int) -> Workload:
 
 
 def measure(url: str, case: Case, tokenizer, requests_per_client: int, seed: int) -> Measured:
-    busy0, own0, t0 = *_cpu_seconds(), time.monotonic()
+    other = OtherLoad().start()
     result = asyncio.run(run_workload(url, workload(case, requests_per_client, seed), tokenizer, show_progress=False))
-    busy1, own1 = _cpu_seconds()
-    other_cores = max((busy1 - busy0) - (own1 - own0), 0.0) / (time.monotonic() - t0)
+    other_cores = other.cores()
     ok = [r for r in result.records if r.ok and r.ttft_s is not None and r.tpot_s is not None]
     failed = collections.Counter(f"{r.error}: {r.error_detail[:160]}" for r in result.records if not r.ok)
     for what, n in failed.most_common(3):
