@@ -18,10 +18,12 @@ give the same timings.
     decode      steps back to back while any sequence runs; a step carries
                 every sequence that has joined by its start, one token each;
                 step time = decode_step(batch, mean context of the batch)
-    overlap     the replicas share the machine's cores and memory: a step
-                that starts while the other replica is computing takes
-                ``prefill_slowdown`` / ``decode_slowdown`` times as long
-                (both measured by the profile's overlap probe)
+    overlap     the replicas share the machine's cores and memory: a prefill
+                step runs ``prefill_slowdown`` times slower while the decode
+                engine computes (its end moves when decoding starts or
+                stops); a decode step that starts while a prefill runs takes
+                ``decode_slowdown`` times as long (both measured by the
+                profile's overlap probe)
 
 Per request, as the load generator measures it: TTFT (send to first token),
 TPOT ((E2E - TTFT) / (output - 1)) and E2E (send to last token).
@@ -108,6 +110,10 @@ class _Engines:
     order: itertools.count = field(default_factory=itertools.count)
     prefill_queue: deque = field(default_factory=deque)  # arrived, prompt not finished
     prefill_busy: bool = False
+    prefill_end_s: float = 0.0  # when the running prefill step ends at its current pace
+    prefill_pace: float = 1.0  # its current slowdown
+    prefill_step: list = field(default_factory=list)
+    prefill_version: int = 0  # a prefill_done event of an older version was moved
     decode_ready: list = field(default_factory=list)  # joined, not yet in a step
     decode_running: list = field(default_factory=list)
     decode_busy: bool = False
@@ -131,12 +137,26 @@ class _Engines:
             step.append((seq, chunk))
             budget -= chunk
         tokens = sum(chunk for _, chunk in step)
-        slow = self.speeds.prefill_slowdown if self.decode_busy else 1.0
-        self.prefill_busy = True
-        self.at(t + self.speeds.prefill_busy_s(tokens) * slow, "prefill_done", step)
+        self.prefill_busy, self.prefill_step = True, step
+        self.prefill_pace = self.speeds.prefill_slowdown if self.decode_busy else 1.0
+        self.prefill_end_s = t + self.speeds.prefill_busy_s(tokens) * self.prefill_pace
+        self.prefill_version += 1
+        self.at(self.prefill_end_s, "prefill_done", self.prefill_version)
 
-    def prefill_done(self, t: float, step) -> None:
-        self.prefill_busy = False
+    def repace_prefill(self, t: float) -> None:
+        """Decoding started or stopped: the running prefill step's rest goes at the new pace."""
+        pace = self.speeds.prefill_slowdown if self.decode_busy else 1.0
+        if not self.prefill_busy or pace == self.prefill_pace:
+            return
+        self.prefill_end_s = t + (self.prefill_end_s - t) / self.prefill_pace * pace
+        self.prefill_pace = pace
+        self.prefill_version += 1
+        self.at(self.prefill_end_s, "prefill_done", self.prefill_version)
+
+    def prefill_done(self, t: float, version: int) -> None:
+        if version != self.prefill_version:
+            return  # moved: a later event ends this step
+        self.prefill_busy, step = False, self.prefill_step
         for seq, chunk in step:
             seq.prompt_left -= chunk
             seq.context += chunk
@@ -183,6 +203,7 @@ class _Engines:
             # one event at a time, a step starting after each: requests reach an engine one by one (the gateway
             # handles them in turn), so of two sent at one instant the first starts a step alone
             t, _, kind, payload = heapq.heappop(self.events)
+            decoding = self.decode_busy
             if kind == "arrive":
                 self.prefill_queue.append(payload)
             elif kind == "prefill_done":
@@ -195,6 +216,8 @@ class _Engines:
                 self.start_prefill(t)
             if not self.decode_busy and (self.decode_running or self.decode_ready):
                 self.start_decode(t)
+            if self.decode_busy != decoding:
+                self.repace_prefill(t)
         return sorted(self.timings, key=lambda r: (r.send_s, r.client))
 
 

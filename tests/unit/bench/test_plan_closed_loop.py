@@ -83,14 +83,17 @@ def test_a_step_started_while_the_other_replica_computes_is_slowed(decode_slowdo
         assert [t.e2e_s for t in slowed] == pytest.approx([t.e2e_s for t in base])
 
 
-def test_prefill_slowed_while_decoding():
-    """A's second prompt (sent at 3.12 s) prefills while B decodes (2.12 to 4.12 s); the first two did not."""
+def test_prefill_runs_slower_while_decoding_and_at_its_own_pace_otherwise():
+    """Prefill 1 s of work per prompt, pace 1.5 while decoding.  A: prefill 0.1-1.1 s alone (TTFT 1.1), decodes
+    1.12-3.12 s.  B: prefill from 1.1 s, 0.02 s alone, then 0.98 s of work at pace 1.5 -> ends 2.59 s; decodes
+    2.62-4.62 s.  A's second (sent 3.12 s) prefills from 3.22 s beside B's decoding: 1.4 s does 0.933 s of work,
+    the last 0.067 s runs alone -> TTFT 0.1 + 1.4 + 0.067."""
     base = simulate(speeds(), Workload(2, 2, 100, 41))
     slowed = simulate(speeds(prefill_slowdown=1.5), Workload(2, 2, 100, 41))
     assert [t.ttft_s for t in base[:3]] == pytest.approx([OVERHEAD + busy(100), OVERHEAD + 2 * busy(100),
                                                           OVERHEAD + busy(100)])
-    assert [t.ttft_s for t in slowed[:3]] == pytest.approx([OVERHEAD + busy(100), OVERHEAD + 2 * busy(100),
-                                                            OVERHEAD + 1.5 * busy(100)])
+    assert [t.ttft_s for t in slowed[:3]] == pytest.approx([1.1, 1.1 + 0.02 + 0.98 * 1.5,
+                                                            OVERHEAD + 1.4 + (1 - 1.4 / 1.5)])
 
 
 def test_the_same_inputs_give_the_same_timings():
