@@ -189,7 +189,8 @@ def run(url: str, args: argparse.Namespace) -> float:
     print(f"prediction: the closed loop played step by step (bench/plan/closed_loop.py) with these speeds: prefill "
           f"steps of <= {limits.max_num_batched_tokens} tokens, <= {limits.prefill_chunk_size} per prompt, "
           f"busy(n) = prefill(n) - overhead; decode_step(B, ctx) = step(B, ctx) x skew; hand-off before a "
-          f"sequence joins; a step started while the other replica computes x its slowdown", flush=True)
+          f"sequence joins; prefill at its slowdown's pace while decoding runs, a decode step started during a "
+          f"prefill x its slowdown", flush=True)
     rows = []
     for case in CASES:
         print(f"... measuring {case.name}", file=sys.stderr, flush=True)
