@@ -1,10 +1,11 @@
 """How far the planner's prediction from a profile is from a measured run:
 profiles the cluster (the `pdcluster plan --profile` probe), predicts
 output tok/s, TTFT p50 and TPOT p50 for a few closed-loop workloads
-(bench/plan/predict.py: the fitted speed model plus mean value analysis of
-the closed loop), runs each with the load generator, and prints every
-prediction beside its measurement with the relative error.  One workload's
-prompts are longer than any the profile saw, so the extrapolation is tested.
+(bench/plan/predict.py: the profile's measured speeds, played step by step
+as the engines schedule, bench/plan/closed_loop.py), runs each with the
+load generator, and prints every prediction beside its measurement with the
+relative error.  One workload's prompts are longer than any the profile
+saw, so the extrapolation is tested.
 
 Measured output tok/s is the closed loop's throughput by Little's law,
 clients x output tokens / mean E2E (the run's ramp-down, when fewer than C
@@ -25,13 +26,16 @@ import collections
 import shlex
 import statistics
 import sys
-import time
 from dataclasses import dataclass
 
 from bench.fingerprint import print_fingerprint
+from bench.machine_load import OtherLoad
 from bench.load.loadgen import run_workload
 from bench.plan.inputs import read_model_shape
-from bench.plan.predict import Gaps, Prediction, predict_closed_loop, prefill_beyond
+from bench.plan.closed_loop import EngineLimits, Speeds
+from bench.plan.predict import (
+    ContextCost, Gaps, Overlap, Prediction, fit_context_cost, predict_closed_loop, prefill_beyond, speeds,
+)
 from bench.plan.profiling import Profile, ProfileSettings, profile_endpoint
 from bench.targets import print_target
 from bench.tokenizer import load_tokenizer
@@ -39,7 +43,7 @@ from bench.workload import Bucket, Closed, Fixed, RequestOptions, Stop, Workload
 
 GOAL = 0.2
 PROFILE = ProfileSettings(prompt_lengths=(32, 64, 128, 256), repeats=2, batches=(1, 2, 4), decode_prompt_tokens=32,
-                          decode_tokens=32, closed_loop_rounds=3, timeout_s=300)
+                          decode_tokens=32, closed_loop_rounds=3, timeout_s=300, context_batches=(1, 4), overlap=True)
 
 
 @dataclass(frozen=True)
@@ -63,22 +67,6 @@ class Measured:
     other_cores: float = float("nan")  # CPU used by processes outside this run's tree (the machine is shared)
 
 
-def _cpu_seconds() -> tuple[float, float]:
-    """(busy CPU seconds of the whole machine, CPU seconds of this process and its descendants)."""
-    import psutil
-
-    t = psutil.cpu_times()
-    busy = t.user + t.nice + t.system + getattr(t, "irq", 0) + getattr(t, "softirq", 0) + getattr(t, "steal", 0)
-    own = 0.0
-    for proc in [psutil.Process(), *psutil.Process().children(recursive=True)]:
-        try:
-            c = proc.cpu_times()
-            own += c.user + c.system
-        except psutil.Error:
-            pass
-    return busy, own
-
-
 def workload(case: Case, requests_per_client: int, seed: int) -> Workload:
     return Workload(
         name=case.name.split(" (")[0].replace(" ", "_"), seed=seed,
@@ -90,10 +78,9 @@ def workload(case: Case, requests_per_client: int, seed: int) -> Workload:
 
 
 def measure(url: str, case: Case, tokenizer, requests_per_client: int, seed: int) -> Measured:
-    busy0, own0, t0 = *_cpu_seconds(), time.monotonic()
+    other = OtherLoad().start()
     result = asyncio.run(run_workload(url, workload(case, requests_per_client, seed), tokenizer, show_progress=False))
-    busy1, own1 = _cpu_seconds()
-    other_cores = max((busy1 - busy0) - (own1 - own0), 0.0) / (time.monotonic() - t0)
+    other_cores = other.cores()
     ok = [r for r in result.records if r.ok and r.ttft_s is not None and r.tpot_s is not None]
     failed = collections.Counter(f"{r.error}: {r.error_detail[:160]}" for r in result.records if not r.ok)
     for what, n in failed.most_common(3):
@@ -120,13 +107,40 @@ def measure_gaps(url: str, tokenizer, seed: int) -> Gaps:
     return Gaps(handoff_s=max(handoff, 0.0), skew=skew)
 
 
-def predict(profile: Profile, case: Case, gaps: Gaps) -> Prediction:
+def profile_context(profile: Profile) -> float:
     s = profile.settings
+    return s.decode_prompt_tokens + s.decode_tokens / 2
+
+
+def context_cost(profile: Profile) -> ContextCost:
+    return fit_context_cost(profile.step, [(c.batch, c.context, c.step_s) for c in profile.context_samples],
+                            profile_context(profile))
+
+
+def overlap(profile: Profile) -> Overlap:
+    o = profile.overlap
+    return Overlap(o.prefill_slowdown, o.decode_slowdown) if o is not None else Overlap()
+
+
+def engine_limits() -> EngineLimits:
+    """The scheduler's defaults: the cluster this bench starts runs them."""
+    from services.engine.config import SchedulerConfig
+
+    c = SchedulerConfig()
+    return EngineLimits(c.max_num_batched_tokens, c.prefill_chunk_size, c.max_num_seqs)
+
+
+def profile_speeds(profile: Profile, gaps: Gaps) -> Speeds:
     beyond = prefill_beyond([(p.prompt_tokens, p.ttft_s) for p in profile.prefill_samples])
-    return predict_closed_loop(profile.step, profile.prefill, read_model_shape("default"),
-                               concurrency=case.concurrency, prompt_tokens=case.prompt_tokens,
-                               output_tokens=case.output_tokens,
-                               profile_context=s.decode_prompt_tokens + s.decode_tokens / 2, beyond=beyond, gaps=gaps)
+    return speeds(profile.step, profile.prefill, beyond=beyond, gaps=gaps, context=context_cost(profile),
+                  overlap=overlap(profile))
+
+
+def predict(profile: Profile, case: Case, gaps: Gaps, requests_per_client: int) -> Prediction:
+    """The same clients and requests per client as the measured run: the loop's phase is part of what it measures."""
+    return predict_closed_loop(profile_speeds(profile, gaps), concurrency=case.concurrency,
+                               requests_per_client=requests_per_client, prompt_tokens=case.prompt_tokens,
+                               output_tokens=case.output_tokens, limits=engine_limits())
 
 
 def rel_error(predicted: float, measured: float) -> float:
@@ -136,8 +150,17 @@ def rel_error(predicted: float, measured: float) -> float:
 def print_profile(profile: Profile) -> None:
     print(f"profile: prefill {profile.prefill.describe('n')}  "
           f"({', '.join(f'{p.prompt_tokens}:{p.ttft_s:.2f}s' for p in profile.prefill_samples)})")
-    print(f"profile: decode step {profile.step.describe('B')}  "
+    print(f"profile: decode step {profile.step.describe('B')} at context {profile_context(profile):g}  "
           f"({', '.join(f'B={d.batch}:{d.step_s * 1e3:.1f}ms' for d in profile.decode_samples)})", flush=True)
+    cost = context_cost(profile)
+    print(f"profile: long context ({', '.join(f'B={c.batch} ctx {c.context:g}:{c.step_s * 1e3:.1f}ms' for c in profile.context_samples)}) "
+          f"-> step(B, ctx) = step(B) + B x {cost.per_seq_token_s * 1e6:.2f} us x (ctx - {cost.reference_context:g})")
+    o = profile.overlap
+    if o is not None:
+        print(f"profile: replicas at once: decode gap {o.decode_alone_s * 1e3:.1f} ms alone, "
+              f"{o.decode_beside_prefill_s * 1e3:.1f} ms beside prefills -> x{o.decode_slowdown:.2f}; prefill TTFT "
+              f"{o.prefill_alone_s:.2f} s alone, {o.prefill_beside_decode_s:.2f} s beside {o.streams} decoding "
+              f"-> busy part x{o.prefill_slowdown:.2f}", flush=True)
 
 
 def compare(rows: list[tuple[Case, Prediction, Measured]]) -> float:
@@ -162,10 +185,17 @@ def run(url: str, args: argparse.Namespace) -> float:
     gaps = measure_gaps(url, tokenizer, args.seed)
     print(f"profile: KV hand-off adds {gaps.handoff_s * 1e3:.1f} ms to a request's first inter-token gap; "
           f"mean / median gap {gaps.skew:.3f}", flush=True)
+    limits = engine_limits()
+    print(f"prediction: the closed loop played step by step (bench/plan/closed_loop.py) with these speeds: prefill "
+          f"steps of <= {limits.max_num_batched_tokens} tokens, <= {limits.prefill_chunk_size} per prompt, "
+          f"busy(n) = prefill(n) - overhead; decode_step(B, ctx) = step(B, ctx) x skew; hand-off before a "
+          f"sequence joins; prefill at its slowdown's pace while decoding runs, a decode step started during a "
+          f"prefill x its slowdown", flush=True)
     rows = []
     for case in CASES:
         print(f"... measuring {case.name}", file=sys.stderr, flush=True)
-        rows.append((case, predict(profile, case, gaps), measure(url, case, tokenizer, args.requests_per_client, args.seed)))
+        rows.append((case, predict(profile, case, gaps, args.requests_per_client),
+                     measure(url, case, tokenizer, args.requests_per_client, args.seed)))
     return compare(rows)
 
 

@@ -1,39 +1,28 @@
-"""What the planner's speed model (perf_model.py, fitted by a profile)
-predicts for a closed loop of C clients on one prefill + one decode
-replica: output tok/s, TTFT p50 and TPOT p50.  Pure arithmetic, checked
-against measurement by bench/plan/accuracy.py.
+"""What a profile (bench/plan/profiling.py) predicts for a closed loop of C
+clients on one prefill + one decode replica: output tok/s, TTFT p50 and
+TPOT p50.  Checked against measurement by bench/plan/accuracy.py.
 
-A closed loop is a closed queueing network, so it is solved with mean
-value analysis (exact for a closed loop's populations 1..C), with two
-stations: the prefill replica (one request at a time) and the rest of a
-request's life (overhead and decoding, during which it waits for no one):
+The loop is played step by step as the engines schedule it
+(bench/plan/closed_loop.py: arrivals in phase, prefill steps under the
+token budget, decode steps over whoever has joined), not solved as a
+queueing formula: a closed loop's clients start together and stay in
+phase, which a steady-state mean cannot see.  Its speeds, every one a
+profile measurement:
 
-    S        = prefill(P)                     one P-token prompt, alone
-    busy     = S - overhead                   the part that occupies the prefill replica
-    for n = 1 .. C clients:
-      R(n)   = busy x (1 + Q(n-1)) - busy/2 x U(n-1)   wait behind the queue; the request in service has
-                                                       busy/2 left on average (deterministic service)
-      D(n)   = (O - 1) x gap(b(n)) + handoff  O output tokens, the first comes with prefill
-      X(n)   = min(n / (R(n) + overhead + D(n)), 1 / busy)   requests/s (Little on the whole loop; the
-                                                       prefill replica bounds it; then R(n) = n / X(n) - overhead - D(n))
-      b(n)   = X(n) x D(n)                    Little: sequences decoding at once (solved with D(n))
-      Q(n)   = X(n) x R(n),  U(n) = X(n) x busy
-    gap(b) = step(b, ctx) x skew
-    TTFT   = R(C) + overhead,  TPOT = gap(b(C)) + handoff / (O - 1),  tok/s = X(C) x O
+    prefill_busy(n)  = prefill(n) - overhead          one step computing n prompt tokens
+        prefill(n)   the fitted TTFT line up to the longest profiled prompt, then the mean at
+                     that prompt continued at the last measured segment's slope
+    overhead         the fitted line's intercept: send to reaching the engine
+    decode_step(b, ctx) = (step(b) + b x ctx_cost x (ctx - ctx_p)) x skew
+        step(b)      the fitted step line at the profile's decode context ctx_p
+        ctx_cost     seconds per sequence per token of context: a least-squares slope through the
+                     long-context probe's excess over step(b), (gap - step(b)) / (b x (ctx - ctx_p))
+        skew         mean inter-token gap / median gap: TPOT is a mean, the step line medians
+    handoff          extra time in a request's first inter-token gap (the KV pull)
+    slowdowns        each replica's step time while the other computes / alone (overlap probe)
 
-Two terms the profile's fitted lines do not carry, both measured by the
-profile's own probe (bench/plan/accuracy.py ``measure_gaps``):
-  handoff  the decode replica pulls the prompt's KV and joins its batch
-           between the first token and the second: one longer gap per request
-  skew     mean inter-token gap / median gap: the profile reports the median
-           step, TPOT is a mean, and the gaps are right-skewed (a late step
-           now and then: another process, a prefill joining the batch)
-
-Context: the profile fits step(b) on short sequences (context ctx_p); a
-sequence holding ctx tokens also reads its KV and does attention over it,
-4 x layers x heads x head_dim x ctx FLOPs per token next to 2 x params for
-the weights, so its per-sequence cost scales by
-(2 params + 4 LHd ctx) / (2 params + 4 LHd ctx_p).
+TTFT p50 and TPOT p50 are medians over the simulated requests; output
+tok/s = C x output tokens / mean E2E, as the bench measures it.
 
 Prompts longer than the profile's: prefill time continues from the mean
 measured at the longest profiled prompt at the slope of the last measured
@@ -47,14 +36,13 @@ extrapolated into.
 
 from __future__ import annotations
 
+import statistics
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Sequence
 
+from bench.plan.closed_loop import EngineLimits, Speeds, Workload, simulate
 from bench.plan.perf_model import PrefillModel, StepModel
-from bench.plan.inputs import ModelShape
-
-_ITERATIONS = 200
 
 
 @dataclass(frozen=True)
@@ -62,7 +50,7 @@ class Prediction:
     ttft_s: float
     tpot_s: float
     output_tok_s: float
-    decode_batch: float  # sequences decoding at once
+    decode_batch: float  # sequences decoding at once (Little: request rate x decode time)
     prefill_utilization: float
 
 
@@ -79,6 +67,18 @@ class PrefillBeyond:
 class Gaps:
     handoff_s: float = 0.0
     skew: float = 1.0
+
+
+@dataclass(frozen=True)
+class ContextCost:
+    per_seq_token_s: float = 0.0  # step seconds per sequence per token of context past the reference
+    reference_context: float = 0.0  # the context the step line was measured at
+
+
+@dataclass(frozen=True)
+class Overlap:
+    prefill_slowdown: float = 1.0
+    decode_slowdown: float = 1.0
 
 
 def prefill_beyond(samples: Sequence[tuple[float, float]]) -> PrefillBeyond | None:
@@ -100,37 +100,40 @@ def prefill_at(prefill: PrefillModel, tokens: float, beyond: PrefillBeyond | Non
     return beyond.time_s + beyond.slope_s * (tokens - beyond.tokens)
 
 
-def attention_flops_per_token(m: ModelShape, context: float) -> float:
-    return 4.0 * m.num_layers * m.num_heads * m.head_dim * context
+def fit_context_cost(step: StepModel, samples: Sequence[tuple[int, float, float]],
+                     reference_context: float) -> ContextCost:
+    """From (batch, context, median gap) samples at contexts other than the
+    reference: the least-squares slope through the origin of the excess over
+    step(b) against b x (context - reference), at least 0."""
+    xs = [b * (ctx - reference_context) for b, ctx, _ in samples]
+    ys = [gap - step.step_s(b) for b, _, gap in samples]
+    denominator = sum(x * x for x in xs)
+    slope = sum(x * y for x, y in zip(xs, ys)) / denominator if denominator > 0 else 0.0
+    return ContextCost(max(slope, 0.0), reference_context)
 
 
-def step_at_context(step: StepModel, m: ModelShape, batch: float, context: float, profile_context: float) -> float:
-    scale = (2 * m.params + attention_flops_per_token(m, context)) / (2 * m.params + attention_flops_per_token(m, profile_context))
-    return step.base_s + step.per_seq_s * batch * scale
+def decode_step_at(step: StepModel, cost: ContextCost, batch: int, context: float) -> float:
+    extra = batch * cost.per_seq_token_s * (context - cost.reference_context)
+    return max(step.step_s(batch) + extra, step.base_s)
 
 
-def predict_closed_loop(step: StepModel, prefill: PrefillModel, m: ModelShape, *, concurrency: int,
-                        prompt_tokens: float, output_tokens: float, profile_context: float,
-                        beyond: PrefillBeyond | None = None, gaps: Gaps = Gaps()) -> Prediction:
-    service_s = prefill_at(prefill, prompt_tokens, beyond)
-    overhead_s = min(prefill.overhead_s, service_s)
-    busy_s = max(service_s - overhead_s, 1e-9)
-    context = prompt_tokens + output_tokens / 2
-    gaps_per_request = max(output_tokens - 1, 0)
+def speeds(step: StepModel, prefill: PrefillModel, *, beyond: PrefillBeyond | None = None, gaps: Gaps = Gaps(),
+           context: ContextCost = ContextCost(), overlap: Overlap = Overlap()) -> Speeds:
+    overhead_s = prefill.overhead_s
+    return Speeds(
+        overhead_s=overhead_s,
+        prefill_busy_s=lambda n: max(prefill_at(prefill, n, beyond) - overhead_s, 1e-6),
+        decode_step_s=lambda b, ctx: decode_step_at(step, context, b, ctx) * gaps.skew,
+        handoff_s=gaps.handoff_s, prefill_slowdown=overlap.prefill_slowdown, decode_slowdown=overlap.decode_slowdown)
 
-    def gap_s(batch: float) -> float:
-        return step_at_context(step, m, batch, context, profile_context) * gaps.skew
 
-    queued, utilization = 0.0, 0.0
-    residence_s, batch, rate = busy_s, 1.0, 0.0
-    for n in range(1, concurrency + 1):
-        residence_s = max(busy_s, busy_s * (1 + queued) - busy_s / 2 * utilization)
-        for _ in range(_ITERATIONS):  # b(n) and D(n) depend on each other; the map is a contraction
-            decode_s = gaps_per_request * gap_s(batch) + gaps.handoff_s
-            rate = min(n / (residence_s + overhead_s + decode_s), 1 / busy_s)
-            batch = (batch + max(1.0, rate * decode_s)) / 2
-        # saturated: the prefill replica sets the pace, and the wait is what the loop's cycle leaves
-        residence_s = max(residence_s, n / rate - overhead_s - decode_s)
-        queued, utilization = rate * residence_s, rate * busy_s
-    tpot_s = gap_s(batch) + gaps.handoff_s / max(gaps_per_request, 1)
-    return Prediction(residence_s + overhead_s, tpot_s, rate * output_tokens, batch, utilization)
+def predict_closed_loop(s: Speeds, *, concurrency: int, requests_per_client: int, prompt_tokens: int,
+                        output_tokens: int, limits: EngineLimits = EngineLimits()) -> Prediction:
+    timings = simulate(s, Workload(concurrency, requests_per_client, prompt_tokens, output_tokens), limits)
+    mean_e2e = statistics.mean(t.e2e_s for t in timings)
+    rate = concurrency / mean_e2e  # requests/s, Little on the whole loop
+    decoding_s = statistics.mean(t.e2e_s - t.ttft_s for t in timings)
+    return Prediction(
+        ttft_s=statistics.median(t.ttft_s for t in timings), tpot_s=statistics.median(t.tpot_s for t in timings),
+        output_tok_s=rate * output_tokens, decode_batch=rate * decoding_s,
+        prefill_utilization=min(rate * s.prefill_busy_s(prompt_tokens), 1.0))

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import aiohttp
@@ -49,6 +49,13 @@ class ProfileSettings:
     # a prefix-caching server then answers from cache (prefill looks free)
     seed: int | None = None
     timeout_s: float = 600.0
+    # decode at the longest profiled prompt, a burst of each of these batches: the step's cost per token of
+    # context (empty: not probed)
+    context_batches: tuple[int, ...] = ()
+    # the two replicas computing at once (they share the machine): decode gaps while prefills run, prefill
+    # time while ``overlap_streams`` sequences decode
+    overlap: bool = False
+    overlap_streams: int = 2
 
 
 @dataclass(frozen=True)
@@ -65,6 +72,35 @@ class DecodeSample:
 
 
 @dataclass(frozen=True)
+class ContextSample:
+    batch: int
+    context: float  # mean tokens each sequence held while the gaps were taken
+    step_s: float  # median inter-token gap
+    gaps: int
+
+
+@dataclass(frozen=True)
+class OverlapSample:
+    """Each replica's speed while the other computes, as ratios to its speed alone."""
+
+    decode_alone_s: float  # median gap of one stream, nothing else running
+    decode_beside_prefill_s: float  # median gap of one stream while long prompts prefill back to back
+    prefill_alone_s: float  # mean TTFT of the longest profiled prompt, nothing else running
+    prefill_beside_decode_s: float  # mean TTFT of that prompt while ``streams`` sequences decode
+    streams: int
+    overhead_s: float  # the TTFT intercept: not compute, so not slowed
+
+    @property
+    def decode_slowdown(self) -> float:
+        return max(self.decode_beside_prefill_s / self.decode_alone_s, 1.0)
+
+    @property
+    def prefill_slowdown(self) -> float:
+        busy = self.prefill_alone_s - self.overhead_s
+        return max((self.prefill_beside_decode_s - self.overhead_s) / busy, 1.0) if busy > 0 else 1.0
+
+
+@dataclass(frozen=True)
 class Profile:
     url: str
     model: str
@@ -73,6 +109,8 @@ class Profile:
     decode_samples: list[DecodeSample]
     prefill: PrefillModel
     step: StepModel
+    context_samples: list[ContextSample] = field(default_factory=list)
+    overlap: OverlapSample | None = None
 
 
 def steady_gaps(records: Sequence[RequestRecord]) -> list[float]:
@@ -137,6 +175,57 @@ class _Prober:
         return DecodeSample(size, statistics.median(middle), len(middle))
 
 
+    async def context(self, size: int) -> ContextSample:
+        """Step time at batch ``size`` with the longest profiled prompts: a
+        burst, the gaps while all ``size`` decode."""
+        s = self.settings
+        prompt = max(s.prompt_lengths)
+        burst = await asyncio.gather(*(self.request(prompt, s.decode_tokens) for _ in range(size)))
+        gaps = steady_gaps(burst)
+        if not gaps:
+            raise RuntimeError(f"no inter-token gaps at batch {size}: the server must stream one token per chunk")
+        return ContextSample(size, prompt + s.decode_tokens / 2, statistics.median(gaps), len(gaps))
+
+    async def overlap(self, prefill_alone_s: float, overhead_s: float) -> OverlapSample:
+        """One stream decoding while prompts of the longest profiled length
+        prefill back to back (its gaps that fall wholly inside a prefill),
+        against the same stream alone; then that prompt's TTFT while
+        ``overlap_streams`` sequences decode, against its TTFT alone."""
+        s = self.settings
+        prompt, tokens = max(s.prompt_lengths), 4 * s.decode_tokens
+        alone = await self.request(s.decode_prompt_tokens, tokens)
+        spans: list[tuple[float, float]] = []
+        done = asyncio.Event()
+
+        async def prefills() -> None:
+            while not done.is_set():
+                r = await self.request(prompt, 1)
+                spans.append((r.start_s + overhead_s, r.start_s + r.ttft_s))
+
+        task = asyncio.create_task(prefills())
+        beside = await self.request(s.decode_prompt_tokens, tokens)
+        done.set()
+        await task
+        inside = [b - a for a, b in token_gaps(beside) if any(lo <= a and b <= hi for lo, hi in spans)]
+        if not inside:
+            raise RuntimeError("no decode gap fell inside a prefill: profile longer prompts (--profile-prompts)")
+        streams = [asyncio.create_task(self.request(s.decode_prompt_tokens, 8 * s.decode_tokens))
+                   for _ in range(s.overlap_streams)]
+        await asyncio.sleep(prefill_alone_s)  # the streams' own prefills are done: they decode now
+        ttfts = []
+        for _ in range(s.repeats):
+            ttfts.append((await self.request(prompt, 1)).ttft_s)
+        await asyncio.gather(*streams)
+        return OverlapSample(statistics.median(alone.itl_s[1:]), statistics.median(inside), prefill_alone_s,
+                             statistics.mean(ttfts), s.overlap_streams, overhead_s)
+
+
+def token_gaps(record: RequestRecord) -> list[tuple[float, float]]:
+    """(start, end) of each inter-token gap after the first (the first holds the KV hand-off)."""
+    t = record.start_s + record.ttft_s + np.concatenate([[0.0], np.cumsum(record.itl_s)])
+    return list(zip(t[1:-1].tolist(), t[2:].tolist()))
+
+
 async def profile_endpoint(
     url: str, tokenizer: TextTokenizer, settings: ProfileSettings = ProfileSettings(), model: str | None = None,
     show_progress: bool = True,
@@ -144,7 +233,8 @@ async def profile_endpoint(
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         model = model or await resolve_model(session, url)
         prober = _Prober(session, url, model, tokenizer, settings)
-        steps = len(settings.prompt_lengths) * settings.repeats + len(settings.batches) + 1
+        steps = (len(settings.prompt_lengths) * settings.repeats + len(settings.batches) + 1
+                 + len(settings.context_batches) + settings.overlap)
         with Progress(console=Console(stderr=True), disable=not show_progress) as progress:
             task = progress.add_task("profiling", total=steps)
             await prober.request(settings.decode_prompt_tokens, 4)  # warm-up
@@ -159,6 +249,16 @@ async def profile_endpoint(
             for size in settings.batches:
                 decode_samples.append(await prober.batch(size))
                 progress.update(task, advance=1, description=f"decode batch {size}")
-    prefill = fit_prefill([p.prompt_tokens for p in prefill_samples], [p.ttft_s for p in prefill_samples])
+            context_samples = []
+            for size in settings.context_batches:
+                context_samples.append(await prober.context(size))
+                progress.update(task, advance=1, description=f"decode batch {size}, long context")
+            prefill = fit_prefill([p.prompt_tokens for p in prefill_samples], [p.ttft_s for p in prefill_samples])
+            overlap = None
+            if settings.overlap:
+                longest = max(p.prompt_tokens for p in prefill_samples)
+                alone = statistics.mean(p.ttft_s for p in prefill_samples if p.prompt_tokens == longest)
+                overlap = await prober.overlap(alone, prefill.overhead_s)
+                progress.update(task, advance=1, description="replicas computing at once")
     step = fit_step([d.batch for d in decode_samples], [d.step_s for d in decode_samples])
-    return Profile(url, model, settings, prefill_samples, decode_samples, prefill, step)
+    return Profile(url, model, settings, prefill_samples, decode_samples, prefill, step, context_samples, overlap)

@@ -20,6 +20,11 @@ The need, per pool (prefill and decode are sized separately):
                             ceil(sequences / B*))                   Little: L = rps x W, observed directly
     SLO guard the pool's p90 (TTFT for prefill, TPOT for decode) over the SLO, with at least
               min_latency_samples behind it, while the need says "enough": need = replicas + 1
+    futile    decode: the last change was an up-scale, the steps are slower than the model now than
+              when it was decided (slow now > slow then), and the model alone (slow = 1) says the
+              replicas suffice: the added replica made every step slower, not the pool faster -- the
+              replicas share cores that are already full (another process, or more replicas than
+              cores) -- so another one would too: hold until the slowdown falls back
 
 Then, per pool, the hysteresis that keeps it from oscillating:
 
@@ -116,6 +121,7 @@ class PoolState:
     replicas: int
     last_change_s: float = -math.inf
     below_since_s: float | None = None  # since when the banded need has stayed below ``replicas``
+    up_slowdown: float | None = None  # decode: the measured slowdown the last change (an up-scale) was decided on
 
 
 @dataclass(frozen=True)
@@ -210,6 +216,20 @@ def pool_need(pool: str, m: Measurements, prefill: PrefillSpeed, step: StepSpeed
     return need if slowdown == 1.0 else Need(need.replicas, f"{need.why}; steps x{slowdown:.2f} as measured")
 
 
+def futile_up_scale(pool: str, m: Measurements, state: PoolState, step: StepSpeed, rules: ScalingRules) -> str | None:
+    """Why another decode replica would not help (the rule's "futile" line), or None."""
+    if pool != "decode" or state.up_slowdown is None:
+        return None
+    slowdown = decode_slowdown(m.decode, step, rules)
+    if slowdown <= state.up_slowdown:
+        return None
+    nominal = decode_need(m.output_tok_s, m.decode.sequences, step, rules).replicas
+    if nominal > state.replicas:
+        return None
+    return (f"the last up-scale made steps slower (x{state.up_slowdown:.2f} the model when decided, x{slowdown:.2f} "
+            f"now) and the model alone needs {nominal}: the replicas share full cores, another would not help")
+
+
 def slo_breach(pool: str, p: PoolMeasurement, rules: ScalingRules) -> str | None:
     slo, metric = (rules.ttft_slo_s, "TTFT") if pool == "prefill" else (rules.tpot_slo_s, "TPOT")
     if p.latency_p90_s is None or p.latency_samples < rules.min_latency_samples or p.latency_p90_s <= slo:
@@ -232,7 +252,12 @@ def decide_pool(pool: str, m: Measurements, state: PoolState, prefill: PrefillSp
 
     def out(target: int, reason: str, below_since: float | None) -> tuple[PoolDecision, PoolState]:
         changed = target != current
-        new_state = PoolState(target, now if changed else state.last_change_s, None if changed else below_since)
+        if target > current:
+            up_slowdown = decode_slowdown(m.decode, step, rules) if pool == "decode" else None
+        else:
+            up_slowdown = None if changed else state.up_slowdown
+        new_state = PoolState(target, now if changed else state.last_change_s, None if changed else below_since,
+                              up_slowdown)
         return PoolDecision(pool, current, target, need.replicas, reason), new_state
 
     if current < lo or current > hi:
@@ -242,6 +267,9 @@ def decide_pool(pool: str, m: Measurements, state: PoolState, prefill: PrefillSp
     if wanted > current:
         if current == hi:
             return out(current, f"at max_replicas {hi}; wanted {wanted}: {why}", None)
+        futile = futile_up_scale(pool, m, state, step, rules)
+        if futile:
+            return out(current, f"wanted {wanted}, held: {futile}", None)
         if since_change < rules.up_cooldown_s:
             return out(current, f"up-scale cooling down ({since_change:.0f} of {rules.up_cooldown_s:g} s); "
                                 f"wanted {wanted}: {why}", None)

@@ -72,6 +72,22 @@ async def test_profile_recovers_the_servers_timing():
     assert profile.step.step_s(8) == pytest.approx(0.022, rel=0.25)
 
 
+async def test_profile_probes_long_contexts_and_the_replicas_at_once():
+    """The fake's steps do not grow with context and its prefill does not slow decoding: a context cost near
+    zero and slowdowns near 1 (the probes' plumbing; bench/plan/accuracy.py runs them on the real cluster)."""
+    config = FakeConfig(overhead_s=0.01, prefill_tok_s=2_000, step_base_s=0.006, step_per_seq_s=0.002)
+    settings = ProfileSettings(prompt_lengths=(100, 400), repeats=1, batches=(1, 2), decode_tokens=24,
+                               closed_loop_rounds=0, context_batches=(1, 2), overlap=True, overlap_streams=2)
+    with fake_server(config) as (url, _):
+        profile = await profile_endpoint(url, TOKENIZER, settings, show_progress=False)
+    assert [(c.batch, c.context) for c in profile.context_samples] == [(1, 412.0), (2, 412.0)]
+    for c in profile.context_samples:
+        assert c.step_s == pytest.approx(profile.step.step_s(c.batch), rel=0.5)
+    o = profile.overlap
+    assert o is not None and o.streams == 2
+    assert 1.0 <= o.decode_slowdown < 1.5 and 1.0 <= o.prefill_slowdown < 1.5
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdcluster")
     sub = parser.add_subparsers(dest="command", required=True)

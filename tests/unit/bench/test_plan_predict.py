@@ -1,31 +1,32 @@
-"""The closed-loop prediction bench/plan/accuracy.py checks: exact at one
-client, bounded by the prefill replica at saturation, and the context,
-gap and long-prompt terms as their formulas say."""
+"""The closed-loop prediction bench/plan/accuracy.py checks: the speeds it
+builds from a profile (prefill busy time, the decode step at a context,
+the long-prompt continuation) as their formulas say, and the prediction's
+figures from the played loop."""
 
 from __future__ import annotations
 
 import pytest
 
+from bench.plan.closed_loop import Speeds
 from bench.plan.perf_model import PrefillModel, StepModel
-from bench.plan.inputs import MODEL_PRESETS
 from bench.plan.predict import (
-    Gaps, PrefillBeyond, attention_flops_per_token, predict_closed_loop, prefill_at, prefill_beyond, step_at_context,
+    ContextCost, Gaps, Overlap, PrefillBeyond, decode_step_at, fit_context_cost, predict_closed_loop, prefill_at,
+    prefill_beyond, speeds,
 )
 
-SHAPE = MODEL_PRESETS["smollm2-135m"]
 STEP = StepModel(base_s=0.04, per_seq_s=0.01)
 PREFILL = PrefillModel(overhead_s=0.1, per_token_s=0.01)
 
 
-def predict(concurrency: int, prompt: int = 50, output: int = 21, gaps: Gaps = Gaps()):
-    return predict_closed_loop(STEP, PREFILL, SHAPE, concurrency=concurrency, prompt_tokens=prompt,
-                               output_tokens=output, profile_context=prompt + output / 2, gaps=gaps)
+def predict(concurrency: int, prompt: int = 50, output: int = 21, gaps: Gaps = Gaps(), requests: int = 4):
+    return predict_closed_loop(speeds(STEP, PREFILL, gaps=gaps), concurrency=concurrency,
+                               requests_per_client=requests, prompt_tokens=prompt, output_tokens=output)
 
 
 def test_one_client_is_prefill_then_decode_at_batch_one():
     p = predict(1)
     assert p.ttft_s == pytest.approx(0.6)  # 0.1 + 50 x 0.01
-    assert p.tpot_s == pytest.approx(0.05) and p.decode_batch == pytest.approx(1.0)
+    assert p.tpot_s == pytest.approx(0.05) and p.decode_batch == pytest.approx(20 * 0.05 / 1.6)
     assert p.output_tok_s == pytest.approx(21 / (0.6 + 20 * 0.05))
 
 
@@ -37,19 +38,42 @@ def test_handoff_and_skew_lengthen_the_gaps():
 
 def test_more_clients_queue_at_prefill_and_batch_at_decode():
     one, three = predict(1), predict(3)
-    assert three.ttft_s > one.ttft_s and three.decode_batch > 1.5 and three.tpot_s > one.tpot_s
+    assert three.ttft_s >= one.ttft_s and three.decode_batch > 1.5 and three.tpot_s > one.tpot_s
     assert three.output_tok_s > one.output_tok_s
 
 
 def test_throughput_never_exceeds_what_the_prefill_replica_can_start():
-    p = predict(8, prompt=200, output=5)  # 2 s busy per request, 0.16 s decoding
-    assert p.prefill_utilization == pytest.approx(1.0)
-    assert p.output_tok_s == pytest.approx(5 / 2.0)
+    p = predict(8, prompt=200, output=5, requests=6)  # 2 s busy per request, 0.16 s decoding
+    # 8 x 5 tokens / mean E2E: about one request per 2 s (the finite run's phases move it a little)
+    assert p.output_tok_s == pytest.approx(5 / 2.0, rel=0.1) and p.prefill_utilization == 1.0
 
 
-def test_long_contexts_cost_attention_per_sequence():
-    ratio = (2 * SHAPE.params + attention_flops_per_token(SHAPE, 1000)) / (2 * SHAPE.params + attention_flops_per_token(SHAPE, 0))
-    assert step_at_context(STEP, SHAPE, 2, 1000, 0) == pytest.approx(0.04 + 0.02 * ratio)
+@pytest.mark.parametrize("samples, reference, slope", [
+    ([(1, 148.0, 0.05 + 100 * 2e-5)], 48.0, 2e-5),  # one batch: (gap - step(1)) / (1 x 100)
+    ([(1, 148.0, 0.05 + 100 * 2e-5), (4, 148.0, 0.08 + 4 * 100 * 2e-5)], 48.0, 2e-5),  # both on the line
+    ([(1, 148.0, 0.045)], 48.0, 0.0),  # faster than step(1): no negative cost
+    ([], 48.0, 0.0),  # not probed
+])
+def test_context_cost_is_the_slope_of_the_excess_over_the_step_line(samples, reference, slope):
+    assert fit_context_cost(STEP, samples, reference) == ContextCost(pytest.approx(slope), reference)
+
+
+@pytest.mark.parametrize("batch, context, step", [
+    (1, 48.0, 0.05),  # at the reference: the step line
+    (2, 148.0, 0.06 + 2 * 1e-4 * 100),
+    (1, 0.0, max(0.05 - 1e-4 * 48, 0.04)),  # shorter than the reference: less, never below the base
+])
+def test_decode_step_grows_per_sequence_with_context(batch, context, step):
+    assert decode_step_at(STEP, ContextCost(1e-4, 48.0), batch, context) == pytest.approx(step)
+
+
+def test_speeds_take_the_busy_part_of_prefill_and_the_measured_slowdowns():
+    s = speeds(STEP, PREFILL, gaps=Gaps(handoff_s=0.03, skew=1.2), context=ContextCost(1e-4, 48.0),
+               overlap=Overlap(prefill_slowdown=1.3, decode_slowdown=1.4))
+    assert isinstance(s, Speeds)
+    assert s.overhead_s == 0.1 and s.prefill_busy_s(50) == pytest.approx(0.5)
+    assert s.decode_step_s(2, 148.0) == pytest.approx((0.06 + 0.02) * 1.2)
+    assert (s.handoff_s, s.prefill_slowdown, s.decode_slowdown) == (0.03, 1.3, 1.4)
 
 
 def test_long_prompts_continue_the_last_measured_segment():
@@ -58,3 +82,5 @@ def test_long_prompts_continue_the_last_measured_segment():
     assert prefill_at(PREFILL, 200, beyond) == pytest.approx(PREFILL.time_s(200))  # inside: the fitted line
     assert prefill_at(PREFILL, 512, beyond) == pytest.approx(1.12 + 256 * 0.52 / 128)
     assert prefill_beyond([(32, 0.2), (32, 0.3)]) is None
+    s = speeds(STEP, PREFILL, beyond=beyond)
+    assert s.prefill_busy_s(512) == pytest.approx(1.12 + 256 * 0.52 / 128 - 0.1)

@@ -121,7 +121,7 @@ def test_up_scale_waits_for_its_cool_down_and_then_goes_straight_to_the_need():
     history, state = run(state, [load(100, 15.0), load(105, 15.0)])  # 300 tok/s: 300 / 68.6 = 4.4 -> 5 > max 4
     assert history[0]["decode"].direction == "hold" and "cooling down (5 of 10 s)" in history[0]["decode"].reason
     assert (history[1]["decode"].current, history[1]["decode"].target) == (2, 4)  # bounded by max 4
-    assert state.decode == PoolState(4, last_change_s=105.0)
+    assert state.decode == PoolState(4, last_change_s=105.0, up_slowdown=1.0)  # no TPOT measured: the model's
 
 
 def test_down_scale_waits_for_the_stable_spell_and_the_cool_down_after_an_up_scale():
@@ -224,3 +224,37 @@ def test_a_measured_slowdown_calibrates_the_step_model():
 def test_cool_downs_count_from_when_a_change_is_live():
     state = ScalerState(PoolState(1), PoolState(2, last_change_s=10.0)).changed_at("decode", 70.0)
     assert state.decode == PoolState(2, last_change_s=70.0)
+
+
+def slowed(now: float, replicas: int, tpot_mean_s: float, tok_s: float = 20.0, seqs: float = 2.0) -> Measurements:
+    """Decode measured ``tpot_mean_s`` per token at ``seqs`` sequences over ``replicas`` replicas."""
+    return Measurements(now_s=now, arrival_rps=1.0, prompt_tokens_mean=50, output_tok_s=tok_s,
+                        decode=PoolMeasurement(sequences=seqs, latency_mean_s=tpot_mean_s, latency_samples=50,
+                                               replicas=replicas))
+
+
+@pytest.mark.parametrize("second, held", [
+    # 3 replicas, 3 sequences: step(1) = 0.045 s; measured 0.171 s: x3.8, slower than the x2.5 the up-scale
+    # was decided on, and the model alone needs 1
+    (slowed(200, 3, 0.171, tok_s=30.0, seqs=3.0), True),
+    # x2.0: the up-scale helped; B* 1 at 11.1 tok/s x 0.8: 30 tok/s needs 4, and the rule may add one
+    (slowed(200, 3, 0.090, tok_s=30.0, seqs=3.0), False),
+    # slower, but demand grew past what the model alone says three replicas carry (300 / 68.6 -> 5)
+    (slowed(200, 3, 0.171, tok_s=300.0, seqs=12.0), False),
+])
+def test_an_up_scale_that_made_steps_slower_holds_the_next_one(second, held):
+    # 1 replica, 2 sequences: step(2) = 0.05 s, measured 0.125 s: x2.5 -> B* 1, 20 tok/s needs 3; the model alone 1
+    history, state = run(start(1, 1), [slowed(100, 1, 0.125)])
+    assert history[0]["decode"].target == 3 and state.decode.up_slowdown == pytest.approx(2.5)
+    history, state = run(state, [second])
+    decision = history[0]["decode"]
+    assert (decision.direction == "hold") == held
+    if held:
+        assert "made steps slower (x2.50 the model when decided, x3.80 now)" in decision.reason
+        assert state.decode.up_slowdown == pytest.approx(2.5)  # kept: the evidence stands until it falls back
+
+
+def test_a_down_scale_forgets_the_up_scales_slowdown():
+    state = ScalerState(PoolState(1), PoolState(3, last_change_s=0.0, up_slowdown=2.5))
+    history, state = run(state, [load(t, 0.5) for t in range(100, 200, 5)])
+    assert changes(history, "decode") and state.decode.up_slowdown is None

@@ -1,0 +1,45 @@
+"""bench/load/autoscale.py's arithmetic: the ramp it picks, the best ratio
+the ramp allows, replica-seconds and direction changes."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.load.autoscale import (
+    PEAK_FACTOR, best_ratio, default_low_rps, direction_changes, phases, replica_seconds, rule_need,
+)
+
+
+def test_the_default_peak_is_the_lowest_that_needs_one_replica_more_than_the_low():
+    low = default_low_rps()
+    peak = low * PEAK_FACTOR
+    assert sum(rule_need(peak)) > sum(rule_need(low))
+    below = round(peak - 0.1, 1)
+    assert sum(rule_need(below)) <= sum(rule_need(below / PEAK_FACTOR))
+
+
+def test_best_ratio_is_low_replicas_twice_and_peak_replicas_once_over_peak_replicas_thrice():
+    ramp = phases(default_low_rps(), 60.0)
+    low, peak = sum(rule_need(ramp[0].rps)), sum(rule_need(ramp[1].rps))
+    assert best_ratio(ramp) == pytest.approx((2 * low + peak) / (3 * peak))
+
+
+@pytest.mark.parametrize("samples, expected", [
+    ([(0.0, 1, 1), (1.0, 1, 1), (2.0, 1, 2), (3.0, 1, 2)], 2 + 2 + 3),
+    ([(0.0, 2, 3)], 0.0),
+    ([(0.0, 1, 1), (0.5, 1, 1)], 1.0),
+])
+def test_replica_seconds_hold_each_sample_until_the_next(samples, expected):
+    assert replica_seconds(samples) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("moves, changed", [
+    ([], {}),
+    ([(70.0, "decode", "up"), (130.0, "decode", "down")], {("low again", "decode"): 1}),
+    ([(70.0, "decode", "up"), (80.0, "decode", "down"), (90.0, "decode", "up")], {("peak", "decode"): 2}),
+    ([(10.0, "prefill", "up"), (70.0, "decode", "up"), (75.0, "prefill", "up")], {}),
+])
+def test_direction_changes_count_reversals_per_phase_and_pool(moves, changed):
+    ramp = phases(1.0, 60.0)
+    counts = direction_changes(moves, ramp)
+    assert {k: v for k, v in counts.items() if v} == changed
