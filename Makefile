@@ -27,8 +27,11 @@ run: setup
 	$(VENV)/bin/pdcluster up
 
 # pytest exits 5 when it collects nothing, so an empty suite fails here.
+# Unit tests run on two workers (one file per worker at a time); the
+# integration tests, which start clusters and time them, run one at a time.
 test: setup
-	$(PY) -m pytest -ra $(PYTEST_ARGS)
+	$(PY) -m pytest -ra -n 2 --dist loadfile tests/unit $(PYTEST_ARGS)
+	$(PY) -m pytest -ra tests/integration $(PYTEST_ARGS)
 
 test-fast: setup
 	$(PY) -m pytest -ra -m "not slow" $(PYTEST_ARGS)
