@@ -83,7 +83,8 @@ class Engine:
         self.requests: dict[str, Request] = {}
         # The sampler reads a penalised request's tokens from this table, by id.
         self.runner = ModelRunner(self.loaded.model, self.kv, config.device,
-                                  eos_token_ids=tuple(self.tokenizer.eos_token_ids), histories=self.requests)
+                                  eos_token_ids=tuple(self.tokenizer.eos_token_ids), histories=self.requests,
+                                  exact_resume=config.exact_resume)
         # Structured output: grammars compiled once per spec, over this engine's tokenizer (grammar.py).
         self.grammars = GrammarCache(self.tokenizer, mc.vocab_size)
         self.runner.sampler.grammar.bind(self.grammars)
