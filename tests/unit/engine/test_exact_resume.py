@@ -16,6 +16,8 @@ import pytest
 import torch
 
 from kernels import cpu_native, ops
+from services.engine.config import EngineConfig
+from services.engine.engine import replays_output
 from services.engine.kv_cache import KVCache, KVCacheSpec
 from services.engine.model.llama import LlamaModel
 from services.engine.request import Request
@@ -127,3 +129,9 @@ def test_a_resumed_request_recomputes_the_originals_kv_and_logits_bit_for_bit():
         old_logits, old_pool = _resumed(model, prompt, output, exact=False)
         one_pass_differs.append(not (torch.equal(old_pool[:6], want_pool[:6]) and torch.equal(old_logits, want_logits)))
     assert any(one_pass_differs)  # one prefill pass sums in another order: what exact_resume is for
+
+
+def test_only_models_below_fp32_replay_output_decode_shaped():
+    assert replays_output(EngineConfig(), tiny_model(torch.bfloat16))
+    assert not replays_output(EngineConfig(exact_resume=False), tiny_model(torch.bfloat16))
+    assert not replays_output(EngineConfig(), tiny_model(torch.float32))  # one prefill pass is exact there
