@@ -90,20 +90,18 @@ def seed_warnings(state: dict, board: list[dict]) -> list[str]:
 
 
 def print_failovers(state: dict) -> None:
-    """Streams resumed on another replica since the cluster started, by reason (services/gateway/failover_log.py)."""
+    """Streams resumed on another replica since the cluster started, by reason
+    and by path (recompute on the new replica, or the prefill pool), and those
+    that gave up (services/gateway/failover_log.py)."""
     from redis.exceptions import RedisError
 
-    from services.gateway.failover_log import read_tally
+    from services.gateway.failover_log import read_tally, summary
 
     try:
         tally = read_tally(state["redis_url"], state.get("cluster", "local"))
     except (RedisError, OSError):
         return  # the board read just succeeded: a failure here is transient
-    resumed = {k: v for k, v in tally.items() if not k.startswith("gave_up:")}
-    gave_up = {k.split(":", 1)[1]: v for k, v in tally.items() if k.startswith("gave_up:")}
-    print(f"failovers: {sum(resumed.values())} resumed" + "".join(f", {k} {v}" for k, v in resumed.items())
-          + (f"; {sum(gave_up.values())} gave up" + "".join(f", {k} {v}" for k, v in gave_up.items())
-             if gave_up else ""))
+    print(summary(tally))
 
 
 def print_autoscale(state: dict) -> None:

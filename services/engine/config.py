@@ -67,6 +67,12 @@ class EngineConfig:
     num_kv_blocks: int | None = None    # overrides kv_cache_bytes when set
     max_model_len: int | None = None    # None -> the model's context
     enable_prefix_caching: bool = True
+    # Output positions recomputed (a resumed or preempted request) run as decode
+    # rows, so they get the original decode steps' K/V and logits bit for bit
+    # (runner.py build_batch); off: one prefill pass, and in bf16 a near-tie
+    # after the hop may flip (bench/micro/resume_identity.py).  fp32 models
+    # always take the one pass (engine.replays_output).
+    exact_resume: bool = True
     lease_ttl_s: float = 30.0           # prefill-only blocks stay pinned this long at most
     num_threads: int | None = None      # torch intra-op threads; None leaves torch's default
     scheduler: SchedulerConfig = SchedulerConfig()

@@ -57,6 +57,14 @@ def kv_spec_for(config: EngineConfig, loaded: LoadedModel) -> KVCacheSpec:
     return KVCacheSpec(num_blocks, config.block_size, mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype)
 
 
+def replays_output(config: EngineConfig, model: torch.nn.Module) -> bool:
+    """Whether recomputed output positions run decode-shaped (runner.py):
+    below fp32 only.  In fp32 one prefill pass already gives the original's
+    tokens (test_engine_resume.py), and the fp32 path's torch decode
+    attention gathers a row's whole context per replayed position."""
+    return config.exact_resume and next(model.parameters()).dtype is not torch.float32
+
+
 class Engine:
     def __init__(self, config: EngineConfig = EngineConfig(), loaded: LoadedModel | None = None,
                  on_kv_event: KVEventCallback | None = None):
@@ -83,7 +91,8 @@ class Engine:
         self.requests: dict[str, Request] = {}
         # The sampler reads a penalised request's tokens from this table, by id.
         self.runner = ModelRunner(self.loaded.model, self.kv, config.device,
-                                  eos_token_ids=tuple(self.tokenizer.eos_token_ids), histories=self.requests)
+                                  eos_token_ids=tuple(self.tokenizer.eos_token_ids), histories=self.requests,
+                                  exact_resume=replays_output(config, self.loaded.model))
         # Structured output: grammars compiled once per spec, over this engine's tokenizer (grammar.py).
         self.grammars = GrammarCache(self.tokenizer, mc.vocab_size)
         self.runner.sampler.grammar.bind(self.grammars)

@@ -1,7 +1,8 @@
 """What one forward pass computes, passed explicitly to the model.
 
-Tokens of all scheduled sequences are laid out back to back, decode
-sequences first (one token each), then prefill chunks::
+Tokens of all scheduled sequences are laid out back to back, decode rows
+first (one token each: a decode step, or one recomputed output position of
+a resumed request, runner.py), then prefill chunks::
 
     input_ids: [ d0 d1 .. d(D-1) | p0 p0 p0 .. | p1 p1 .. | ... ]
                  decode part        prefill part (ragged, query_start_loc)

@@ -34,15 +34,31 @@ def _table(rows: list[list[int]]) -> torch.Tensor:
     return torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int32).reshape(len(rows), width)
 
 
+def replay_start(s: ScheduledRequest, exact_resume: bool) -> int:
+    """Where ``s``'s chunk stops being prompt: the output positions from here
+    to the chunk's end are recomputed decode-shaped (one decode row each)
+    when ``exact_resume``; the chunk's end when nothing is replayed (no
+    output positions, replay off, or a drafted step, which verify_batch reads
+    as one chunk)."""
+    r = s.request
+    end = r.num_computed_tokens + s.num_new_tokens
+    if not exact_resume or s.spec_token_ids:
+        return end
+    return min(end, max(r.num_computed_tokens, r.num_prompt_tokens))
+
+
 class ModelRunner:
     def __init__(self, model: LlamaModel, kv: KVCache, device: str | torch.device = "cpu",
-                 eos_token_ids: Sequence[int] = (), histories: Mapping[str, TokenHistory] | None = None):
+                 eos_token_ids: Sequence[int] = (), histories: Mapping[str, TokenHistory] | None = None,
+                 exact_resume: bool = True):
         """``eos_token_ids`` and ``histories`` (the live requests by id) are
-        what the sampler's min_tokens and penalties read."""
+        what the sampler's min_tokens and penalties read; ``exact_resume``:
+        see build_batch."""
         self.model = model
         self.kv = kv
         self.device = torch.device(device)
         self.block_size = kv.spec.block_size
+        self.exact_resume = exact_resume
         self.sampler = Sampler(eos_token_ids, histories)
 
     def build_batch(self, out: SchedulerOutput
@@ -53,6 +69,18 @@ class ModelRunner:
 
             logits_indices  [ sampled rows (one per request) | verify rows (k+1 per draft)
                               | prompt-logprob rows (spans, in order) ]
+
+        With ``exact_resume``, a chunk that recomputes output positions (a
+        resumed or preempted request) is split: its prompt part stays a
+        prefill chunk, and each output position becomes a decode row of its
+        own (context = the position + 1), as the original decode step ran it::
+
+            input_ids  [ decodes | replayed output positions | prompt parts of the chunks ]
+                         decode rows (one query each)          prefill rows (ragged)
+
+        Every other kernel of the forward computes a row independently of the
+        rows beside it, so a replayed position gets the K/V and logits the
+        original decode step got, bit for bit (bench/micro/resume_identity.py).
         """
         bs = self.block_size
         ids: list[int] = []
@@ -64,10 +92,10 @@ class ModelRunner:
         prompt_rows: list[int] = []
         drafted: list[ScheduledRequest] = []
         verify_rows: list[int] = []
+        decode_rows: list[tuple[Request, int]] = []  # (request, position): its table, context = position + 1
 
-        def place(s: ScheduledRequest) -> None:
-            r, start = s.request, s.request.num_computed_tokens
-            end = start + s.num_new_tokens
+        def place(s: ScheduledRequest, start: int, end: int, samples: bool) -> None:
+            r = s.request
             span = prompt_span(r, start, end) if r.params.prompt_logprobs is not None else None
             if span is not None:
                 spans.append(span)
@@ -77,20 +105,36 @@ class ModelRunner:
                 verify_rows.extend(range(len(ids), len(ids) + s.num_new_tokens))
                 ids.extend([_token_at(r, start)] + s.spec_token_ids)
             else:
-                ids.extend(_tokens(r, start, end) if s.num_new_tokens > 1 else [_token_at(r, start)])
+                ids.extend(_tokens(r, start, end) if end - start > 1 else [_token_at(r, start)])
             pos.extend(range(start, end))
             table = r.block_ids
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            if s.samples and not s.spec_token_ids:
+            if samples and not s.spec_token_ids:
                 logits_rows.append(len(ids) - 1)
                 sampled.append(r)
 
-        for s in out.decodes:
-            place(s)
-        q_starts = [0]
+        chunks: list[tuple[ScheduledRequest, int, int]] = []  # (entry, start, end) of each prefill part
+        replays: list[tuple[ScheduledRequest, int, int]] = []  # (entry, start, end) of output positions
         for s in out.prefills:
-            place(s)
-            q_starts.append(q_starts[-1] + s.num_new_tokens)
+            start = s.request.num_computed_tokens
+            end = start + s.num_new_tokens
+            cut = replay_start(s, self.exact_resume)
+            if cut < end:
+                replays.append((s, cut, end))
+            if cut > start:
+                chunks.append((s, start, cut))
+        for s in out.decodes:
+            start = s.request.num_computed_tokens
+            place(s, start, start + 1, s.samples)
+            decode_rows.append((s.request, start))
+        for s, start, end in replays:
+            for p in range(start, end):
+                place(s, p, p + 1, s.samples and p == end - 1)
+                decode_rows.append((s.request, p))
+        q_starts = [0]
+        for s, start, end in chunks:
+            place(s, start, end, s.samples and end == s.request.num_computed_tokens + s.num_new_tokens)
+            q_starts.append(q_starts[-1] + end - start)
         dev = self.device
 
         def t(x, dtype):
@@ -100,12 +144,12 @@ class ModelRunner:
             input_ids=t(ids, torch.int64),
             positions=t(pos, torch.int64),
             slot_mapping=t(slots, torch.int64),
-            num_decode_tokens=len(out.decodes),
-            decode_block_tables=_table([s.request.block_ids for s in out.decodes]).to(dev),
-            decode_context_lens=t([s.request.num_computed_tokens + 1 for s in out.decodes], torch.int32),
-            prefill_block_tables=_table([s.request.block_ids for s in out.prefills]).to(dev),
+            num_decode_tokens=len(decode_rows),
+            decode_block_tables=_table([r.block_ids for r, _ in decode_rows]).to(dev),
+            decode_context_lens=t([p + 1 for _, p in decode_rows], torch.int32),
+            prefill_block_tables=_table([s.request.block_ids for s, _, _ in chunks]).to(dev),
             prefill_query_start_loc=t(q_starts, torch.int32),
-            prefill_context_lens=t([s.request.num_computed_tokens + s.num_new_tokens for s in out.prefills], torch.int32),
+            prefill_context_lens=t([end for _, _, end in chunks], torch.int32),
             logits_indices=t(logits_rows + verify_rows + prompt_rows, torch.int64),
             prefill_fresh_kv=t([0 if s.spec_token_ids else 1 for s in out.prefills], torch.int32),
         )

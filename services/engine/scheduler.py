@@ -65,9 +65,14 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
 
     def add(self, entry: ScheduledRequest) -> None:
-        # Any one-token step (a decode, or a prompt's last token after a
-        # cache hit) has the decode shape: one query over paged KV.
-        (self.decodes if entry.num_new_tokens == 1 else self.prefills).append(entry)
+        # A one-token step at an output position has the decode shape: one
+        # query over paged KV.  A prompt position always goes through the
+        # prefill kernel, even alone (a prompt's last token after a cache
+        # hit), so its K/V never depends on how much of the prompt another
+        # replica had cached (identity across a failover hop, runner.py).
+        r = entry.request
+        one_output_token = entry.num_new_tokens == 1 and r.num_computed_tokens >= r.num_prompt_tokens
+        (self.decodes if one_output_token else self.prefills).append(entry)
 
     @property
     def scheduled(self) -> list[ScheduledRequest]:

@@ -29,7 +29,8 @@ PATH = "failover.path"
 
 
 def tally_key(cluster: str) -> str:
-    """The Redis hash of failovers by reason (``gave_up:<reason>`` for the streams that could not)."""
+    """The Redis hash of failovers by reason (``gave_up:<reason>`` for the
+    streams that could not, ``path:<path>`` for the resumed ones by path)."""
     return f"pdc:failovers:{cluster}"
 
 
@@ -51,18 +52,21 @@ class FailoverLog:
     def __init__(self, redis_url: str | None = None, cluster: str = "local"):
         self.redis_url, self.cluster = redis_url, cluster
         self.resumed: Counter[str] = Counter()
+        self.by_path: Counter[str] = Counter()
         self.gave_up: Counter[str] = Counter()
         self._client = None
         self._background: set[asyncio.Task] = set()
 
     def view(self) -> dict:
-        return {"resumed": dict(self.resumed), "gave_up": dict(self.gave_up)}
+        return {"resumed": dict(self.resumed), "by_path": dict(self.by_path), "gave_up": dict(self.gave_up)}
 
     def resumed_on(self, request_id: str, reason: str, dead_replica: str, pool: str, number: int,
                    tokens_sent: int, path: str) -> PendingSpan:
         self.resumed[reason] += 1
+        self.by_path[path] += 1
         metrics.count_failover(reason)
         self._bump(reason)
+        self._bump(f"path:{path}")
         log.warning("failover: request=%s reason=%s dead_replica=%s resume_pool=%s path=%s failover=%d "
                     "tokens_sent=%d", request_id, reason, dead_replica or "?", pool, path, number, tokens_sent)
         return PendingSpan(time.time_ns(), reason, dead_replica, number, tokens_sent, pool, path)
@@ -104,8 +108,24 @@ class FailoverLog:
             log.debug("failover tally not recorded: %s", type(exc).__name__)
 
 
+def summary(tally: dict[str, int]) -> str:
+    """One line of a tally (read_tally) for `pdcluster status`::
+
+        failovers: 5 resumed, replica_died 4, stream_broken 1 (recompute 3, prefill_pool 2); 1 gave up, ...
+    """
+    resumed = {k: v for k, v in tally.items() if ":" not in k}
+    paths = {k.split(":", 1)[1]: v for k, v in tally.items() if k.startswith("path:")}
+    gave_up = {k.split(":", 1)[1]: v for k, v in tally.items() if k.startswith("gave_up:")}
+    line = f"failovers: {sum(resumed.values())} resumed" + "".join(f", {k} {v}" for k, v in resumed.items())
+    if paths:
+        line += " (" + ", ".join(f"{k} {v}" for k, v in paths.items()) + ")"
+    if gave_up:
+        line += f"; {sum(gave_up.values())} gave up" + "".join(f", {k} {v}" for k, v in gave_up.items())
+    return line
+
+
 def read_tally(redis_url: str, cluster: str) -> dict[str, int]:
-    """The cluster's failovers by reason (and ``gave_up:<reason>``), for `pdcluster status`."""
+    """The cluster's failovers by reason (and ``gave_up:<reason>``, ``path:<path>``), for `pdcluster status`."""
     import redis
 
     client = redis.Redis.from_url(redis_url, socket_timeout=2.0)

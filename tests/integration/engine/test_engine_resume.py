@@ -4,10 +4,8 @@ original was: same tokens (greedy and seeded), text deltas that concatenate
 to the original text, and penalties and stop strings that see
 the prior tokens as output.
 
-In float32: identity across the hop needs the recomputed K/V of the prior
-tokens (one prefill pass) to give the logits the original decode steps
-gave; bf16 rounds the two differently, often enough to flip a near-tie
-within 24 tokens now and then, fp32 does not."""
+In float32 here; bf16, the default, in test_engine_resume_bf16.py (exact
+there too: the prior tokens are recomputed decode-shaped, runner.py)."""
 
 from __future__ import annotations
 

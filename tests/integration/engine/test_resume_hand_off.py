@@ -10,9 +10,8 @@ every new token, and every block back on both engines.
     undisturbed   [ prompt | t0 .. t(k-1) | tk | t(k+1) ...      ]
     resumed       prefill: prompt + t0..t(k-1) -> tk  ==pull==>  decode: t(k+1) ...
 
-fp32 weights, as in test_engine_resume.py: the prior tokens' K/V comes from
-one prefill pass, and only in fp32 do its logits match the original decode
-steps' closely enough that a near tie never flips."""
+fp32 weights, as in test_engine_resume.py (bf16 resumes exactly too, since
+the prior tokens are recomputed decode-shaped: test_engine_resume_bf16.py)."""
 
 from __future__ import annotations
 

@@ -22,6 +22,7 @@ from services.engine.random_stream import position_seed
 from services.engine.sampling_params import SamplingParams, greedy
 from services.gateway.failover import (FailoverReason, ResumeTarget, decide, live_elsewhere, lost_reason, resume_path,
                                        resume_target)
+from services.gateway.failover_log import summary
 from services.gateway.resume import with_stream_seed
 from services.messages import GenerateRequest, PrefillResponse, TokenDelta
 from tests.unit.services.serve_fakes import HANDOFF, SERVERS, FakeResponse, FakeStream
@@ -183,7 +184,7 @@ async def test_a_dead_decode_replica_is_resumed_on_another_with_the_tokens_sent(
     assert message.prior_output_token_ids == (5, 6, 7) and message.prompt_token_ids == list(range(20))
     assert message.request_id != "r1"  # a fresh engine id on the new replica
     assert routing.avoid_workers == ("decode-A",) and routing.max_new_tokens == 2
-    assert backend.failovers.resumed == {"replica_died": 1}
+    assert backend.failovers.resumed == {"replica_died": 1} and backend.failovers.by_path == {"recompute": 1}
     assert backend.admission.in_flight == 0
 
 
@@ -322,6 +323,7 @@ async def test_a_long_remainder_is_prefilled_by_the_prefill_pool_and_handed_off(
     assert span["failover.path"] == "prefill_pool" and span["failover.new_replica"] == "prefill-y"
     assert span["failover.dead_replica"] == "decode-A"
     assert backend.failovers.resumed == {"replica_died": 1}
+    assert backend.failovers.by_path == {"prefill_pool": 1}
 
 
 async def test_a_short_remainder_is_recomputed_on_the_decode_pool(failover_spans):
@@ -347,3 +349,11 @@ async def test_when_the_prefill_pool_cannot_take_the_remainder_it_is_recomputed(
     assert name == "decode.generate_colocated" and message.prior_output_token_ids == (5, 6, 7)
     span, = failover_spans()
     assert span["failover.path"] == "recompute"
+
+
+def test_the_status_line_splits_failovers_by_reason_and_by_path():
+    tally = {"replica_died": 4, "stream_broken": 1, "path:recompute": 3, "path:prefill_pool": 2,
+             "gave_up:stream_broken": 1}
+    assert summary(tally) == ("failovers: 5 resumed, replica_died 4, stream_broken 1 (recompute 3, prefill_pool 2); "
+                              "1 gave up, stream_broken 1")
+    assert summary({}) == "failovers: 0 resumed"
