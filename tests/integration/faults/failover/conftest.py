@@ -1,10 +1,11 @@
 """One real cluster for the failover tests: 1 prefill + 2 decode replicas,
 fault injection on, ``fallback_to_colocated`` (a stream whose last decode
 replica died resumes on the prefill replica), no SLO shedding (8 streams
-start at once), and float32: a resumed stream recomputes the tokens already
-sent in one prefill pass, and only in fp32 do those logits match the
-original decode steps' closely enough that greedy output never flips on a
-near-tie (bf16 does, now and then; see tests/integration/engine/test_engine_resume.py).
+start at once), and the default dtype, bf16: a resumed stream recomputes its
+prompt through the prefill kernel and the tokens already sent as decode rows
+(services/engine/runner.py), so each position gets the K/V and logits of the
+original steps bit for bit and greedy output cannot flip on a near-tie
+(tests/integration/engine/test_engine_resume_bf16.py shows it on the engine).
 
 A resumed stream with more than RESUME_LOCAL_MAX_TOKENS tokens to prefill
 again goes through the prefill pool; every other test here stays below it
@@ -46,7 +47,7 @@ def failover_cluster(trace_file):
     os.environ["PDCLUSTER_FAULTS"] = "1"
     traces_before = os.environ.get("PDCLUSTER_TRACE_FILE")
     os.environ["PDCLUSTER_TRACE_FILE"] = str(trace_file)  # replicas inherit the driver's environment
-    config = ClusterConfig(port=free_service_port(), dtype="float32", prefill=small_pool(kv_cache_mib=160),
+    config = ClusterConfig(port=free_service_port(), prefill=small_pool(kv_cache_mib=160),
                            decode=small_pool(num_replicas=2, kv_cache_mib=160), fallback_to_colocated=True,
                            lease_ttl_s=120.0, router=RouterSettings(resume_local_max_tokens=RESUME_LOCAL_MAX_TOKENS),
                            admission=AdmissionSettings(shed=False, inter_token_timeout_s=INTER_TOKEN_TIMEOUT_S))
