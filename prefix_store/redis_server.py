@@ -113,7 +113,7 @@ class RedisServer:
         self.extra_args = extra_args
         self._proc: subprocess.Popen | None = None
         self._workdir = tempfile.mkdtemp(prefix="pdcluster-redis-")
-        atexit.register(self.stop)
+        atexit.register(self.close)  # a process that only called stop() leaves no directory behind
 
     @property
     def url(self) -> str:
@@ -203,6 +203,10 @@ class RedisServer:
     def __enter__(self) -> "RedisServer":
         return self.start()
 
-    def __exit__(self, *exc) -> None:
+    def close(self) -> None:
+        """Stop the server and remove its working directory (its log with it)."""
         self.stop()
         shutil.rmtree(self._workdir, ignore_errors=True)
+
+    def __exit__(self, *exc) -> None:
+        self.close()

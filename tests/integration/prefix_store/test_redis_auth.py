@@ -128,3 +128,19 @@ def test_pdcluster_status_reads_the_0600_state_file_and_prints_only_the_redacted
     with pytest.raises(SystemExit) as exit_:
         cli_status.run_status(argparse.Namespace(json=False))
     assert "redis://:***@127.0.0.1" in str(exit_.value) and redis_server.password not in str(exit_.value)
+
+
+def test_a_server_leaves_no_working_directory_behind():
+    """The workdir (config, log) goes with close(), which the context manager
+    and the process's exit both call, even after a plain stop()."""
+    server = RedisServer().start()
+    workdir = server._workdir
+    assert os.path.isdir(workdir) and server.ping()
+    server.stop()
+    assert os.path.isdir(workdir)  # stop() alone keeps it: start() may be called again
+    server.close()
+    assert not os.path.exists(workdir)
+    with RedisServer() as scoped:
+        scoped_dir = scoped._workdir
+        assert scoped.ping()
+    assert not os.path.exists(scoped_dir)
