@@ -151,7 +151,7 @@ class ModelRunner:
             prefill_query_start_loc=t(q_starts, torch.int32),
             prefill_context_lens=t([end for _, _, end in chunks], torch.int32),
             logits_indices=t(logits_rows + verify_rows + prompt_rows, torch.int64),
-            prefill_fresh_kv=t([0 if s.spec_token_ids else 1 for s in out.prefills], torch.int32),
+            prefill_fresh_kv=t([0 if s.spec_token_ids else 1 for s, _, _ in chunks], torch.int32),  # one per prefill part
         )
         return batch, sampled, spans, drafted
 

@@ -59,6 +59,19 @@ def test_replayed_positions_are_decode_rows_after_the_decodes_and_before_the_pro
     assert batch.prefill_context_lens.tolist() == [20] and batch.prefill_query_start_loc.tolist() == [0, 20]
     assert batch.logits_indices.tolist() == [0, 3]  # each request's last row
     assert [r.request_id for r in sampled] == ["d", "r"]
+    assert batch.prefill_fresh_kv.tolist() == [1]  # one flag per prefill part
+
+
+def test_an_all_output_chunk_adds_no_prefill_part_and_no_fresh_flag():
+    model = tiny_model()
+    kv = KVCache(KVCacheSpec(8, BS, num_layers=3, num_kv_heads=2, head_dim=32, dtype=torch.bfloat16))
+    runner = ModelRunner(model, kv)
+    replayed = _request("r", list(range(10, 30)), [40, 41, 42], [0, 1], computed=20)  # prompt cached: all output
+    prompt = _request("p", list(range(50, 55)), [], [2])
+    out = SchedulerOutput(prefills=[ScheduledRequest(replayed, 3), ScheduledRequest(prompt, 5)])
+    batch, _, _, _ = runner.build_batch(out)
+    assert batch.num_decode_tokens == 3 and batch.prefill_query_start_loc.tolist() == [0, 5]
+    assert batch.prefill_context_lens.tolist() == [5] and batch.prefill_fresh_kv.tolist() == [1]
 
 
 def _logits(runner: ModelRunner, out: SchedulerOutput) -> torch.Tensor:
