@@ -88,6 +88,10 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--cost-only", action="store_true", help="only the hop recompute cost, no identity runs")
     args = ap.parse_args(argv)
+    if args.tokens <= max(HOPS):
+        ap.error(f"--tokens must be > {max(HOPS)} (the last hop point), got {args.tokens}")
+    if args.threads < 1:
+        ap.error(f"--threads must be >= 1, got {args.threads}")
     torch.set_num_threads(args.threads)
     print_fingerprint()
     loaded = load_model(None, args.dtype)
