@@ -30,6 +30,7 @@ ramp allows (low replicas for two phases, peak replicas for one: (2 L + P) /
 from __future__ import annotations
 
 import argparse
+import math
 import asyncio
 import collections
 import shlex
@@ -225,6 +226,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--phase-s", type=float, default=60.0)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
+    for flag, value in (("--low-rps", args.low_rps), ("--phase-s", args.phase_s)):
+        if value is not None and not (math.isfinite(value) and value > 0):
+            ap.error(f"{flag} must be a finite number > 0, got {value}")
     if args.low_rps is None:
         args.low_rps = default_low_rps()
     ramp = phases(args.low_rps, args.phase_s)

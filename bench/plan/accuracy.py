@@ -205,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests-per-client", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
+    if args.requests_per_client < 1:
+        ap.error(f"--requests-per-client must be >= 1, got {args.requests_per_client}")
     print("# the planner's prediction from a profile vs a measured run, per workload")
     print_fingerprint()
     command = ["python", "-m", "bench.plan.accuracy", "--requests-per-client", str(args.requests_per_client),
