@@ -159,7 +159,8 @@ class BlockServer:
         puller = None
         try:
             handshake = Deadline(self.limits.handshake_timeout_s, "handshake with a puller")
-            puller = challenge_puller(conn, handshake, self._secret, self._peer_id)
+            puller = challenge_puller(conn, handshake, self._secret, self._peer_id,
+                                      on_refused=lambda claimed: self._count_failed_authentication(conn, claimed))
             self._hello(conn, handshake, puller)
             while not self._stopped.is_set():
                 request = self._next_request(conn, puller)
@@ -176,8 +177,8 @@ class BlockServer:
                     return
         except ConnectionClosedError:
             pass  # the puller went away between requests: the normal end of a connection
-        except PullerRefused as e:
-            self._count_failed_authentication(conn, e.claimed_peer_id)
+        except PullerRefused:
+            pass  # counted and logged by on_refused before the refusal went out
         except (TransferError, OSError) as e:
             if not self._stopped.is_set():  # a stranger's broken handshake is not worth an operator's time
                 log.log(logging.INFO if puller else logging.DEBUG,

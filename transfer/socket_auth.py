@@ -14,6 +14,7 @@ and nobody checks them (tests, the bench)."""
 from __future__ import annotations
 
 import socket
+from collections.abc import Callable
 from typing import Any
 
 from transfer.auth import OWNER_PROOF, PULLER_PROOF, ClusterSecret, is_nonce, new_nonce
@@ -34,15 +35,19 @@ class PullerRefused(Exception):
         self.claimed_peer_id = claimed_peer_id  # unproven: for the log only
 
 
-def challenge_puller(sock: socket.socket, deadline: Deadline, secret: ClusterSecret | None, owner_id: str) -> str:
+def challenge_puller(sock: socket.socket, deadline: Deadline, secret: ClusterSecret | None, owner_id: str,
+                     on_refused: Callable[[str | None], None] = lambda claimed: None) -> str:
     """Owner side: the puller's id once it proved it holds the secret (any
-    well-formed id without one); raises PullerRefused otherwise."""
+    well-formed id without one); raises PullerRefused otherwise. on_refused
+    runs before the refusal is sent, so a puller that has read its refusal
+    can already see the owner's count of it."""
     server_nonce = new_nonce()
     send_frame(sock, {"op": "challenge", "nonce": server_nonce}, deadline)
     auth = recv_frame(sock, deadline, "authentication", max_bytes=HANDSHAKE_FRAME_BYTES)
     puller = _claimed_peer_id(auth)
     if puller is None or (secret is not None and not secret.verify(
             auth.get("mac"), PULLER_PROOF, server_nonce, auth["nonce"], puller, owner_id)):
+        on_refused(puller)
         try:
             send_frame(sock, AUTH_REFUSAL, deadline)
         except (OSError, TransferError):
