@@ -10,6 +10,14 @@ from router.serve_router import request_router_config
 from services.config import ClusterConfig, PoolConfig
 
 
+# A pool of zero replicas (the prefill pool at low load): Serve takes no
+# num_replicas of 0, so its own scale-to-zero holds it there.  The gateway
+# sends it nothing (services/pools/pool_targets.py), so it stays at zero; a
+# request that reached it anyway would start one replica, not wait forever.
+AT_ZERO = {"min_replicas": 0, "initial_replicas": 0, "max_replicas": 1, "upscale_delay_s": 0.0,
+           "downscale_delay_s": 0.0, "downscale_to_zero_delay_s": 0.0, "look_back_period_s": 1.0}
+
+
 def _pool_options(config: ClusterConfig, pool: PoolConfig, router_pool: str | None, placed_as: str) -> dict:
     """``placed_as``: the pool's name in ``config.topology`` (which Ray nodes its replicas may use)."""
     opts: dict = {
@@ -22,6 +30,8 @@ def _pool_options(config: ClusterConfig, pool: PoolConfig, router_pool: str | No
     }
     if pool.autoscaling:
         opts["autoscaling_config"] = pool.autoscaling
+    elif pool.num_replicas == 0:
+        opts["autoscaling_config"] = AT_ZERO
     else:
         opts["num_replicas"] = pool.num_replicas
     if router_pool:

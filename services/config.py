@@ -76,7 +76,8 @@ class _Strict(BaseModel):
 
 
 class PoolConfig(_Strict):
-    num_replicas: int = Field(1, ge=1, description="Serve needs >= 1; scale to zero via autoscaling")
+    num_replicas: int = Field(1, ge=0, description="0 only for the prefill pool: the decode replicas then prefill "
+                                                   "every prompt themselves")
     num_cpus: float = Field(1.0, gt=0, description="logical Ray CPUs per replica")
     num_threads: int = Field(1, ge=1, description="torch intra-op threads per replica")
     kv_cache_mib: int = Field(512, ge=1)
@@ -138,7 +139,8 @@ class AdmissionSettings(_Strict):
 
 
 class AutoscalePoolBounds(_Strict):
-    min_replicas: int = Field(1, ge=1)
+    min_replicas: int = Field(1, ge=0, description="0 only for prefill: at low load the decode replicas prefill "
+                                                  "locally and the prefill pool goes away")
     max_replicas: int = Field(2, ge=1)
 
 
@@ -174,14 +176,22 @@ class AutoscalingSettings(_Strict):
     down_cooldown_s: float = Field(30.0, ge=0, description="after any change, before a scale-down")
     down_stable_s: float = Field(20.0, ge=0, description="the need must stay below the replicas this long")
     min_latency_samples: int = Field(8, ge=1, description="requests behind a p90 before it may force a scale-up")
-    prefill: AutoscalePoolBounds = AutoscalePoolBounds(min_replicas=1, max_replicas=2)
+    local_prefill_max_share: float = Field(
+        0.2, ge=0, lt=1, description="with prefill.min_replicas 0: the prefill pool scales to zero while the prompts "
+                                     "would take at most this fraction of each decode replica's time")
+    prefill: AutoscalePoolBounds = AutoscalePoolBounds(min_replicas=0, max_replicas=2)
     decode: AutoscalePoolBounds = AutoscalePoolBounds(min_replicas=1, max_replicas=3)
     speed: AutoscaleSpeed = AutoscaleSpeed()
 
     @model_validator(mode="after")
     def _bounds(self) -> "AutoscalingSettings":
+        if self.decode.min_replicas < 1:
+            raise ValueError("autoscaling.decode.min_replicas must be >= 1: the decode pool serves every stream "
+                             "(only the prefill pool may scale to zero)")
         for pool in ("prefill", "decode"):
             b = getattr(self, pool)
+            if b.max_replicas < 1:
+                raise ValueError(f"autoscaling.{pool}.max_replicas must be >= 1")
             if b.min_replicas > b.max_replicas:
                 raise ValueError(f"autoscaling.{pool}: min_replicas {b.min_replicas} > max_replicas "
                                  f"{b.max_replicas}: raise max_replicas or lower min_replicas")
@@ -267,6 +277,10 @@ class ClusterConfig(_Strict):
         self.speculative.engine()                 # likewise (ngram_min <= ngram_max)
         if self.scheduler.kv_watermark_low > self.scheduler.kv_watermark_high:
             raise ValueError("scheduler.kv_watermark_low must be <= kv_watermark_high")
+        serving = self.decode if self.mode == "disaggregated" else self.colocated
+        if serving.num_replicas < 1 and serving.autoscaling is None:
+            raise ValueError(f"{'decode' if self.mode == 'disaggregated' else 'colocated'}.num_replicas must be >= 1: "
+                             "that pool serves every stream (only prefill.num_replicas may be 0)")
         if self.autoscaling.enabled and self.mode != "disaggregated":
             raise ValueError("autoscaling sizes the prefill and decode pools apart: it needs mode disaggregated "
                              "(for colocated, give colocated.autoscaling a Ray Serve autoscaling_config instead)")

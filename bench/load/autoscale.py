@@ -8,8 +8,10 @@ low, 3x low, low (60 s each by default), poisson arrivals of short chats.
                 every replica is a thread on the same two cores (a replica
                 added beyond them adds no compute).  --low-rps overrides it
 
-    autoscaled  starts at 1 prefill + 1 decode replica; services/autoscale/controller.py
-                sizes both pools from the gateway's /metrics while the ramp runs
+    autoscaled  starts as the rule sizes the opening phase (at low load: no prefill replica,
+                the decode replica prefills; services/autoscale/policy.py); the
+                controller (services/autoscale/controller.py) sizes both pools from
+                the gateway's /metrics while the ramp runs
     static      sized for the peak: per pool, the larger of what the same rule
                 (services/autoscale/policy.py) needs at the peak's nominal load
                 and the most replicas the autoscaled run held (the rule on live,
@@ -137,7 +139,7 @@ def warm_up(url: str, tokenizer) -> None:
 def rule_need(rps: float) -> tuple[int, int]:
     """What the autoscaler's rule needs at ``rps`` of this bench's chats in steady state (no queue)."""
     from services.autoscale.controller import scaling_rules, speed_models
-    from services.autoscale.policy import Measurements, PoolMeasurement, decode_batch, pool_need
+    from services.autoscale.policy import Measurements, PoolMeasurement, decode_batch, steady_need
     from services.config import AutoscalingSettings, ClusterConfig
 
     settings = AutoscalingSettings()
@@ -145,8 +147,7 @@ def rule_need(rps: float) -> tuple[int, int]:
     prompt, out = sum(INPUT) / 2, sum(OUTPUT) / 2
     sequences = rps * out * step.step_s(decode_batch(step, rules))  # Little at B*
     m = Measurements(0.0, rps, prompt, rps * out, PoolMeasurement(), PoolMeasurement(sequences=sequences))
-    return tuple(min(max(pool_need(pool, m, prefill, step, rules).replicas, lo), hi)
-                 for pool, (lo, hi) in zip(("prefill", "decode"), rules.bounds))
+    return steady_need(m, prefill, step, rules)
 
 
 def static_size(ramp: list[Phase]) -> tuple[int, int]:
@@ -239,7 +240,8 @@ def main(argv: list[str] | None = None) -> int:
           flush=True)
     tokenizer = load_tokenizer(None)
     nominal = static_size(ramp)
-    auto_run = run_mode("autoscaled", ramp, tokenizer, args.seed, 1, 1, True)
+    opening = rule_need(ramp[0].rps)  # the autoscaled deployment starts as its rule sizes the opening load
+    auto_run = run_mode("autoscaled", ramp, tokenizer, args.seed, *opening, True)
     held = [max(s[i] for s in auto_run["samples"]) for i in (1, 2)]
     static = (max(nominal[0], held[0]), max(nominal[1], held[1]))
     print(f"# static: {static[0]} prefill + {static[1]} decode (the rule at the peak's nominal load: "

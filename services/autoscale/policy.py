@@ -13,11 +13,20 @@ The need, per pool (prefill and decode are sized separately):
                             queued_tokens x per_token / n)         the backlog the gateway holds now, drained
               need    = smallest n with rho(n) <= max_utilization
                                     and S + wait(n) <= ttft_slo x headroom
+    prefill   share   = arrival_rps x busy / decode replicas       the fraction of each decode replica's time
+    at zero                                                         its prompts would take if it prefilled them
+              (prefill min_replicas 0) need = 0 while share <= local_prefill_max_share and S <= the TTFT
+              budget: at low load one replica serving both phases beats two, and the decode replicas
+              prefill locally (the gateway routes them there while the pool's target is 0); the pool
+              comes back, as any up-scale, when the share or the TTFT p90 says so
     decode    slow    = measured mean TPOT / step(sequences / replicas)   the model calibrated live (in
                         [0.5, 4]; 1 until min_latency_samples requests): contention, a busier machine
               B*      = largest batch with slow x step(B) <= tpot_slo x headroom     (>= 1, <= max_num_seqs)
               need    = max(ceil(output tok/s / (B* / (slow x step(B*))) / max_utilization),   throughput at B*
                             ceil(sequences / B*))                   Little: L = rps x W, observed directly
+              with the prefill pool at zero and slow = 1 (not calibrated yet), each replica's tokens/s
+              is x (1 - share): its prompts take that share of its time (a calibrated slow already
+              holds the stalls they cause, so it is not counted twice)
     SLO guard the pool's p90 (TTFT for prefill, TPOT for decode) over the SLO, with at least
               min_latency_samples behind it, while the need says "enough": need = replicas + 1
     futile    decode: the last change was an up-scale, the steps are slower than the model now than
@@ -66,6 +75,7 @@ class ScalingRules:
     headroom: float = 0.7  # plan for this fraction of each SLO: the margin for noise and start-up lag
     max_utilization: float = 0.8  # busy fraction a replica may be planned at (queueing blows up near 1)
     max_num_seqs: int = 64
+    local_prefill_max_share: float = 0.2  # prefill pool at zero while prompts take at most this of a decode replica
     down_margin: float = 1.3  # a scale-down must still fit demand x this
     up_cooldown_s: float = 10.0
     down_cooldown_s: float = 30.0
@@ -80,11 +90,16 @@ class ScalingRules:
         for name in ("headroom", "max_utilization"):
             if not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"autoscaling.{name} must be in (0, 1], got {getattr(self, name)}")
+        if not 0 <= self.local_prefill_max_share < 1:
+            raise ValueError(f"autoscaling.local_prefill_max_share must be in [0, 1), got "
+                             f"{self.local_prefill_max_share}")
         if self.down_margin < 1:
             raise ValueError(f"autoscaling.down_margin must be >= 1 (the hysteresis band), got {self.down_margin}")
         for pool, (lo, hi) in zip(POOLS, self.bounds):
-            if not 1 <= lo <= hi:
-                raise ValueError(f"autoscaling.{pool}: need 1 <= min_replicas <= max_replicas, got {lo}..{hi}")
+            least = 0 if pool == "prefill" else 1  # the decode pool serves every stream; prefill can hand its work over
+            if not least <= lo <= hi or hi < 1:
+                raise ValueError(f"autoscaling.{pool}: need {least} <= min_replicas <= max_replicas, max_replicas "
+                                 f">= 1, got {lo}..{hi}")
 
     def bound(self, pool: str) -> tuple[int, int]:
         return self.bounds[POOLS.index(pool)]
@@ -146,13 +161,26 @@ class PoolDecision:
 # --- the need -------------------------------------------------------------
 
 
+def local_prefill_share(arrival_rps: float, prompt_mean: float, speed: PrefillSpeed, decode_replicas: int) -> float:
+    """The fraction of each decode replica's time its prompts take when it prefills them itself."""
+    busy_s = max(speed.time_s(prompt_mean) - speed.overhead_s, 0.0)
+    return arrival_rps * busy_s / max(decode_replicas, 1)
+
+
 def prefill_need(arrival_rps: float, prompt_mean: float, queued_tokens: float, speed: PrefillSpeed,
-                 rules: ScalingRules, demand_scale: float = 1.0) -> Need:
+                 rules: ScalingRules, demand_scale: float = 1.0, decode_replicas: int | None = None) -> Need:
+    """``decode_replicas``: given when the pool may go to zero (min_replicas 0), the decode pool's size."""
     service_s = speed.time_s(prompt_mean)
     busy_s = max(service_s - speed.overhead_s, 1e-9)
     per_token_s = busy_s / max(prompt_mean, 1.0)
     offered = arrival_rps * demand_scale * busy_s
     budget_s = rules.ttft_slo_s * rules.headroom
+    if decode_replicas is not None:
+        share = local_prefill_share(arrival_rps * demand_scale, prompt_mean, speed, decode_replicas)
+        if share <= rules.local_prefill_max_share and service_s <= budget_s:
+            return Need(0, f"prefill on the {decode_replicas} decode replica(s): {arrival_rps * demand_scale:.2f} "
+                           f"req/s x {busy_s:.2f} s busy / {decode_replicas} = {share:.2f} of each <= "
+                           f"{rules.local_prefill_max_share:g}")
     for n in range(1, _MAX_SEARCH + 1):
         rho = offered / n
         if rho > rules.max_utilization:
@@ -196,24 +224,59 @@ def decode_batch(speed: StepSpeed, rules: ScalingRules) -> int:
 
 
 def decode_need(output_tok_s: float, sequences: float, speed: StepSpeed, rules: ScalingRules,
-                demand_scale: float = 1.0) -> Need:
+                demand_scale: float = 1.0, prefill_share: float = 0.0) -> Need:
+    """``prefill_share``: the fraction of a replica's time its own prompts take (prefill pool at zero)."""
     batch = decode_batch(speed, rules)
-    per_replica_tok_s = batch / speed.step_s(batch)
+    per_replica_tok_s = batch / speed.step_s(batch) * (1.0 - min(prefill_share, 0.9))
     by_throughput = output_tok_s * demand_scale / (per_replica_tok_s * rules.max_utilization)
     by_little = sequences * demand_scale / batch
     n = max(1, math.ceil(by_throughput - 1e-9), math.ceil(by_little - 1e-9))
-    return Need(n, f"{output_tok_s * demand_scale:.0f} tok/s / ({per_replica_tok_s:.0f} tok/s at B* {batch} x "
+    local = f" less {prefill_share:.2f} for its prompts" if prefill_share else ""
+    return Need(n, f"{output_tok_s * demand_scale:.0f} tok/s / ({per_replica_tok_s:.0f} tok/s at B* {batch}{local} x "
                    f"{rules.max_utilization:g}) = {by_throughput:.2f}; {sequences * demand_scale:.1f} sequences / "
                    f"B* {batch} = {by_little:.2f}")
 
 
+@dataclass(frozen=True)
+class Pools:
+    """What one pool's need depends on of the other: the decode pool's size
+    (for a prefill pool that may go to zero), whether the prefill pool is at zero."""
+
+    decode_replicas: int = 1
+    prefill_at_zero: bool = False
+
+
 def pool_need(pool: str, m: Measurements, prefill: PrefillSpeed, step: StepSpeed, rules: ScalingRules,
-              demand_scale: float = 1.0) -> Need:
+              demand_scale: float = 1.0, pools: Pools = Pools()) -> Need:
     if pool == "prefill":
-        return prefill_need(m.arrival_rps, m.prompt_tokens_mean, m.prefill.queued_tokens, prefill, rules, demand_scale)
+        may_vanish = rules.bound("prefill")[0] == 0
+        return prefill_need(m.arrival_rps, m.prompt_tokens_mean, m.prefill.queued_tokens, prefill, rules, demand_scale,
+                            pools.decode_replicas if may_vanish else None)
     slowdown = decode_slowdown(m.decode, step, rules)
-    need = decode_need(m.output_tok_s, m.decode.sequences, Calibrated(step, slowdown), rules, demand_scale)
+    share = 0.0
+    if pools.prefill_at_zero and slowdown == 1.0:  # a calibrated slowdown already holds the prompts' stalls
+        share = local_prefill_share(m.arrival_rps * demand_scale, m.prompt_tokens_mean, prefill,
+                                    max(pools.decode_replicas, 1))
+    need = decode_need(m.output_tok_s, m.decode.sequences, Calibrated(step, slowdown), rules, demand_scale, share)
     return need if slowdown == 1.0 else Need(need.replicas, f"{need.why}; steps x{slowdown:.2f} as measured")
+
+
+def steady_need(m: Measurements, prefill: PrefillSpeed, step: StepSpeed, rules: ScalingRules) -> tuple[int, int]:
+    """(prefill, decode) replicas the rule settles on for ``m`` held steady,
+    within the bounds: the two needs depend on each other (a prefill pool at
+    zero loads the decode replicas; their number sets the prefill share), so
+    they are iterated to a fixed point (a few rounds: each only grows decode)."""
+    (p_lo, p_hi), (d_lo, d_hi) = rules.bounds
+    decode = min(max(pool_need("decode", m, prefill, step, rules).replicas, d_lo), d_hi)
+    for _ in range(8):
+        p = min(max(pool_need("prefill", m, prefill, step, rules, pools=Pools(decode_replicas=decode)).replicas,
+                    p_lo), p_hi)
+        d = min(max(pool_need("decode", m, prefill, step, rules,
+                              pools=Pools(decode_replicas=decode, prefill_at_zero=p == 0)).replicas, d_lo), d_hi)
+        if d == decode:
+            return p, d
+        decode = d
+    return p, decode
 
 
 def futile_up_scale(pool: str, m: Measurements, state: PoolState, step: StepSpeed, rules: ScalingRules) -> str | None:
@@ -241,10 +304,10 @@ def slo_breach(pool: str, p: PoolMeasurement, rules: ScalingRules) -> str | None
 
 
 def decide_pool(pool: str, m: Measurements, state: PoolState, prefill: PrefillSpeed, step: StepSpeed,
-                rules: ScalingRules) -> tuple[PoolDecision, PoolState]:
+                rules: ScalingRules, pools: Pools = Pools()) -> tuple[PoolDecision, PoolState]:
     lo, hi = rules.bound(pool)
     now, current = m.now_s, state.replicas
-    need = pool_need(pool, m, prefill, step, rules)
+    need = pool_need(pool, m, prefill, step, rules, pools=pools)
     wanted, why = need.replicas, need.why
     breach = slo_breach(pool, m.pool(pool), rules)
     if breach and wanted <= current:
@@ -274,7 +337,7 @@ def decide_pool(pool: str, m: Measurements, state: PoolState, prefill: PrefillSp
             return out(current, f"up-scale cooling down ({since_change:.0f} of {rules.up_cooldown_s:g} s); "
                                 f"wanted {wanted}: {why}", None)
         return out(min(wanted, hi), f"wanted {wanted}: {why}", None)
-    banded = pool_need(pool, m, prefill, step, rules, rules.down_margin).replicas
+    banded = pool_need(pool, m, prefill, step, rules, rules.down_margin, pools).replicas
     if breach or banded >= current or current == lo:
         held = "at min_replicas" if current == lo and banded <= current else "within the band"
         return out(current, f"{held}: need {need.replicas}, x{rules.down_margin:g} demand needs {banded}", None)
@@ -309,9 +372,8 @@ class ScalerState:
 def decide(m: Measurements, state: ScalerState, prefill: PrefillSpeed, step: StepSpeed,
            rules: ScalingRules) -> tuple[list[PoolDecision], ScalerState]:
     """One decision per pool and the state the next call takes."""
-    decisions, states = [], {}
-    for pool in POOLS:
-        d, s = decide_pool(pool, m, state.pool(pool), prefill, step, rules)
-        decisions.append(d)
-        states[pool] = s
-    return decisions, ScalerState(**states)
+    p, p_state = decide_pool("prefill", m, state.prefill, prefill, step, rules,
+                             Pools(decode_replicas=state.decode.replicas))
+    d, d_state = decide_pool("decode", m, state.decode, prefill, step, rules,
+                             Pools(decode_replicas=state.decode.replicas, prefill_at_zero=p.target == 0))
+    return [p, d], ScalerState(p_state, d_state)

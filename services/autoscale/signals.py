@@ -8,15 +8,16 @@ streamed, answers) and every replica's status-board numbers.
     measurements (first, last) differences over the window's seconds:
                    arrivals     = answers + change in requests in flight
                    arrival_rps  = arrivals / seconds
-                   prompt mean  = prompt tokens the prefill replicas took in / arrivals
+                   prompt mean  = prompt tokens admitted / requests admitted (the gateway's
+                                  count: right whichever pool prefills, a prefill pool at zero too)
                    output tok/s = tokens streamed / seconds
                    p90          = from the histogram's bucket differences (linear within a bucket)
                    mean TPOT    = the histogram's sum difference / its count difference
                  window means of the gauges: decode sequences (running + waiting), queued prompt tokens
+                 (awaiting a first token, in either pool)
 
-Counters of a replica that appeared in the window count from zero; one
-that disappeared stops counting (its counter leaves the sum, never
-subtracts from it)."""
+Every counter read is the gateway's own, so replicas that come and go
+(a pool scaled to zero and back) never make a difference jump."""
 
 from __future__ import annotations
 
@@ -34,7 +35,8 @@ class Scrape:
     answered: float = 0.0
     in_flight: float = 0.0
     generated_tokens: float = 0.0
-    prompt_tokens: dict[str, float] = field(default_factory=dict)  # prefill replica -> counter
+    admitted: float = 0.0
+    admitted_prompt_tokens: float = 0.0
     queued_tokens: dict[str, float] = field(default_factory=dict)  # pool -> gauge
     decode_sequences: float = 0.0
     replicas: dict[str, int] = field(default_factory=dict)  # pool -> replicas reporting
@@ -46,8 +48,8 @@ class Scrape:
 def parse_scrape(text: str, t_s: float) -> Scrape:
     from prometheus_client.parser import text_string_to_metric_families
 
-    answered = in_flight = generated = sequences = tpot_sum = 0.0
-    prompt, queued, replicas = {}, {}, {}
+    answered = in_flight = generated = sequences = tpot_sum = admitted = prompt = 0.0
+    queued, replicas = {}, {}
     buckets: dict[str, list[tuple[float, float]]] = {"ttft": [], "tpot": []}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
@@ -60,8 +62,10 @@ def parse_scrape(text: str, t_s: float) -> Scrape:
                 generated += value
             elif name == "pdcluster_admission_queued_tokens":
                 queued[labels["pool"]] = value
-            elif name == "pdcluster_prompt_tokens_total" and labels.get("pool") == "prefill":
-                prompt[labels["replica"]] = value
+            elif name == "pdcluster_admission_admitted_total":
+                admitted = value
+            elif name == "pdcluster_admission_prompt_tokens_total":
+                prompt = value
             elif name in ("pdcluster_requests_running", "pdcluster_requests_waiting"):
                 if labels.get("pool") == "decode":
                     sequences += value
@@ -71,12 +75,8 @@ def parse_scrape(text: str, t_s: float) -> Scrape:
                 tpot_sum = value
             elif name in ("pdcluster_ttft_seconds_bucket", "pdcluster_tpot_seconds_bucket"):
                 buckets[name.split("_")[1]].append((float(labels["le"]), value))
-    return Scrape(t_s, answered, in_flight, generated, prompt, queued, sequences, replicas,
+    return Scrape(t_s, answered, in_flight, generated, admitted, prompt, queued, sequences, replicas,
                   tuple(sorted(buckets["ttft"])), tuple(sorted(buckets["tpot"])), tpot_sum)
-
-
-def counter_delta(before: dict[str, float], after: dict[str, float]) -> float:
-    return sum(max(v - before.get(k, 0.0), 0.0) for k, v in after.items())
 
 
 def p90(before: Sequence[tuple[float, float]], after: Sequence[tuple[float, float]]) -> tuple[float | None, int]:
@@ -105,15 +105,16 @@ def measurements(window: Sequence[Scrape], now_s: float) -> Measurements | None:
     first, last = window[0], window[-1]
     seconds = max(last.t_s - first.t_s, 1e-6)
     arrivals = max(last.answered - first.answered + last.in_flight - first.in_flight, 0.0)
-    prompt_tokens = counter_delta(first.prompt_tokens, last.prompt_tokens)
+    admitted = max(last.admitted - first.admitted, 0.0)
+    prompt_tokens = max(last.admitted_prompt_tokens - first.admitted_prompt_tokens, 0.0)
     ttft, ttft_n = p90(first.ttft_buckets, last.ttft_buckets)
     tpot, tpot_n = p90(first.tpot_buckets, last.tpot_buckets)
-    queued = sum(s.queued_tokens.get("prefill", 0.0) for s in window) / len(window)
+    queued = sum(sum(s.queued_tokens.values()) for s in window) / len(window)
     sequences = sum(s.decode_sequences for s in window) / len(window)
     tpot_mean = (last.tpot_sum_s - first.tpot_sum_s) / tpot_n if tpot_n else None
     return Measurements(
         now_s=now_s, arrival_rps=arrivals / seconds,
-        prompt_tokens_mean=prompt_tokens / arrivals if arrivals else 0.0,
+        prompt_tokens_mean=prompt_tokens / admitted if admitted else 0.0,
         output_tok_s=max(last.generated_tokens - first.generated_tokens, 0.0) / seconds,
         prefill=PoolMeasurement(queued_tokens=queued, latency_p90_s=ttft, latency_samples=ttft_n),
         decode=PoolMeasurement(sequences=sequences, latency_p90_s=tpot, latency_samples=tpot_n,

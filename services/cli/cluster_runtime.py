@@ -23,6 +23,7 @@ from services.cluster_env import cluster_env, replica_env
 from services.cluster_secret import CLUSTER_SECRET_ENV, cluster_secret, ensure_cluster_secret
 from services.config import ClusterConfig
 from services.cli.processes import reap
+from services.pools import pool_targets
 
 STATE_FILE = Path("runs/cluster.json")
 APP_NAME = "pdcluster"
@@ -126,6 +127,7 @@ class LocalCluster:
         else:
             serve.start(http_options={"host": self.config.host, "port": self.config.port})
         progress(f"deploying {self.config.mode} pools (loading the model in each replica) ...")
+        pool_targets.publish(url, self.config.cluster_name, pool_targets.targets_of(self.config))
         try:
             serve.run(build_app(self.config), name=APP_NAME, route_prefix="/", blocking=False)
         except RuntimeError as exc:  # Serve names the deployment; its replica's error says why
@@ -193,12 +195,8 @@ class LocalCluster:
     def apply(self, config: ClusterConfig) -> None:
         """Redeploys with ``config``: Serve resizes pools whose only change is
         their replica count and rolls the deployments whose arguments changed."""
-        from ray import serve
-
-        from services.app import build_app
-
+        redeploy(self.config, config)
         self.config = config
-        serve.run(build_app(self.config), name=APP_NAME, route_prefix="/", blocking=False)
 
     def stop(self) -> None:
         import ray
@@ -227,6 +225,27 @@ class LocalCluster:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def redeploy(old: ClusterConfig, new: ClusterConfig) -> None:
+    """``new`` deployed over ``old`` (a connected Ray), its pool targets
+    published in the order services/pools/pool_targets.py gives, so the
+    gateway never sends a prompt to a prefill pool that is going or not back yet."""
+    from ray import serve
+
+    from services.app import build_app
+
+    before, after = pool_targets.targets_of(old), pool_targets.targets_of(new)
+    url, cluster = new.index_url, new.cluster_name
+    if url and pool_targets.publish_first(before, after):
+        pool_targets.publish(url, cluster, after)
+        time.sleep(pool_targets.DRAIN_S)
+    serve.run(build_app(new), name=APP_NAME, route_prefix="/", blocking=False)
+    if url:
+        for pool, n in after.items():
+            if before.get(pool, 1) == 0 < n:
+                pool_targets.wait_for_live(url, cluster, pool)
+        pool_targets.publish(url, cluster, after)
 
 
 def deployment_errors(status, app_name: str, limit: int = 4000) -> str:

@@ -121,22 +121,24 @@ def print_autoscale(state: dict) -> None:
 
 def run_scale(args: argparse.Namespace) -> int:
     import ray
-    from ray import serve
+    from pydantic import ValidationError
 
-    from services.app import build_app
     from services.cluster_env import cluster_env
-    from services.cli.cluster_runtime import APP_NAME
+    from services.cli.cluster_runtime import redeploy
     from services.config import ClusterConfig
 
     if args.replicas < 0:
         raise SystemExit("replicas must be >= 0")
     state = _state()
-    config = ClusterConfig.model_validate(state["config"])
-    pool = getattr(config, args.pool).model_copy(update={"num_replicas": args.replicas, "autoscaling": None})
-    config = config.model_copy(update={args.pool: pool})
+    old = ClusterConfig.model_validate(state["config"])
+    pool = getattr(old, args.pool).model_copy(update={"num_replicas": args.replicas, "autoscaling": None})
+    try:
+        config = ClusterConfig.model_validate({**old.model_dump(), args.pool: pool.model_dump()})
+    except ValidationError as exc:
+        raise SystemExit("; ".join(e["msg"].removeprefix("Value error, ") for e in exc.errors())) from None
     cluster_env()
     ray.init(address="auto", log_to_driver=False)
-    serve.run(build_app(config), name=APP_NAME, route_prefix="/", blocking=False)
+    redeploy(old, config)
     state["config"] = config.model_dump()
     write_state(state)
     print(f"{args.pool}: {args.replicas} replicas requested; in-flight requests finish on the old ones")

@@ -124,6 +124,8 @@ class Admission:
         self.rates: dict[str, PoolRate] = {}
         self.num_shed = 0
         self.num_over_capacity = 0
+        self.num_admitted = 0
+        self.admitted_prompt_tokens = 0  # whichever pool prefills them: the autoscaler's prompt mean
 
     def admit(self, pool: str, prompt_tokens: int) -> Ticket:
         """A ticket, or BackendOverloaded (429 with Retry-After)."""
@@ -147,9 +149,12 @@ class Admission:
                     f"{d.retry_after_s:.0f} s or add {pool} replicas", retry_after_s=d.retry_after_s)
         rate.enqueue(cost, time.monotonic())
         self.in_flight += 1
+        self.num_admitted += 1
+        self.admitted_prompt_tokens += prompt_tokens
         return Ticket(self, pool, cost)
 
     def view(self) -> dict:
         return {"in_flight": self.in_flight, "shed": self.num_shed, "over_capacity": self.num_over_capacity,
+                "admitted": self.num_admitted, "admitted_prompt_tokens": self.admitted_prompt_tokens,
                 "pools": {p: {"queued_tokens": r.queued_tokens, "queued_requests": r.queued_requests,
                               "rate_tps": r.rate_tps} for p, r in self.rates.items()}}

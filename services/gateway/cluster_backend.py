@@ -104,7 +104,13 @@ class ClusterBackend(Backend):
     def _prefill_pool(self, req: GenerateRequest) -> str:
         if self.mode == "colocated":
             return "colocated"
-        return "decode" if prefill_locally(len(req.prompt_token_ids), self.local_prefill_max_tokens) else "prefill"
+        if self._prefill_at_zero() or prefill_locally(len(req.prompt_token_ids), self.local_prefill_max_tokens):
+            return "decode"
+        return "prefill"
+
+    def _prefill_at_zero(self) -> bool:
+        """The prefill pool is scaled to zero on purpose (services/pools/pool_targets.py), as of the last read."""
+        return self.liveness is not None and self.liveness.cached_scaled_to_zero("prefill")
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[TokenDelta]:
         ticket = self.admission.admit(self._prefill_pool(req), len(req.prompt_token_ids))  # or 429
@@ -215,6 +221,12 @@ class ClusterBackend(Backend):
             # it runs both phases (counted; long prompts still go to the prefill pool).
             self.num_local_prefills += 1
             metrics.count_decode_pool_prefill("short_prompt")
+            async for chunk in self._whole_request("decode", "generate_colocated", req, progress):
+                yield chunk
+            return
+        if self.liveness is not None and await self.liveness.scaled_to_zero("prefill"):
+            # The autoscaler (or the config) took the prefill pool away: the decode replica runs both phases.
+            metrics.count_decode_pool_prefill("prefill_pool_at_zero")
             async for chunk in self._whole_request("decode", "generate_colocated", req, progress):
                 yield chunk
             return
@@ -332,7 +344,7 @@ class ClusterBackend(Backend):
     def _needed_pools(self) -> tuple[str, ...]:
         if self.mode == "colocated":
             return ("colocated",)
-        return ("decode",) if self.fallback_to_colocated else ("prefill", "decode")
+        return ("decode",) if self.fallback_to_colocated or self._prefill_at_zero() else ("prefill", "decode")
 
     async def _live(self, pool: str) -> int:
         """Replicas of ``pool`` whose engine loop is alive: from the status
@@ -351,6 +363,8 @@ class ClusterBackend(Backend):
     async def health(self) -> dict:
         """Ready = a request sent now succeeds: every pool the mode needs has a
         replica with a live engine loop."""
+        if self.liveness is not None:
+            await self.liveness.scaled_to_zero("prefill")  # fresh targets before choosing the pools
         live = {pool: await self._live(pool) for pool in self._needed_pools()}
         missing = [pool for pool, n in live.items() if n == 0]
         if missing:

@@ -12,6 +12,8 @@ prometheus_client's global one), so two apps in a process never mix numbers.
     pdcluster_admission_in_flight            gauge                              at scrape, from Admission.view()
     pdcluster_admission_rejections_total     counter    reason                  slo (shed) | in_flight_cap
     pdcluster_admission_queued_tokens        gauge      pool                    prompt tokens awaiting a first token
+    pdcluster_admission_admitted_total       counter                            requests admitted
+    pdcluster_admission_prompt_tokens_total  counter                            their prompt tokens (any pool)
     pdcluster_failovers_total                counter    reason                  streams resumed on another replica
     pdcluster_kv_blocks_used                 gauge      pool, replica           at scrape, from the Redis status
     pdcluster_kv_blocks_total                gauge      pool, replica             board (StatusBoardReader: at most
@@ -187,7 +189,11 @@ def _admission_families(view: dict) -> list[Metric]:
                                "admitted to a pool and awaiting their first token", labels=("pool",))
     for pool, rate in sorted(view.get("pools", {}).items()):
         queued.add_metric((pool,), rate["queued_tokens"])
-    return [in_flight, rejections, queued]
+    admitted = CounterMetricFamily("pdcluster_admission_admitted", "Requests admitted to a pool",
+                                   value=view.get("admitted", 0))
+    prompt = CounterMetricFamily("pdcluster_admission_prompt_tokens", "Prompt tokens of the admitted requests, "
+                                 "whichever pool prefills them", value=view.get("admitted_prompt_tokens", 0))
+    return [in_flight, rejections, queued, admitted, prompt]
 
 
 def _number(value: Any) -> bool:

@@ -68,6 +68,9 @@ def test_overload_beyond_the_queue_answers_429_then_recovers(cluster, base_url):
 
 
 def test_scaling_prefill_down_and_up_while_serving_loses_nothing(cluster, base_url):
+    """2 -> 1 -> 0 -> 2 prefill replicas under traffic.  At zero (the
+    autoscaler's low-load setting) the decode replica prefills every prompt:
+    nothing waits on a pool that is not there, and /health stays ready."""
     results: list[int] = []
     stop = threading.Event()
 
@@ -83,6 +86,12 @@ def test_scaling_prefill_down_and_up_while_serving_loses_nothing(cluster, base_u
     try:
         cluster.scale("prefill", 1)
         _wait_replicas(cluster, "prefill", 1)
+        cluster.scale("prefill", 0)
+        _wait_replicas(cluster, "prefill", 0)
+        before = len(results)
+        health = httpx.get(f"{base_url}/health", timeout=10)
+        time.sleep(3.0)
+        served_at_zero = len(results) - before
         cluster.scale("prefill", 2)
         _wait_replicas(cluster, "prefill", 2)
         time.sleep(1.0)
@@ -91,6 +100,8 @@ def test_scaling_prefill_down_and_up_while_serving_loses_nothing(cluster, base_u
         for w in workers:
             w.join(120)
     assert len(results) >= 4 and set(results) == {200}, results
+    assert health.status_code == 200 and health.json()["live_replicas"] == {"decode": 1}, health.text
+    assert served_at_zero >= 2  # answered while Serve ran no prefill replica at all
     wait_no_leaks(cluster, timeout_s=60)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import random
+import re
 
 import pytest
 
@@ -189,11 +190,13 @@ def test_with_replicas_takes_an_outside_resize_and_forgets_the_stable_spell():
     ({"max_utilization": 1.5}, "max_utilization must be in (0, 1]"),
     ({"down_margin": 0.9}, "down_margin must be >= 1"),
     ({"tpot_slo_s": 0}, "tpot_slo_s must be > 0"),
-    ({"bounds": ((2, 1), (1, 1))}, "prefill: need 1 <= min_replicas <= max_replicas, got 2..1"),
+    ({"bounds": ((2, 1), (1, 1))}, "prefill: need 0 <= min_replicas <= max_replicas, max_replicas >= 1, got 2..1"),
+    ({"bounds": ((0, 0), (1, 1))}, "prefill: need 0 <= min_replicas <= max_replicas, max_replicas >= 1, got 0..0"),
     ({"bounds": ((1, 1), (0, 1))}, "decode: need 1 <= min_replicas"),
+    ({"local_prefill_max_share": 1.0}, "local_prefill_max_share must be in [0, 1)"),
 ])
 def test_rules_refuse_bad_values(kwargs, message):
-    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(ValueError, match=re.escape(message)):
         ScalingRules(**kwargs)
 
 
@@ -258,3 +261,61 @@ def test_a_down_scale_forgets_the_up_scales_slowdown():
     state = ScalerState(PoolState(1), PoolState(3, last_change_s=0.0, up_slowdown=2.5))
     history, state = run(state, [load(t, 0.5) for t in range(100, 200, 5)])
     assert changes(history, "decode") and state.decode.up_slowdown is None
+
+
+# --- a prefill pool that may go to zero (prefill min_replicas 0) -------------
+
+ZERO = ScalingRules(bounds=((0, 3), (1, 4)))
+
+
+def test_prefill_goes_to_zero_while_the_prompts_take_a_small_share_of_each_decode_replica():
+    # 0.5 req/s x 0.2 s busy = 0.1 of one decode replica <= 0.2: the decode replica prefills
+    need = prefill_need(0.5, 50, 0, PREFILL, ZERO, decode_replicas=1)
+    assert need.replicas == 0 and "0.10 of each <= 0.2" in need.why
+    # 1.9 req/s: 0.38 of one decode replica, 0.19 of each of two
+    assert prefill_need(1.9, 50, 0, PREFILL, ZERO, decode_replicas=1).replicas == 1
+    assert prefill_need(1.9, 50, 0, PREFILL, ZERO, decode_replicas=2).replicas == 0
+    # the same load without the option: the pool keeps its replica
+    assert prefill_need(0.5, 50, 0, PREFILL, ZERO).replicas == 1
+    # a prompt whose prefill alone misses the TTFT budget never goes local, however rare
+    slow = PrefillModel(overhead_s=2.0, per_token_s=0.004)
+    assert prefill_need(0.01, 50, 0, slow, ZERO, decode_replicas=4).replicas == 64
+
+
+def test_the_decode_need_counts_the_prompts_it_prefills_until_calibrated():
+    from services.autoscale.policy import Pools, pool_need
+
+    # 3.4 req/s x 20 tokens = 68 tok/s: one replica at 85.7 x 0.8 = 68.6 tok/s suffices without prompts ...
+    m = Measurements(0, 3.4, 50, 68.0, decode=PoolMeasurement(sequences=3))
+    assert pool_need("decode", m, PREFILL, STEP, ZERO).replicas == 1
+    # ... but prefilling 3.4 x 0.2 s = 0.68 of its time leaves 0.32 x 85.7 tok/s
+    local = pool_need("decode", m, PREFILL, STEP, ZERO, pools=Pools(decode_replicas=1, prefill_at_zero=True))
+    assert local.replicas == 4 and "less 0.68 for its prompts" in local.why
+    # a calibrated slowdown already holds the prompts' stalls: not counted twice
+    calibrated = Measurements(0, 3.4, 50, 68.0, decode=PoolMeasurement(sequences=3, latency_mean_s=0.07,
+                                                                       latency_samples=50, replicas=1))
+    assert "less" not in pool_need("decode", calibrated, PREFILL, STEP, ZERO,
+                                   pools=Pools(decode_replicas=1, prefill_at_zero=True)).why
+
+
+def test_prefill_scales_to_zero_at_low_load_and_comes_back_for_the_peak():
+    low, peak = 0.5, 6.0
+    loads = ([load(t, low) for t in range(0, 90, 5)] + [load(t, peak) for t in range(90, 150, 5)]
+             + [load(t, low) for t in range(150, 300, 5)])
+    history, state = run(start(1, 1), loads, ZERO)
+    moves = changes(history, "prefill")
+    # down only after the stable spell (20 s), then up at the peak's first tick, down again after it
+    assert [(c, t) for _, c, t in moves] == [(1, 0), (0, 2), (2, 0)]
+    assert moves[0][0] * 5 >= 20 and moves[1][0] == 90 // 5
+    assert direction_changes(history, "prefill") == 2  # one per phase change
+    assert state.prefill.replicas == 0
+    # while at zero, the decode pool's need carried the prompts' share
+    at_zero = history[moves[0][0] + 1]["decode"]
+    assert "for its prompts" in at_zero.reason or at_zero.direction == "hold"
+
+
+def test_a_ttft_breach_brings_a_zero_prefill_pool_back():
+    state = ScalerState(PoolState(0), PoolState(1))
+    decisions, _ = decide(load(100.0, 0.5, ttft_p90=2.5), state, PREFILL, STEP, ZERO)
+    prefill = decisions[0]
+    assert (prefill.current, prefill.target) == (0, 1) and "TTFT p90 2.500 s > SLO 2 s" in prefill.reason

@@ -8,14 +8,14 @@ import json
 import pytest
 
 from services.autoscale.log import entry, format_recent
-from services.autoscale.signals import counter_delta, measurements, p90, parse_scrape
+from services.autoscale.signals import measurements, p90, parse_scrape
 from services.autoscale.controller import Autoscaler
-from services.config import AutoscaleSpeed, AutoscalingSettings, ClusterConfig
+from services.config import AutoscalePoolBounds, AutoscaleSpeed, AutoscalingSettings, ClusterConfig
 
 TPOT_LE = (0.05, 0.075, 0.1, 0.15, float("inf"))
 
 
-def metrics_text(*, answered: int, in_flight: int, generated: int, prompt: dict[str, int], queued: int,
+def metrics_text(*, answered: int, in_flight: int, generated: int, admitted: int, prompt: int, queued: int,
                  decode_running: list[int], tpot_counts: tuple[int, ...] = (0, 0, 0, 0, 0), tpot_sum: float = 1.0) -> str:
     """The lines of services/openai/gateway_metrics.py the autoscaler reads."""
     lines = ["# TYPE pdcluster_http_responses_total counter",
@@ -25,8 +25,12 @@ def metrics_text(*, answered: int, in_flight: int, generated: int, prompt: dict[
              "# TYPE pdcluster_generation_tokens_total counter", f"pdcluster_generation_tokens_total {generated}",
              "# TYPE pdcluster_admission_queued_tokens gauge",
              f'pdcluster_admission_queued_tokens{{pool="prefill"}} {queued}',
-             "# TYPE pdcluster_prompt_tokens_total counter"]
-    lines += [f'pdcluster_prompt_tokens_total{{pool="prefill",replica="{r}"}} {v}' for r, v in prompt.items()]
+             f'pdcluster_admission_queued_tokens{{pool="decode"}} {queued // 2}',
+             "# TYPE pdcluster_admission_admitted_total counter", f"pdcluster_admission_admitted_total {admitted}",
+             "# TYPE pdcluster_admission_prompt_tokens_total counter",
+             f"pdcluster_admission_prompt_tokens_total {prompt}",
+             "# TYPE pdcluster_prompt_tokens_total counter",  # the replicas' own count: not the autoscaler's
+             'pdcluster_prompt_tokens_total{pool="prefill",replica="p0"} 123456']
     lines += ["# TYPE pdcluster_requests_running gauge"]
     lines += [f'pdcluster_requests_running{{pool="decode",replica="d{i}"}} {n}' for i, n in enumerate(decode_running)]
     lines += ['pdcluster_requests_running{pool="prefill",replica="p0"} 1', "# TYPE pdcluster_requests_waiting gauge",
@@ -40,10 +44,11 @@ def metrics_text(*, answered: int, in_flight: int, generated: int, prompt: dict[
 
 
 def test_parse_scrape_reads_what_the_rule_needs():
-    s = parse_scrape(metrics_text(answered=10, in_flight=3, generated=400, prompt={"p0": 500, "p1": 200},
+    s = parse_scrape(metrics_text(answered=10, in_flight=3, generated=400, admitted=13, prompt=700,
                                   queued=96, decode_running=[2, 3], tpot_counts=(1, 2, 3, 4, 0)), 5.0)
     assert (s.answered, s.in_flight, s.generated_tokens) == (10, 3, 400)
-    assert s.prompt_tokens == {"p0": 500, "p1": 200} and s.queued_tokens == {"prefill": 96}
+    assert (s.admitted, s.admitted_prompt_tokens) == (13, 700)
+    assert s.queued_tokens == {"prefill": 96, "decode": 48}
     assert s.decode_sequences == 2 + 3 + 1  # running on both decode replicas + waiting
     assert s.replicas == {"decode": 2, "prefill": 1}
     assert s.tpot_buckets == ((0.05, 1), (0.075, 3), (0.1, 6), (0.15, 10), (float("inf"), 10))
@@ -56,20 +61,16 @@ def test_p90_interpolates_within_the_bucket_of_the_window_only():
     assert p90(after, after) == (None, 0)
 
 
-def test_counters_of_replicas_that_come_and_go_never_go_negative():
-    assert counter_delta({"a": 100, "gone": 50}, {"a": 130, "new": 20}) == 30 + 20
-
-
 def test_measurements_are_window_differences_and_gauge_means():
-    first = parse_scrape(metrics_text(answered=10, in_flight=2, generated=100, prompt={"p0": 1000}, queued=0,
+    first = parse_scrape(metrics_text(answered=10, in_flight=2, generated=100, admitted=12, prompt=1000, queued=0,
                                       decode_running=[1]), 0.0)
-    last = parse_scrape(metrics_text(answered=30, in_flight=4, generated=700, prompt={"p0": 2100}, queued=200,
+    last = parse_scrape(metrics_text(answered=30, in_flight=4, generated=700, admitted=34, prompt=2100, queued=200,
                                      decode_running=[5], tpot_counts=(8, 1, 1, 0, 0), tpot_sum=1.5), 10.0)
     m = measurements([first, last], now_s=10.0)
     assert m.arrival_rps == pytest.approx(2.2)  # (20 answered + 2 more in flight) / 10 s
-    assert m.prompt_tokens_mean == pytest.approx(50.0)  # 1100 tokens / 22 arrivals
+    assert m.prompt_tokens_mean == pytest.approx(50.0)  # 1100 tokens / 22 admitted, whichever pool prefilled
     assert m.output_tok_s == pytest.approx(60.0)
-    assert m.prefill.queued_tokens == 100 and m.decode.sequences == (2 + 6) / 2
+    assert m.prefill.queued_tokens == 150 and m.decode.sequences == (2 + 6) / 2  # both pools' queues, mean
     assert m.decode.latency_samples == 10 and m.decode.latency_p90_s == pytest.approx(0.075)
     assert m.decode.latency_mean_s == pytest.approx(0.05) and m.decode.replicas == 1  # 0.5 s over 10 requests
     assert measurements([first], 0.0) is None
@@ -98,14 +99,15 @@ class Script:
         self.prompt += round(self.rps * seconds * 10)  # 10-token prompts: one prefill replica suffices
 
     def text(self) -> str:
-        return metrics_text(answered=self.answered, in_flight=0, generated=self.generated, prompt={"p0": self.prompt},
+        return metrics_text(answered=self.answered, in_flight=0, generated=self.generated, admitted=self.answered,
+                            prompt=self.prompt,
                             queued=0, decode_running=[self.running])
 
 
 def test_controller_scales_up_on_a_peak_and_back_down_after_it():
     speed = AutoscaleSpeed(prefill_overhead_s=0.15, prefill_per_token_s=0.012, step_base_s=0.045, step_per_seq_s=0.008)
     settings = AutoscalingSettings(enabled=True, window_s=9, up_cooldown_s=10, down_cooldown_s=20, down_stable_s=15,
-                                   speed=speed)
+                                   speed=speed, prefill=AutoscalePoolBounds(min_replicas=1, max_replicas=2))
     cluster = FakeCluster(ClusterConfig(autoscaling=settings))
     script = Script()
     scaler = Autoscaler(cluster, fetch=script.text, clock=lambda: script.t)
@@ -122,6 +124,27 @@ def test_controller_scales_up_on_a_peak_and_back_down_after_it():
     moves = [(t, d.pool, d.direction) for t, ds in scaler.history for d in ds if d.direction != "hold"]
     assert [m[1:] for m in moves] == [("decode", "up"), ("decode", "up"), ("decode", "down")]
     assert moves[0][0] == 33 and moves[1][0] == 45  # the first peak scrape; the up-scale cool-down after it
+
+
+def test_controller_takes_the_prefill_pool_to_zero_at_low_load_and_back_for_the_peak():
+    speed = AutoscaleSpeed(prefill_overhead_s=0.15, prefill_per_token_s=0.012, step_base_s=0.045, step_per_seq_s=0.008)
+    settings = AutoscalingSettings(enabled=True, window_s=9, up_cooldown_s=10, down_cooldown_s=20, down_stable_s=15,
+                                   speed=speed)  # prefill min_replicas 0: the default
+    cluster = FakeCluster(ClusterConfig(autoscaling=settings))
+    script = Script()
+    scaler = Autoscaler(cluster, fetch=script.text, clock=lambda: script.t)
+    scaler._record = lambda decisions, m: None
+    # 10-token prompts take 0.12 s of prefill: 1 req/s is 0.12 of a decode replica (<= 0.2), 5 req/s 0.6
+    for rps, running, seconds in ((1.0, 1, 30), (5.0, 6, 40), (1.0, 1, 120)):
+        script.rps, script.running = rps, running
+        for _ in range(int(seconds / 3)):
+            script.advance(3)
+            scaler.tick()
+    prefill = [p for p, _ in cluster.applied]
+    assert prefill[0] == 0 and 1 in prefill and prefill[-1] == 0  # away, back for the peak, away again
+    assert cluster.config.prefill.num_replicas == 0 and cluster.config.decode.num_replicas == 1
+    peak = [t for t, ds in scaler.history for d in ds if d.pool == "prefill" and d.direction == "up"]
+    assert peak and 30 <= peak[0] <= 45  # within the peak's first window
 
 
 def test_controller_refuses_colocated_mode():

@@ -12,14 +12,7 @@ from services.messages import GenerateRequest
 from services.gateway.cluster_backend import ClusterBackend
 from services.engine.sampling_params import greedy
 from services.messages import TokenDelta
-
-
-class _Liveness:
-    def __init__(self, n):
-        self.n = n
-
-    async def live(self, role):
-        return self.n
+from tests.unit.services.liveness_fake import FakeLiveness
 
 
 class _Stream:
@@ -59,7 +52,7 @@ class _Handle:
 def _backend(live, fallback):
     handles = {"prefill": _Handle(), "decode": _Handle()}
     return ClusterBackend(handles, mode="disaggregated", model_name="m", max_model_len=64, block_size=16,
-                          liveness=_Liveness(live), fallback_to_colocated=fallback), handles
+                          liveness=FakeLiveness(live), fallback_to_colocated=fallback), handles
 
 
 async def _collect(backend):
@@ -99,7 +92,7 @@ def test_prefill_locally_only_short_prompts_when_enabled(tokens, limit, local):
 async def test_short_prompt_prefills_on_the_decode_replica_and_is_counted():
     handles = {"prefill": _Handle(), "decode": _Handle()}
     backend = ClusterBackend(handles, mode="disaggregated", model_name="m", max_model_len=64, block_size=16,
-                             liveness=_Liveness(1), local_prefill_max_tokens=3)
+                             liveness=FakeLiveness(1), local_prefill_max_tokens=3)
     chunks = await _collect(backend)  # a 3-token prompt
     assert [c.text for c in chunks] == ["hi", "!"]
     assert [name for name, *_ in handles["decode"].calls] == ["generate_colocated"]
@@ -108,3 +101,22 @@ async def test_short_prompt_prefills_on_the_decode_replica_and_is_counted():
     with pytest.raises(Exception):
         await _collect(backend)
     assert [name for name, *_ in handles["prefill"].calls] == ["prefill"] and backend.num_local_prefills == 1
+
+
+async def test_a_prefill_pool_scaled_to_zero_on_purpose_prefills_on_the_decode_replica_without_fallback():
+    handles = {"prefill": _Handle(), "decode": _Handle()}
+    liveness = FakeLiveness({"prefill": 0, "decode": 1}, targets={"prefill": 0, "decode": 1})
+    backend = ClusterBackend(handles, mode="disaggregated", model_name="m", max_model_len=64, block_size=16,
+                             liveness=liveness, fallback_to_colocated=False)
+    chunks = await _collect(backend)  # no 503: the pool is away by design, not dead
+    assert [c.text for c in chunks] == ["hi", "!"] and chunks[-1].finish_reason == "length"
+    assert [name for name, *_ in handles["decode"].calls] == ["generate_colocated"] and handles["prefill"].calls == []
+    assert backend.num_colocated_fallbacks == 0  # not a fallback
+    assert backend._prefill_pool(GenerateRequest("r2", [1] * 40, greedy(2), RoutingHeader((), 40))) == "decode"
+    health = await backend.health()
+    assert health["status"] == "ok" and health["live_replicas"] == {"decode": 1}
+    # the pool's target back above zero: a missing replica is a missing replica again
+    liveness.targets["prefill"] = 1
+    with pytest.raises(BackendUnavailable, match="prefill pool has no live replica"):
+        await _collect(backend)
+    assert (await backend.health())["status"] == "unavailable"

@@ -26,6 +26,7 @@ from services.gateway.failover_log import summary
 from services.gateway.resume import with_stream_seed
 from services.messages import GenerateRequest, PrefillResponse, TokenDelta
 from tests.unit.services.serve_fakes import HANDOFF, SERVERS, FakeResponse, FakeStream
+from tests.unit.services.liveness_fake import FakeLiveness
 
 R = FailoverReason
 
@@ -141,19 +142,11 @@ class _Cluster:
         return Handle()
 
 
-class _Liveness:
-    def __init__(self, counts):
-        self.counts = counts
-
-    async def live(self, role):
-        return self.counts.get(role, 0)
-
-
 def _backend(streams, live=None, prefills=(), **kw):
     cluster = _Cluster(streams, prefills)
     handles = {"prefill": cluster.pool("prefill"), "decode": cluster.pool("decode")}
     backend = ClusterBackend(handles, mode="disaggregated", model_name="m", max_model_len=64, block_size=16,
-                             liveness=_Liveness({"prefill": 1} | live) if live is not None else None, **kw)
+                             liveness=FakeLiveness({"prefill": 1} | live) if live is not None else None, **kw)
     return backend, cluster
 
 

@@ -27,6 +27,9 @@ class _Redis:
     async def mget(self, keys):
         return [self.values[k.decode()] for k in keys]
 
+    async def hgetall(self, key):
+        return {}  # no pool targets published
+
 
 def _board() -> _Redis:
     return _Redis({"pdc:status:c:p1": json.dumps(PREFILL).encode(), "pdc:status:c:d1": json.dumps(DEAD_DECODE).encode(),
