@@ -190,8 +190,6 @@ class AutoscalingSettings(_Strict):
                              "(only the prefill pool may scale to zero)")
         for pool in ("prefill", "decode"):
             b = getattr(self, pool)
-            if b.max_replicas < 1:
-                raise ValueError(f"autoscaling.{pool}.max_replicas must be >= 1")
             if b.min_replicas > b.max_replicas:
                 raise ValueError(f"autoscaling.{pool}: min_replicas {b.min_replicas} > max_replicas "
                                  f"{b.max_replicas}: raise max_replicas or lower min_replicas")

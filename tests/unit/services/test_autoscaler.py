@@ -182,3 +182,26 @@ def test_status_prints_the_last_decisions_when_an_autoscaler_runs(monkeypatch, c
     monkeypatch.setattr(autoscale_log, "read_recent", lambda url, cluster: [])
     cli_status.print_autoscale({"redis_url": "redis://x"})
     assert capsys.readouterr().out == ""
+
+
+def test_only_a_pool_going_to_zero_is_published_before_the_deploy():
+    from services.pools.pool_targets import publish_first, targets_of
+
+    assert publish_first({"prefill": 1, "decode": 1}, {"prefill": 0, "decode": 1})
+    assert not publish_first({"prefill": 0, "decode": 1}, {"prefill": 1, "decode": 1})  # live first, then publish
+    assert not publish_first({"prefill": 2, "decode": 1}, {"prefill": 1, "decode": 3})
+    assert not publish_first({"prefill": 0}, {"prefill": 0})
+    config = ClusterConfig(prefill={"num_replicas": 0}, decode={"num_replicas": 2})
+    assert targets_of(config) == {"prefill": 0, "decode": 2}
+    assert targets_of(ClusterConfig(mode="colocated")) == {"colocated": 2}
+
+
+@pytest.mark.parametrize("pools,message", [
+    ({"decode": {"num_replicas": 0}}, "decode.num_replicas must be >= 1"),
+    ({"mode": "colocated", "colocated": {"num_replicas": 0}}, "colocated.num_replicas must be >= 1"),
+    ({"autoscaling": {"decode": {"min_replicas": 0, "max_replicas": 2}}}, "decode.min_replicas must be >= 1"),
+    ({"autoscaling": {"prefill": {"min_replicas": 0, "max_replicas": 0}}}, "prefill.max_replicas\n.*greater than or equal to 1"),
+])
+def test_only_the_prefill_pool_may_be_empty(pools, message):
+    with pytest.raises(ValueError, match=message):
+        ClusterConfig(**pools)
