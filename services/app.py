@@ -15,7 +15,8 @@ from services.config import ClusterConfig, PoolConfig
 # sends it nothing (services/pools/pool_targets.py), so it stays at zero; a
 # request that reached it anyway would start one replica, not wait forever.
 AT_ZERO = {"min_replicas": 0, "initial_replicas": 0, "max_replicas": 1, "upscale_delay_s": 0.0,
-           "downscale_delay_s": 0.0, "downscale_to_zero_delay_s": 0.0, "look_back_period_s": 1.0}
+           "downscale_delay_s": 0.0, "downscale_to_zero_delay_s": 0.0, "metrics_interval_s": 0.5,
+           "look_back_period_s": 1.0}
 
 
 def _pool_options(config: ClusterConfig, pool: PoolConfig, router_pool: str | None, placed_as: str) -> dict:

@@ -12,10 +12,13 @@ low, 3x low, low (60 s each by default), poisson arrivals of short chats.
                 the decode replica prefills; services/autoscale/policy.py); the
                 controller (services/autoscale/controller.py) sizes both pools from
                 the gateway's /metrics while the ramp runs
-    static      sized for the peak: per pool, the larger of what the same rule
-                (services/autoscale/policy.py) needs at the peak's nominal load
-                and the most replicas the autoscaled run held (the rule on live,
-                calibrated figures), held for the whole ramp
+    static      sized for the peak, held for the whole ramp: the deployment the
+                autoscaled run held at its largest (the rule on live, calibrated
+                figures), or what the same rule (services/autoscale/policy.py)
+                needs at the peak's nominal load if that has more replicas.  Whole
+                deployments, not a per-pool maximum: with a prefill pool that may
+                be at zero, 0 + 2 and 1 + 1 are two answers to one peak, and
+                1 + 2 would be a deployment neither asked for
 
 Replicas are 1 torch thread each on logical Ray CPUs, so replicas can be
 added on a small machine.  Prints goodput (TTFT <= 2 s and TPOT <= 100 ms;
@@ -163,6 +166,13 @@ def default_low_rps(limit_rps: float = 20.0) -> float:
     return round(peak / PEAK_FACTOR, 3)
 
 
+def static_for_peak(nominal: tuple[int, int], samples: list[tuple[float, int, int]]) -> tuple[int, int]:
+    """The largest deployment (most replicas in all) the autoscaled run held;
+    ``nominal`` when it held none larger (ties go to what it held)."""
+    held = max(((p, d) for _, p, d in samples), key=sum, default=nominal)
+    return held if sum(held) >= sum(nominal) else nominal
+
+
 def best_ratio(ramp: list[Phase]) -> float:
     """Replica-seconds autoscaled / static if every phase ran at the rule's need with no lag."""
     held = sum(sum(rule_need(p.rps)) * p.duration_s for p in ramp)
@@ -242,10 +252,9 @@ def main(argv: list[str] | None = None) -> int:
     nominal = static_size(ramp)
     opening = rule_need(ramp[0].rps)  # the autoscaled deployment starts as its rule sizes the opening load
     auto_run = run_mode("autoscaled", ramp, tokenizer, args.seed, *opening, True)
-    held = [max(s[i] for s in auto_run["samples"]) for i in (1, 2)]
-    static = (max(nominal[0], held[0]), max(nominal[1], held[1]))
-    print(f"# static: {static[0]} prefill + {static[1]} decode (the rule at the peak's nominal load: "
-          f"{nominal[0]} + {nominal[1]}; the autoscaled run held at most {held[0]} + {held[1]})", flush=True)
+    static = static_for_peak(nominal, auto_run["samples"])
+    print(f"# static: {static[0]} prefill + {static[1]} decode (the autoscaled run's largest deployment, or the "
+          f"rule at the peak's nominal load, {nominal[0]} + {nominal[1]}, if larger)", flush=True)
     static_run = run_mode("static", ramp, tokenizer, args.seed, *static, False)
     auto_good, auto_rs = report(auto_run, ramp)
     static_good, static_rs = report(static_run, ramp)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from bench.load.autoscale import (
-    PEAK_FACTOR, best_ratio, default_low_rps, direction_changes, phases, replica_seconds, rule_need,
+    PEAK_FACTOR, best_ratio, default_low_rps, direction_changes, phases, replica_seconds, rule_need, static_for_peak,
 )
 
 
@@ -43,3 +43,13 @@ def test_direction_changes_count_reversals_per_phase_and_pool(moves, changed):
     ramp = phases(1.0, 60.0)
     counts = direction_changes(moves, ramp)
     assert {k: v for k, v in counts.items() if v} == changed
+
+
+@pytest.mark.parametrize("nominal, samples, static", [
+    ((1, 1), [(0.0, 0, 1), (1.0, 0, 2), (2.0, 0, 1)], (0, 2)),  # a whole deployment, never 1 + 2
+    ((1, 2), [(0.0, 0, 1), (1.0, 0, 2)], (1, 2)),  # the rule's peak needs more than the run held
+    ((1, 1), [(0.0, 1, 1), (1.0, 1, 3)], (1, 3)),
+    ((0, 1), [], (0, 1)),
+])
+def test_the_static_deployment_is_the_largest_one_held_or_the_rules_peak(nominal, samples, static):
+    assert static_for_peak(nominal, samples) == static
