@@ -4,6 +4,9 @@ free loopback port."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+
 import pytest
 
 from prefix_store.redis_server import free_service_port
@@ -21,6 +24,28 @@ def trace_file(tmp_path_factory):
 
 _RUNNING: list = []
 
+# How often every Ray process exports its metrics to the node's Prometheus
+# endpoint (Ray's default is 10 s; it floors the setting at 1 s).  Tests that
+# wait for a count to arrive, or to hold still, wait a few of these.  2 s, not
+# 1 s: Ray drops a gauge not re-exported within 2 intervals, and a busy
+# 2-core machine can be late by a second.
+METRICS_REPORT_INTERVAL_S = 2.0
+
+
+@contextlib.contextmanager
+def metrics_report_interval(seconds: float = METRICS_REPORT_INTERVAL_S):
+    """Ray daemons and workers started inside export metrics every ``seconds``
+    (they read RAY_metrics_report_interval_ms from the environment they inherit)."""
+    name, before = "RAY_metrics_report_interval_ms", os.environ.get("RAY_metrics_report_interval_ms")
+    os.environ[name] = str(int(seconds * 1000))
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
+
 
 def stop_after_directory(item, nextitem, running: list) -> None:
     """Stops a directory's cluster right after its last test, so Ray is down
@@ -31,14 +56,16 @@ def stop_after_directory(item, nextitem, running: list) -> None:
         running.pop().stop()
 
 
-def directory_cluster(config: ClusterConfig, running: list):
+def directory_cluster(config: ClusterConfig, running: list, metrics_interval_s: float | None = None):
     """A session fixture's body: the cluster, started, registered in
-    ``running`` for stop_after_directory, and stopped however the run ends."""
+    ``running`` for stop_after_directory, and stopped however the run ends.
+    ``metrics_interval_s``: Ray's metrics export interval, when a test waits on it."""
     from services.cli.cluster_runtime import LocalCluster
 
     c = LocalCluster(config, num_cpus=8, dashboard=False, metrics_port=free_service_port())
     try:
-        c.start(progress=lambda m: print(m, flush=True))
+        with metrics_report_interval(metrics_interval_s) if metrics_interval_s else contextlib.nullcontext():
+            c.start(progress=lambda m: print(m, flush=True))
         running.append(c)
         yield c
     finally:
@@ -53,8 +80,6 @@ def pytest_runtest_teardown(item, nextitem):
 
 @pytest.fixture(scope="session")
 def cluster(trace_file):
-    import os
-
     # Replicas inherit the driver's environment: all spans land in one file.
     os.environ["PDCLUSTER_TRACE_FILE"] = str(trace_file)
     # No SLO shedding: on a slow CPU (AVX2 only) these feature tests' bursts predict a
@@ -65,7 +90,7 @@ def cluster(trace_file):
     config = ClusterConfig(port=free_service_port(), prefill=small_pool(num_replicas=2), decode=small_pool(),
                            lease_ttl_s=120.0,  # far above any wait: a stranded lease fails the leak checks
                            admission=AdmissionSettings(shed=False, inter_token_timeout_s=120.0))
-    yield from directory_cluster(config, _RUNNING)
+    yield from directory_cluster(config, _RUNNING, metrics_interval_s=METRICS_REPORT_INTERVAL_S)
 
 
 @pytest.fixture(scope="session")

@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from observability.exporters import read_spans
+from tests.integration.cluster.conftest import METRICS_REPORT_INTERVAL_S
 from tests.integration.cluster.test_cluster_api import MODEL
 
 pytestmark = pytest.mark.integration
@@ -100,9 +101,9 @@ def test_metrics_reach_the_prometheus_endpoint(cluster, base_url):
             time.sleep(1)
 
     def settled() -> str:
-        """The endpoint once the 2xx count has held still across 12 s (Ray
-        exports each process's metrics every few seconds, so counts of
-        earlier requests arrive late)."""
+        """The endpoint once the 2xx count has held still across 3 export
+        intervals (Ray exports each process's metrics every interval, so
+        counts of earlier requests arrive late)."""
         last, deadline = -1.0, time.monotonic() + 90
         while True:
             text = scrape(lambda t: ok_name in t)
@@ -110,7 +111,7 @@ def test_metrics_reach_the_prometheus_endpoint(cluster, base_url):
             if now == last or time.monotonic() > deadline:
                 return text
             last = now
-            time.sleep(12)
+            time.sleep(3 * METRICS_REPORT_INTERVAL_S)
 
     before = _counter(settled(), ok_name, '"2xx"')
     n = 3

@@ -5,11 +5,16 @@ from __future__ import annotations
 
 import copy
 import functools
+import hashlib
+import shutil
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
 
+from services import model_cache
 from services.engine.config import EngineConfig, SchedulerConfig
 from services.engine.engine import Engine
 from services.engine.model.default import default_model_path
@@ -63,13 +68,40 @@ def parity_prompts(smol_fp32) -> list[list[int]]:
 
 @functools.lru_cache(maxsize=1)
 def _hf_fp32():
+    """Transformers' own fp32 read of the bundled GGUF (its dequantization, its
+    q/k row order).  That read takes about half a minute, so the first
+    session saves the model it produced (save_pretrained: safetensors, the
+    same tensors bit for bit) and later sessions load that copy in seconds."""
+    from transformers import AutoModelForCausalLM
+
+    saved = _hf_reference_copy(default_model_path())
+    return AutoModelForCausalLM.from_pretrained(str(saved), dtype=torch.float32).eval()
+
+
+def _hf_reference_copy(gguf: Path) -> Path:
+    """``<model cache root>/transformers-reference/<stem>-<content hash>-<transformers version>``,
+    made from transformers' GGUF read if absent (written aside, then renamed
+    into place: a directory there is always complete).  Keyed by the file's
+    bytes, not its mtime, so a fresh clone's reinstalled wheel finds it."""
+    import transformers
     from transformers import AutoModelForCausalLM, GgufConfig
 
-    path = default_model_path()
+    digest = hashlib.blake2b(gguf.read_bytes(), digest_size=8).hexdigest()
+    root = model_cache.cache_root() / "transformers-reference"
+    saved = root / f"{gguf.stem}-{digest}-{transformers.__version__}"
+    if (saved / "config.json").exists():
+        return saved
     hf = AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32,
-        quantization_config=GgufConfig(gguf_file=path.name, dequantize=True))
-    return hf.eval()
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32,
+        quantization_config=GgufConfig(gguf_file=gguf.name, dequantize=True))
+    root.mkdir(parents=True, exist_ok=True)
+    partial = Path(tempfile.mkdtemp(prefix=saved.name + ".", dir=root))
+    hf.save_pretrained(str(partial))
+    try:
+        partial.rename(saved)
+    except OSError:  # another session saved it first
+        shutil.rmtree(partial, ignore_errors=True)
+    return saved
 
 
 @functools.lru_cache(maxsize=4)
@@ -116,7 +148,16 @@ def divergence_from_transformers(dtype: torch.dtype, prompt: list[int], tokens: 
     """Where `tokens` stops being transformers' greedy continuation of `prompt`,
     or None when they are the same sequence: each token is transformers'
     argmax given everything before it, and the output ends where greedy
-    generation would (EOS, or max_new_tokens)."""
+    generation would (EOS, or max_new_tokens).  Remembered per session: the
+    parity scenarios often produce the same tokens, and transformers'
+    verdict on the same inputs is the same (its forward pass is the cost)."""
+    return _divergence(dtype, tuple(prompt), tuple(tokens), max_new_tokens, tuple(eos_ids))
+
+
+@functools.lru_cache(maxsize=256)
+def _divergence(dtype: torch.dtype, prompt: tuple[int, ...], tokens: tuple[int, ...], max_new_tokens: int,
+                eos_ids: tuple[int, ...]) -> Divergence | None:
+    prompt, tokens = list(prompt), list(tokens)
     rows = hf_next_token_logprobs(dtype, prompt, tokens)
     stopped = len(tokens) == max_new_tokens or (tokens and tokens[-1] in eos_ids)
     for j in range(len(tokens) + (0 if stopped else 1)):

@@ -14,7 +14,7 @@ import pytest
 
 from prefix_store.redis_server import free_service_port
 from services.config import ClusterConfig
-from tests.integration.cluster.conftest import board, small_pool
+from tests.integration.cluster.conftest import board, metrics_report_interval, small_pool
 from tests.integration.cluster.test_cluster_api import MODEL, wait_no_leaks
 
 pytestmark = pytest.mark.integration
@@ -32,7 +32,8 @@ def cluster():
     # Not "serving": without a prefill replica /health rightly stays 503.
     c = LocalCluster(config, num_cpus=8, dashboard=False, metrics_port=free_service_port(), wait_until="gateway")
     try:
-        c.start(progress=lambda m: print(m, flush=True))
+        with metrics_report_interval():  # the fallback's count reaches /metrics sooner
+            c.start(progress=lambda m: print(m, flush=True))
         yield c
     finally:
         c.stop()
@@ -71,10 +72,10 @@ def test_503_then_counted_fallback_without_leaks(cluster):
     body = r.json()
     assert body["usage"]["completion_tokens"] == 8 and body["choices"][0]["text"]
 
-    deadline = time.monotonic() + 60  # Ray exports metrics every few seconds
+    deadline = time.monotonic() + 60  # Ray exports metrics every METRICS_REPORT_INTERVAL_S
     while counted(cluster, "no_prefill_replica") < 1:
         assert time.monotonic() < deadline, "the fallback was never counted"
-        time.sleep(2)
+        time.sleep(0.5)
     assert counted(cluster, "short_prompt") == 0
 
     wait_no_leaks(cluster)
