@@ -159,11 +159,12 @@ class AutoscalingSettings(_Strict):
     """pdcluster's own autoscaler (services/autoscale/controller.py; the rule in
     services/autoscale/policy.py): sizes the prefill and decode pools apart,
     from the gateway's live measurements and the planner's speed model.
-    Off by default: on the shared 2-core CI machine (bench/load/autoscale.py) it
-    lost to a static deployment sized for the peak -- a replica there takes
-    1-2 minutes to start, and its start takes the cores the serving replicas
-    need (peak goodput 0.10 autoscaled vs 1.00 static).  Disaggregated mode
-    only; it replaces the pools' num_replicas while it runs."""
+    Off by default: on the 2-core CI machine (bench/load/autoscale.py, Dec 2)
+    it held 0.58x the replica-seconds of a static deployment sized for the
+    peak, but its goodput was 0.74 against the static one's 0.87 -- it scales
+    up 20-50 s into a peak, and a starting replica takes the cores the
+    serving ones need.  Disaggregated mode only; it replaces the pools'
+    num_replicas while it runs."""
     enabled: bool = False
     interval_s: float = Field(3.0, gt=0, description="seconds between measurements (and decisions)")
     window_s: float = Field(12.0, gt=0, description="measurements are differences over this many seconds")
