@@ -216,28 +216,9 @@ class ClusterBackend(Backend):
             async for chunk in self._whole_request("colocated", "generate", req, progress):
                 yield chunk
             return
-        if prefill_locally(len(req.prompt_token_ids), self.local_prefill_max_tokens):
-            # Short prompts cost the decode replica less than a hand-off would:
-            # it runs both phases (counted; long prompts still go to the prefill pool).
-            self.num_local_prefills += 1
-            metrics.count_decode_pool_prefill("short_prompt")
-            async for chunk in self._whole_request("decode", "generate_colocated", req, progress):
-                yield chunk
-            return
-        if self.liveness is not None and await self.liveness.scaled_to_zero("prefill"):
-            # The autoscaler (or the config) took the prefill pool away: the decode replica runs both phases.
-            metrics.count_decode_pool_prefill("prefill_pool_at_zero")
-            async for chunk in self._whole_request("decode", "generate_colocated", req, progress):
-                yield chunk
-            return
-        if self.liveness is not None and await self.liveness.live("prefill") == 0:
-            if not self.fallback_to_colocated:
-                raise BackendUnavailable("the prefill pool has no live replica; retry later, scale it up "
-                                         "(`pdcluster scale prefill N`) or set fallback_to_colocated")
-            # Counted, never silent: the decode replica runs both phases.
-            self.num_colocated_fallbacks += 1
-            metrics.count_decode_pool_prefill("no_prefill_replica")
-            log.warning("no live prefill replica: request %s runs colocated on the decode pool", req.request_id)
+        reason = await self._decode_prefills(req)
+        if reason is not None:
+            metrics.count_decode_pool_prefill(reason)
             async for chunk in self._whole_request("decode", "generate_colocated", req, progress):
                 yield chunk
             return
@@ -246,6 +227,26 @@ class ClusterBackend(Backend):
         async with aclosing(self._decode_handoff(req, pre, progress)) as chunks:
             async for chunk in chunks:
                 yield chunk
+
+    async def _decode_prefills(self, req: GenerateRequest) -> str | None:
+        """Why the decode replica runs both phases of ``req`` (the counted
+        reason), None when the prefill pool takes it, or BackendUnavailable."""
+        if prefill_locally(len(req.prompt_token_ids), self.local_prefill_max_tokens):
+            # Short prompts cost the decode replica less than a hand-off would (long ones still go to prefill).
+            self.num_local_prefills += 1
+            return "short_prompt"
+        if self.liveness is None:
+            return None
+        if await self.liveness.scaled_to_zero("prefill"):
+            return "prefill_pool_at_zero"  # the autoscaler (or the config) took the prefill pool away
+        if await self.liveness.live("prefill") == 0:
+            if not self.fallback_to_colocated:
+                raise BackendUnavailable("the prefill pool has no live replica; retry later, scale it up "
+                                         "(`pdcluster scale prefill N`) or set fallback_to_colocated")
+            self.num_colocated_fallbacks += 1  # counted, never silent
+            log.warning("no live prefill replica: request %s runs colocated on the decode pool", req.request_id)
+            return "no_prefill_replica"
+        return None
 
     async def _decode_handoff(self, req: GenerateRequest, pre: PrefillResponse,
                               progress: StreamProgress | None) -> AsyncIterator[TokenDelta]:
