@@ -177,6 +177,8 @@ class AutoscalingSettings(_Strict):
     down_cooldown_s: float = Field(30.0, ge=0, description="after any change, before a scale-down")
     down_stable_s: float = Field(20.0, ge=0, description="the need must stay below the replicas this long")
     min_latency_samples: int = Field(8, ge=1, description="requests behind a p90 before it may force a scale-up")
+    calibration_samples: int = Field(4, ge=1, description="requests behind the mean TPOT that calibrates the "
+                                                          "decode step model (kept until a window has as many)")
     local_prefill_max_share: float = Field(
         0.2, ge=0, lt=1, description="with prefill.min_replicas 0: the prefill pool scales to zero while the prompts "
                                      "would take at most this fraction of each decode replica's time")

@@ -45,6 +45,7 @@ def scaling_rules(settings: AutoscalingSettings, max_num_seqs: int) -> ScalingRu
         ttft_slo_s=s.ttft_slo_s, tpot_slo_s=s.tpot_slo_s, headroom=s.headroom, max_utilization=s.max_utilization,
         max_num_seqs=max_num_seqs, local_prefill_max_share=s.local_prefill_max_share, down_margin=s.down_margin, up_cooldown_s=s.up_cooldown_s,
         down_cooldown_s=s.down_cooldown_s, down_stable_s=s.down_stable_s, min_latency_samples=s.min_latency_samples,
+        calibration_samples=s.calibration_samples,
         bounds=((s.prefill.min_replicas, s.prefill.max_replicas), (s.decode.min_replicas, s.decode.max_replicas)))
 
 

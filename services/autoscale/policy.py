@@ -20,7 +20,10 @@ The need, per pool (prefill and decode are sized separately):
               prefill locally (the gateway routes them there while the pool's target is 0); the pool
               comes back, as any up-scale, when the share or the TTFT p90 says so
     decode    slow    = measured mean TPOT / step(sequences / replicas)   the model calibrated live (in
-                        [0.5, 4]; 1 until min_latency_samples requests): contention, a busier machine
+                        [0.5, 4]): contention, a busier machine; from a window with at least
+                        calibration_samples finished requests, else the last such window's (kept
+                        across windows and scale changes: a quiet spell or a cleared window does not
+                        make the machine fast again), 1 until there was one
               B*      = largest batch with slow x step(B) <= tpot_slo x headroom     (>= 1, <= max_num_seqs)
               need    = max(ceil(output tok/s / (B* / (slow x step(B*))) / max_utilization),   throughput at B*
                             ceil(sequences / B*))                   Little: L = rps x W, observed directly
@@ -80,7 +83,8 @@ class ScalingRules:
     up_cooldown_s: float = 10.0
     down_cooldown_s: float = 30.0
     down_stable_s: float = 20.0
-    min_latency_samples: int = 8
+    min_latency_samples: int = 8  # behind a p90 that may force a scale-up
+    calibration_samples: int = 4  # behind the mean TPOT that calibrates the step model
     bounds: tuple[tuple[int, int], tuple[int, int]] = ((1, 2), (1, 4))  # (min, max) for prefill, decode
 
     def __post_init__(self) -> None:
@@ -137,6 +141,7 @@ class PoolState:
     last_change_s: float = -math.inf
     below_since_s: float | None = None  # since when the banded need has stayed below ``replicas``
     up_slowdown: float | None = None  # decode: the measured slowdown the last change (an up-scale) was decided on
+    slowdown: float | None = None  # decode: the last calibrated slowdown (None: never calibrated)
 
 
 @dataclass(frozen=True)
@@ -211,12 +216,20 @@ class Calibrated:
         return self.step.max_batch_within(tpot_s / self.factor)
 
 
-def decode_slowdown(p: PoolMeasurement, speed: StepSpeed, rules: ScalingRules) -> float:
-    """Measured mean TPOT over the model's step at the batch each replica ran."""
-    if p.latency_mean_s is None or p.latency_samples < rules.min_latency_samples or p.replicas < 1:
-        return 1.0
+def measured_slowdown(p: PoolMeasurement, speed: StepSpeed, rules: ScalingRules) -> float | None:
+    """Measured mean TPOT over the model's step at the batch each replica ran;
+    None when the window has too few finished requests to say."""
+    if p.latency_mean_s is None or p.latency_samples < rules.calibration_samples or p.replicas < 1:
+        return None
     ratio = p.latency_mean_s / speed.step_s(max(1.0, p.sequences / p.replicas))
     return min(max(ratio, _SLOWDOWN_BOUNDS[0]), _SLOWDOWN_BOUNDS[1])
+
+
+def decode_slowdown(p: PoolMeasurement, speed: StepSpeed, rules: ScalingRules,
+                    remembered: float | None = None) -> float:
+    """This window's slowdown, else the last calibrated one, else 1 (the model as it is)."""
+    measured = measured_slowdown(p, speed, rules)
+    return measured if measured is not None else remembered if remembered is not None else 1.0
 
 
 def decode_batch(speed: StepSpeed, rules: ScalingRules) -> int:
@@ -244,6 +257,7 @@ class Pools:
 
     decode_replicas: int = 1
     prefill_at_zero: bool = False
+    slowdown: float | None = None  # the decode steps' calibrated factor; None: from the measurements alone
 
 
 def pool_need(pool: str, m: Measurements, prefill: PrefillSpeed, step: StepSpeed, rules: ScalingRules,
@@ -252,7 +266,7 @@ def pool_need(pool: str, m: Measurements, prefill: PrefillSpeed, step: StepSpeed
         may_vanish = rules.bound("prefill")[0] == 0
         return prefill_need(m.arrival_rps, m.prompt_tokens_mean, m.prefill.queued_tokens, prefill, rules, demand_scale,
                             pools.decode_replicas if may_vanish else None)
-    slowdown = decode_slowdown(m.decode, step, rules)
+    slowdown = pools.slowdown if pools.slowdown is not None else decode_slowdown(m.decode, step, rules)
     share = 0.0
     if pools.prefill_at_zero and slowdown == 1.0:  # a calibrated slowdown already holds the prompts' stalls
         share = local_prefill_share(m.arrival_rps * demand_scale, m.prompt_tokens_mean, prefill,
@@ -279,11 +293,11 @@ def steady_need(m: Measurements, prefill: PrefillSpeed, step: StepSpeed, rules: 
     return p, decode
 
 
-def futile_up_scale(pool: str, m: Measurements, state: PoolState, step: StepSpeed, rules: ScalingRules) -> str | None:
+def futile_up_scale(pool: str, m: Measurements, state: PoolState, step: StepSpeed, rules: ScalingRules,
+                    slowdown: float) -> str | None:
     """Why another decode replica would not help (the rule's "futile" line), or None."""
     if pool != "decode" or state.up_slowdown is None:
         return None
-    slowdown = decode_slowdown(m.decode, step, rules)
     if slowdown <= state.up_slowdown:
         return None
     nominal = decode_need(m.output_tok_s, m.decode.sequences, step, rules).replicas
@@ -307,6 +321,7 @@ def decide_pool(pool: str, m: Measurements, state: PoolState, prefill: PrefillSp
                 rules: ScalingRules, pools: Pools = Pools()) -> tuple[PoolDecision, PoolState]:
     lo, hi = rules.bound(pool)
     now, current = m.now_s, state.replicas
+    slowdown = pools.slowdown if pools.slowdown is not None else decode_slowdown(m.decode, step, rules)
     need = pool_need(pool, m, prefill, step, rules, pools=pools)
     wanted, why = need.replicas, need.why
     breach = slo_breach(pool, m.pool(pool), rules)
@@ -316,11 +331,11 @@ def decide_pool(pool: str, m: Measurements, state: PoolState, prefill: PrefillSp
     def out(target: int, reason: str, below_since: float | None) -> tuple[PoolDecision, PoolState]:
         changed = target != current
         if target > current:
-            up_slowdown = decode_slowdown(m.decode, step, rules) if pool == "decode" else None
+            up_slowdown = slowdown if pool == "decode" else None
         else:
             up_slowdown = None if changed else state.up_slowdown
         new_state = PoolState(target, now if changed else state.last_change_s, None if changed else below_since,
-                              up_slowdown)
+                              up_slowdown, state.slowdown)
         return PoolDecision(pool, current, target, need.replicas, reason), new_state
 
     if current < lo or current > hi:
@@ -330,7 +345,7 @@ def decide_pool(pool: str, m: Measurements, state: PoolState, prefill: PrefillSp
     if wanted > current:
         if current == hi:
             return out(current, f"at max_replicas {hi}; wanted {wanted}: {why}", None)
-        futile = futile_up_scale(pool, m, state, step, rules)
+        futile = futile_up_scale(pool, m, state, step, rules, slowdown)
         if futile:
             return out(current, f"wanted {wanted}, held: {futile}", None)
         if since_change < rules.up_cooldown_s:
@@ -372,8 +387,11 @@ class ScalerState:
 def decide(m: Measurements, state: ScalerState, prefill: PrefillSpeed, step: StepSpeed,
            rules: ScalingRules) -> tuple[list[PoolDecision], ScalerState]:
     """One decision per pool and the state the next call takes."""
+    measured = measured_slowdown(m.decode, step, rules)
+    remembered = measured if measured is not None else state.decode.slowdown
     p, p_state = decide_pool("prefill", m, state.prefill, prefill, step, rules,
                              Pools(decode_replicas=state.decode.replicas))
-    d, d_state = decide_pool("decode", m, state.decode, prefill, step, rules,
-                             Pools(decode_replicas=state.decode.replicas, prefill_at_zero=p.target == 0))
+    d, d_state = decide_pool("decode", m, replace(state.decode, slowdown=remembered), prefill, step, rules,
+                             Pools(decode_replicas=state.decode.replicas, prefill_at_zero=p.target == 0,
+                                   slowdown=remembered if remembered is not None else 1.0))
     return [p, d], ScalerState(p_state, d_state)

@@ -319,3 +319,22 @@ def test_a_ttft_breach_brings_a_zero_prefill_pool_back():
     decisions, _ = decide(load(100.0, 0.5, ttft_p90=2.5), state, PREFILL, STEP, ZERO)
     prefill = decisions[0]
     assert (prefill.current, prefill.target) == (0, 1) and "TTFT p90 2.500 s > SLO 2 s" in prefill.reason
+
+
+def test_the_calibration_is_kept_until_a_window_has_enough_requests_to_replace_it():
+    # 4 finished requests calibrate (a mean, not a p90): x2 as in the test above
+    four = PoolMeasurement(sequences=6, latency_mean_s=0.11, latency_samples=4, replicas=2)
+    decisions, state = decide(Measurements(0, 3, 50, 60, decode=four), start(1, 2), PREFILL, STEP, RULES)
+    assert state.decode.slowdown == pytest.approx(2.0) and "steps x2.00" in decisions[1].reason
+    # a window with too few requests (after a scale change, or a quiet spell) keeps x2, not the bare model
+    quiet = Measurements(5, 3, 50, 60, decode=PoolMeasurement(sequences=6, latency_samples=1, replicas=2,
+                                                              latency_mean_s=0.05))
+    decisions, state = decide(quiet, state, PREFILL, STEP, RULES)
+    assert state.decode.slowdown == pytest.approx(2.0) and "steps x2.00" in decisions[1].reason
+    # the next calibrated window replaces it
+    fast = PoolMeasurement(sequences=6, latency_mean_s=0.0825, latency_samples=5, replicas=2)
+    _, state = decide(Measurements(10, 3, 50, 60, decode=fast), state, PREFILL, STEP, RULES)
+    assert state.decode.slowdown == pytest.approx(1.5)
+    # never calibrated: the model as it is
+    _, fresh = decide(quiet, start(1, 2), PREFILL, STEP, RULES)
+    assert fresh.decode.slowdown is None
