@@ -1,12 +1,20 @@
 """Autoscaling vs a static deployment sized for the peak, on one load ramp:
 low, 3x low, low (60 s each by default), poisson arrivals of short chats.
 
-    the ramp    the peak is the lowest rate (in 0.1 req/s) at which the
-                autoscaler's rule, at its configured speeds, needs one
-                replica more than at a third of it: a peak the deployment
-                must grow for, and no bigger, because on a 2-core machine
-                every replica is a thread on the same two cores (a replica
-                added beyond them adds no compute).  --low-rps overrides it
+    the probe   the autoscaled deployment's opening size (the rule's need at
+                no load: 0 prefill + 1 decode) serves PROBE_RPS of these chats
+                for PROBE_S; their mean TPOT over the rule's step model at the
+                batch they ran (Little: rps x decode seconds) is the machine's
+                decode slowdown now -- the figure the controller calibrates
+                itself with.  The same machine measured 3.7 to 6.2 GB/s of copy
+                bandwidth within one day, and decode is bandwidth-bound, so a
+                fixed ramp is a different test on every run
+    the ramp    the peak is the lowest rate (in 0.05 req/s) at which the
+                autoscaler's rule, calibrated by the probe, needs one replica
+                more than at a third of it: a peak the deployment must grow
+                for, and no bigger, because on a 2-core machine every replica
+                is a thread on the same two cores (a replica added beyond them
+                adds no compute).  --low-rps overrides it (and skips the probe)
 
     autoscaled  starts as the rule sizes the opening phase (at low load: no prefill replica,
                 the decode replica prefills; services/autoscale/policy.py); the
@@ -53,6 +61,7 @@ from bench.tokenizer import load_tokenizer
 from bench.workload import Bucket, Poisson, RequestOptions, Stop, Uniform, Workload
 
 TTFT_SLO_S, TPOT_SLO_S = 2.0, 0.100
+PHASE_S = [60.0]  # the --phase-s of this run
 PEAK_FACTOR = 3.0
 INPUT = (24, 40)  # prompt tokens, uniform
 OUTPUT = (24, 40)  # output tokens, uniform
@@ -139,31 +148,61 @@ def warm_up(url: str, tokenizer) -> None:
     asyncio.run(run_workload(url, warm, tokenizer, show_progress=False))
 
 
-def rule_need(rps: float) -> tuple[int, int]:
-    """What the autoscaler's rule needs at ``rps`` of this bench's chats in steady state (no queue)."""
+PROBE_RPS, PROBE_S = 0.4, 40.0
+
+
+def rule_models(slowdown: float = 1.0):
+    """The autoscaler's rules and speed models (the config's defaults), its
+    decode steps x ``slowdown`` as a probe measured them."""
     from services.autoscale.controller import scaling_rules, speed_models
-    from services.autoscale.policy import Measurements, PoolMeasurement, decode_batch, steady_need
+    from services.autoscale.policy import Calibrated
     from services.config import AutoscalingSettings, ClusterConfig
 
     settings = AutoscalingSettings()
-    rules, (prefill, step) = scaling_rules(settings, ClusterConfig().scheduler.max_num_seqs), speed_models(settings)
+    prefill, step = speed_models(settings)
+    return scaling_rules(settings, ClusterConfig().scheduler.max_num_seqs), prefill, Calibrated(step, slowdown)
+
+
+def rule_need(rps: float, slowdown: float = 1.0) -> tuple[int, int]:
+    """What the autoscaler's rule needs at ``rps`` of this bench's chats in steady state (no queue)."""
+    from services.autoscale.policy import Measurements, PoolMeasurement, decode_batch, steady_need
+
+    rules, prefill, step = rule_models(slowdown)
     prompt, out = sum(INPUT) / 2, sum(OUTPUT) / 2
     sequences = rps * out * step.step_s(decode_batch(step, rules))  # Little at B*
-    m = Measurements(0.0, rps, prompt, rps * out, PoolMeasurement(), PoolMeasurement(sequences=sequences))
+    m = Measurements(0.0, rps, prompt, rps * out, PoolMeasurement(), PoolMeasurement(sequences=sequences),
+                     output_tokens_mean=out)
     return steady_need(m, prefill, step, rules)
 
 
-def static_size(ramp: list[Phase]) -> tuple[int, int]:
+def static_size(ramp: list[Phase], slowdown: float = 1.0) -> tuple[int, int]:
     """What the autoscaler's rule needs at the peak's nominal load (steady state, no queue)."""
-    return rule_need(max(p.rps for p in ramp))
+    return rule_need(max(p.rps for p in ramp), slowdown)
 
 
-def default_low_rps(limit_rps: float = 20.0) -> float:
-    """A third of the lowest peak (in 0.1 req/s) at which the rule needs more replicas than at a third of it."""
-    peak = 0.1
-    while peak < limit_rps and sum(rule_need(peak)) <= sum(rule_need(peak / PEAK_FACTOR)):
-        peak = round(peak + 0.1, 1)
+def default_low_rps(slowdown: float = 1.0, limit_rps: float = 20.0) -> float:
+    """A third of the lowest peak (in 0.05 req/s) at which the rule needs more replicas than at a third of it."""
+    peak = 0.05
+    while peak < limit_rps and sum(rule_need(peak, slowdown)) <= sum(rule_need(peak / PEAK_FACTOR, slowdown)):
+        peak = round(peak + 0.05, 2)
     return round(peak / PEAK_FACTOR, 3)
+
+
+def probe_slowdown(url: str, tokenizer, seed: int) -> tuple[float, str]:
+    """The decode slowdown the rule would calibrate (measured mean TPOT over
+    step(batch)) from PROBE_S of PROBE_RPS on the cluster at ``url``, and how."""
+    probe = phase_workload(Phase("probe", 0, PROBE_S, PROBE_RPS), 98, seed)
+    records = asyncio.run(run_workload(url, probe, tokenizer, show_progress=False)).records
+    ok = [r for r in records if r.tpot_s is not None]
+    if len(ok) < 3:
+        raise SystemExit(f"the probe got {len(ok)} answers with a TPOT out of {len(records)}: is the cluster up?")
+    tpot = sum(r.tpot_s for r in ok) / len(ok)
+    decode_s = sum(r.tpot_s * (r.output_tokens - 1) for r in ok) / len(ok)
+    batch = max(1.0, PROBE_RPS * decode_s)  # Little: sequences decoding at once
+    rules, _, step = rule_models()
+    slowdown = tpot / step.step_s(batch)
+    return slowdown, (f"{len(ok)} requests at {PROBE_RPS:g} req/s: mean TPOT {tpot * 1e3:.0f} ms at batch "
+                      f"{batch:.2f}, the model's step {step.step_s(batch) * 1e3:.0f} ms: x{slowdown:.2f}")
 
 
 def static_for_peak(nominal: tuple[int, int], samples: list[tuple[float, int, int]]) -> tuple[int, int]:
@@ -173,25 +212,34 @@ def static_for_peak(nominal: tuple[int, int], samples: list[tuple[float, int, in
     return held if sum(held) >= sum(nominal) else nominal
 
 
-def best_ratio(ramp: list[Phase]) -> float:
+def best_ratio(ramp: list[Phase], slowdown: float = 1.0) -> float:
     """Replica-seconds autoscaled / static if every phase ran at the rule's need with no lag."""
-    held = sum(sum(rule_need(p.rps)) * p.duration_s for p in ramp)
-    return held / (sum(static_size(ramp)) * sum(p.duration_s for p in ramp))
+    held = sum(sum(rule_need(p.rps, slowdown)) * p.duration_s for p in ramp)
+    return held / (sum(static_size(ramp, slowdown)) * sum(p.duration_s for p in ramp))
 
 
-def run_mode(name: str, ramp: list[Phase], tokenizer, seed: int, prefill: int, decode: int, autoscale: bool) -> dict:
+def run_mode(name: str, ramp: list[Phase] | None, tokenizer, seed: int, prefill: int, decode: int,
+             autoscale: bool, low_rps: float | None = None) -> dict:
+    """``ramp`` None: probe first, and ramp from ``low_rps`` or the probe's calibrated rule."""
     print(f"... {name}: starting {prefill} prefill + {decode} decode", file=sys.stderr, flush=True)
     cluster = start_cluster(prefill, decode, autoscale)
     scaler = None
+    probed = None
     try:
         url = f"http://127.0.0.1:{cluster.config.port}"
         warm_up(url, tokenizer)
-        if autoscale:
+        if autoscale:  # before the probe: it sees that traffic as a long-running controller sees earlier traffic
             from services.autoscale.controller import Autoscaler
             scaler = Autoscaler(cluster).start()
             replicas = lambda: tuple(scaler.replicas().values())  # noqa: E731
         else:
             replicas = lambda: (prefill, decode)  # noqa: E731
+        if ramp is None:
+            if low_rps is None:
+                print(f"... probing: {PROBE_S:g} s at {PROBE_RPS:g} req/s", file=sys.stderr, flush=True)
+                probed = probe_slowdown(url, tokenizer, seed)
+                low_rps = default_low_rps(probed[0])
+            ramp = phases(low_rps, PHASE_S[0])
         t0 = time.monotonic()
         other = OtherLoad().start()
         records, samples = asyncio.run(run_ramp(url, ramp, tokenizer, seed, replicas))
@@ -203,7 +251,7 @@ def run_mode(name: str, ramp: list[Phase], tokenizer, seed: int, prefill: int, d
     moves = [(t - t0, d.pool, d.direction, d) for t, ds in (scaler.history if scaler else []) for d in ds
              if d.direction != "hold"]
     return {"name": name, "records": records, "samples": samples, "moves": moves, "other_cores": other_cores,
-            "load": load}
+            "load": load, "ramp": ramp, "probe": probed}
 
 
 def report(run: dict, ramp: list[Phase]) -> tuple[float, float]:
@@ -240,18 +288,21 @@ def main(argv: list[str] | None = None) -> int:
     for flag, value in (("--low-rps", args.low_rps), ("--phase-s", args.phase_s)):
         if value is not None and not (math.isfinite(value) and value > 0):
             ap.error(f"{flag} must be a finite number > 0, got {value}")
-    if args.low_rps is None:
-        args.low_rps = default_low_rps()
-    ramp = phases(args.low_rps, args.phase_s)
-    print(f"# autoscaling vs static for the peak: {' -> '.join(f'{p.name} {p.rps:g} req/s' for p in ramp)}, "
-          f"{args.phase_s:g} s each; prompts {INPUT[0]}-{INPUT[1]}, outputs {OUTPUT[0]}-{OUTPUT[1]} tokens")
+    PHASE_S[0] = args.phase_s
+    print(f"# autoscaling vs static for the peak: low, {PEAK_FACTOR:g}x, low, {args.phase_s:g} s each; prompts "
+          f"{INPUT[0]}-{INPUT[1]}, outputs {OUTPUT[0]}-{OUTPUT[1]} tokens")
     print_fingerprint()
-    print(f"# reproduce: {shlex.join(['python', '-m', 'bench.load.autoscale', '--low-rps', str(args.low_rps), '--phase-s', str(args.phase_s), '--seed', str(args.seed)])}",
-          flush=True)
     tokenizer = load_tokenizer(None)
-    nominal = static_size(ramp)
-    opening = rule_need(ramp[0].rps)  # the autoscaled deployment starts as its rule sizes the opening load
-    auto_run = run_mode("autoscaled", ramp, tokenizer, args.seed, *opening, True)
+    opening = rule_need(0.0)  # the rule's need at no load: where the autoscaled deployment starts
+    auto_run = run_mode("autoscaled", None, tokenizer, args.seed, *opening, True, low_rps=args.low_rps)
+    ramp, slowdown = auto_run["ramp"], auto_run["probe"][0] if auto_run["probe"] else 1.0
+    if auto_run["probe"]:
+        print(f"# probe on {opening[0]} + {opening[1]}: {auto_run['probe'][1]}; the rule so calibrated first "
+              f"needs more replicas at {ramp[1].rps:g} req/s than at a third of it")
+    print(f"# ramp: {' -> '.join(f'{p.name} {p.rps:g} req/s' for p in ramp)}")
+    print(f"# reproduce: {shlex.join(['python', '-m', 'bench.load.autoscale', '--phase-s', str(args.phase_s), '--seed', str(args.seed)])}"
+          f"  (this ramp without the probe: --low-rps {ramp[0].rps:g})", flush=True)
+    nominal = static_size(ramp, slowdown)
     static = static_for_peak(nominal, auto_run["samples"])
     print(f"# static: {static[0]} prefill + {static[1]} decode (the autoscaled run's largest deployment, or the "
           f"rule at the peak's nominal load, {nominal[0]} + {nominal[1]}, if larger)", flush=True)
@@ -263,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
           + ", ".join(f"{phase}/{pool} {n}" for (phase, pool), n in changes.items()))
     ratio = auto_rs / static_rs if static_rs else float("nan")
     print(f"# replica-seconds autoscaled / static: {auto_rs:.0f} / {static_rs:.0f} = {ratio:.2f} (the ramp allows "
-          f"{best_ratio(ramp):.2f} at best: the rule's need per phase, no lag); goodput static {static_good:.3f}\n")
+          f"{best_ratio(ramp, slowdown):.2f} at best: the rule's need per phase, no lag); goodput static {static_good:.3f}\n")
     print_target("goodput_autoscaled", auto_good, ">=", 0.95)
     print_target("replica_seconds_autoscaled_vs_static", ratio, "<=", 0.7)
     print_target("direction_changes_per_phase_max", float(max(changes.values())), "<=", 1.0, fmt=".0f")

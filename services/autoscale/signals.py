@@ -11,6 +11,9 @@ streamed, answers) and every replica's status-board numbers.
                    prompt mean  = prompt tokens admitted / requests admitted (the gateway's
                                   count: right whichever pool prefills, a prefill pool at zero too)
                    output tok/s = tokens streamed / seconds
+                   output mean  = tokens streamed / requests answered (over the window; since the
+                                  gateway started when the window answered none): with the arrival
+                                  rate, the demand an overloaded pool cannot show in what it streams
                    p90          = from the histogram's bucket differences (linear within a bucket)
                    mean TPOT    = the histogram's sum difference / its count difference
                  window means of the gauges: decode sequences (running + waiting), queued prompt tokens
@@ -112,10 +115,15 @@ def measurements(window: Sequence[Scrape], now_s: float) -> Measurements | None:
     queued = sum(sum(s.queued_tokens.values()) for s in window) / len(window)
     sequences = sum(s.decode_sequences for s in window) / len(window)
     tpot_mean = (last.tpot_sum_s - first.tpot_sum_s) / tpot_n if tpot_n else None
+    generated, answered = last.generated_tokens - first.generated_tokens, last.answered - first.answered
+    if answered < 1:
+        generated, answered = last.generated_tokens, last.answered
+    output_mean = max(generated, 0.0) / answered if answered >= 1 else 0.0
     return Measurements(
         now_s=now_s, arrival_rps=arrivals / seconds,
         prompt_tokens_mean=prompt_tokens / admitted if admitted else 0.0,
         output_tok_s=max(last.generated_tokens - first.generated_tokens, 0.0) / seconds,
         prefill=PoolMeasurement(queued_tokens=queued, latency_p90_s=ttft, latency_samples=ttft_n),
         decode=PoolMeasurement(sequences=sequences, latency_p90_s=tpot, latency_samples=tpot_n,
-                               latency_mean_s=tpot_mean, replicas=last.replicas.get("decode", 0)))
+                               latency_mean_s=tpot_mean, replicas=last.replicas.get("decode", 0)),
+        output_tokens_mean=output_mean)

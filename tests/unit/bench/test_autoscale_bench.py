@@ -10,12 +10,18 @@ from bench.load.autoscale import (
 )
 
 
-def test_the_default_peak_is_the_lowest_that_needs_one_replica_more_than_the_low():
-    low = default_low_rps()
+@pytest.mark.parametrize("slowdown", [1.0, 1.5, 2.0])
+def test_the_default_peak_is_the_lowest_that_needs_one_replica_more_than_the_low(slowdown):
+    low = default_low_rps(slowdown)
     peak = low * PEAK_FACTOR
-    assert sum(rule_need(peak)) > sum(rule_need(low))
-    below = round(peak - 0.1, 1)
-    assert sum(rule_need(below)) <= sum(rule_need(below / PEAK_FACTOR))
+    assert sum(rule_need(peak, slowdown)) > sum(rule_need(low, slowdown))
+    below = round(peak - 0.05, 2)
+    assert sum(rule_need(below, slowdown)) <= sum(rule_need(below / PEAK_FACTOR, slowdown))
+
+
+def test_a_slower_machine_gets_a_lower_peak_and_the_opening_deployment_is_the_rules_at_no_load():
+    assert default_low_rps(2.0) < default_low_rps(1.5) < default_low_rps(1.0)
+    assert rule_need(0.0) == (0, 1)  # the prefill pool at zero, one decode replica that prefills
 
 
 def test_best_ratio_is_low_replicas_twice_and_peak_replicas_once_over_peak_replicas_thrice():

@@ -338,3 +338,45 @@ def test_the_calibration_is_kept_until_a_window_has_enough_requests_to_replace_i
     # never calibrated: the model as it is
     _, fresh = decide(quiet, start(1, 2), PREFILL, STEP, RULES)
     assert fresh.decode.slowdown is None
+
+
+def test_the_decode_demand_is_the_arrivals_when_an_overloaded_pool_streams_less():
+    # 6 req/s x 20 tokens asked = 120 tok/s, but the one replica streams only the 68 tok/s it can
+    m = Measurements(0, 6.0, 50, 68.0, decode=PoolMeasurement(sequences=1), output_tokens_mean=20)
+    assert m.output_demand_tok_s == 120.0
+    decisions, _ = decide(m, start(3, 1), PREFILL, STEP, RULES)
+    assert {d.pool: d.target for d in decisions}["decode"] == 2
+    # tokens per request not known yet: what was streamed is the demand
+    assert Measurements(0, 6.0, 50, 68.0).output_demand_tok_s == 68.0
+
+
+def slow_decode(now: float, rps: float, tpot_mean: float) -> Measurements:
+    """Short prompts (share 0.2 s x rps), 20 output tokens, decode steps measured at ``tpot_mean``."""
+    return Measurements(now, rps, 50, rps * 20, decode=PoolMeasurement(
+        sequences=rps * 20 * tpot_mean, latency_mean_s=tpot_mean, latency_samples=20, replicas=1),
+        output_tokens_mean=20)
+
+
+def test_decode_replicas_too_slow_to_prefill_too_bring_the_prefill_pool_back_first():
+    # 0.8 req/s: 0.16 of the one decode replica's time in prompts (<= 0.2), but its steps measure x2.3 the
+    # model (0.1125 s against step(1.8) = 0.049 s): B* 1, 8.7 tok/s x 0.8 x 0.84 against 16 tok/s asked
+    m = slow_decode(100.0, 0.8, 0.1125)
+    decisions, state = decide(m, ScalerState(PoolState(0), PoolState(1)), PREFILL, STEP, ZERO)
+    p, d = decisions
+    assert (p.current, p.target) == (0, 1) and "would need" in p.reason
+    assert (d.current, d.target) == (1, 1) and d.reason.startswith("held: the prefill pool comes back first")
+    assert state.decode.slowdown == pytest.approx(0.1125 / 0.049)
+    # the same steps at a tenth of the load: each prompt's share and the stream fit, the pool stays at zero
+    calm, _ = decide(slow_decode(100.0, 0.1, 0.1125), ScalerState(PoolState(0), PoolState(1)), PREFILL, STEP, ZERO)
+    assert [x.target for x in calm] == [0, 1]
+
+
+def test_a_prefill_pool_whose_decode_replicas_could_not_prefill_too_does_not_go_to_zero():
+    # 0.6 req/s: the share (0.06 of each of 2) allows zero, but the measured steps (x2.3) leave no room for
+    # the prompts: 2 x 8.7 tok/s x 0.8 x 0.92 against 0.6 x 20 x 1.3 (the band) = 15.6 tok/s
+    loads = [slow_decode(t, 0.6, 0.1125) for t in range(0, 120, 5)]
+    history, state = run(ScalerState(PoolState(1), PoolState(2)), loads, ZERO)
+    assert changes(history, "prefill") == [] and state.prefill.replicas == 1
+    # unmeasured (the bare model, share x 1.3 = 0.16): it goes
+    history, state = run(start(1, 1), [load(t, 0.6) for t in range(0, 120, 5)], ZERO)
+    assert state.prefill.replicas == 0

@@ -73,7 +73,19 @@ def test_measurements_are_window_differences_and_gauge_means():
     assert m.prefill.queued_tokens == 150 and m.decode.sequences == (2 + 6) / 2  # both pools' queues, mean
     assert m.decode.latency_samples == 10 and m.decode.latency_p90_s == pytest.approx(0.075)
     assert m.decode.latency_mean_s == pytest.approx(0.05) and m.decode.replicas == 1  # 0.5 s over 10 requests
+    assert m.output_tokens_mean == pytest.approx(30.0)  # 600 tokens / 20 answered in the window
     assert measurements([first], 0.0) is None
+
+
+def test_the_output_mean_falls_back_to_the_gateways_lifetime_when_the_window_answered_none():
+    first = parse_scrape(metrics_text(answered=10, in_flight=0, generated=300, admitted=10, prompt=500, queued=0,
+                                      decode_running=[1]), 0.0)
+    busy = parse_scrape(metrics_text(answered=10, in_flight=6, generated=420, admitted=16, prompt=800, queued=0,
+                                     decode_running=[6]), 10.0)
+    assert measurements([first, busy], 10.0).output_tokens_mean == pytest.approx(42.0)  # 420 / 10, since start
+    empty = parse_scrape(metrics_text(answered=0, in_flight=0, generated=0, admitted=0, prompt=0, queued=0,
+                                      decode_running=[0]), 0.0)
+    assert measurements([empty, empty], 1.0).output_tokens_mean == 0.0
 
 
 class FakeCluster:
