@@ -357,14 +357,15 @@ def slow_decode(now: float, rps: float, tpot_mean: float) -> Measurements:
         output_tokens_mean=20)
 
 
-def test_decode_replicas_too_slow_to_prefill_too_bring_the_prefill_pool_back_first():
+def test_decode_replicas_too_slow_to_prefill_too_bring_the_prefill_pool_back_and_grow():
     # 0.8 req/s: 0.16 of the one decode replica's time in prompts (<= 0.2), but its steps measure x2.3 the
     # model (0.1125 s against step(1.8) = 0.049 s): B* 1, 8.7 tok/s x 0.8 x 0.84 against 16 tok/s asked
     m = slow_decode(100.0, 0.8, 0.1125)
     decisions, state = decide(m, ScalerState(PoolState(0), PoolState(1)), PREFILL, STEP, ZERO)
     p, d = decisions
     assert (p.current, p.target) == (0, 1) and "would need" in p.reason
-    assert (d.current, d.target) == (1, 1) and d.reason.startswith("held: the prefill pool comes back first")
+    # the decode pool grows in the same tick: without the prompts, 16 tok/s / (8.7 x 0.8) = 2.3 replicas
+    assert (d.current, d.target) == (1, 3) and "less" not in d.reason
     assert state.decode.slowdown == pytest.approx(0.1125 / 0.049)
     # the same steps at a tenth of the load: each prompt's share and the stream fit, the pool stays at zero
     calm, _ = decide(slow_decode(100.0, 0.1, 0.1125), ScalerState(PoolState(0), PoolState(1)), PREFILL, STEP, ZERO)
