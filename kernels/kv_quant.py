@@ -17,8 +17,12 @@ block re-quantized as it fills).  The scale is bf16: fp32's range, so no
 overflow or underflow handling, and 2 bytes instead of 4, which keeps a
 64-wide row at 66 / 128 bytes of bf16's (capacity x1.94).
 
-Quantizing (bit-exact in every implementation, so native and reference
-pools hold the same bytes)::
+Every kernel reads and writes these rows directly: the torch reference
+here, the native CPU kernels (kernels/csrc/kv8_kernels.h) and the Triton
+kernels (kernels/triton_kv8.py: codes and scales dequantized in registers).
+
+Quantizing (bit-exact in every implementation, so native, Triton and
+reference pools hold the same bytes)::
 
     scale = bf16(amax(|x|) / QMAX)           QMAX: 127 (int8), 448 (e4m3)
     q     = int8:  clamp(round_half_even(x / scale), -127, 127)

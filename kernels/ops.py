@@ -2,10 +2,10 @@
 bf16 on CPUs with AVX-512 BF16 or AVX2+FMA (:mod:`kernels.cpu_native` picks
 the variant), the torch reference elsewhere.
 
-8-bit KV pools (int8, fp8 e4m3: :mod:`kernels.kv_quant`): the native kernels
-read and write them (``cpu_native.handles_pool``); on CUDA, and wherever the
-native kernels are off, the torch references do (the Triton kernels read
-bf16/fp16/fp32 pools only), so no path ever reads 8-bit rows as plain values.
+8-bit KV pools (int8, fp8 e4m3: :mod:`kernels.kv_quant`): the Triton kernels
+(on CUDA) and the native kernels (``cpu_native.handles_pool``) read and write
+them; wherever neither runs, the torch references do.  Every path reads the
+rows through their scales, and a prompt chunk's own K/V through ``ChunkKV``.
 
 Each op looks at its tensors: CUDA tensors go to the Triton kernel when
 triton imports; CPU bf16 tensors of a supported shape go to
@@ -66,8 +66,8 @@ def _triton(module: str, name: str) -> Callable:
 
 
 def _triton_kv(kv_pool: torch.Tensor) -> bool:
-    """The Triton KV kernels take plain-valued pools only (not 8-bit rows)."""
-    return _on_cuda(kv_pool) and not is_quantized(kv_pool.dtype)
+    """The Triton KV kernels take every pool dtype, 8-bit rows included."""
+    return _on_cuda(kv_pool)
 
 
 def _rows_ok(*tensors: torch.Tensor) -> bool:
@@ -123,7 +123,7 @@ def write_kv(
     if k_shift is not None and not is_quantized(kv_pool.dtype):
         raise ValueError(f"k_shift (K smoothing) applies to 8-bit pools only; this pool is {kv_pool.dtype}: pass None")
     if _triton_kv(kv_pool):
-        return _triton("kv_write", "write_kv_triton")(kv_pool, layer, k, v, slot_mapping)
+        return _triton("kv_write", "write_kv_triton")(kv_pool, layer, k, v, slot_mapping, k_shift)
     if (cpu_native.handles(k, v) and cpu_native.handles_pool(kv_pool) and _rows_ok(k, v)
             and k.stride(0) == v.stride(0)):
         return cpu_native.write_kv(kv_pool, layer, k, v, slot_mapping, k_shift)
@@ -153,7 +153,7 @@ def prefill_attention(
         chunk.check(q, kv_pool, context_lens.shape[0])
     if _on_cuda(q) and _triton_kv(kv_pool):
         fn = _triton("prefill_attention", "prefill_attention_triton")
-        return fn(q, kv_pool, layer, block_tables, query_start_loc, context_lens, scale)
+        return fn(q, kv_pool, layer, block_tables, query_start_loc, context_lens, scale, chunk)
     if _native_attention(q, kv_pool):
         return cpu_native.prefill_attention(q, kv_pool, layer, block_tables, query_start_loc, context_lens, scale,
                                             chunk)

@@ -5,6 +5,10 @@ A block ``kv_pool[b]`` (all layers, K and V) is one contiguous run of
 ``block_numel`` elements, so both directions are flat copies: program
 (i, c) moves chunk c (``CHUNK`` elements) of the i-th listed block.
 Launch grid (n, cdiv(block_numel, CHUNK)).
+
+One-byte pools (8-bit KV: codes and bf16 scale bytes side by side) are
+copied as ``uint8``: a scale byte is not a value of the pool's dtype (as an
+e4m3 code it may be NaN), so it must never pass through a float conversion.
 """
 
 from __future__ import annotations
@@ -45,6 +49,8 @@ def _block_numel(kv_pool: torch.Tensor) -> int:
 
 def _launch(src: torch.Tensor, dst: torch.Tensor, block_ids: torch.Tensor, ids_on_src: bool) -> None:
     numel = _block_numel(src if ids_on_src else dst)
+    if src.element_size() == dst.element_size() == 1:
+        src, dst = src.view(torch.uint8), dst.view(torch.uint8)
     ids = block_ids.to(device=src.device)
     if ids.numel() == 0 or numel == 0:
         return
@@ -67,4 +73,7 @@ def scatter_blocks_triton(kv_pool: torch.Tensor, block_ids: torch.Tensor, buffer
     if buffer.shape != (block_ids.numel(), *kv_pool.shape[1:]):
         raise ValueError(f"buffer shape {tuple(buffer.shape)} does not match "
                          f"{block_ids.numel()} blocks of {tuple(kv_pool.shape[1:])}")
+    if kv_pool.element_size() == 1 and buffer.element_size() != 1:
+        raise ValueError(f"a {kv_pool.dtype} pool's blocks are raw bytes: scatter a buffer of one-byte elements "
+                         f"(uint8 or {kv_pool.dtype}), not {buffer.dtype}")
     _launch(buffer.contiguous(), kv_pool, block_ids, ids_on_src=False)

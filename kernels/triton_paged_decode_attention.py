@@ -12,6 +12,12 @@ the block table::
 With one split the program writes the output; otherwise each split writes a
 normalised partial output and its log-sum-exp (base 2) and a second kernel,
 grid (B, heads), merges them.
+
+An 8-bit pool (:mod:`kernels.kv_quant`) is read as raw bytes and each tile
+dequantized in registers (``code * scale``, :mod:`kernels.triton_kv8`); q,
+scores and the weighted sum of V are then fp32, as in the torch reference.
+Its K rows are read as stored, shifted (K smoothing): every key of a query
+carries the same shift, so its softmax is unchanged.
 """
 
 from __future__ import annotations
@@ -20,7 +26,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.kv_quant import SCALE_BYTES, is_quantized
 from kernels.triton_common import check_device, dot_f32, interpreting, next_pow2, online_softmax_step
+from kernels.triton_kv8 import load_rows
 
 BLOCK_N = 64            # context tokens per inner step (any block size)
 MIN_SPLIT_TOKENS = 256  # never split a context finer than this
@@ -35,6 +43,7 @@ def _decode_kernel(
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     TOKENS_PER_SPLIT: tl.constexpr, SPLIT: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    KV8: tl.constexpr, FP8: tl.constexpr,
 ):
     b = tl.program_id(0)
     g = tl.program_id(1)
@@ -50,6 +59,8 @@ def _decode_kernel(
     d_mask = offs_d < HEAD_DIM
     q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=h_mask[:, None] & d_mask[None, :], other=0.0)
+    if KV8:
+        q = q.to(tl.float32)
 
     kv_base = kv_ptr + layer_offset + g * stride_kvh
     bt_row = bt_ptr + b.to(tl.int64) * stride_btb
@@ -61,12 +72,18 @@ def _decode_kernel(
         n_mask = offs_n < end
         block = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
         rows = block * stride_kvb + (offs_n % BLOCK_SIZE) * stride_kvt
-        ptrs = kv_base + rows[:, None] + offs_d[None, :]
-        tile_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(ptrs, mask=tile_mask, other=0.0).to(q.dtype)
+        if KV8:
+            k = load_rows(kv_base + rows, n_mask, offs_d, HEAD_DIM, FP8)
+        else:
+            k = tl.load(kv_base + rows[:, None] + offs_d[None, :], mask=n_mask[:, None] & d_mask[None, :],
+                        other=0.0).to(q.dtype)
         s = dot_f32(q, tl.trans(k), UPCAST_DOT) * qk_scale_log2
         s = tl.where(n_mask[None, :], s, float("-inf"))
-        v = tl.load(ptrs + stride_kvkv, mask=tile_mask, other=0.0).to(q.dtype)
+        if KV8:
+            v = load_rows(kv_base + stride_kvkv + rows, n_mask, offs_d, HEAD_DIM, FP8)
+        else:
+            v = tl.load(kv_base + stride_kvkv + rows[:, None] + offs_d[None, :],
+                        mask=n_mask[:, None] & d_mask[None, :], other=0.0).to(q.dtype)
         m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, UPCAST_DOT)
 
     has_tokens = l_i > 0.0
@@ -130,6 +147,11 @@ def paged_decode_attention_triton(
     check_device(q, kv_pool, block_tables, context_lens)
     batch, heads, head_dim = q.shape
     block_size, kv_heads = kv_pool.shape[3], kv_pool.shape[4]
+    kv8, fp8 = is_quantized(kv_pool.dtype), kv_pool.dtype is torch.float8_e4m3fn
+    if kv_pool.shape[-1] != head_dim + (SCALE_BYTES if kv8 else 0):
+        raise ValueError(f"q's head_dim {head_dim} does not fit the pool's {kv_pool.shape[-1]}-wide rows")
+    if kv8:
+        kv_pool = kv_pool.view(torch.uint8)  # raw rows: codes and scale bytes
     if heads % kv_heads:
         raise ValueError(f"{heads} query heads are not a multiple of {kv_heads} kv heads")
     if q.stride(-1) != 1 or kv_pool.stride(-1) != 1:
@@ -154,7 +176,7 @@ def paged_decode_attention_triton(
         part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
         GROUP=group, BLOCK_H=next_pow2(group, 16), HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_SIZE=block_size, BLOCK_N=BLOCK_N, TOKENS_PER_SPLIT=tokens_per_split, SPLIT=split,
-        UPCAST_DOT=interpreting(),
+        UPCAST_DOT=interpreting(), KV8=kv8, FP8=fp8,
     )
     if split:
         _merge_splits_kernel[(batch, heads)](

@@ -27,7 +27,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
 _DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
-           torch.int32: "i32", torch.int64: "i64"}
+           torch.int32: "i32", torch.int64: "i64", torch.uint8: "u8", torch.int8: "i8"}
 _launches: list[tuple[JITFunction, tuple, dict]] = []
 
 

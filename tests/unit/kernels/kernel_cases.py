@@ -26,7 +26,7 @@ ATTENTION_TOL = {torch.float32: (2e-5, 2e-5), torch.float16: (2e-3, 2e-3), torch
 ELEMENTWISE_TOL = {torch.float32: (1e-6, 1e-6), torch.float16: (1e-3, 1e-3), torch.bfloat16: (1e-2, 1.6e-2)}
 
 TRITON_MODULES = (
-    "kernels.triton_common", "kernels.triton_paged_decode_attention", "kernels.triton_prefill_attention",
+    "kernels.triton_common", "kernels.triton_kv8", "kernels.triton_paged_decode_attention", "kernels.triton_prefill_attention",
     "kernels.triton_kv_write", "kernels.triton_block_copy", "kernels.triton_rmsnorm", "kernels.triton_rope",
 )
 
@@ -123,7 +123,8 @@ def _reload_triton_stdlib() -> None:
 
 def run_every_wrapper_once() -> None:
     """Call each Triton wrapper once on small CPU tensors (fp32 and bf16, a
-    split and an unsplit decode) — what ``aot_compile.py`` records."""
+    split and an unsplit decode, and with bf16 the int8 and fp8 pools) —
+    what ``aot_compile.py`` records."""
     mods = [importlib.import_module(name) for name in TRITON_MODULES]
     for m in mods:
         m.check_device = lambda *tensors: None  # recording only: nothing is launched
@@ -142,8 +143,33 @@ def run_every_wrapper_once() -> None:
         ids = torch.tensor([1, 0])
         buf = k.block_copy.gather_blocks_triton(case.kv_pool, ids)
         k.block_copy.scatter_blocks_triton(case.kv_pool, ids, buf)
+        if dtype is torch.bfloat16:
+            _run_kv8_wrappers_once(k, case, q, qp, kv)
         x = torch.randn(3, 576).to(dtype)
         k.rmsnorm.rmsnorm_triton(x, x[0], 1e-5)
         k.rmsnorm.fused_add_rmsnorm_triton(x, x.clone(), x[0], 1e-5)
         cos = torch.randn(32, 64)
         k.rope.apply_rope_triton(qp, qp[:, :3], torch.arange(10), cos, cos)
+
+
+def _run_kv8_wrappers_once(k: SimpleNamespace, case: PagedCase, q: torch.Tensor, qp: torch.Tensor,
+                           kv: torch.Tensor) -> None:
+    """The 8-bit pool variants of the KV kernels: int8 and fp8, shifted and
+    not, a split decode, prefill with and without a ChunkKV."""
+    from kernels.prefill_attention import ChunkKV
+
+    shift = torch.zeros(3, 64)
+    for dtype in (torch.int8, torch.float8_e4m3fn):
+        pool = torch.zeros((*case.kv_pool.shape[:-1], 66), dtype=torch.uint8).view(dtype)
+        k.kv_write.write_kv_triton(pool, 1, kv, kv, torch.arange(4), shift)
+        k.kv_write.write_kv_triton(pool, 1, kv, kv, torch.arange(4))
+        for splits in (1, 2):
+            k.paged_decode_attention.paged_decode_attention_triton(
+                q, pool, 1, case.block_tables, case.context_lens, 0.125, num_splits=splits)
+        qsl = query_start_loc([5, 5])
+        chunk_kv = torch.randn(10, 3, 64).bfloat16()
+        for chunk in (None, ChunkKV(chunk_kv, chunk_kv, torch.tensor([1, 0], dtype=torch.int32), shift)):
+            k.prefill_attention.prefill_attention_triton(qp, pool, 1, case.block_tables, qsl, case.context_lens,
+                                                         0.125, chunk)
+        buf = k.block_copy.gather_blocks_triton(pool, torch.tensor([1, 0]))
+        k.block_copy.scatter_blocks_triton(pool, torch.tensor([1, 0]), buf)

@@ -109,3 +109,37 @@ def test_cuda_ops_match_cpu_reference(dtype):
     gq, gk = ops.apply_rope(qp.cuda(), k.cuda(), torch.arange(26).cuda(), cos.cuda(), sin.cuda())
     torch.testing.assert_close(gq.cpu(), wq, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(gk.cpu(), wk, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn], ids=["int8", "fp8"])
+def test_cuda_ops_over_8bit_pools_match_cpu_reference(dtype):
+    """The compiled 8-bit kernels: the writer's bytes are the reference's
+    (K shifted), attention as close as under the interpreter (test_triton_kv8.py)."""
+    from kernels.kv_write import write_kv_ref
+    from kernels.paged_decode_attention import paged_decode_attention_ref
+    from kernels.prefill_attention import ChunkKV, prefill_attention_ref
+
+    case = make_paged_case([1, 37, 150], 3, 64, 16, torch.bfloat16)
+    pool = torch.zeros((*case.kv_pool.shape[:-1], 66), dtype=torch.uint8).view(dtype)
+    shift = torch.randn(3, 64)
+    gpu = pool.cuda()
+    for s, ctx in enumerate(case.context_lens.tolist()):
+        slots = torch.tensor([int(case.block_tables[s, t // 16]) * 16 + t % 16 for t in range(ctx)])
+        write_kv_ref(pool, 1, case.keys[s], case.values[s], slots, shift)
+        ops.write_kv(gpu, 1, case.keys[s].cuda(), case.values[s].cuda(), slots.cuda(), shift.cuda())
+    assert torch.equal(gpu.cpu().view(torch.uint8), pool.view(torch.uint8))
+    bt, ctx = case.block_tables, case.context_lens
+    q = torch.randn(3, 9, 64).bfloat16()
+    want = paged_decode_attention_ref(q, pool, 1, bt, ctx, 0.125)
+    got = ops.paged_decode_attention(q.cuda(), gpu, 1, bt.cuda(), ctx.cuda(), 0.125)
+    torch.testing.assert_close(got.cpu().float(), want.float(), atol=1e-5, rtol=2 ** -7)
+    qsl = query_start_loc([1, 5, 20])
+    qp = torch.randn(26, 9, 64).bfloat16()
+    kv = torch.randn(2, 26, 3, 64).bfloat16()
+    chunk = ChunkKV(kv[0], kv[1], torch.tensor([1, 1, 0], dtype=torch.int32), shift)
+    want = prefill_attention_ref(qp, pool, 1, bt, qsl, ctx, 0.125, chunk)
+    chunk_gpu = ChunkKV(kv[0].cuda(), kv[1].cuda(), chunk.fresh.cuda(), shift.cuda())
+    got = ops.prefill_attention(qp.cuda(), gpu, 1, bt.cuda(), qsl.cuda(), ctx.cuda(), 0.125, chunk_gpu)
+    atol, rtol = ATTENTION_TOL[torch.bfloat16]
+    torch.testing.assert_close(got.cpu().float(), want.float(), atol=atol, rtol=rtol)
