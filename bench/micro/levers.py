@@ -55,7 +55,7 @@ SNIPPETS = [
     "def fib(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n\n\n"
     "def fact(n):\n    return 1 if n < 2 else n * fact(n - 1)\n",
 ]
-DRAFT_LAYERS = 30  # placeholder, set from the measured sweep
+DRAFT_LAYERS = 12  # not tuned yet: no depth sweep has finished on this machine (README, Levers)
 QUESTIONS = [
     "Why do some birds migrate south for the winter while others stay?",
     "Give me three ideas for a birthday party for a seven year old.",
