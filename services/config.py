@@ -88,15 +88,21 @@ class PoolConfig(_Strict):
 
 class SpeculativeSettings(_Strict):
     """Speculative decoding on decode and colocated replicas (services/engine/spec_decode.py)."""
-    method: Literal["none", "ngram"] = Field("none", description="ngram: drafts by prompt lookup, no draft model")
+    method: Literal["none", "ngram", "draft"] = Field(
+        "none", description="ngram: drafts by prompt lookup, no draft model; draft: by draft_model")
     num_tokens: int = Field(4, ge=1, le=16, description="tokens drafted per step")
     ngram_min: int = Field(2, ge=1)
     ngram_max: int = Field(4, ge=1)
     min_acceptance: float = Field(0.3, ge=0, le=1, description="a request accepting less backs off")
+    draft_model: str | None = Field(None, description="method draft: a model path sharing the target's tokenizer, "
+                                                      "or 'default' (the bundled model)")
+    draft_num_layers: int | None = Field(None, ge=1, description="method draft: the draft's first N decoder "
+                                                                 "layers only (an early-exit draft)")
 
     def engine(self) -> SpeculativeConfig:
         return SpeculativeConfig(method=self.method, num_tokens=self.num_tokens, ngram_min=self.ngram_min,
-                                 ngram_max=self.ngram_max, min_acceptance=self.min_acceptance)
+                                 ngram_max=self.ngram_max, min_acceptance=self.min_acceptance,
+                                 draft_model=self.draft_model, draft_num_layers=self.draft_num_layers)
 
 
 class SchedulerSettings(_Strict):
@@ -276,7 +282,7 @@ class ClusterConfig(_Strict):
     @model_validator(mode="after")
     def _check(self) -> "ClusterConfig":
         EngineConfig(block_size=self.block_size)  # raises ValueError naming the fix
-        self.speculative.engine()                 # likewise (ngram_min <= ngram_max)
+        self.speculative.engine()                 # likewise (ngram_min <= ngram_max, draft_model for draft)
         if self.scheduler.kv_watermark_low > self.scheduler.kv_watermark_high:
             raise ValueError("scheduler.kv_watermark_low must be <= kv_watermark_high")
         serving = self.decode if self.mode == "disaggregated" else self.colocated

@@ -6,9 +6,13 @@ on a repetitive workload (chat requests to repeat a piece of code, greedy:
 the output copies the prompt) and a non-repetitive one (open questions,
 sampled at temperature 1 with fixed seeds: greedy answers of a 135M model
 loop on themselves, which drafts would love), and the acceptance rate.
-Seeded draws do not depend on drafting (spec_decode.py), so both modes
-produce the same tokens.  Engine-level (in-process engine, no Ray), the
-default model in bf16; the two engines share the weights and take turns
+Beside it, at concurrency 1, drafts by a draft model (spec_draft.py): the
+default model's first ``--draft-layers`` layers (an early-exit draft over the
+same weights), with its acceptance, tokens per verification and its cost per
+drafted token in plain TPOTs (``pdcluster plan --spec-cost``).
+Seeded draws do not depend on drafting (spec_decode.py), so every mode
+produces the same tokens.  Engine-level (in-process engine, no Ray), the
+default model in bf16; the engines share the weights and take turns
 request by request (concurrency 1) or batch by batch, so load from anything
 else on the machine falls on both alike.
 
@@ -17,6 +21,7 @@ KV bytes per hand-off with bf16 vs int8 KV, and greedy output with int8 KV
 against bf16 KV on 16 chat prompts.
 
     flock /tmp/pdcluster-ray.lock python -m bench.micro.levers [--quick] [--threads N] [--skip-kv-greedy]
+        [--draft-layers N]
 
 Each lever is a function returning its rows and ratios; ``main`` prints
 them and the target lines.
@@ -50,6 +55,7 @@ SNIPPETS = [
     "def fib(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n\n\n"
     "def fact(n):\n    return 1 if n < 2 else n * fact(n - 1)\n",
 ]
+DRAFT_LAYERS = 12  # not tuned yet: no depth sweep has finished on this machine (README, Levers)
 QUESTIONS = [
     "Why do some birds migrate south for the winter while others stay?",
     "Give me three ideas for a birthday party for a seven year old.",
@@ -110,51 +116,84 @@ def spec_workloads(loaded: LoadedModel, max_tokens: int) -> dict[str, tuple[list
                               SamplingParams(max_tokens=max_tokens, temperature=1.0, top_p=0.95, seed=2026))}
 
 
-def measure_spec_ngram(loaded: LoadedModel, concurrencies: tuple[int, ...], max_tokens: int,
-                       rounds: int) -> dict:
-    """TPOT and tok/s with and without n-gram drafts; the two engines take turns."""
-    engines = {m: Engine(EngineConfig(num_kv_blocks=2048, speculative=SpeculativeConfig(method=m)), loaded=loaded)
-               for m in ("none", "ngram")}
+def spec_engines(loaded: LoadedModel, draft_layers: int) -> dict[str, Engine]:
+    """Plain, n-gram and draft-model (the default model's first ``draft_layers``
+    layers: an early-exit draft over the same weights) engines, sharing the weights."""
+    draft = SpeculativeConfig(method="draft", draft_model="default", draft_num_layers=draft_layers)
+    specs = {"none": SpeculativeConfig(), "ngram": SpeculativeConfig(method="ngram"), "draft": draft}
+    return {m: Engine(EngineConfig(num_kv_blocks=2048, speculative=s), loaded=loaded) for m, s in specs.items()}
+
+
+def measure_spec(loaded: LoadedModel, concurrencies: tuple[int, ...], max_tokens: int, rounds: int,
+                 draft_layers: int) -> dict:
+    """TPOT and tok/s with and without drafts; the engines take turns.  The
+    draft model runs at concurrency 1 only: it drafts request by request."""
+    engines = spec_engines(loaded, draft_layers)
     for e in engines.values():  # warm-up: first-call costs out of the timings
         run_batch(e, [loaded.tokenizer.encode("Hello, world. Hello, world.")], greedy(8))
     results: dict = {}
     for name, (prompts, params) in spec_workloads(loaded, max_tokens).items():
         for conc in concurrencies:
-            runs = {m: Run() for m in engines}
-            before = engines["ngram"].stats()
+            modes = [m for m in engines if m != "draft" or conc == 1]
+            runs = {m: Run() for m in modes}
+            before = {m: engines[m].stats() for m in modes}
+            drafted = {m: _draft_time(engines[m]) for m in modes}
             batches = ([[p] for p in prompts] if conc == 1
                        else [[prompts[i % len(prompts)] for i in range(conc)]])
             for _ in range(rounds):
                 for batch in batches:
-                    for m, e in engines.items():
-                        runs[m].add(*run_batch(e, batch, params))
-            after = engines["ngram"].stats()
-            proposed = after.spec_proposed_tokens - before.spec_proposed_tokens
-            accepted = after.spec_accepted_tokens - before.spec_accepted_tokens
-            steps = after.spec_verify_steps - before.spec_verify_steps
-            emitted = after.spec_emitted_tokens - before.spec_emitted_tokens
-            results[(name, conc)] = {"runs": runs, "acceptance": accepted / proposed if proposed else float("nan"),
-                                     "tokens_per_step": emitted / steps if steps else float("nan")}
+                    for m in modes:
+                        runs[m].add(*run_batch(engines[m], batch, params))
+            spec = {}
+            for m in modes[1:]:
+                after = engines[m].stats()
+                proposed = after.spec_proposed_tokens - before[m].spec_proposed_tokens
+                accepted = after.spec_accepted_tokens - before[m].spec_accepted_tokens
+                steps = after.spec_verify_steps - before[m].spec_verify_steps
+                emitted = after.spec_emitted_tokens - before[m].spec_emitted_tokens
+                seconds, tokens = (x1 - x0 for x1, x0 in zip(_draft_time(engines[m]), drafted[m]))
+                spec[m] = {"acceptance": accepted / proposed if proposed else float("nan"),
+                           "tokens_per_step": emitted / steps if steps else float("nan"),
+                           "draft_s_per_token": seconds / tokens if tokens else float("nan")}
+            results[(name, conc)] = {"runs": runs, "spec": spec}
     for e in engines.values():
         e.check_integrity()
         assert e.kv.num_free_blocks == e.kv.num_total_blocks, "a KV block leaked"
+        assert getattr(e.speculator.proposer if e.speculator else None, "num_sequences", 0) == 0, "a draft cache leaked"
     return results
 
 
-def print_spec_ngram(results: dict) -> dict[str, float]:
-    """The table, and the TPOT ratios (with / without drafts) by workload and concurrency."""
+def _draft_time(engine: Engine) -> tuple[float, int]:
+    """(seconds spent drafting, tokens drafted) by a draft-model engine; (0, 0) otherwise."""
+    proposer = engine.speculator.proposer if engine.speculator else None
+    return (proposer.draft_seconds, proposer.num_drafted_tokens) if hasattr(proposer, "draft_seconds") else (0.0, 0)
+
+
+def print_spec(results: dict, draft_layers: int) -> dict[str, float]:
+    """The table, and the TPOT ratios (with / without drafts) by workload and
+    concurrency: n-gram's as ``{workload}_c{conc}``, the draft model's as
+    ``draft_{workload}_c{conc}``.  The draft's cost per drafted token in
+    plain TPOTs is c for `pdcluster plan --spec-cost` (README, Levers)."""
+    print(f"# draft: the default model's first {draft_layers} layers + final norm + LM head (early exit)")
     print(f"{'workload':<14} {'conc':>4} {'spec':<6} {'out tok/s':>10} {'TPOT p50 ms':>12} "
           f"{'accept':>7} {'tok/verify-step':>15}")
     ratios: dict[str, float] = {}
     for (name, conc), r in results.items():
         for m, run in r["runs"].items():
-            acc = f"{r['acceptance']:.2f}" if m == "ngram" else "-"
-            tps = f"{r['tokens_per_step']:.2f}" if m == "ngram" else "-"
+            sp = r["spec"].get(m)
+            acc = f"{sp['acceptance']:.2f}" if sp else "-"
+            tps = f"{sp['tokens_per_step']:.2f}" if sp else "-"
             print(f"{name:<14} {conc:>4} {m:<6} {run.tok_per_s:>10.1f} {run.tpot_p50_ms:>12.1f} {acc:>7} {tps:>15}")
-        plain, spec = r["runs"]["none"], r["runs"]["ngram"]
-        ratio = spec.tpot_p50_ms / plain.tpot_p50_ms
-        ratios[f"{name}_c{conc}"] = ratio
-        print(f"{name:<14} {conc:>4} ratio  tok/s x{spec.tok_per_s / plain.tok_per_s:.2f}, TPOT p50 x{ratio:.2f}")
+        plain = r["runs"]["none"]
+        for m in r["spec"]:
+            spec = r["runs"][m]
+            ratio = spec.tpot_p50_ms / plain.tpot_p50_ms
+            ratios[f"{name}_c{conc}" if m == "ngram" else f"{m}_{name}_c{conc}"] = ratio
+            label = "ratio" if m == "ngram" else f"ratio({m})"
+            print(f"{name:<14} {conc:>4} {label}  tok/s x{spec.tok_per_s / plain.tok_per_s:.2f}, TPOT p50 x{ratio:.2f}")
+        if "draft" in r["spec"]:
+            cost = 1e3 * r["spec"]["draft"]["draft_s_per_token"] / plain.tpot_p50_ms
+            print(f"{name:<14} {conc:>4} draft cost per drafted token: {cost:.2f} plain TPOTs (--spec-cost)")
     return ratios
 
 
@@ -164,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--skip-kv-greedy", action="store_true", help="8-bit KV: sizes and transfer bytes only")
+    ap.add_argument("--draft-layers", type=int, default=DRAFT_LAYERS,
+                    help="draft model: the default model's first N layers")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -171,11 +212,12 @@ def main(argv: list[str] | None = None) -> int:
     cmd = "flock /tmp/pdcluster-ray.lock python -m bench.micro.levers" + (" --quick" if args.quick else "") + (
         f" --threads {args.threads}" if args.threads else "") + (
         f" --max-tokens {args.max_tokens}" if args.max_tokens != 96 else "") + (
-        " --skip-kv-greedy" if args.skip_kv_greedy else "")
+        " --skip-kv-greedy" if args.skip_kv_greedy else "") + (
+        f" --draft-layers {args.draft_layers}" if args.draft_layers != DRAFT_LAYERS else "")
     print(f"# reproduce: {cmd}", flush=True)
     loaded = load_model(None, "bfloat16")
     concurrencies = (1,) if args.quick else (1, 16)
-    ratios = print_spec_ngram(measure_spec_ngram(loaded, concurrencies, args.max_tokens, rounds=1))
+    ratios = print_spec(measure_spec(loaded, concurrencies, args.max_tokens, 1, args.draft_layers), args.draft_layers)
     kv = kv_capacity_and_transfer("int8", greedy=not args.skip_kv_greedy)
     ok = print_kv_targets(kv)
     ok &= print_target("spec_ngram_tpot_c1_ratio_repetitive", ratios["repetitive_c1"], "<=", 0.7)

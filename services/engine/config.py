@@ -27,21 +27,28 @@ class SchedulerConfig:
                 f"({self.kv_watermark_high}) <= 1")
 
 
+SPECULATIVE_METHODS = ("none", "ngram", "draft")
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """Speculative decoding by n-gram prompt lookup (spec_ngram.py, spec_decode.py).
-    Off by default: it pays on text that copies its context and costs a little
-    elsewhere (the back-off bounds that cost)."""
-    method: str = "none"                # "none" | "ngram"
+    """Speculative decoding (spec_decode.py): drafts by n-gram prompt lookup
+    (spec_ngram.py) or by a draft model (spec_draft.py).  Off by default: it
+    pays where the drafts get accepted and costs a little elsewhere (the
+    back-off bounds that cost)."""
+    method: str = "none"                # "none" | "ngram" | "draft"
     num_tokens: int = 4                 # k: tokens proposed per step
     ngram_min: int = 2                  # match the context's last n tokens, n from max down to min
     ngram_max: int = 4
     min_acceptance: float = 0.3         # back off a request whose acceptance over a window is lower
     window_tokens: int = 16             # proposed tokens per acceptance window
+    draft_model: str | None = None      # method draft: a model path, or "default" (the bundled model)
+    draft_num_layers: int | None = None  # method draft: the draft's first N decoder layers only (early exit)
 
     def __post_init__(self) -> None:
-        if self.method not in ("none", "ngram"):
-            raise ValueError(f"speculative method must be 'none' or 'ngram', got {self.method!r}")
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative.method must be one of {', '.join(SPECULATIVE_METHODS)}, "
+                             f"got {self.method!r}")
         if not 1 <= self.num_tokens <= 16:
             raise ValueError(f"speculative num_tokens must be in [1, 16], got {self.num_tokens}")
         if not 1 <= self.ngram_min <= self.ngram_max:
@@ -50,6 +57,15 @@ class SpeculativeConfig:
             raise ValueError(f"min_acceptance must be in [0, 1], got {self.min_acceptance}")
         if self.window_tokens < 1:
             raise ValueError(f"window_tokens must be >= 1, got {self.window_tokens}")
+        if self.method == "draft" and not self.draft_model:
+            raise ValueError("speculative.method draft needs speculative.draft_model: a model path, or 'default' "
+                             "for the bundled model (with draft_num_layers N for a cheaper early-exit draft)")
+        if self.method != "draft" and (self.draft_model is not None or self.draft_num_layers is not None):
+            raise ValueError(f"speculative.draft_model and draft_num_layers apply to method draft only "
+                             f"(method is {self.method!r}): set method: draft, or drop them")
+        if self.draft_num_layers is not None and self.draft_num_layers < 1:
+            raise ValueError(f"speculative.draft_num_layers must be >= 1 (the draft's first N decoder layers), "
+                             f"got {self.draft_num_layers}")
 
     @property
     def enabled(self) -> bool:

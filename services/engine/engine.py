@@ -41,7 +41,8 @@ from services.engine.runner import ModelRunner
 from services.engine.sampler import SampleResult
 from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler import Scheduler, SchedulerOutput
-from services.engine.spec_decode import NgramSpeculator
+from services.engine.spec_decode import Speculator
+from services.engine.spec_draft import build_draft_proposer
 
 log = logging.getLogger(__name__)
 # Steps that raise, in a row, before the engine gives up: one bad request
@@ -86,7 +87,7 @@ class Engine:
             self.loaded.model.k_shift = k_smoothing_shift(self.loaded.model, calibration_token_ids(self.tokenizer))
         self.hash_seed = block_hash_seed(self.loaded.weights_id, self.kv_spec.dtype, config.block_size)
         self.kv = KVCache(self.kv_spec, config.device, on_kv_event, config.enable_prefix_caching)
-        self.speculator = NgramSpeculator(config.speculative) if config.speculative.enabled else None
+        self.speculator = self._speculator() if config.speculative.enabled else None
         self.scheduler = Scheduler(config.scheduler, self.kv, self.hash_seed, self.speculator)
         self.requests: dict[str, Request] = {}
         # The sampler reads a penalised request's tokens from this table, by id.
@@ -108,6 +109,13 @@ class Engine:
         self.num_failed_steps = 0
         self.num_expired_reservations = 0
         self._consecutive_failed_steps = 0
+
+    def _speculator(self) -> Speculator:
+        spec = self.config.speculative
+        if spec.method == "draft":
+            return Speculator(spec, build_draft_proposer(spec, self.loaded, self.config.dtype, self.config.device,
+                                                         self.max_model_len))
+        return Speculator(spec)
 
     @property
     def awaiting_kv(self) -> Mapping[str, Request]:

@@ -42,7 +42,7 @@ from prefix_store.hashing import hash_prompt_blocks
 from services.engine.config import SchedulerConfig
 from services.engine.kv_cache import KVCache
 from services.engine.request import FinishReason, Request, RequestStatus
-from services.engine.spec_decode import NgramSpeculator
+from services.engine.spec_decode import Speculator
 
 
 @dataclass
@@ -93,7 +93,7 @@ def _cdiv(a: int, b: int) -> int:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCache, hash_seed: int,
-                 speculator: NgramSpeculator | None = None):
+                 speculator: Speculator | None = None):
         self.config = config
         self.speculator = speculator
         self.kv = kv
@@ -244,6 +244,8 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.free_blocks(req)
+        if self.speculator is not None:
+            self.speculator.preempted(req.request_id)
         req.num_computed_tokens = 0
         req.num_cached_tokens = 0
         req.num_preemptions += 1

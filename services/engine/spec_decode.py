@@ -1,5 +1,7 @@
 """Speculative decoding: who gets a draft this step, how it is checked, and
-when a request stops getting one.
+when a request stops getting one.  Where the draft comes from is a
+``Proposer``'s business: n-gram prompt lookup (spec_ngram.py) or a draft
+model (spec_draft.py); everything here is the same for both.
 
 One step of a request with a draft d1..dk (k <= ``num_tokens``)::
 
@@ -36,12 +38,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from services.engine.config import SpeculativeConfig
 from services.engine.request import Request
-from services.engine.spec_ngram import propose_ngram
+from services.engine.spec_ngram import NgramProposer
 
 BACKOFF_STEPS = 16
 BACKOFF_MAX_STEPS = 256
@@ -90,11 +93,23 @@ class _Window:
     total_accepted: int = 0
 
 
-class NgramSpeculator:
-    """Drafts by n-gram prompt lookup, counts acceptance, backs off."""
+class Proposer(Protocol):
+    """Where drafts come from.  ``propose`` returns at most ``k`` tokens to
+    follow ``req.all_token_ids`` ([] for none); ``release`` drops whatever
+    the proposer keeps for a request (it ended, was aborted or preempted):
+    a later ``propose`` for the same id starts from nothing."""
 
-    def __init__(self, config: SpeculativeConfig):
+    def propose(self, req: Request, k: int) -> list[int]: ...
+
+    def release(self, request_id: str) -> None: ...
+
+
+class Speculator:
+    """Asks its proposer for drafts, counts acceptance, backs off."""
+
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer | None = None):
         self.config = config
+        self.proposer = proposer or NgramProposer(config.ngram_min, config.ngram_max)
         self._windows: dict[str, _Window] = {}
         self.num_proposed_tokens = 0
         self.num_accepted_tokens = 0
@@ -115,7 +130,7 @@ class NgramSpeculator:
         k = min(self.config.num_tokens, budget, req.params.max_tokens - len(req.output_token_ids) - 1)
         if k < 1:
             return []
-        return propose_ngram(req.all_token_ids, k, self.config.ngram_min, self.config.ngram_max)
+        return self.proposer.propose(req, k)
 
     def record(self, request_id: str, num_proposed: int, num_accepted: int) -> None:
         """One verified step's outcome; closes the request's window when full."""
@@ -143,5 +158,11 @@ class NgramSpeculator:
         w = self._windows.get(request_id)
         return (w.total_proposed, w.total_accepted) if w else (0, 0)
 
+    def preempted(self, request_id: str) -> None:
+        """The request lost its K/V (it will be recomputed): its proposer
+        state goes too; its acceptance window stays (same text, same odds)."""
+        self.proposer.release(request_id)
+
     def forget(self, request_id: str) -> None:
         self._windows.pop(request_id, None)
+        self.proposer.release(request_id)

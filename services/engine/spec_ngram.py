@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from services.engine.request import Request
+
 
 def propose_ngram(token_ids: Sequence[int], k: int, ngram_min: int, ngram_max: int) -> list[int]:
     """Up to ``k`` tokens that followed the latest earlier occurrence of the
@@ -42,3 +44,16 @@ def propose_ngram(token_ids: Sequence[int], k: int, ngram_min: int, ngram_max: i
     if best_len < ngram_min:
         return []
     return list(token_ids[best_end:best_end + k])
+
+
+class NgramProposer:
+    """spec_decode.Proposer by prompt lookup: stateless, nothing to release."""
+
+    def __init__(self, ngram_min: int, ngram_max: int):
+        self.ngram_min, self.ngram_max = ngram_min, ngram_max
+
+    def propose(self, req: Request, k: int) -> list[int]:
+        return propose_ngram(req.all_token_ids, k, self.ngram_min, self.ngram_max)
+
+    def release(self, request_id: str) -> None:
+        pass

@@ -9,7 +9,7 @@ from services.engine.kv_cache import KVCache, KVCacheSpec
 from services.engine.request import Request
 from services.engine.sampling_params import SamplingParams, greedy
 from services.engine.scheduler import Scheduler
-from services.engine.spec_decode import BACKOFF_STEPS, NgramSpeculator, emitted_tokens, verify_sampled
+from services.engine.spec_decode import BACKOFF_STEPS, Speculator, emitted_tokens, verify_sampled
 
 BS = 4
 
@@ -73,7 +73,7 @@ def make_request(rid, prompt, max_tokens=16):
 
 
 def test_back_off_after_a_window_of_low_acceptance():
-    spec = NgramSpeculator(SpeculativeConfig(method="ngram", num_tokens=4, ngram_min=1, window_tokens=8))
+    spec = Speculator(SpeculativeConfig(method="ngram", num_tokens=4, ngram_min=1, window_tokens=8))
     req = make_request("a", [1, 2, 3, 1, 2, 3, 1, 2])
     assert spec.propose(req, 100) == [3, 1, 2]
     spec.record("a", 4, 0)
@@ -88,7 +88,7 @@ def test_back_off_after_a_window_of_low_acceptance():
 
 
 def test_no_draft_with_penalties_grammar_or_past_max_tokens():
-    spec = NgramSpeculator(SpeculativeConfig(method="ngram", ngram_min=1))
+    spec = Speculator(SpeculativeConfig(method="ngram", ngram_min=1))
     prompt = [1, 2, 1, 2, 1]
     assert spec.propose(Request("p", prompt, SamplingParams(max_tokens=8, frequency_penalty=0.5)), 100) == []
     assert spec.propose(Request("m", prompt, greedy(8, min_tokens=2)), 100) == []
@@ -98,7 +98,7 @@ def test_no_draft_with_penalties_grammar_or_past_max_tokens():
 
 def test_rejected_drafts_give_their_blocks_back():
     kv = KVCache(KVCacheSpec(16, BS, 1, 1, 2, torch.float32))
-    spec = NgramSpeculator(SpeculativeConfig(method="ngram", num_tokens=4, ngram_min=2))
+    spec = Speculator(SpeculativeConfig(method="ngram", num_tokens=4, ngram_min=2))
     s = Scheduler(SchedulerConfig(), kv, hash_seed=42, speculator=spec)
     # prompt of 6: "5 6 7 8 | 5 6"; after the first token 7 the suffix "6 7" proposes 8 5 6 7
     req = make_request("a", [5, 6, 7, 8, 5, 6])
@@ -127,7 +127,7 @@ def test_a_verification_reads_every_key_from_the_pool_and_a_prompt_chunk_its_own
     from services.engine.runner import ModelRunner
 
     kv = KVCache(KVCacheSpec(16, BS, 1, 1, 2, torch.float32))
-    spec = NgramSpeculator(SpeculativeConfig(method="ngram", num_tokens=4, ngram_min=2))
+    spec = Speculator(SpeculativeConfig(method="ngram", num_tokens=4, ngram_min=2))
     s = Scheduler(SchedulerConfig(), kv, hash_seed=42, speculator=spec)
     req = make_request("a", [5, 6, 7, 8, 5, 6])
     s.add(req)
