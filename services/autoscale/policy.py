@@ -278,6 +278,10 @@ class Pools:
     prefill_at_zero: bool = False
     slowdown: float | None = None  # the decode steps' calibrated factor; None: from the measurements alone
 
+    def decode_slowdown(self, m: Measurements, step: StepSpeed, rules: ScalingRules) -> float:
+        """The factor given here, else the window's (:func:`decode_slowdown`)."""
+        return self.slowdown if self.slowdown is not None else decode_slowdown(m.decode, step, rules)
+
 
 def pool_need(pool: str, m: Measurements, prefill: PrefillSpeed, step: StepSpeed, rules: ScalingRules,
               demand_scale: float = 1.0, pools: Pools = Pools()) -> Need:
@@ -286,7 +290,7 @@ def pool_need(pool: str, m: Measurements, prefill: PrefillSpeed, step: StepSpeed
             return prefill_need(m.arrival_rps, m.prompt_tokens_mean, m.prefill.queued_tokens, prefill, rules,
                                 demand_scale)
         return _prefill_need_may_vanish(m, prefill, step, rules, demand_scale, pools)
-    slowdown = pools.slowdown if pools.slowdown is not None else decode_slowdown(m.decode, step, rules)
+    slowdown = pools.decode_slowdown(m, step, rules)
     share = 0.0
     if pools.prefill_at_zero and slowdown == 1.0:  # a calibrated slowdown already holds the prompts' stalls
         share = local_prefill_share(m.arrival_rps * demand_scale, m.prompt_tokens_mean, prefill,
@@ -306,7 +310,7 @@ def _prefill_need_may_vanish(m: Measurements, prefill: PrefillSpeed, step: StepS
                         pools.decode_replicas)
     if need.replicas != 0:
         return need
-    slowdown = pools.slowdown if pools.slowdown is not None else decode_slowdown(m.decode, step, rules)
+    slowdown = pools.decode_slowdown(m, step, rules)
     share = local_prefill_share(m.arrival_rps * demand_scale, m.prompt_tokens_mean, prefill, pools.decode_replicas)
     local = decode_need(m.output_demand_tok_s, m.decode.sequences, Calibrated(step, slowdown), rules, demand_scale,
                         share)
@@ -363,7 +367,7 @@ def decide_pool(pool: str, m: Measurements, state: PoolState, prefill: PrefillSp
                 rules: ScalingRules, pools: Pools = Pools()) -> tuple[PoolDecision, PoolState]:
     lo, hi = rules.bound(pool)
     now, current = m.now_s, state.replicas
-    slowdown = pools.slowdown if pools.slowdown is not None else decode_slowdown(m.decode, step, rules)
+    slowdown = pools.decode_slowdown(m, step, rules)
     need = pool_need(pool, m, prefill, step, rules, pools=pools)
     wanted, why = need.replicas, need.why
     breach = slo_breach(pool, m.pool(pool), rules)
