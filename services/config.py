@@ -173,7 +173,8 @@ class AutoscalingSettings(_Strict):
     need.  Disaggregated mode only; it replaces the pools' num_replicas
     while it runs."""
     enabled: bool = False
-    interval_s: float = Field(2.0, gt=0, description="seconds between measurements (and decisions)")
+    interval_s: float = Field(2.0, ge=0.5, description="seconds between measurements (and decisions); each one "
+                                                    "scrapes the gateway's /metrics, so not faster than 0.5 s")
     window_s: float = Field(9.0, gt=0, description="measurements are differences over this many seconds")
     ttft_slo_s: float = Field(2.0, gt=0)
     tpot_slo_s: float = Field(0.1, gt=0)

@@ -171,6 +171,12 @@ def test_settings_refuse_min_over_max():
         AutoscalingSettings(decode={"min_replicas": 3, "max_replicas": 2})
 
 
+@pytest.mark.parametrize("interval", [0.0, 1e-320, 0.49, float("nan"), -2.0])
+def test_settings_refuse_an_interval_that_would_hammer_the_gateway(interval):
+    with pytest.raises(ValueError, match="interval_s"):
+        AutoscalingSettings(interval_s=interval)
+
+
 def test_the_record_is_json_and_reads_as_one_line_per_pool():
     from services.autoscale.policy import Measurements, PoolDecision
 
