@@ -20,6 +20,12 @@ already set wins.
   Serve's router on its own loop, so handles still work from plain
   synchronous code; replicas get the router on their main loop
   (``REPLICA_ENV``, passed through Ray's runtime_env).
+- Replicas at normal priority: ``RAY_worker_niceness=0``.  Ray starts its
+  workers (every Serve replica) at nice 15 by default, below any ordinary
+  process on the host, so a build, a test run or a load generator beside the
+  cluster took the cores from prefill and decode; the serving replicas are
+  the host's work, not background.  Seen on a 2-core machine: replicas at
+  nice 15 lost up to 0.6 cores to nice-10 processes during a benchmark.
 - Large tensors (weights, the KV pool) on 2 MiB pages: same-host KV pulls pin
   every page, and huge pages about double their bandwidth (transfer/pool_alloc.py).
 - Secrets (the cluster secret, API keys, a Redis URL with its password) are
@@ -41,6 +47,7 @@ DEFAULTS = {
     "TOKENIZERS_PARALLELISM": "false",
     "HF_HUB_OFFLINE": "1",
     "THP_MEM_ALLOC_ENABLE": "1",
+    "RAY_worker_niceness": "0",
 }
 DRIVER_ENV = {"RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "1"}
 REPLICA_ENV = {"RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}

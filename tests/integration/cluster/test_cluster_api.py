@@ -100,3 +100,15 @@ def test_models_health_and_request_id(base_url):
     assert r.status_code == 200 and r.json()["data"][0]["id"] == MODEL
     assert r.headers.get("x-request-id")
     assert httpx.get(base_url + "/health", timeout=30).status_code == 200
+
+
+def test_replicas_run_at_normal_priority(cluster):
+    """Ray starts workers at nice 15 unless told otherwise (services/cluster_env.py):
+    every Serve replica of this cluster must run at nice 0, as the host's work."""
+    import psutil
+
+    replicas = [p for p in psutil.process_iter(["cmdline", "nice"])
+                if any("ServeReplica:" in part for part in (p.info["cmdline"] or []))]
+    assert {"prefill", "decode", "gateway"} <= {part.rsplit(":", 1)[-1] for p in replicas
+                                                for part in p.info["cmdline"] or [] if "ServeReplica:" in part}
+    assert {p.pid: p.info["nice"] for p in replicas} == {p.pid: 0 for p in replicas}
