@@ -84,7 +84,7 @@ class LayerStep(ctypes.Structure):
                 *((n, _ptr) for n in ("prefill_tables", "prefill_starts", "prefill_lens")),
                 ("scale", _f32), ("eps", _f32), ("nthreads", _int),
                 *((n, _ptr) for n in ("normed", "qkv", "attn", "proj", "gate_up", "act")),
-                ("kv_kind", _i64), ("k_shift", _ptr), ("prefill_fresh", _ptr)]
+                ("kv_kind", _i64), ("k_shift", _ptr), ("prefill_fresh", _ptr), ("k_rotate", _i64)]
 
 
 _SIGNATURES = {
@@ -99,6 +99,7 @@ _SIGNATURES = {
     "pd_decoder_stack_bf16": [ctypes.POINTER(LayerWeights), _i64, ctypes.POINTER(LayerStep), _ptr, _ptr, _ptr, _ptr],
     "pd_rope_bf16": [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr],
     "pd_write_kv_bf16": [_ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _i64],
+    "pd_hadamard_rows_bf16": [_ptr, _i64, _i64, _i64, _i64],
     # 8-bit KV pools (csrc/kv8_kernels.h): the bf16 signatures plus the pool's kind (and the write's K shift,
     # and prefill's chunk K/V: kernels/prefill_attention.py ChunkKV)
     "pd_write_kv_q8": [_ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _int, _ptr],
@@ -388,10 +389,13 @@ class DecoderStack:
         self.heads, self.kv_heads, self.head_dim, self.eps = heads, kv_heads, head_dim, eps
 
     def forward(self, hidden: torch.Tensor, batch, kv_pool: torch.Tensor, cos: torch.Tensor,
-                sin: torch.Tensor, k_shift: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                sin: torch.Tensor, k_shift: torch.Tensor | None = None,
+                rotate_qk: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """``hidden``: [T, hidden] embeddings (becomes the residual stream, in
         place); ``k_shift``: None or [layers, kv_heads, head_dim] fp32, K
-        smoothing of an 8-bit pool.  Returns (last layer's MLP output, residual)."""
+        smoothing of an 8-bit pool (as its rows carry it: ``H b`` when
+        rotated); ``rotate_qk``: q and K turn after RoPE (8-bit pools only,
+        kernels/kv_rotation.py).  Returns (last layer's MLP output, residual)."""
         t, dt = hidden.shape[0], hidden.dtype
         h, d, kvh = self.heads, self.head_dim, self.kv_heads
         _, num_layers, _, block_size, _, _ = kv_pool.shape
@@ -408,6 +412,8 @@ class DecoderStack:
         pre_fresh = batch.prefill_fresh_kv.to(torch.int32).contiguous()  # read over 8-bit pools only
         if k_shift is not None and not KV_KINDS[kv_pool.dtype]:
             raise ValueError("k_shift (K smoothing) applies to 8-bit pools only: pass None for a bf16 pool")
+        if rotate_qk and not KV_KINDS[kv_pool.dtype]:
+            raise ValueError("rotate_qk (K rotation) applies to 8-bit pools only: pass False for a bf16 pool")
         shift = _k_shift(k_shift, (len(self.layers), kvh, d))
         step = LayerStep(
             t, self.hidden, self.inter, h, kvh, d, num_layers, block_size,
@@ -415,7 +421,7 @@ class DecoderStack:
             batch.num_decode_tokens, dec_tables.shape[1], _p(dec_tables), _p(dec_lens),
             pre_lens.shape[0], pre_tables.shape[1], _p(pre_tables), _p(pre_starts), _p(pre_lens),
             d ** -0.5, self.eps, num_threads(), *(_p(b) for b in bufs.values()), KV_KINDS[kv_pool.dtype],
-            _p(shift), _p(pre_fresh))
+            _p(shift), _p(pre_fresh), int(rotate_qk))
         library().pd_decoder_stack_bf16(self.layers, len(self.layers), ctypes.byref(step), _p(kv_pool), _p(hidden),
                                         _p(outs[0]), _p(outs[1]))
         return outs[(len(self.layers) - 1) % 2], hidden

@@ -45,6 +45,14 @@ shifted (decode, prefill chunks, speculative verification all write through
 (services/model_meta.py), so shifted blocks never meet other shifts across
 replicas.  bf16/fp32 pools are never shifted.
 
+K rotation: before that, the model turns q and post-RoPE K of every head by
+one orthonormal Hadamard matrix H (kernels/kv_rotation.py), which leaves
+q . k unchanged and spreads K's outlier channels over the row (int8 KV's
+greedy count 7 -> 12 of 16 there).  So an 8-bit pool's K rows hold
+``quantize(H k - H b)``: every kernel here sees an ordinary K row and an
+ordinary shift (``H b``), and none of them knows about the rotation.  Also
+in the block-hash seed; bf16/fp32 pools are never rotated.
+
 Prompt chunks read the pool for their cached prefix only: their own keys and
 values are the model's, as computed, never quantized, so quantization error
 never enters the hidden states of the tokens being prefilled.  Those keys are unshifted, so the prefix's K rows

@@ -6,6 +6,9 @@ the variant), the torch reference elsewhere.
 (on CUDA) and the native kernels (``cpu_native.handles_pool``) read and write
 them; wherever neither runs, the torch references do.  Every path reads the
 rows through their scales, and a prompt chunk's own K/V through ``ChunkKV``.
+Their q and K are Hadamard-rotated first (:mod:`kernels.kv_rotation`):
+``rotate_heads`` is torch on every device (butterflies of a few elementwise
+ops), and the native stack turns its own rows, bit for bit the same.
 
 Each op looks at its tensors: CUDA tensors go to the Triton kernel when
 triton imports; CPU bf16 tensors of a supported shape go to
@@ -33,6 +36,7 @@ from kernels.activation import silu_mul_ref
 from kernels.block_copy import gather_blocks_ref, scatter_blocks_ref
 from kernels.cpu_native import DecoderStack
 from kernels.kv_quant import is_quantized
+from kernels.kv_rotation import rotate_heads, rotates
 from kernels.kv_write import write_kv_ref
 from kernels.paged_decode_attention import paged_decode_attention_ref
 from kernels.prefill_attention import ChunkKV, prefill_attention_ref
@@ -42,7 +46,7 @@ from kernels.rope import apply_rope_ref, rope_cos_sin
 __all__ = [
     "write_kv", "paged_decode_attention", "prefill_attention", "gather_blocks",
     "scatter_blocks", "rmsnorm", "fused_add_rmsnorm", "apply_rope", "linear", "pack_linear_weight",
-    "unpack_linear_weight", "silu_mul", "triton_available",
+    "unpack_linear_weight", "silu_mul", "triton_available", "rotate_heads", "rotates",
     "ChunkKV", "DecoderStack", "decoder_stack", "decoder_stack_takes", "set_native_threads", "native_variant", "rope_cos_sin",
 ]
 

@@ -7,8 +7,8 @@ Only *full* blocks are hashed: a partial block can still change, so it is
 never cached nor indexed.  ``seed`` is a 64-bit model fingerprint of the
 weights, the KV pool dtype and the block size, so two models, two block
 sizes or two KV dtypes (bf16 and int8 blocks hold different bytes) never
-share entries; for 8-bit pools it also names how K was shifted before
-quantizing (services/model_meta.py ``K_SMOOTHING_ID``).  Keys are unsigned 64-bit
+share entries; for 8-bit pools it also names how K was rotated and shifted
+before quantizing (services/model_meta.py ``K_ROTATION_ID``, ``K_SMOOTHING_ID``).  Keys are unsigned 64-bit
 ints (BLAKE2b with an 8-byte digest), stable across processes and runs --
 unlike Python's ``hash()``.
 """

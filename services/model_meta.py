@@ -10,13 +10,16 @@ here and adds the tensors.
 The seed ties the router's, the index's and every engine's block hashes
 together, so the gateway and each replica must compute the same one::
 
-    block_hash_seed = model_fingerprint(weights_id, "torch.<kv pool dtype>[+K_SMOOTHING_ID]", block_size)
+    block_hash_seed = model_fingerprint(weights_id, "torch.<kv pool dtype>[+K_SMOOTHING_ID+K_ROTATION_ID]",
+                                        block_size)
 
     weights_id       digest of the weights files' names and sizes
     kv pool dtype    kv_cache_dtype, or the model's dtype for "auto"
     K_SMOOTHING_ID   8-bit pools only: how their K rows are shifted before
                      quantizing (services/engine/model/k_smoothing.py), so
                      blocks shifted two ways never share a hash
+    K_ROTATION_ID    8-bit pools only: how q and K are rotated before K is
+                     quantized (kernels/kv_rotation.py), likewise
 
 The dtype is spelled as torch prints it (``torch.bfloat16``): the engine
 hashed ``str(torch_dtype)`` before this module existed, and a seed must not
@@ -42,6 +45,8 @@ _KV_POOL_DTYPES = {"bf16": "bfloat16", "int8": "int8", "fp8_e4m3": "float8_e4m3f
 # 8-bit pools' K smoothing (services/engine/model/k_smoothing.py): bump the
 # version whenever the derivation of its shift changes
 K_SMOOTHING_ID = "k-smoothing-v1"
+# 8-bit pools' K rotation (kernels/kv_rotation.py): bump whenever the rotation changes
+K_ROTATION_ID = "k-hadamard-v1"
 _SMOOTHED_POOL_DTYPES = ("int8", "float8_e4m3fn")
 
 
@@ -119,10 +124,12 @@ def kv_pool_dtype_name(kv_cache_dtype: str, model_dtype: str) -> str:
 def block_hash_seed(weights: str, kv_dtype: object, block_size: int) -> int:
     """The seed of every block-hash chain for these weights, KV pool dtype
     (a torch dtype, or its name) and block size: engine, gateway and index
-    must agree on it.  8-bit pools hold K shifted by the K smoothing, whose
-    id joins the dtype; plain pools' seeds are as before it existed."""
+    must agree on it.  8-bit pools hold K rotated and shifted (K rotation,
+    K smoothing), whose ids join the dtype; plain pools' seeds are as before
+    either existed."""
     name = str(kv_dtype).removeprefix("torch.")
-    label = f"torch.{name}+{K_SMOOTHING_ID}" if name in _SMOOTHED_POOL_DTYPES else f"torch.{name}"
+    label = (f"torch.{name}+{K_SMOOTHING_ID}+{K_ROTATION_ID}" if name in _SMOOTHED_POOL_DTYPES
+             else f"torch.{name}")
     return model_fingerprint(weights, label, block_size)
 
 

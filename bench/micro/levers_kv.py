@@ -19,10 +19,16 @@ bf16 KV against fp32 KV: what bf16's own rounding of K and V costs.
 
 8-bit KV is K-smoothed (kernels/kv_quant.py): the bench prints the
 calibration's cost at load; ``--no-k-smoothing`` forces the shift to zero
-(the bytes of unshifted rows) for an A/B in the same code.
+(the bytes of unshifted rows) for an A/B in the same code.  It is also
+K-rotated (kernels/kv_rotation.py); ``--no-k-rotation`` turns that off
+likewise.  Measured with fp32 weights (2-core Xeon, int8): 7 of 16 without
+rotation, 12 with it (bf16 weights: 7 and 6).  fp32 KV matches bf16 KV on
+12 too, so at that level what is left is near ties (top-2 gaps 0.008-0.03
+nats) that any change to the KV's rounding flips (kernels/kv_rotation.py).
 
     python -m bench.micro.levers_kv [--kv-dtype int8|fp8_e4m3] [--kv-mib 512] [--max-tokens 64]
                                     [--model-dtype both|float32|bfloat16] [--skip-greedy] [--no-k-smoothing]
+                                    [--no-k-rotation]
 """
 
 from __future__ import annotations
@@ -101,7 +107,8 @@ def compare(baseline, ours) -> GreedyMatch:
 
 
 def greedy_match(kv_dtype: str, max_tokens: int = 64, questions=CHAT_QUESTIONS, model_dtype: str = "bfloat16",
-                 baselines: tuple[str, ...] = ("bf16",), k_smoothing: bool = True) -> dict[str, GreedyMatch]:
+                 baselines: tuple[str, ...] = ("bf16",), k_smoothing: bool = True,
+                 k_rotation: bool = True) -> dict[str, GreedyMatch]:
     """Greedy tokens with ``kv_dtype`` KV against each of ``baselines`` KV on
     the same weights (``model_dtype``); for a pair "a/b" in ``baselines``, a
     against b instead of ``kv_dtype`` against it.  Keyed like ``baselines``."""
@@ -113,8 +120,10 @@ def greedy_match(kv_dtype: str, max_tokens: int = 64, questions=CHAT_QUESTIONS, 
     t0 = time.perf_counter()
     shift = k_smoothing_shift(loaded.model, ids)  # what Engine() does for an 8-bit pool, timed here
     print(f"    K smoothing calibration: {time.perf_counter() - t0:.2f} s (float64 prefill of {len(ids)} tokens); "
-          f"smoothing {'on' if k_smoothing else 'OFF (shift forced to zero)'}")
+          f"smoothing {'on' if k_smoothing else 'OFF (shift forced to zero)'}; "
+          f"K rotation {'on' if k_rotation else 'OFF'}")
     loaded.model.k_shift = shift if k_smoothing else torch.zeros_like(shift)
+    loaded.model.k_rotation = k_rotation
     names = {kv_dtype, *(n for b in baselines for n in b.split("/"))}
     runs = {name: greedy_outputs(name, max_tokens, questions, loaded, model_dtype) for name in sorted(names)}
     result = {}
@@ -135,7 +144,7 @@ def print_greedy(label: str, g: GreedyMatch) -> None:
 
 def kv_capacity_and_transfer(kv_dtype: str = "int8", kv_mib: int = 512, max_tokens: int = 64,
                              greedy: bool = True, model_dtype: str = "both",
-                             k_smoothing: bool = True) -> dict[str, float]:
+                             k_smoothing: bool = True, k_rotation: bool = True) -> dict[str, float]:
     """Measures and prints the three kv8 targets; returns the measured ratios."""
     from services.engine.kv_cache import KVCacheSpec
     from services.engine.model.default import resolve_model_path
@@ -165,11 +174,12 @@ def kv_capacity_and_transfer(kv_dtype: str = "int8", kv_mib: int = 512, max_toke
     print(f"  {kv_dtype} / bf16: capacity x{capacity:.2f}, transfer bytes x{transfer:.3f}")
     result = {"kv8_capacity_ratio": capacity, "kv8_transfer_bytes_ratio": transfer}
     if greedy:
-        result |= greedy_section(kv_dtype, max_tokens, model_dtype, k_smoothing)
+        result |= greedy_section(kv_dtype, max_tokens, model_dtype, k_smoothing, k_rotation)
     return result
 
 
-def greedy_section(kv_dtype: str, max_tokens: int, model_dtype: str, k_smoothing: bool = True) -> dict[str, float]:
+def greedy_section(kv_dtype: str, max_tokens: int, model_dtype: str, k_smoothing: bool = True,
+                   k_rotation: bool = True) -> dict[str, float]:
     """The greedy comparisons for ``model_dtype`` ("both", "float32" or
     "bfloat16"); kv8_greedy_match is the fp32-weights count when measured."""
     print(f"  greedy {kv_dtype} KV vs bf16 KV, {len(CHAT_QUESTIONS)} chat prompts x {max_tokens} tokens "
@@ -181,7 +191,7 @@ def greedy_section(kv_dtype: str, max_tokens: int, model_dtype: str, k_smoothing
         t0 = time.perf_counter()
         extra = ("bf16/auto",) if weights == "float32" else ()  # bf16 KV vs fp32 KV: bf16's own rounding
         got = greedy_match(kv_dtype, max_tokens, model_dtype=weights, baselines=("bf16", *extra),
-                           k_smoothing=k_smoothing)
+                           k_smoothing=k_smoothing, k_rotation=k_rotation)
         print(f"  {weights} weights ({time.perf_counter() - t0:.0f} s):")
         print_greedy(f"{kv_dtype} KV vs bf16 KV", got["bf16"])
         if extra:
@@ -212,14 +222,16 @@ def main(argv: list[str] | None = None) -> None:
                     help="weights of the greedy comparison; the target is the float32 count when measured")
     ap.add_argument("--skip-greedy", action="store_true", help="sizes and transfer bytes only (seconds)")
     ap.add_argument("--no-k-smoothing", action="store_true", help="8-bit K unshifted (for an A/B)")
+    ap.add_argument("--no-k-rotation", action="store_true", help="8-bit q and K unrotated (for an A/B)")
     args = ap.parse_args(argv)
     print_fingerprint()
     print(f"# reproduce: python -m bench.micro.levers_kv --kv-dtype {args.kv_dtype} --kv-mib {args.kv_mib} "
           f"--max-tokens {args.max_tokens} --model-dtype {args.model_dtype}"
-          f"{' --skip-greedy' if args.skip_greedy else ''}{' --no-k-smoothing' if args.no_k_smoothing else ''}",
+          f"{' --skip-greedy' if args.skip_greedy else ''}{' --no-k-smoothing' if args.no_k_smoothing else ''}"
+          f"{' --no-k-rotation' if args.no_k_rotation else ''}",
           flush=True)
     print_kv_targets(kv_capacity_and_transfer(args.kv_dtype, args.kv_mib, args.max_tokens, not args.skip_greedy,
-                                              args.model_dtype, not args.no_k_smoothing))
+                                              args.model_dtype, not args.no_k_smoothing, not args.no_k_rotation))
 
 
 if __name__ == "__main__":

@@ -46,6 +46,29 @@ void pd_rope_bf16(bf16 *x, int64_t row_stride, int64_t T, int64_t heads, int64_t
 }
 #endif
 
+/* H x / sqrt(D) in place on each of the first ``heads`` heads of every row
+ * (H: D x D Sylvester Hadamard, D a power of two): q and K of an 8-bit pool,
+ * right after RoPE (kernels/kv_rotation.py).  Bit-exact with rotate_heads:
+ * fp32 butterflies (a + b, a - b) in the same stage order, adds only (no
+ * FMA to contract), then one multiply by 1.f / sqrtf(D), rounded once. */
+void pd_hadamard_rows_bf16(bf16 *x, int64_t row_stride, int64_t T, int64_t heads, int64_t D) {
+    const float norm = 1.f / sqrtf((float)D);
+    float y[D];
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t hd = 0; hd < heads; hd++) {
+            bf16 *p = x + t * row_stride + hd * D;
+            for (int64_t i = 0; i < D; i++) y[i] = to_f32(p[i]);
+            for (int64_t h = 1; h < D; h *= 2)
+                for (int64_t i = 0; i < D; i += 2 * h)
+                    for (int64_t j = i; j < i + h; j++) {
+                        const float a = y[j], b = y[j + h];
+                        y[j] = a + b;
+                        y[j + h] = a - b;
+                    }
+            for (int64_t i = 0; i < D; i++) p[i] = to_bf16(y[i] * norm);
+        }
+}
+
 /* K and V rows of the step's tokens (row-strided views) into their slots. */
 void pd_write_kv_bf16(bf16 *kv, const bf16 *k, const bf16 *v, int64_t row_stride, const int64_t *slots,
                       int64_t T, int64_t KVH, int64_t D, int64_t block_size, int64_t num_layers, int64_t layer) {
@@ -63,7 +86,8 @@ void pd_write_kv_bf16(bf16 *kv, const bf16 *k, const bf16 *v, int64_t row_stride
  * above; pd_decoder_stack_bf16 runs every layer in one call from Python:
  *
  *     normed = rmsnorm(residual += prev)       (prev NULL: layer 0, no add)
- *     q, k, v = split(normed @ Wqkv + bias);  rope(q, k);  kv[slots] = k, v
+ *     q, k, v = split(normed @ Wqkv + bias);  rope(q, k);  (8-bit pool, k_rotate: q, k = H q, H k)
+ *     kv[slots] = k, v
  *     attn = decode attention (first n_decode tokens) | prefill attention (the rest;
  *            over an 8-bit pool a prompt chunk reads its own k, v from here, not the pool)
  *     normed = rmsnorm(residual += attn @ Wo)
@@ -89,6 +113,7 @@ typedef struct {
     const float *k_shift;  /* NULL, or [num_layers, KVH, D] fp32: K smoothing of an 8-bit pool */
     const int32_t *prefill_fresh;  /* NULL, or [n_prefill_seqs]: 1 = a prompt chunk, attends to its own K/V as
                                     * computed over an 8-bit pool (kv8_kernels.h), 0 = reads the pool */
+    int64_t k_rotate;  /* 1: an 8-bit pool's q and K turn by pd_hadamard_rows_bf16 after RoPE (k_shift is then H b) */
 } pd_layer_step;
 
 static void decoder_layer(const pd_layer_weights *w, const pd_layer_step *s, bf16 *kv, int64_t layer,
@@ -99,6 +124,7 @@ static void decoder_layer(const pd_layer_weights *w, const pd_layer_step *s, bf1
     pd_rope_bf16(s->qkv, width, T, s->H, s->D, s->positions, s->cos, s->sin);
     pd_rope_bf16(s->qkv + qs, width, T, s->KVH, s->D, s->positions, s->cos, s->sin);
     const int q8 = (int)s->kv_kind;
+    if (q8 && s->k_rotate) pd_hadamard_rows_bf16(s->qkv, width, T, s->H + s->KVH, s->D);  /* q | k heads */
     if (q8)
         pd_write_kv_q8((uint8_t *)kv, s->qkv + qs, s->qkv + qs + kvs, width, s->slots, T, s->KVH, s->D,
                        s->block_size, s->num_layers, layer, q8, s->k_shift ? s->k_shift + layer * kvs : NULL);

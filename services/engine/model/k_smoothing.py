@@ -22,7 +22,9 @@ offset from every row's range.
 Measured (bench/micro/levers_kv.py, fp32 weights, 16 chat prompts x 64
 greedy tokens, int8 KV vs bf16 KV; 2-core AMD EPYC, avx2): 3 identical
 without smoothing, 7 with it (fp8_e4m3: 3 and 4); 8 (fp8_e4m3: 4) once
-prompt chunks attended to their own K/V (kernels/prefill_attention.py).  The calibration costs 1.0 s there (10.9 s
+prompt chunks attended to their own K/V (kernels/prefill_attention.py); 7
+measured again at 91b6f89, 12 with K rotation on top (kernels/kv_rotation.py:
+the pool then carries H b, the model rotates this b).  The calibration costs 1.0 s there (10.9 s
 while the machine ran at load ~9); a proxy on held-out chats (mean int8
 error of a K row relative to its norm: none 1.1 %, mean 0.41 %, median
 0.42 %, midrange 0.43 %) picked the mean.

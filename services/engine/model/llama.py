@@ -29,8 +29,12 @@ class DecoderLayer(nn.Module):
         self.scale = cfg.head_dim ** -0.5
 
     def attention(self, x: torch.Tensor, batch: ForwardBatch, kv_pool: torch.Tensor,
-                  cos: torch.Tensor, sin: torch.Tensor, k_shift: torch.Tensor | None = None) -> torch.Tensor:
-        """``k_shift``: this layer's K smoothing shift, for an 8-bit pool (else None)."""
+                  cos: torch.Tensor, sin: torch.Tensor, k_shift: torch.Tensor | None = None,
+                  rotate_qk: bool = False) -> torch.Tensor:
+        """``k_shift``: this layer's K smoothing shift as the pool's K rows carry
+        it, for an 8-bit pool (else None); ``rotate_qk``: turn q and K by the
+        Hadamard rotation after RoPE (kernels/kv_rotation.py; the model does
+        for 8-bit pools), which leaves the output unchanged up to rounding."""
         cfg = self.cfg
         qkv = ops.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
         q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
@@ -38,6 +42,8 @@ class DecoderLayer(nn.Module):
         k = k.reshape(-1, cfg.num_kv_heads, cfg.head_dim)
         v = v.reshape(-1, cfg.num_kv_heads, cfg.head_dim)
         q, k = ops.apply_rope(q, k, batch.positions, cos, sin)
+        if rotate_qk:
+            q, k = ops.rotate_heads(q), ops.rotate_heads(k)
         ops.write_kv(kv_pool, self.index, k, v, batch.slot_mapping, k_shift)
         d = batch.num_decode_tokens
         parts = []
@@ -108,6 +114,25 @@ class LlamaModel(nn.Module):
     # 8-bit pool (kernels/kv_quant.py, K smoothing); set by the engine from
     # services/engine/model/k_smoothing.py; plain pools never see it
     k_shift: torch.Tensor | None = None
+    # 8-bit pools turn q and K by a Hadamard rotation (kernels/kv_rotation.py);
+    # off only for an A/B in one process: the block-hash seed assumes it on
+    k_rotation: bool = True
+    _rotated_shift: tuple[torch.Tensor, torch.Tensor] | None = None  # (k_shift, H k_shift)
+
+    def rotates_kv(self, kv_pool: torch.Tensor) -> bool:
+        """Whether q and K turn before they meet ``kv_pool`` (8-bit pools only)."""
+        return self.k_rotation and is_quantized(kv_pool.dtype) and ops.rotates(self.cfg.head_dim)
+
+    def pool_k_shift(self, kv_pool: torch.Tensor) -> torch.Tensor | None:
+        """The K shift as ``kv_pool``'s K rows carry it: None for plain pools,
+        ``H b`` when rotated (computed once per ``k_shift``), else ``b``."""
+        if self.k_shift is None or not is_quantized(kv_pool.dtype):
+            return None
+        if not self.rotates_kv(kv_pool):
+            return self.k_shift
+        if self._rotated_shift is None or self._rotated_shift[0] is not self.k_shift:
+            self._rotated_shift = (self.k_shift, ops.rotate_heads(self.k_shift).contiguous())
+        return self._rotated_shift[1]
 
     def _native_stack(self) -> ops.DecoderStack | None:
         """The fused-layer path, where ops offers it for these weights."""
@@ -123,9 +148,10 @@ class LlamaModel(nn.Module):
         """Returns fp32 logits [len(batch.logits_indices), vocab]."""
         eps = self.cfg.rms_norm_eps
         hidden = self.embed_tokens(batch.input_ids)
-        k_shift = self.k_shift if is_quantized(kv_pool.dtype) else None
+        k_shift, rotate = self.pool_k_shift(kv_pool), self.rotates_kv(kv_pool)
         if self.native_stack is not None and ops.decoder_stack_takes(kv_pool):  # bf16 or 8-bit KV
-            x, residual = self.native_stack.forward(hidden, batch, kv_pool, self.rope_cos, self.rope_sin, k_shift)
+            x, residual = self.native_stack.forward(hidden, batch, kv_pool, self.rope_cos, self.rope_sin, k_shift,
+                                                    rotate)
         else:
             residual = hidden
             x = ops.rmsnorm(hidden, self.layers[0].input_layernorm, eps)
@@ -133,7 +159,7 @@ class LlamaModel(nn.Module):
                 if i > 0:
                     x, residual = ops.fused_add_rmsnorm(x, residual, layer.input_layernorm, eps)
                 attn = layer.attention(x, batch, kv_pool, self.rope_cos, self.rope_sin,
-                                       None if k_shift is None else k_shift[i])
+                                       None if k_shift is None else k_shift[i], rotate)
                 x, residual = ops.fused_add_rmsnorm(attn, residual, layer.post_attention_layernorm, eps)
                 x = layer.mlp(x)
         residual = residual.index_select(0, batch.logits_indices)

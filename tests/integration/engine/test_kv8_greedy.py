@@ -1,6 +1,7 @@
 """The real model over an 8-bit KV cache: the prompt's prefill is bf16 KV's
-exactly, greedy output parts from bf16 KV's only at near ties, and every
-block comes back.
+up to the K rotation's rounding (and the same for every 8-bit format),
+greedy output parts from bf16 KV's only at near ties, and every block
+comes back.
 
 Why not "identical on 14 of 16 prompts" (issue 23's wording): with bf16
 weights SmolLM2's logits are bf16, 0.125 apart near the top, so exact and
@@ -8,7 +9,7 @@ one-step ties are common, and any rounding change flips some of them. bf16
 KV read by the reference attention instead of the native kernels (the same
 KV bytes, another summation order) is identical on only 8 of the 16 chat
 prompts of bench/micro/levers_kv.py; int8 KV on 5, with every divergence at a
-top-2 gap of at most 0.125 nats.  So the test holds int8 KV to the standard
+top-2 gap of at most 0.125 nats (K-rotated int8: 6, at most 0.25).  So the test holds int8 KV to the standard
 test_parity.py holds bf16 to against transformers; bench/micro/levers_kv.py
 prints the 16-prompt count.  fp8 e4m3 keeps 3 mantissa bits (about 2.5 %
 error per value against int8's 0.4 % of the row's largest): on the 16
@@ -28,6 +29,7 @@ QUESTIONS = ("What is the capital of France?", "Write a haiku about the sea.",
              "How do I reverse a list in Python?", "Why is the sky blue?")
 MAX_NEW = 32
 DIVERGENCE_NATS = {"int8": NEAR_TIE_NATS, "fp8_e4m3": 1.0}  # widest baseline top-2 gap a divergence may flip
+PREFILL_ROTATION_NATS = 0.1  # the rotation's bf16 rounding moves the first token's top logprobs 0.004-0.07 here
 
 
 def run(loaded, kv_cache_dtype: str):
@@ -47,9 +49,11 @@ def test_8bit_kv_diverges_from_bf16_kv_only_at_near_ties(smol_bf16, kv_cache_dty
     assert engine.hash_seed != base_engine.hash_seed  # 8-bit and bf16 blocks never share a prefix-cache entry
     assert engine.kv_spec.block_bytes / base_engine.kv_spec.block_bytes <= 0.55
     for i, (b, o) in enumerate(zip(base, ours)):
-        # the prompt's own prefill attends to its K/V as computed, which in bf16 is what a bf16 pool
-        # holds: the first token's distribution is bf16 KV's bit for bit (kernels/prefill_attention.py)
-        assert o.logprobs[0].top == b.logprobs[0].top, f"prompt {i}: prefill over {kv_cache_dtype} KV is not exact"
+        # the prompt's own prefill attends to its K/V as computed, never quantized (kernels/prefill_attention.py),
+        # but over an 8-bit pool q and K are Hadamard-rotated first and rounded to bf16 again
+        # (kernels/kv_rotation.py): the first token's distribution is bf16 KV's to that rounding
+        gaps = [abs(x[1] - y[1]) for x, y in zip(b.logprobs[0].top, o.logprobs[0].top)]
+        assert max(gaps) < PREFILL_ROTATION_NATS, f"prompt {i}: prefill over {kv_cache_dtype} KV moved {gaps}"
         diff = next((j for j, (x, y) in enumerate(zip(b.new_token_ids, o.new_token_ids)) if x != y), None)
         if diff is None:
             assert len(b.new_token_ids) == len(o.new_token_ids)
@@ -58,6 +62,13 @@ def test_8bit_kv_diverges_from_bf16_kv_only_at_near_ties(smol_bf16, kv_cache_dty
         margin = top[0][1] - top[1][1]
         assert margin < DIVERGENCE_NATS[kv_cache_dtype], \
             f"prompt {i} diverges at {diff} where bf16 KV's margin is {margin:.3f} nats"
+
+
+def test_the_prefill_over_any_8bit_pool_is_the_same_bit_for_bit(smol_bf16):
+    """Quantization never reaches the prompt's own prefill: int8 and fp8
+    pools (both rotated) give the same first-token distribution."""
+    (_, int8), (_, fp8) = run(smol_bf16, "int8"), run(smol_bf16, "fp8_e4m3")
+    assert [o.logprobs[0].top for o in int8] == [o.logprobs[0].top for o in fp8]
 
 
 def test_int8_prefill_hand_off_over_a_real_pull_equals_one_engine(smol_bf16):

@@ -1,7 +1,8 @@
 """The engine with an 8-bit KV cache (``kv_cache_dtype``): pool sizes at the
 same memory budget, the block-hash seed per KV dtype, a tiny model's forward
 over int8 KV against bf16 KV, the fused native stack against the per-op
-path, and a full generate that returns every block."""
+path (K rotated or not), the K rotation's exactness over a plain pool, and
+a full generate that returns every block."""
 
 from types import SimpleNamespace
 
@@ -74,11 +75,9 @@ def tiny_model(dtype: torch.dtype = torch.bfloat16) -> LlamaModel:
     return model
 
 
-def prefill_then_decode(model: LlamaModel, pool: torch.Tensor, chunks: tuple[int, ...] = (37,),
-                        shifts: list[torch.Tensor] | None = None) -> torch.Tensor:
+def prompt_batches(chunks: tuple[int, ...] = (37,)) -> list:
     """A 37-token prompt in blocks [3, 7, 1], prefilled in ``chunks``, then one
-    decode step: the logits of each chunk's last token and of the decode step.
-    ``shifts``: the model's K shift for each of those forwards in turn."""
+    decode step: a ForwardBatch per forward, logits of each one's last token."""
     from services.engine.forward_batch import ForwardBatch
 
     table = [3, 7, 1]
@@ -88,28 +87,35 @@ def prefill_then_decode(model: LlamaModel, pool: torch.Tensor, chunks: tuple[int
     slot = lambda p: table[p // BS] * BS + p % BS  # noqa: E731
     t = torch.tensor([table], dtype=torch.int32)
     empty = torch.zeros(0, 1, dtype=torch.int32)
-    logits, done = [], 0
+    batches, done = [], 0
     for c in chunks:
-        prefill = ForwardBatch(
+        batches.append(ForwardBatch(
             input_ids=torch.tensor(ids[done:done + c]), positions=torch.arange(done, done + c),
             slot_mapping=torch.tensor([slot(p) for p in range(done, done + c)]),
             num_decode_tokens=0, decode_block_tables=empty, decode_context_lens=torch.zeros(0, dtype=torch.int32),
             prefill_block_tables=t, prefill_query_start_loc=torch.tensor([0, c], dtype=torch.int32),
             prefill_context_lens=torch.tensor([done + c], dtype=torch.int32), logits_indices=torch.tensor([c - 1]),
-            prefill_fresh_kv=torch.ones(1, dtype=torch.int32))
-        if shifts is not None:
-            model.k_shift = shifts[len(logits)]
-        logits.append(model(prefill, pool))
+            prefill_fresh_kv=torch.ones(1, dtype=torch.int32)))
         done += c
-    decode = ForwardBatch(
+    batches.append(ForwardBatch(
         input_ids=torch.tensor([ids[n]]), positions=torch.tensor([n]), slot_mapping=torch.tensor([slot(n)]),
         num_decode_tokens=1, decode_block_tables=t, decode_context_lens=torch.tensor([n + 1], dtype=torch.int32),
         prefill_block_tables=empty, prefill_query_start_loc=torch.zeros(1, dtype=torch.int32),
         prefill_context_lens=torch.zeros(0, dtype=torch.int32), logits_indices=torch.tensor([0]),
-        prefill_fresh_kv=torch.zeros(0, dtype=torch.int32))
-    if shifts is not None:
-        model.k_shift = shifts[-1]
-    return torch.cat([*logits, model(decode, pool)])
+        prefill_fresh_kv=torch.zeros(0, dtype=torch.int32)))
+    return batches
+
+
+def prefill_then_decode(model: LlamaModel, pool: torch.Tensor, chunks: tuple[int, ...] = (37,),
+                        shifts: list[torch.Tensor] | None = None) -> torch.Tensor:
+    """The logits of :func:`prompt_batches`' forwards over ``pool``.
+    ``shifts``: the model's K shift for each of those forwards in turn."""
+    logits = []
+    for i, batch in enumerate(prompt_batches(chunks)):
+        if shifts is not None:
+            model.k_shift = shifts[i]
+        logits.append(model(batch, pool))
+    return torch.cat(logits)
 
 
 def tiny_shift() -> torch.Tensor:
@@ -133,12 +139,14 @@ def test_tiny_model_logits_over_8bit_kv_are_close_to_plain_kv(dtype, model_dtype
 
 @pytest.mark.skipif(not cpu_native.available(), reason="needs AVX-512 BF16 or AVX2+FMA, and a C compiler")
 @pytest.mark.parametrize("chunks", [(37,), (21, 16)])
+@pytest.mark.parametrize("rotated", [True, False])
 @pytest.mark.parametrize("smoothed", [False, True])
 @pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn])
-def test_fused_native_stack_over_8bit_kv_equals_the_per_op_path(dtype, smoothed, chunks):
+def test_fused_native_stack_over_8bit_kv_equals_the_per_op_path(dtype, smoothed, rotated, chunks):
     model = tiny_model()
     assert model.native_stack is not None
     model.k_shift = tiny_shift() if smoothed else None
+    model.k_rotation = rotated
     pools = [torch.zeros(10, 3, 2, BS, 2, 34, dtype=dtype) for _ in range(3)]
     fused = prefill_then_decode(model, pools[0], chunks)
     stack, model.native_stack = model.native_stack, None
@@ -169,3 +177,51 @@ def test_a_chunk_after_a_cached_prefix_adds_back_the_shift_its_rows_carry(native
     same = err(prefill_then_decode(model, pool(), (21, 16), [big, big, big]))
     other = err(prefill_then_decode(model, pool(), (21, 16), [big, -big, -big]))
     assert same < 0.02 and other > 5 * same, (same, other)
+
+
+@pytest.mark.skipif(not cpu_native.available(), reason="needs AVX-512 BF16 or AVX2+FMA, and a C compiler")
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn])
+def test_both_paths_write_rotated_k_and_only_k(dtype):
+    """A rotated pool's K rows are not the unrotated ones' (on both paths:
+    the bytes above are equal), its V rows are (layer 0's: later layers'
+    inputs already carry the K rows' other rounding); plain pools never turn."""
+    model = tiny_model()
+    pools = {}
+    for rotated in (True, False):
+        model.k_rotation = rotated
+        pools[rotated] = torch.zeros(10, 3, 2, BS, 2, 34, dtype=dtype)
+        prefill_then_decode(model, pools[rotated])
+    k, v = (lambda pool: pool[:, 0, 0].view(torch.uint8)), (lambda pool: pool[:, 0, 1].view(torch.uint8))  # noqa: E731
+    assert not torch.equal(k(pools[True]), k(pools[False])) and torch.equal(v(pools[True]), v(pools[False]))
+    plain = torch.zeros(10, 3, 2, BS, 2, 32, dtype=torch.bfloat16)
+    assert not model.rotates_kv(plain) and model.pool_k_shift(plain) is None
+    model.k_rotation = True
+    assert model.rotates_kv(pools[True])
+
+
+@pytest.mark.parametrize("chunks", [(37,), (21, 16)])
+def test_rotating_q_and_k_leaves_attention_unchanged_over_a_plain_pool(chunks):
+    """q . k = (H q) . (H k): each layer's attention, turned or not, over an
+    fp32 pool (prefill chunks reading the first chunk's rows, then decode)."""
+    model = tiny_model(torch.float32)
+    gen = torch.Generator().manual_seed(6)
+    for layer in model.layers:
+        pools = [torch.zeros(10, 3, 2, BS, 2, 32) for _ in range(2)]
+        for batch in prompt_batches(chunks):
+            x = torch.randn(batch.num_tokens, 128, generator=gen)
+            plain, turned = (layer.attention(x, batch, pool, model.rope_cos, model.rope_sin, None, rotate)
+                             for pool, rotate in zip(pools, (False, True)))
+            torch.testing.assert_close(turned, plain, atol=1e-5, rtol=1e-5)
+            assert (turned - plain).abs().max() > 0  # it did turn: fp32 rounding differs
+
+
+def test_the_rotated_shift_is_h_b_and_computed_once():
+    from kernels.kv_rotation import rotate_heads
+
+    model = tiny_model()
+    model.k_shift = tiny_shift()
+    pool = torch.zeros(10, 3, 2, BS, 2, 34, dtype=torch.int8)
+    first = model.pool_k_shift(pool)
+    assert torch.equal(first, rotate_heads(model.k_shift)) and model.pool_k_shift(pool) is first
+    model.k_rotation = False
+    assert model.pool_k_shift(pool) is model.k_shift

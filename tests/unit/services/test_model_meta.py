@@ -18,7 +18,7 @@ from prefix_store.hashing import model_fingerprint
 from services.engine.model.default import default_model_path
 from services.engine.model.loader import parse_dtype
 from services.gateway.seed_check import SeedCheck
-from services.model_meta import (K_SMOOTHING_ID, MODEL_DTYPES, block_hash_seed, count_parameters,
+from services.model_meta import (K_ROTATION_ID, K_SMOOTHING_ID, MODEL_DTYPES, block_hash_seed, count_parameters,
                                  kv_pool_dtype_name, model_hash_seed, read_model_config, seed_mismatches, weights_id)
 from tests.unit.services.serve_fakes import FakeResponse
 
@@ -63,8 +63,9 @@ def test_the_seed_is_the_engines_whether_given_a_dtype_or_its_name(kv_dtype):
     engine_seed = block_hash_seed("w1", kv_dtype, 16)
     assert block_hash_seed("w1", str(kv_dtype).removeprefix("torch."), 16) == engine_seed
     unsmoothed = model_fingerprint("w1", kv_dtype, 16)   # what the engine hashed before model_meta
-    if kv_dtype in (torch.int8, torch.float8_e4m3fn):  # K smoothed before quantizing: never an unsmoothed block's
-        assert engine_seed == model_fingerprint("w1", f"{kv_dtype}+{K_SMOOTHING_ID}", 16) != unsmoothed
+    if kv_dtype in (torch.int8, torch.float8_e4m3fn):  # K rotated and smoothed: never a plain block's
+        assert engine_seed == model_fingerprint("w1", f"{kv_dtype}+{K_SMOOTHING_ID}+{K_ROTATION_ID}", 16)
+        assert engine_seed not in (unsmoothed, model_fingerprint("w1", f"{kv_dtype}+{K_SMOOTHING_ID}", 16))
     else:  # plain pools: the seed a running index already holds
         assert engine_seed == unsmoothed
 
