@@ -84,3 +84,23 @@ def test_long_prompts_continue_the_last_measured_segment():
     assert prefill_beyond([(32, 0.2), (32, 0.3)]) is None
     s = speeds(STEP, PREFILL, beyond=beyond)
     assert s.prefill_busy_s(512) == pytest.approx(1.12 + 256 * 0.52 / 128 - 0.1)
+
+
+def test_accuracy_cases_send_prompts_no_other_case_sent():
+    """The measured runs share one cluster and its prefix cache: no case's
+    prompt may start like another case's (or the gap probe's), else the
+    measurement skips prefill the prediction charges."""
+    from bench.load.prompts import PromptBuilder
+    from bench.load.schedule import RequestPlan
+    from bench.plan.accuracy import CASES, case_seed, workload
+    from bench.tokenizer import WhitespaceTokenizer
+
+    tokenizer = WhitespaceTokenizer()
+    for seed in (0, 1):
+        starts = []
+        for index, case in enumerate((*CASES, CASES[0])):  # the last: the gap probe's seed
+            builder = PromptBuilder(workload(case, 4, case_seed(seed, index)), tokenizer)
+            for i in range(4 * case.concurrency):
+                text = builder.build(RequestPlan(i, "fixed", "default", case.prompt_tokens, 0, 1, None)).text
+                starts.append(tuple(text.split()[:8]))
+        assert len(set(starts)) == len(starts)
