@@ -62,10 +62,12 @@ class Variant:
         return [*COMMON_FLAGS, *self.isa_flags]
 
 
+_AVX512_BF16 = (("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-mf16c"),
+                ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"))
 VARIANTS = (  # best first
-    Variant("avx512_bf16", CSRC / "cpu_kernels.c",
-            ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-mf16c"),
-            ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")),
+    Variant("amx_bf16", CSRC / "cpu_kernels.c", (*_AVX512_BF16[0], "-mamx-tile", "-mamx-bf16", "-DPD_AMX"),
+            (*_AVX512_BF16[1], "amx_tile", "amx_bf16")),
+    Variant("avx512_bf16", CSRC / "cpu_kernels.c", *_AVX512_BF16),
     Variant("avx2", CSRC / "cpu_kernels_avx2.c", ("-mavx2", "-mfma", "-mf16c"), ("avx2", "fma", "f16c")),
 )
 
@@ -108,6 +110,9 @@ _SIGNATURES = {
     "pd_prefill_attention_q8": [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64,
                                 _i64, _i64, _f32, _int, _int, _ptr, _ptr, _i64, _ptr, _ptr],
 }
+
+# Only in the amx_bf16 build (csrc/amx_linear.h): whether the tiles run here, and which linears take them.
+_AMX_SIGNATURES = {"pd_amx_ready": [], "pd_linear_uses_amx": [_i64, _i64, _i64]}
 
 # The KV pool formats the native kernels read and write (PD_KV_* in csrc/kv8_kernels.h).
 KV_KINDS = {torch.bfloat16: 0, torch.int8: 1, torch.float8_e4m3fn: 2}
@@ -202,6 +207,9 @@ def library() -> ctypes.CDLL | None:
     for name, argtypes in _SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, None
+    for name, argtypes in _AMX_SIGNATURES.items() if which.name == "amx_bf16" else ():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = argtypes, ctypes.c_int
     return lib
 
 
@@ -212,6 +220,28 @@ def available() -> bool:
 def loaded_variant() -> str | None:
     """The name of the variant in use ("avx512_bf16", "avx2"), or None."""
     return variant().name if available() else None
+
+
+AMX_K = 32  # the k depth of one AMX tile row in bf16 (AMX_K in csrc/amx_linear.h)
+
+
+def linear_path(m: int, n: int, k: int, variant_name: str | None, amx_ready: bool = True) -> str:
+    """Which kernel ``pd_linear_packed_bf16`` runs for x [m, k] times a packed
+    [n, k] weight: "amx" (tile products), "dot" (the variant's vector dot
+    products) or "torch" (no native kernels).  Mirrors ``pd_linear_uses_amx``:
+    every m takes the tiles, by measurement (see the module docstring), when
+    the build has them, the kernel granted the tile state, and k is a
+    multiple of the tile depth; the packing already needs n % 32 == 0."""
+    if variant_name is None:
+        return "torch"
+    tiles = variant_name == "amx_bf16" and amx_ready and m >= 1 and k % AMX_K == 0 and n % PACK_TILE == 0
+    return "amx" if tiles else "dot"
+
+
+def amx_ready() -> bool:
+    """True when the loaded build runs AMX tiles and Linux granted this
+    process the tile state (``arch_prctl(ARCH_REQ_XCOMP_PERM)``)."""
+    return loaded_variant() == "amx_bf16" and bool(library().pd_amx_ready())
 
 
 def handles(*tensors: torch.Tensor) -> bool:

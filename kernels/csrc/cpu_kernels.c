@@ -122,10 +122,21 @@ static void linear_chunk(void *arg, int64_t begin, int64_t end) {
 
 /* y[m, n] = sum_k x[m, k] * W[n, k] (+ bias[n]) with W packed as above;
  * bf16 in and out, fp32 accumulation.  Needs N % 32 == 0 and K even. */
+#ifdef PD_AMX
+#include "amx_linear.h"
+#endif
+
 void pd_linear_packed_bf16(const bf16 *x, const bf16 *wp, const bf16 *bias, bf16 *y,
                            int64_t M, int64_t N, int64_t K, int nthreads) {
     linear_job job = {x, wp, bias, y, M, N, K, N / TILE_N};
     const int64_t items = (M + M_BLOCK - 1) / M_BLOCK * job.tiles;
+#ifdef PD_AMX
+    if (pd_linear_uses_amx(M, N, K)) {
+        const int64_t amx_items = (M + AMX_M_BLOCK - 1) / AMX_M_BLOCK * job.tiles;
+        pool_run(amx_linear_chunk, &job, amx_items, pool_chunk(amx_items, nthreads, 8), nthreads);
+        return;
+    }
+#endif
     pool_run(linear_chunk, &job, items, pool_chunk(items, nthreads, 8), nthreads);
 }
 
@@ -544,6 +555,11 @@ static void softmax_rounded(float *s, int64_t n, float scale, bf16 *p) {
 static void prefill_attend_chunk(void *arg, int64_t begin, int64_t end) {
     const prefill_job *a = (const prefill_job *)arg;
     const int64_t H = a->H, D = a->D, G = a->G, stride = a->q_row_stride;
+#ifdef PD_AMX
+    /* both products on the tiles: q K^T has K = D, P V has K = the keys padded to 32 */
+    const int amx = D % AMX_K == 0 && pd_amx_ready();
+    int cfg[2] = {-1, -1};
+#endif
     for (int64_t item = begin; item < end; item++) {
         int64_t s = 0;
         while (a->item_off[s + 1] <= item) s++;
@@ -557,6 +573,10 @@ static void prefill_attend_chunk(void *arg, int64_t begin, int64_t end) {
         float *sc = (float *)malloc(sizeof(float) * (size_t)(m * kpad));
         bf16 *pb = (bf16 *)malloc(sizeof(bf16) * (size_t)(m * kpad));
         const bf16 *qi = a->q + (q0 + i0) * stride + hq * D;
+#ifdef PD_AMX
+        if (amx) amx_rows_times_tiles(m, qi, stride, D, kp, (D / 2) * 2 * TILE_N, tiles, NULL, NULL, sc, kpad, cfg);
+        else
+#endif
         for (int64_t j = 0; j < tiles; j++)
             for (int64_t r = 0; r < m; r += MR_MAX)
                 rows_times_tile((int)(m - r), qi + r * stride, stride, D, kp + j * (D / 2) * 2 * TILE_N,
@@ -567,6 +587,11 @@ static void prefill_attend_chunk(void *arg, int64_t begin, int64_t end) {
             memset(pb + r * kpad + valid, 0, sizeof(bf16) * (size_t)(kpad - valid));
         }
         bf16 *oi = a->out + (q0 + i0) * H * D + hq * D;
+#ifdef PD_AMX
+        if (amx) amx_rows_times_tiles(m, pb, kpad, kpad, vp, (ctx_pad / 2) * 2 * TILE_N, D / TILE_N, NULL, oi, NULL,
+                                      H * D, cfg);
+        else
+#endif
         for (int64_t dj = 0; dj < D / TILE_N; dj++)
             for (int64_t r = 0; r < m; r += MR_MAX)
                 rows_times_tile((int)(m - r), pb + r * kpad, kpad, kpad, vp + dj * (ctx_pad / 2) * 2 * TILE_N,
@@ -574,6 +599,9 @@ static void prefill_attend_chunk(void *arg, int64_t begin, int64_t end) {
         free(sc);
         free(pb);
     }
+#ifdef PD_AMX
+    if (amx) _tile_release();
+#endif
 }
 
 
