@@ -1,7 +1,9 @@
 """Native CPU kernels for bf16, built on first use and called through ctypes.
 
-Two variants of one C ABI; the best one this CPU runs is loaded:
+Three variants of one C ABI; the best one this CPU runs is loaded:
 
+    amx_bf16     csrc/cpu_kernels.c -DPD_AMX  the avx512_bf16 kernels, with the packed linear and the
+                                              prefill attention products on AMX tiles (Sapphire Rapids on)
     avx512_bf16  csrc/cpu_kernels.c       AVX-512 BF16 dot products (Sapphire Rapids, Zen 4)
     avx2         csrc/cpu_kernels_avx2.c  bf16 widened to fp32 in registers, FMA (Zen 2/3, Haswell on)
 
@@ -23,6 +25,24 @@ weight memory, x and y converted per call).  The AVX2 linear is ahead of it
 at every SmolLM2 projection: M=1 2.0-3.6x, M=16 1.5-1.7x, M=256 1.07-1.27x,
 M=1024 1.03-1.04x (130-175 GFLOP/s); and on one thread at M=256 x 576 x 3072
 it does 92 GFLOP/s to torch fp32's 81-89.
+
+AMX (csrc/amx_linear.h), by measurement on a 2-core Sapphire Rapids VM
+(/tmp figures quoted in the amx16 branch's commit; SmolLM2 shapes):
+every linear whose K is a multiple of 32 takes the tiles, at every M.  On
+one thread the tiles against the AVX-512 BF16 dot products: M=1 qkv 9.6 vs
+20.4 us, o 6.8 vs 12.8, down 28 vs 34, gate_up 117 vs 117 and lm_head 1.92
+vs 1.93 ms (those two stream their weights from memory either way); M=8
+1.8-6.6x; M=1024 10-12x (qkv 1.31, gate_up 1.15, down 1.35 TFLOP/s).
+Torch's bf16 linear (oneDNN, also on the tiles) was the other candidate:
+on one thread it is 1.3-4.9x slower than ours at M <= 64, level at 256,
+and 5-45% faster at M >= 1024 (1.42-1.66 TFLOP/s); but on two threads of
+a machine whose cores something else also runs, its OpenMP barriers wait
+for a preempted thread and every call took >= 4.6 ms whatever its size,
+while the work pool here (csrc/work_pool.h) never waits on a thread that
+is not working.  Routing to it would also cost a plain copy of every
+projection (212 MB at SmolLM2-135M) and the per-layer Python path instead
+of the fused stack.  So the tiles stay inside our kernels, inside
+:class:`DecoderStack`, and the packed weights are their only copy.
 """
 
 from __future__ import annotations

@@ -101,6 +101,16 @@ static inline void amx_block(const bf16 *x, int64_t ldx, int64_t K, const bf16 *
             _tile_dpbf16ps(3, 5, 7);
         }
     }
+    if (yf && !bias) {  /* fp32 out: the tiles store straight into y (attention scores) */
+        const int64_t y_bytes = ldy * (int64_t)sizeof(float);
+        _tile_stored(0, yf, y_bytes);
+        _tile_stored(1, yf + 16, y_bytes);
+        if (r1) {
+            _tile_stored(2, yf + AMX_ROWS * ldy, y_bytes);
+            _tile_stored(3, yf + AMX_ROWS * ldy + 16, y_bytes);
+        }
+        return;
+    }
     _tile_stored(0, &c[0][0], TILE_N * sizeof(float));
     _tile_stored(1, &c[0][16], TILE_N * sizeof(float));
     if (r1) {

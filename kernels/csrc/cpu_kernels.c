@@ -520,23 +520,23 @@ static void pack_kv_head(const bf16 *kv, const int32_t *table, int64_t ctx, int6
     }
 }
 
-/* p[0:n] <- bf16(softmax(scale * s[0:n])) in three passes over s (scaled
- * max, exp and sum, normalise and round); the same fp32 operations in the
- * same order as scaling, softmax_inplace and rounding one after another. */
+/* p[0:n] <- bf16(softmax(scale * s[0:n])) in three passes over s (max,
+ * exp and sum, normalise and round); the same fp32 operations in the same
+ * order as scaling, softmax_inplace and rounding one after another (the
+ * first pass takes the max of s unscaled: scale > 0 and rounding is
+ * monotonic, so scale * max(s) rounds to the max of the scaled values). */
 static void softmax_rounded(float *s, int64_t n, float scale, bf16 *p) {
     const __m512 sc = _mm512_set1_ps(scale);
     __m512 mv = _mm512_set1_ps(-INFINITY);
     for (int64_t i = 0; i < n; i += 16) {
         const __mmask16 k = lanes(n - i);
-        const __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, s + i), sc);
-        _mm512_mask_storeu_ps(s + i, k, x);
-        mv = _mm512_mask_max_ps(mv, k, mv, x);
+        mv = _mm512_mask_max_ps(mv, k, mv, _mm512_maskz_loadu_ps(k, s + i));
     }
-    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
+    const __m512 m = _mm512_mul_ps(_mm512_set1_ps(_mm512_reduce_max_ps(mv)), sc);
     __m512 sv = _mm512_setzero_ps();
     for (int64_t i = 0; i < n; i += 16) {
         const __mmask16 k = lanes(n - i);
-        const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + i), m));
+        const __m512 e = exp512(_mm512_sub_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(k, s + i), sc), m));
         _mm512_mask_storeu_ps(s + i, k, e);
         sv = _mm512_add_ps(sv, _mm512_maskz_mov_ps(k, e));
     }
@@ -560,7 +560,13 @@ static void prefill_attend_chunk(void *arg, int64_t begin, int64_t end) {
     const int amx = D % AMX_K == 0 && pd_amx_ready();
     int cfg[2] = {-1, -1};
 #endif
-    for (int64_t item = begin; item < end; item++) {
+    float *sc = NULL;
+    bf16 *pb = NULL;
+    int64_t cap = 0;
+    for (int64_t claimed = begin; claimed < end; claimed++) {
+        /* claimed last item first: later query blocks see more keys, so the largest items go first and
+         * the threads finish together */
+        const int64_t item = a->item_off[a->S] - 1 - claimed;
         int64_t s = 0;
         while (a->item_off[s + 1] <= item) s++;
         const int64_t local = item - a->item_off[s], hq = local % H, qb = local / H;
@@ -570,8 +576,13 @@ static void prefill_attend_chunk(void *arg, int64_t begin, int64_t end) {
         const int64_t first = ctx - q_len;  /* keys every query of the chunk sees */
         const int64_t key_end = first + i1, tiles = (key_end + TILE_N - 1) / TILE_N, kpad = tiles * TILE_N;
         const bf16 *kp = a->packs + a->pack_off[s] + 2 * (hq / G) * ctx_pad * D, *vp = kp + ctx_pad * D;
-        float *sc = (float *)malloc(sizeof(float) * (size_t)(m * kpad));
-        bf16 *pb = (bf16 *)malloc(sizeof(bf16) * (size_t)(m * kpad));
+        if (m * kpad > cap) {  /* scores and probabilities, grown once per chunk, not allocated per item */
+            free(sc);
+            free(pb);
+            cap = m * kpad;
+            sc = (float *)malloc(sizeof(float) * (size_t)cap);
+            pb = (bf16 *)malloc(sizeof(bf16) * (size_t)cap);
+        }
         const bf16 *qi = a->q + (q0 + i0) * stride + hq * D;
 #ifdef PD_AMX
         if (amx) amx_rows_times_tiles(m, qi, stride, D, kp, (D / 2) * 2 * TILE_N, tiles, NULL, NULL, sc, kpad, cfg);
@@ -596,9 +607,9 @@ static void prefill_attend_chunk(void *arg, int64_t begin, int64_t end) {
             for (int64_t r = 0; r < m; r += MR_MAX)
                 rows_times_tile((int)(m - r), pb + r * kpad, kpad, kpad, vp + dj * (ctx_pad / 2) * 2 * TILE_N,
                                 NULL, oi + r * H * D + dj * TILE_N, NULL, H * D, 0);
-        free(sc);
-        free(pb);
     }
+    free(sc);
+    free(pb);
 #ifdef PD_AMX
     if (amx) _tile_release();
 #endif
