@@ -36,7 +36,7 @@ class Fingerprint:
     gemm_m: int             # rows of that GEMM (576 x 1536 weights)
     ours_bf16_gemm_tflops: float  # the same GEMM through kernels.ops.linear on packed weights (nan: no native kernels)
     gpu: str
-    native_kernels: str     # the kernels.cpu_native build loaded ("avx512_bf16", "avx2"), or "off"
+    native_kernels: str     # the kernels.cpu_native build loaded ("amx_bf16", "avx512_bf16", "avx2"), or "off"
 
     def lines(self) -> list[str]:
         return [f"machine: {self.cpu_model}, {self.logical_cpus} logical CPUs (torch threads {self.torch_threads}), "

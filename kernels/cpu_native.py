@@ -27,8 +27,8 @@ M=1024 1.03-1.04x (130-175 GFLOP/s); and on one thread at M=256 x 576 x 3072
 it does 92 GFLOP/s to torch fp32's 81-89.
 
 AMX (csrc/amx_linear.h), by measurement on a 2-core Sapphire Rapids VM
-(/tmp figures quoted in the amx16 branch's commit; SmolLM2 shapes):
-every linear whose K is a multiple of 32 takes the tiles, at every M.  On
+(SmolLM2-135M shapes; ``bench.micro.kernel_speed --prefill-only`` prints
+the current figures): every linear whose K is a multiple of 32 takes the tiles, at every M.  On
 one thread the tiles against the AVX-512 BF16 dot products: M=1 qkv 9.6 vs
 20.4 us, o 6.8 vs 12.8, down 28 vs 34, gate_up 117 vs 117 and lm_head 1.92
 vs 1.93 ms (those two stream their weights from memory either way); M=8
@@ -214,23 +214,35 @@ def build(compiler: str | None = None, which: Variant = VARIANTS[0]) -> Path:
 
 
 @functools.cache
-def library() -> ctypes.CDLL | None:
+def _loaded() -> tuple[ctypes.CDLL, Variant] | None:
+    """The library and its variant: the one :func:`variant` picks, or, when
+    that one does not build here (a compiler too old for ``-mamx-tile``,
+    say), the next runnable one, so a build failure never costs more than
+    the variant that failed."""
     which = variant()
     if which is None:
         return None
-    try:
-        lib = ctypes.CDLL(str(build(which=which)))
-    except (RuntimeError, OSError) as e:
-        log.warning("native CPU kernels unavailable, using the torch references: %s", e)
-        return None
-    log.info("native CPU kernels: the %s variant (%s)", which.name, which.source.name)
-    for name, argtypes in _SIGNATURES.items():
-        fn = getattr(lib, name)
-        fn.argtypes, fn.restype = argtypes, None
-    for name, argtypes in _AMX_SIGNATURES.items() if which.name == "amx_bf16" else ():
-        fn = getattr(lib, name)
-        fn.argtypes, fn.restype = argtypes, ctypes.c_int
-    return lib
+    for candidate in [which, *(v for v in supported_variants() if v is not which)]:
+        try:
+            lib = ctypes.CDLL(str(build(which=candidate)))
+        except (RuntimeError, OSError) as e:
+            log.warning("native CPU kernels: the %s variant is unavailable: %s", candidate.name, e)
+            continue
+        log.info("native CPU kernels: the %s variant (%s)", candidate.name, candidate.source.name)
+        for name, argtypes in _SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = argtypes, None
+        for name, argtypes in _AMX_SIGNATURES.items() if candidate.name == "amx_bf16" else ():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = argtypes, ctypes.c_int
+        return lib, candidate
+    log.warning("native CPU kernels unavailable, using the torch references")
+    return None
+
+
+def library() -> ctypes.CDLL | None:
+    loaded = _loaded()
+    return loaded[0] if loaded else None
 
 
 def available() -> bool:
@@ -238,8 +250,9 @@ def available() -> bool:
 
 
 def loaded_variant() -> str | None:
-    """The name of the variant in use ("avx512_bf16", "avx2"), or None."""
-    return variant().name if available() else None
+    """The name of the variant in use ("amx_bf16", "avx512_bf16", "avx2"), or None."""
+    loaded = _loaded()
+    return loaded[1].name if loaded else None
 
 
 AMX_K = 32  # the k depth of one AMX tile row in bf16 (AMX_K in csrc/amx_linear.h)

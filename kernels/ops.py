@@ -1,6 +1,7 @@
 """The engine's only entry to kernels: Triton on CUDA, native C kernels for
-bf16 on CPUs with AVX-512 BF16 or AVX2+FMA (:mod:`kernels.cpu_native` picks
-the variant), the torch reference elsewhere.
+bf16 on CPUs with AMX, AVX-512 BF16 or AVX2+FMA (:mod:`kernels.cpu_native`
+picks the variant; :func:`linear_path` says which kernel a linear runs), the
+torch reference elsewhere.
 
 8-bit KV pools (int8, fp8 e4m3: :mod:`kernels.kv_quant`): the Triton kernels
 (on CUDA) and the native kernels (``cpu_native.handles_pool``) read and write
@@ -247,5 +248,5 @@ def set_native_threads(n: int) -> None:
 
 
 def native_variant() -> str | None:
-    """The native CPU kernels in use ("avx512_bf16", "avx2"), or None: the torch references run."""
+    """The native CPU kernels in use ("amx_bf16", "avx512_bf16", "avx2"), or None: the torch references run."""
     return cpu_native.loaded_variant()
