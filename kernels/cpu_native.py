@@ -28,11 +28,15 @@ it does 92 GFLOP/s to torch fp32's 81-89.
 
 AMX (csrc/amx_linear.h), by measurement on a 2-core Sapphire Rapids VM
 (SmolLM2-135M shapes; ``bench.micro.kernel_speed --prefill-only`` prints
-the current figures): every linear whose K is a multiple of 32 takes the tiles, at every M.  On
-one thread the tiles against the AVX-512 BF16 dot products: M=1 qkv 9.6 vs
-20.4 us, o 6.8 vs 12.8, down 28 vs 34, gate_up 117 vs 117 and lm_head 1.92
-vs 1.93 ms (those two stream their weights from memory either way); M=8
-1.8-6.6x; M=1024 10-12x (qkv 1.31, gate_up 1.15, down 1.35 TFLOP/s).
+the current figures): every linear of two or more rows whose K is a
+multiple of 32 takes the tiles.  On one thread the tiles against the
+AVX-512 BF16 dot products: M=2 qkv 9.7 vs 22.2 us, o 6.9 vs 13.9, down 29
+vs 37, gate_up 118 vs 117; M=8 1.8-6.6x; M=1024 10-12x (qkv 1.31, gate_up
+1.15, down 1.35 TFLOP/s).  One row stays on the dot products: a batch-1
+decode step streams its weights from memory either way (gate_up 117 vs 117
+us, lm_head 1.92 vs 1.93 ms), and the engine's batch-1 step through the
+tiles measured 0-4% slower in 6 of 9 alternations (noise about 3%), so
+batch-1 decode runs exactly the code it ran before.
 Torch's bf16 linear (oneDNN, also on the tiles) was the other candidate:
 on one thread it is 1.3-4.9x slower than ours at M <= 64, level at 256,
 and 5-45% faster at M >= 1024 (1.42-1.66 TFLOP/s); but on two threads of
@@ -256,18 +260,21 @@ def loaded_variant() -> str | None:
 
 
 AMX_K = 32  # the k depth of one AMX tile row in bf16 (AMX_K in csrc/amx_linear.h)
+AMX_MIN_ROWS = 2  # x rows from which linears take the tiles (AMX_MIN_ROWS in csrc/amx_linear.h)
 
 
 def linear_path(m: int, n: int, k: int, variant_name: str | None, amx_ready: bool = True) -> str:
     """Which kernel ``pd_linear_packed_bf16`` runs for x [m, k] times a packed
     [n, k] weight: "amx" (tile products), "dot" (the variant's vector dot
     products) or "torch" (no native kernels).  Mirrors ``pd_linear_uses_amx``:
-    every m takes the tiles, by measurement (see the module docstring), when
-    the build has them, the kernel granted the tile state, and k is a
-    multiple of the tile depth; the packing already needs n % 32 == 0."""
+    every m from AMX_MIN_ROWS takes the tiles, by measurement (see the module
+    docstring), when the build has them, the kernel granted the tile state,
+    and k is a multiple of the tile depth; the packing already needs
+    n % 32 == 0."""
     if variant_name is None:
         return "torch"
-    tiles = variant_name == "amx_bf16" and amx_ready and m >= 1 and k % AMX_K == 0 and n % PACK_TILE == 0
+    tiles = (variant_name == "amx_bf16" and amx_ready and m >= AMX_MIN_ROWS and k % AMX_K == 0
+             and n % PACK_TILE == 0)
     return "amx" if tiles else "dot"
 
 
