@@ -37,13 +37,16 @@ decode step streams its weights from memory either way (gate_up 117 vs 117
 us, lm_head 1.92 vs 1.93 ms), and the engine's batch-1 step through the
 tiles measured 0-4% slower in 6 of 9 alternations (noise about 3%), so
 batch-1 decode runs exactly the code it ran before.
+On two threads of a quiet machine, at 1024 rows, qkv + o + gate_up + down
+run at 2.50 TFLOP/s (2.4-2.7 each) and torch's at 2.46.
 Torch's bf16 linear (oneDNN, also on the tiles) was the other candidate:
 on one thread it is 1.3-4.9x slower than ours at M <= 64, level at 256,
-and 5-45% faster at M >= 1024 (1.42-1.66 TFLOP/s); but on two threads of
-a machine whose cores something else also runs, its OpenMP barriers wait
-for a preempted thread and every call took >= 4.6 ms whatever its size,
-while the work pool here (csrc/work_pool.h) never waits on a thread that
-is not working.  Routing to it would also cost a plain copy of every
+and 5-45% faster at M >= 1024 (1.42-1.66 TFLOP/s); on two quiet threads
+2.3-2.9x slower at M=16, level at 256 and 1024 in sum (gate_up 1.5x
+faster, down 1.8x slower); and on two threads of a machine whose cores
+something else also runs, its OpenMP barriers wait for a preempted thread
+and every call took >= 4.6 ms whatever its size, while the work pool here
+(csrc/work_pool.h) never waits on a thread that is not working.  Routing to it would also cost a plain copy of every
 projection (212 MB at SmolLM2-135M) and the per-layer Python path instead
 of the fused stack.  So the tiles stay inside our kernels, inside
 :class:`DecoderStack`, and the packed weights are their only copy.
