@@ -28,16 +28,19 @@ it does 92 GFLOP/s to torch fp32's 81-89.
 
 AMX (csrc/amx_linear.h), by measurement on a 2-core Sapphire Rapids VM
 (SmolLM2-135M shapes; ``bench.micro.kernel_speed --prefill-only`` prints
-the current figures): every linear of two or more rows whose K is a
-multiple of 32 takes the tiles.  On one thread the tiles against the
-AVX-512 BF16 dot products: M=2 qkv 9.7 vs 22.2 us, o 6.9 vs 13.9, down 29
-vs 37, gate_up 118 vs 117; M=8 1.8-6.6x; M=1024 10-12x (qkv 1.31, gate_up
-1.15, down 1.35 TFLOP/s).  One row stays on the dot products: a batch-1
-decode step streams its weights from memory either way (gate_up 117 vs 117
-us, lm_head 1.92 vs 1.93 ms), and the engine's batch-1 step through the
-tiles measured 0-4% slower in 6 of 9 alternations (noise about 3%), so
-batch-1 decode runs exactly the code it ran before.
-On two threads of a quiet machine, at 1024 rows, qkv + o + gate_up + down
+the current figures): every linear whose K is a multiple of 32 takes the
+tiles, at every M.  It must be every M or none: exact resume replays decode
+steps one row at a time and needs each row's sum to be the same whatever
+batch it came in, and the tiles sum in another order than the dot
+products.  And every M is faster: on one thread against the AVX-512 BF16
+dot products, with the weights in cache, M=1 qkv 9.6 vs 20.4 us, o 6.8 vs
+12.8, down 28 vs 34; M=8 1.8-6.6x; M=1024 10-12x (qkv 1.31, gate_up 1.15,
+down 1.35 TFLOP/s); with the weights streamed from memory, as in decode
+(120 linears, 212 MB), M=1 17.0 vs 17.7 ms on one thread and 8.65 vs 9.46
+on two, M=4 8.73 vs 11.77 ms on two.  In the engine (2 threads, quiet),
+a 1024-token prompt's prefill went from 1.22 s to 0.23 s, the batch-16
+decode step from 35 to 19.5 ms, batch 1 unchanged within noise (11.3-12.0
+ms either way).  On two threads of a quiet machine, at 1024 rows, qkv + o + gate_up + down
 run at 2.50 TFLOP/s (2.4-2.7 each) and torch's at 2.46.
 Torch's bf16 linear (oneDNN, also on the tiles) was the other candidate:
 on one thread it is 1.3-4.9x slower than ours at M <= 64, level at 256,
@@ -46,9 +49,9 @@ and 5-45% faster at M >= 1024 (1.42-1.66 TFLOP/s); on two quiet threads
 faster, down 1.8x slower); and on two threads of a machine whose cores
 something else also runs, its OpenMP barriers wait for a preempted thread
 and every call took >= 4.6 ms whatever its size, while the work pool here
-(csrc/work_pool.h) never waits on a thread that is not working.  Routing to it would also cost a plain copy of every
-projection (212 MB at SmolLM2-135M) and the per-layer Python path instead
-of the fused stack.  So the tiles stay inside our kernels, inside
+(csrc/work_pool.h) never waits on a thread that is not working.  Routing
+to it would also cost a plain copy of every projection (212 MB at
+SmolLM2-135M) and the per-layer Python path instead of the fused stack.  So the tiles stay inside our kernels, inside
 :class:`DecoderStack`, and the packed weights are their only copy.
 """
 
@@ -263,7 +266,7 @@ def loaded_variant() -> str | None:
 
 
 AMX_K = 32  # the k depth of one AMX tile row in bf16 (AMX_K in csrc/amx_linear.h)
-AMX_MIN_ROWS = 2  # x rows from which linears take the tiles (AMX_MIN_ROWS in csrc/amx_linear.h)
+AMX_MIN_ROWS = 1  # x rows from which linears take the tiles (AMX_MIN_ROWS in csrc/amx_linear.h)
 
 
 def linear_path(m: int, n: int, k: int, variant_name: str | None, amx_ready: bool = True) -> str:
