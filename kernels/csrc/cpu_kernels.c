@@ -520,23 +520,25 @@ static void pack_kv_head(const bf16 *kv, const int32_t *table, int64_t ctx, int6
     }
 }
 
-/* p[0:n] <- bf16(softmax(scale * s[0:n])) in three passes over s (max,
- * exp and sum, normalise and round); the same fp32 operations in the same
- * order as scaling, softmax_inplace and rounding one after another (the
- * first pass takes the max of s unscaled: scale > 0 and rounding is
- * monotonic, so scale * max(s) rounds to the max of the scaled values). */
+/* p[0:n] <- bf16(softmax(scale * s[0:n])) in three passes over s (scaled
+ * max, exp and sum, normalise and round); the same fp32 operations in the
+ * same order as scaling, softmax_inplace and rounding one after another.
+ * (Scaling inside the exp pass instead lets the compiler fuse the scale and
+ * the max subtraction into one FMA, one rounding fewer: not the same sums.) */
 static void softmax_rounded(float *s, int64_t n, float scale, bf16 *p) {
     const __m512 sc = _mm512_set1_ps(scale);
     __m512 mv = _mm512_set1_ps(-INFINITY);
     for (int64_t i = 0; i < n; i += 16) {
         const __mmask16 k = lanes(n - i);
-        mv = _mm512_mask_max_ps(mv, k, mv, _mm512_maskz_loadu_ps(k, s + i));
+        const __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, s + i), sc);
+        _mm512_mask_storeu_ps(s + i, k, x);
+        mv = _mm512_mask_max_ps(mv, k, mv, x);
     }
-    const __m512 m = _mm512_mul_ps(_mm512_set1_ps(_mm512_reduce_max_ps(mv)), sc);
+    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
     __m512 sv = _mm512_setzero_ps();
     for (int64_t i = 0; i < n; i += 16) {
         const __mmask16 k = lanes(n - i);
-        const __m512 e = exp512(_mm512_sub_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(k, s + i), sc), m));
+        const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + i), m));
         _mm512_mask_storeu_ps(s + i, k, e);
         sv = _mm512_add_ps(sv, _mm512_maskz_mov_ps(k, e));
     }
