@@ -37,10 +37,11 @@ dot products, with the weights in cache, M=1 qkv 9.6 vs 20.4 us, o 6.8 vs
 12.8, down 28 vs 34; M=8 1.8-6.6x; M=1024 10-12x (qkv 1.31, gate_up 1.15,
 down 1.35 TFLOP/s); with the weights streamed from memory, as in decode
 (120 linears, 212 MB), M=1 17.0 vs 17.7 ms on one thread and 8.65 vs 9.46
-on two, M=4 8.73 vs 11.77 ms on two.  In the engine (2 threads, quiet),
-a 1024-token prompt's prefill went from 1.22 s to 0.23 s, the batch-16
-decode step from 35 to 19.5 ms, batch 1 unchanged within noise (11.3-12.0
-ms either way).  On two threads of a quiet machine, at 1024 rows, qkv + o + gate_up + down
+on two, M=4 8.73 vs 11.77 ms on two.  In the engine (2 threads, quiet,
+alternating builds), a 1024-token prompt's prefill went from 1.22-1.25 s
+to 0.23-0.27 s, the batch-16 decode step from 35-36 to 19.5-21 ms, and the
+batch-1 step stayed where it was (medians of 96 steps, three alternations:
+12.53, 12.34, 12.14 ms before; 12.67, 11.84, 12.50 after).  On two threads of a quiet machine, at 1024 rows, qkv + o + gate_up + down
 run at 2.50 TFLOP/s (2.4-2.7 each) and torch's at 2.46.
 Torch's bf16 linear (oneDNN, also on the tiles) was the other candidate:
 on one thread it is 1.3-4.9x slower than ours at M <= 64, level at 256,
