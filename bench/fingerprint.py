@@ -10,7 +10,8 @@ CPU model, cores torch uses, the ISA flags that decide our kernels
 measurements (under a second each): single-thread copy bandwidth
 (tensor.copy_ of 256 MiB) and bf16 GEMM through torch (oneDNN;
 AMX where the CPU has it) at M=1024, K=576, N=1536 (M=64 where it is
-slow), on the threads torch uses; and which native kernel build loads."""
+slow), on the threads torch uses, and the same GEMM through our own
+linear; and which native kernel build loads."""
 
 from __future__ import annotations
 
@@ -33,8 +34,9 @@ class Fingerprint:
     copy_gbs: float
     torch_bf16_gemm_tflops: float
     gemm_m: int             # rows of that GEMM (576 x 1536 weights)
+    ours_bf16_gemm_tflops: float  # the same GEMM through kernels.ops.linear on packed weights (nan: no native kernels)
     gpu: str
-    native_kernels: str     # the kernels.cpu_native build loaded ("avx512_bf16", "avx2"), or "off"
+    native_kernels: str     # the kernels.cpu_native build loaded ("amx_bf16", "avx512_bf16", "avx2"), or "off"
 
     def lines(self) -> list[str]:
         return [f"machine: {self.cpu_model}, {self.logical_cpus} logical CPUs (torch threads {self.torch_threads}), "
@@ -42,7 +44,8 @@ class Fingerprint:
                 f"machine: ISA {' '.join(self.isa) or '(none of ' + ' '.join(FLAGS) + ')'}; "
                 f"native kernels: {self.native_kernels}",
                 f"machine: copy {self.copy_gbs:.1f} GB/s (1 thread, 256 MiB), torch bf16 GEMM "
-                f"{self.torch_bf16_gemm_tflops * 1e3:.1f} GFLOP/s ({self.gemm_m}x576x1536, oneDNN)"]
+                f"{self.torch_bf16_gemm_tflops * 1e3:.1f} GFLOP/s ({self.gemm_m}x576x1536, oneDNN), ours "
+                f"{self.ours_bf16_gemm_tflops * 1e3:.1f} GFLOP/s (kernels.ops.linear)"]
 
 
 def _cpuinfo() -> tuple[str, tuple[str, ...]]:
@@ -105,6 +108,21 @@ def measure_bf16_gemm_tflops(m: int = 1024, k: int = 576, n: int = 1536) -> tupl
     return 2 * m * k * n / _best_seconds(lambda: torch.matmul(a, b), 5) / 1e12, m
 
 
+def measure_ours_bf16_gemm_tflops(m: int, k: int = 576, n: int = 1536) -> float:
+    """The fingerprint's GEMM through the engine's own linear (packed weights;
+    AMX tiles or vector dot products, whichever ``kernels.ops`` routes to)."""
+    import torch
+    try:
+        from kernels import ops
+        if ops.native_variant() is None:
+            return float("nan")
+        x, w = torch.randn(m, k).bfloat16(), torch.randn(n, k).bfloat16()
+        packed = ops.pack_linear_weight(w)
+        return 2 * m * k * n / _best_seconds(lambda: ops.linear(x, packed), 5) / 1e12
+    except Exception:  # noqa: BLE001 - a fingerprint never fails a benchmark
+        return float("nan")
+
+
 def _native_kernels() -> str:
     try:
         from kernels import ops
@@ -130,7 +148,8 @@ def machine_fingerprint() -> Fingerprint:
     tflops, gemm_m = measure_bf16_gemm_tflops()
     return Fingerprint(cpu_model=model, logical_cpus=os.cpu_count() or 0, torch_threads=torch.get_num_threads(),
                        isa=isa, mem_gib=_mem_gib(), copy_gbs=measure_copy_gbs(),
-                       torch_bf16_gemm_tflops=tflops, gemm_m=gemm_m, gpu=_gpu(),
+                       torch_bf16_gemm_tflops=tflops, gemm_m=gemm_m,
+                       ours_bf16_gemm_tflops=measure_ours_bf16_gemm_tflops(gemm_m), gpu=_gpu(),
                        native_kernels=_native_kernels())
 
 

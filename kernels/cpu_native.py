@@ -1,7 +1,9 @@
 """Native CPU kernels for bf16, built on first use and called through ctypes.
 
-Two variants of one C ABI; the best one this CPU runs is loaded:
+Three variants of one C ABI; the best one this CPU runs is loaded:
 
+    amx_bf16     csrc/cpu_kernels.c -DPD_AMX  the avx512_bf16 kernels, with the packed linear and the
+                                              prefill attention products on AMX tiles (Sapphire Rapids on)
     avx512_bf16  csrc/cpu_kernels.c       AVX-512 BF16 dot products (Sapphire Rapids, Zen 4)
     avx2         csrc/cpu_kernels_avx2.c  bf16 widened to fp32 in registers, FMA (Zen 2/3, Haswell on)
 
@@ -23,6 +25,35 @@ weight memory, x and y converted per call).  The AVX2 linear is ahead of it
 at every SmolLM2 projection: M=1 2.0-3.6x, M=16 1.5-1.7x, M=256 1.07-1.27x,
 M=1024 1.03-1.04x (130-175 GFLOP/s); and on one thread at M=256 x 576 x 3072
 it does 92 GFLOP/s to torch fp32's 81-89.
+
+AMX (csrc/amx_linear.h), by measurement on a 2-core Sapphire Rapids VM
+(SmolLM2-135M shapes; ``bench.micro.kernel_speed --prefill-only`` prints
+the current figures): every linear whose K is a multiple of 32 takes the
+tiles, at every M.  It must be every M or none: exact resume replays decode
+steps one row at a time and needs each row's sum to be the same whatever
+batch it came in, and the tiles sum in another order than the dot
+products.  And every M is faster: on one thread against the AVX-512 BF16
+dot products, with the weights in cache, M=1 qkv 9.6 vs 20.4 us, o 6.8 vs
+12.8, down 28 vs 34; M=8 1.8-6.6x; M=1024 10-12x (qkv 1.31, gate_up 1.15,
+down 1.35 TFLOP/s); with the weights streamed from memory, as in decode
+(120 linears, 212 MB), M=1 17.0 vs 17.7 ms on one thread and 8.65 vs 9.46
+on two, M=4 8.73 vs 11.77 ms on two.  In the engine (2 threads, quiet,
+alternating builds), a 1024-token prompt's prefill went from 1.22-1.25 s
+to 0.23-0.27 s, the batch-16 decode step from 35-36 to 19.5-21 ms, and the
+batch-1 step stayed where it was (medians of 96 steps, three alternations:
+12.53, 12.34, 12.14 ms before; 12.67, 11.84, 12.50 after).  On two threads of a quiet machine, at 1024 rows, qkv + o + gate_up + down
+run at 2.50 TFLOP/s (2.4-2.7 each) and torch's at 2.46.
+Torch's bf16 linear (oneDNN, also on the tiles) was the other candidate:
+on one thread it is 1.3-4.9x slower than ours at M <= 64, level at 256,
+and 5-45% faster at M >= 1024 (1.42-1.66 TFLOP/s); on two quiet threads
+2.3-2.9x slower at M=16, level at 256 and 1024 in sum (gate_up 1.5x
+faster, down 1.8x slower); and on two threads of a machine whose cores
+something else also runs, its OpenMP barriers wait for a preempted thread
+and every call took >= 4.6 ms whatever its size, while the work pool here
+(csrc/work_pool.h) never waits on a thread that is not working.  Routing
+to it would also cost a plain copy of every projection (212 MB at
+SmolLM2-135M) and the per-layer Python path instead of the fused stack.  So the tiles stay inside our kernels, inside
+:class:`DecoderStack`, and the packed weights are their only copy.
 """
 
 from __future__ import annotations
@@ -62,10 +93,12 @@ class Variant:
         return [*COMMON_FLAGS, *self.isa_flags]
 
 
+_AVX512_BF16 = (("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-mf16c"),
+                ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"))
 VARIANTS = (  # best first
-    Variant("avx512_bf16", CSRC / "cpu_kernels.c",
-            ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-mf16c"),
-            ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")),
+    Variant("amx_bf16", CSRC / "cpu_kernels.c", (*_AVX512_BF16[0], "-mamx-tile", "-mamx-bf16", "-DPD_AMX"),
+            (*_AVX512_BF16[1], "amx_tile", "amx_bf16")),
+    Variant("avx512_bf16", CSRC / "cpu_kernels.c", *_AVX512_BF16),
     Variant("avx2", CSRC / "cpu_kernels_avx2.c", ("-mavx2", "-mfma", "-mf16c"), ("avx2", "fma", "f16c")),
 )
 
@@ -108,6 +141,9 @@ _SIGNATURES = {
     "pd_prefill_attention_q8": [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64,
                                 _i64, _i64, _f32, _int, _int, _ptr, _ptr, _i64, _ptr, _ptr],
 }
+
+# Only in the amx_bf16 build (csrc/amx_linear.h): whether the tiles run here, and which linears take them.
+_AMX_SIGNATURES = {"pd_amx_ready": [], "pd_linear_uses_amx": [_i64, _i64, _i64]}
 
 # The KV pool formats the native kernels read and write (PD_KV_* in csrc/kv8_kernels.h).
 KV_KINDS = {torch.bfloat16: 0, torch.int8: 1, torch.float8_e4m3fn: 2}
@@ -189,20 +225,35 @@ def build(compiler: str | None = None, which: Variant = VARIANTS[0]) -> Path:
 
 
 @functools.cache
-def library() -> ctypes.CDLL | None:
+def _loaded() -> tuple[ctypes.CDLL, Variant] | None:
+    """The library and its variant: the one :func:`variant` picks, or, when
+    that one does not build here (a compiler too old for ``-mamx-tile``,
+    say), the next runnable one, so a build failure never costs more than
+    the variant that failed."""
     which = variant()
     if which is None:
         return None
-    try:
-        lib = ctypes.CDLL(str(build(which=which)))
-    except (RuntimeError, OSError) as e:
-        log.warning("native CPU kernels unavailable, using the torch references: %s", e)
-        return None
-    log.info("native CPU kernels: the %s variant (%s)", which.name, which.source.name)
-    for name, argtypes in _SIGNATURES.items():
-        fn = getattr(lib, name)
-        fn.argtypes, fn.restype = argtypes, None
-    return lib
+    for candidate in [which, *(v for v in supported_variants() if v is not which)]:
+        try:
+            lib = ctypes.CDLL(str(build(which=candidate)))
+        except (RuntimeError, OSError) as e:
+            log.warning("native CPU kernels: the %s variant is unavailable: %s", candidate.name, e)
+            continue
+        log.info("native CPU kernels: the %s variant (%s)", candidate.name, candidate.source.name)
+        for name, argtypes in _SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = argtypes, None
+        for name, argtypes in _AMX_SIGNATURES.items() if candidate.name == "amx_bf16" else ():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = argtypes, ctypes.c_int
+        return lib, candidate
+    log.warning("native CPU kernels unavailable, using the torch references")
+    return None
+
+
+def library() -> ctypes.CDLL | None:
+    loaded = _loaded()
+    return loaded[0] if loaded else None
 
 
 def available() -> bool:
@@ -210,8 +261,34 @@ def available() -> bool:
 
 
 def loaded_variant() -> str | None:
-    """The name of the variant in use ("avx512_bf16", "avx2"), or None."""
-    return variant().name if available() else None
+    """The name of the variant in use ("amx_bf16", "avx512_bf16", "avx2"), or None."""
+    loaded = _loaded()
+    return loaded[1].name if loaded else None
+
+
+AMX_K = 32  # the k depth of one AMX tile row in bf16 (AMX_K in csrc/amx_linear.h)
+AMX_MIN_ROWS = 1  # x rows from which linears take the tiles (AMX_MIN_ROWS in csrc/amx_linear.h)
+
+
+def linear_path(m: int, n: int, k: int, variant_name: str | None, amx_ready: bool = True) -> str:
+    """Which kernel ``pd_linear_packed_bf16`` runs for x [m, k] times a packed
+    [n, k] weight: "amx" (tile products), "dot" (the variant's vector dot
+    products) or "torch" (no native kernels).  Mirrors ``pd_linear_uses_amx``:
+    every m from AMX_MIN_ROWS takes the tiles, by measurement (see the module
+    docstring), when the build has them, the kernel granted the tile state,
+    and k is a multiple of the tile depth; the packing already needs
+    n % 32 == 0."""
+    if variant_name is None:
+        return "torch"
+    tiles = (variant_name == "amx_bf16" and amx_ready and m >= AMX_MIN_ROWS and k % AMX_K == 0
+             and n % PACK_TILE == 0)
+    return "amx" if tiles else "dot"
+
+
+def amx_ready() -> bool:
+    """True when the loaded build runs AMX tiles and Linux granted this
+    process the tile state (``arch_prctl(ARCH_REQ_XCOMP_PERM)``)."""
+    return loaded_variant() == "amx_bf16" and bool(library().pd_amx_ready())
 
 
 def handles(*tensors: torch.Tensor) -> bool:

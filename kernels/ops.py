@@ -1,6 +1,7 @@
 """The engine's only entry to kernels: Triton on CUDA, native C kernels for
-bf16 on CPUs with AVX-512 BF16 or AVX2+FMA (:mod:`kernels.cpu_native` picks
-the variant), the torch reference elsewhere.
+bf16 on CPUs with AMX, AVX-512 BF16 or AVX2+FMA (:mod:`kernels.cpu_native`
+picks the variant; :func:`linear_path` says which kernel a linear runs), the
+torch reference elsewhere.
 
 8-bit KV pools (int8, fp8 e4m3: :mod:`kernels.kv_quant`): the Triton kernels
 (on CUDA) and the native kernels (``cpu_native.handles_pool``) read and write
@@ -45,7 +46,7 @@ from kernels.rope import apply_rope_ref, rope_cos_sin
 
 __all__ = [
     "write_kv", "paged_decode_attention", "prefill_attention", "gather_blocks",
-    "scatter_blocks", "rmsnorm", "fused_add_rmsnorm", "apply_rope", "linear", "pack_linear_weight",
+    "scatter_blocks", "rmsnorm", "fused_add_rmsnorm", "apply_rope", "linear", "linear_path", "pack_linear_weight",
     "unpack_linear_weight", "silu_mul", "triton_available", "rotate_heads", "rotates",
     "ChunkKV", "DecoderStack", "decoder_stack", "decoder_stack_takes", "set_native_threads", "native_variant", "rope_cos_sin",
 ]
@@ -102,6 +103,13 @@ def unpack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
         return weight
     tiles, half_k, tile, pair = weight.shape  # cpu_native.pack_weight: [N / tile, K / 2, tile, 2]
     return weight.permute(0, 2, 1, 3).reshape(tiles * tile, half_k * pair)
+
+
+def linear_path(m: int, n: int, k: int) -> str:
+    """Which kernel :func:`linear` runs for x [m, k] times a packed [n, k]
+    weight on this machine: "amx", "dot" or "torch" (``cpu_native.linear_path``)."""
+    variant = cpu_native.loaded_variant()
+    return cpu_native.linear_path(m, n, k, variant, variant == "amx_bf16" and cpu_native.amx_ready())
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -240,5 +248,5 @@ def set_native_threads(n: int) -> None:
 
 
 def native_variant() -> str | None:
-    """The native CPU kernels in use ("avx512_bf16", "avx2"), or None: the torch references run."""
+    """The native CPU kernels in use ("amx_bf16", "avx512_bf16", "avx2"), or None: the torch references run."""
     return cpu_native.loaded_variant()

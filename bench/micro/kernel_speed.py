@@ -12,7 +12,7 @@ the GPU's peak HBM bandwidth.  Bandwidth counts the bytes an op must move at
 least (inputs read once, outputs written once), not what an implementation
 happens to copy.
 
-    .venv/bin/python -m bench.micro.kernel_speed [--device cpu|cuda] [--threads N] [--min-time-s 0.2]
+    .venv/bin/python -m bench.micro.kernel_speed [--device cpu|cuda] [--threads N] [--min-time-s 0.2] [--prefill-only]
 """
 
 from __future__ import annotations
@@ -38,8 +38,9 @@ DTYPE = torch.bfloat16
 ELT = 2  # bytes per bf16
 DECODE_BATCHES, DECODE_CONTEXTS, PREFILL_TOKENS = (1, 16, 64), (256, 1024, 2048), (256, 1024)
 DECODE_TARGET = (64, 2048, 0.60)  # batch, context, fraction of peak HBM
-LINEAR_SHAPES = {"qkv": (960, 576), "gate_up": (3072, 576), "down": (576, 1536)}  # name: (N, K)
+LINEAR_SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}  # name: (N, K)
 LINEAR_ROWS = (1, 16, 256, 1024)  # decode batch 1 and 16, prefill chunks
+PREFILL_FIGURE_ROWS = 1024  # the prompt length the prefill linear and attention figures are quoted at
 COMMAND = ".venv/bin/python -m bench.micro.kernel_speed"
 
 
@@ -111,6 +112,28 @@ def prefill_cases(pool: torch.Tensor) -> list[Case]:
     return cases
 
 
+def prefill_attention_vs_sdpa(pool: torch.Tensor, min_time_s: float) -> None:
+    """Prefill attention of one fresh PREFILL_FIGURE_ROWS-token prompt (causal,
+    GQA): ``ops.prefill_attention`` over the paged pool next to torch's
+    ``scaled_dot_product_attention`` on dense q/k/v (its CPU flash attention;
+    it cannot read the pool, so it gets the dense copy for free)."""
+    n, dev = PREFILL_FIGURE_ROWS, pool.device
+    nb = n // BLOCK_SIZE
+    tables = torch.randperm(pool.shape[0], device=dev)[:nb].view(1, nb).int()
+    qsl = torch.tensor([0, n], dtype=torch.int32, device=dev)
+    lens = torch.tensor([n], dtype=torch.int32, device=dev)
+    q = torch.randn(n, HEADS, HEAD_DIM, dtype=DTYPE, device=dev)
+    k, v = (torch.randn(1, KV_HEADS, n, HEAD_DIM, dtype=DTYPE, device=dev) for _ in range(2))
+    qt = q.transpose(0, 1).unsqueeze(0)
+    ours_s = _time_s(lambda: ops.prefill_attention(q, pool, 0, tables, qsl, lens, HEAD_DIM ** -0.5), dev, min_time_s)
+    sdpa_s = _time_s(lambda: torch.nn.functional.scaled_dot_product_attention(qt, k, v, is_causal=True,
+                                                                               enable_gqa=True), dev, min_time_s)
+    flop = 2 * 2 * HEADS * HEAD_DIM * n * (n + 1) // 2
+    print(f"prefill attention at {n} tokens ({HEADS} q / {KV_HEADS} kv heads, causal, {torch.get_num_threads()} "
+          f"threads): ours {flop / ours_s / 1e12:.2f} TFLOP/s ({ours_s * 1e3:.2f} ms), torch sdpa "
+          f"{flop / sdpa_s / 1e12:.2f} TFLOP/s ({sdpa_s * 1e3:.2f} ms)")
+
+
 def elementwise_cases(pool: torch.Tensor) -> list[Case]:
     # a decode step of 64 sequences; a prefill chunk of 1024 tokens
     return [case for t in (64, 1024) for case in _token_cases(pool, t)]
@@ -152,14 +175,18 @@ def block_copy_cases(pool: torch.Tensor) -> list[Case]:
 
 def linear_table(min_time_s: float, copy_peak: float) -> None:
     """The projections of one layer at decode and prefill row counts: the
-    torch bf16 linear (what the CPU engine runs without native kernels), torch
-    fp32 on an upcast copy of the weights (x upcast and y rounded per call),
-    and ``ops.linear`` on packed weights; weight GB/s against copy_ tells how
-    close a decode GEMV is to its bandwidth floor."""
+    torch bf16 linear (oneDNN; on AMX CPUs its tile kernels), torch fp32 on an
+    upcast copy of the weights (x upcast and y rounded per call), and
+    ``ops.linear`` on packed weights (path: "amx" tiles or "dot" vector dot
+    products, ``cpu_native.linear_path``); weight GB/s against copy_ tells how
+    close a decode GEMV is to its bandwidth floor.  Ends with the prefill
+    figure the AMX work is judged by: TFLOP/s of the layer's projections at
+    PREFILL_FIGURE_ROWS tokens, ours next to torch bf16's."""
     cpu = torch.device("cpu")
     print(f"linear (y = x W^T, bf16; {ops.native_variant() or 'no native'} kernels vs torch):")
-    print(f"{'shape M x K -> N':<28}{'torch bf16':>11}{'torch fp32':>11}{'ours ms':>9}{'vs bf16':>9}{'vs fp32':>9}"
-          f"{'GFLOP/s':>9}{'W GB/s':>8}{'of copy_':>9}")
+    print(f"{'shape M x K -> N':<28}{'torch bf16':>11}{'torch fp32':>11}{'ours ms':>9}{'path':>6}{'vs bf16':>9}"
+          f"{'vs fp32':>9}{'GFLOP/s':>9}{'torch':>8}{'W GB/s':>8}{'of copy_':>9}")
+    prefill = {"ours": 0.0, "torch": 0.0, "flop": 0.0}
     for m in LINEAR_ROWS:
         for name, (n, k) in LINEAR_SHAPES.items():
             x = torch.randn(m, k, dtype=DTYPE)
@@ -168,10 +195,19 @@ def linear_table(min_time_s: float, copy_peak: float) -> None:
             bf16_s = _time_s(lambda: torch.nn.functional.linear(x, w), cpu, min_time_s)
             fp32_s = _time_s(lambda: torch.nn.functional.linear(x.float(), w32).to(DTYPE), cpu, min_time_s)
             ours_s = _time_s(lambda: ops.linear(x, packed), cpu, min_time_s)
-            w_gbs = n * k * ELT / ours_s / 1e9
+            w_gbs, flop = n * k * ELT / ours_s / 1e9, 2 * m * n * k
+            path = ops.linear_path(m, n, k)
             print(f"{name + f' {m} x {k} -> {n}':<28}{bf16_s * 1e3:>11.3f}{fp32_s * 1e3:>11.3f}{ours_s * 1e3:>9.3f}"
-                  f"{bf16_s / ours_s:>8.2f}x{fp32_s / ours_s:>8.2f}x{2 * m * n * k / ours_s / 1e9:>9.1f}"
-                  f"{w_gbs:>8.1f}{w_gbs / copy_peak:>9.0%}", flush=True)
+                  f"{path:>6}{bf16_s / ours_s:>8.2f}x{fp32_s / ours_s:>8.2f}x{flop / ours_s / 1e9:>9.1f}"
+                  f"{flop / bf16_s / 1e9:>8.1f}{w_gbs:>8.1f}{w_gbs / copy_peak:>9.0%}", flush=True)
+            if m == PREFILL_FIGURE_ROWS:
+                prefill["ours"] += ours_s
+                prefill["torch"] += bf16_s
+                prefill["flop"] += flop
+    if prefill["flop"]:
+        ours, theirs = prefill["flop"] / prefill["ours"] / 1e12, prefill["flop"] / prefill["torch"] / 1e12
+        print(f"prefill linear at {PREFILL_FIGURE_ROWS} tokens ({' + '.join(LINEAR_SHAPES)}, {torch.get_num_threads()} "
+              f"threads): ours {ours:.2f} TFLOP/s, torch bf16 {theirs:.2f} TFLOP/s ({ours / theirs:.2f}x)")
 
 
 def copy_gbps(device: torch.device, min_time_s: float) -> float:
@@ -195,13 +231,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--min-time-s", type=float, default=0.2, help="time each op at least this long")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--prefill-only", action="store_true",
+                        help="CPU: only the linear table and the prefill attention figure")
     args = parser.parse_args(argv)
     print_fingerprint()
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     on_gpu = device.type == "cuda"
-    print(f"command: {COMMAND} --device {device.type}" + (f" --threads {args.threads}" if args.threads else ""))
+    print(f"command: {COMMAND} --device {device.type}" + (f" --threads {args.threads}" if args.threads else "")
+          + (" --prefill-only" if args.prefill_only else ""))
     max_blocks = max(DECODE_BATCHES) * max(DECODE_CONTEXTS) // BLOCK_SIZE + 64
     pool = _make_pool(max_blocks, device)
     if on_gpu:
@@ -216,11 +255,12 @@ def main(argv: list[str] | None = None) -> None:
               "with the torch reference, and its bandwidth with copy_")
     print(f"shapes: SmolLM2-135M, {HEADS} q / {KV_HEADS} kv heads, head dim {HEAD_DIM}, {LAYERS} layers, "
           f"block size {BLOCK_SIZE}, {DTYPE}; bandwidth = minimum bytes moved / time")
-    results = run_cases(decode_cases(pool) + prefill_cases(pool) + elementwise_cases(pool) + block_copy_cases(pool),
-                        device, on_gpu, peak, args.min_time_s)
-    print_targets(results, on_gpu, peak)
+    if not (args.prefill_only and not on_gpu):
+        cases = decode_cases(pool) + prefill_cases(pool) + elementwise_cases(pool) + block_copy_cases(pool)
+        print_targets(run_cases(cases, device, on_gpu, peak, args.min_time_s), on_gpu, peak)
     if not on_gpu:
         linear_table(args.min_time_s, peak)
+        prefill_attention_vs_sdpa(pool, args.min_time_s)
 
 
 def run_cases(cases: list[Case], device: torch.device, on_gpu: bool, peak: float,

@@ -122,10 +122,21 @@ static void linear_chunk(void *arg, int64_t begin, int64_t end) {
 
 /* y[m, n] = sum_k x[m, k] * W[n, k] (+ bias[n]) with W packed as above;
  * bf16 in and out, fp32 accumulation.  Needs N % 32 == 0 and K even. */
+#ifdef PD_AMX
+#include "amx_linear.h"
+#endif
+
 void pd_linear_packed_bf16(const bf16 *x, const bf16 *wp, const bf16 *bias, bf16 *y,
                            int64_t M, int64_t N, int64_t K, int nthreads) {
     linear_job job = {x, wp, bias, y, M, N, K, N / TILE_N};
     const int64_t items = (M + M_BLOCK - 1) / M_BLOCK * job.tiles;
+#ifdef PD_AMX
+    if (pd_linear_uses_amx(M, N, K)) {
+        const int64_t amx_items = (M + AMX_M_BLOCK - 1) / AMX_M_BLOCK * job.tiles;
+        pool_run(amx_linear_chunk, &job, amx_items, pool_chunk(amx_items, nthreads, 8), nthreads);
+        return;
+    }
+#endif
     pool_run(linear_chunk, &job, items, pool_chunk(items, nthreads, 8), nthreads);
 }
 
@@ -511,7 +522,9 @@ static void pack_kv_head(const bf16 *kv, const int32_t *table, int64_t ctx, int6
 
 /* p[0:n] <- bf16(softmax(scale * s[0:n])) in three passes over s (scaled
  * max, exp and sum, normalise and round); the same fp32 operations in the
- * same order as scaling, softmax_inplace and rounding one after another. */
+ * same order as scaling, softmax_inplace and rounding one after another.
+ * (Scaling inside the exp pass instead lets the compiler fuse the scale and
+ * the max subtraction into one FMA, one rounding fewer: not the same sums.) */
 static void softmax_rounded(float *s, int64_t n, float scale, bf16 *p) {
     const __m512 sc = _mm512_set1_ps(scale);
     __m512 mv = _mm512_set1_ps(-INFINITY);
@@ -544,7 +557,18 @@ static void softmax_rounded(float *s, int64_t n, float scale, bf16 *p) {
 static void prefill_attend_chunk(void *arg, int64_t begin, int64_t end) {
     const prefill_job *a = (const prefill_job *)arg;
     const int64_t H = a->H, D = a->D, G = a->G, stride = a->q_row_stride;
-    for (int64_t item = begin; item < end; item++) {
+#ifdef PD_AMX
+    /* both products on the tiles: q K^T has K = D, P V has K = the keys padded to 32 */
+    const int amx = D % AMX_K == 0 && pd_amx_ready();
+    int cfg[2] = {-1, -1};
+#endif
+    float *sc = NULL;
+    bf16 *pb = NULL;
+    int64_t cap = 0;
+    for (int64_t claimed = begin; claimed < end; claimed++) {
+        /* claimed last item first: later query blocks see more keys, so the largest items go first and
+         * the threads finish together */
+        const int64_t item = a->item_off[a->S] - 1 - claimed;
         int64_t s = 0;
         while (a->item_off[s + 1] <= item) s++;
         const int64_t local = item - a->item_off[s], hq = local % H, qb = local / H;
@@ -554,9 +578,18 @@ static void prefill_attend_chunk(void *arg, int64_t begin, int64_t end) {
         const int64_t first = ctx - q_len;  /* keys every query of the chunk sees */
         const int64_t key_end = first + i1, tiles = (key_end + TILE_N - 1) / TILE_N, kpad = tiles * TILE_N;
         const bf16 *kp = a->packs + a->pack_off[s] + 2 * (hq / G) * ctx_pad * D, *vp = kp + ctx_pad * D;
-        float *sc = (float *)malloc(sizeof(float) * (size_t)(m * kpad));
-        bf16 *pb = (bf16 *)malloc(sizeof(bf16) * (size_t)(m * kpad));
+        if (m * kpad > cap) {  /* scores and probabilities, grown once per chunk, not allocated per item */
+            free(sc);
+            free(pb);
+            cap = m * kpad;
+            sc = (float *)malloc(sizeof(float) * (size_t)cap);
+            pb = (bf16 *)malloc(sizeof(bf16) * (size_t)cap);
+        }
         const bf16 *qi = a->q + (q0 + i0) * stride + hq * D;
+#ifdef PD_AMX
+        if (amx) amx_rows_times_tiles(m, qi, stride, D, kp, (D / 2) * 2 * TILE_N, tiles, NULL, NULL, sc, kpad, cfg);
+        else
+#endif
         for (int64_t j = 0; j < tiles; j++)
             for (int64_t r = 0; r < m; r += MR_MAX)
                 rows_times_tile((int)(m - r), qi + r * stride, stride, D, kp + j * (D / 2) * 2 * TILE_N,
@@ -567,13 +600,21 @@ static void prefill_attend_chunk(void *arg, int64_t begin, int64_t end) {
             memset(pb + r * kpad + valid, 0, sizeof(bf16) * (size_t)(kpad - valid));
         }
         bf16 *oi = a->out + (q0 + i0) * H * D + hq * D;
+#ifdef PD_AMX
+        if (amx) amx_rows_times_tiles(m, pb, kpad, kpad, vp, (ctx_pad / 2) * 2 * TILE_N, D / TILE_N, NULL, oi, NULL,
+                                      H * D, cfg);
+        else
+#endif
         for (int64_t dj = 0; dj < D / TILE_N; dj++)
             for (int64_t r = 0; r < m; r += MR_MAX)
                 rows_times_tile((int)(m - r), pb + r * kpad, kpad, kpad, vp + dj * (ctx_pad / 2) * 2 * TILE_N,
                                 NULL, oi + r * H * D + dj * TILE_N, NULL, H * D, 0);
-        free(sc);
-        free(pb);
     }
+    free(sc);
+    free(pb);
+#ifdef PD_AMX
+    if (amx) _tile_release();
+#endif
 }
 
 
