@@ -123,16 +123,9 @@ static inline void amx_block(const bf16 *x, int64_t ldx, int64_t K, const bf16 *
     }
     const __m512 b0 = bias ? load16(bias) : _mm512_setzero_ps();
     const __m512 b1 = bias ? load16(bias + 16) : _mm512_setzero_ps();
-    for (int r = 0; r < r0 + r1; r++) {
-        const __m512 lo = _mm512_add_ps(_mm512_load_ps(c[r]), b0), hi = _mm512_add_ps(_mm512_load_ps(c[r] + 16), b1);
-        if (yf) {
-            _mm512_storeu_ps(yf + r * ldy, lo);
-            _mm512_storeu_ps(yf + r * ldy + 16, hi);
-        } else {
-            _mm256_storeu_si256((__m256i *)(y + r * ldy), (__m256i)_mm512_cvtneps_pbh(lo));
-            _mm256_storeu_si256((__m256i *)(y + r * ldy + 16), (__m256i)_mm512_cvtneps_pbh(hi));
-        }
-    }
+    for (int r = 0; r < r0 + r1; r++)
+        store_row32(y, yf, r * ldy, _mm512_add_ps(_mm512_load_ps(c[r]), b0),
+                    _mm512_add_ps(_mm512_load_ps(c[r] + 16), b1));
 }
 
 /* Rows [0, M) of x times `tiles` packed 32-column tiles, `tile_elems` bf16

@@ -48,6 +48,18 @@ static inline __m512bh load32bh_masked(const bf16 *p, __mmask32 m) {
 
 /* MR rows of x (row stride ldx, K columns) times one packed 32-column tile:
  * y rows (stride ldy) in bf16, or in fp32 when yf is given. */
+
+/* One 32-column output row (two 16-lane halves) at y + at (bf16) or yf + at (fp32). */
+static inline void store_row32(bf16 *y, float *yf, int64_t at, __m512 lo, __m512 hi) {
+    if (yf) {
+        _mm512_storeu_ps(yf + at, lo);
+        _mm512_storeu_ps(yf + at + 16, hi);
+    } else {
+        _mm256_storeu_si256((__m256i *)(y + at), (__m256i)_mm512_cvtneps_pbh(lo));
+        _mm256_storeu_si256((__m256i *)(y + at + 16), (__m256i)_mm512_cvtneps_pbh(hi));
+    }
+}
+
 static inline __attribute__((always_inline)) void linear_tile(
     const int MR, const bf16 *x, int64_t ldx, int64_t K, const bf16 *wt, const bf16 *bias,
     bf16 *y, float *yf, int64_t ldy, int prefetch) {
@@ -73,16 +85,8 @@ static inline __attribute__((always_inline)) void linear_tile(
     const __m512 b0 = bias ? load16(bias) : _mm512_setzero_ps();
     const __m512 b1 = bias ? load16(bias + 16) : _mm512_setzero_ps();
 #pragma GCC unroll 8
-    for (int r = 0; r < MR; r++) {
-        const __m512 lo = _mm512_add_ps(acc[r][0], b0), hi = _mm512_add_ps(acc[r][1], b1);
-        if (yf) {
-            _mm512_storeu_ps(yf + r * ldy, lo);
-            _mm512_storeu_ps(yf + r * ldy + 16, hi);
-        } else {
-            _mm256_storeu_si256((__m256i *)(y + r * ldy), (__m256i)_mm512_cvtneps_pbh(lo));
-            _mm256_storeu_si256((__m256i *)(y + r * ldy + 16), (__m256i)_mm512_cvtneps_pbh(hi));
-        }
-    }
+    for (int r = 0; r < MR; r++)
+        store_row32(y, yf, r * ldy, _mm512_add_ps(acc[r][0], b0), _mm512_add_ps(acc[r][1], b1));
 }
 
 /* Up to MR_MAX rows (rows >= 1) through linear_tile with MR a constant. */
