@@ -131,7 +131,7 @@ def context_cost(profile: Profile) -> ContextCost:
 
 def overlap(profile: Profile) -> Overlap:
     o = profile.overlap
-    return Overlap(o.prefill_slowdown, o.decode_slowdown) if o is not None else Overlap()
+    return Overlap(o.prefill_slowdown, o.decode_slowdown, o.prefill_delay_s) if o is not None else Overlap()
 
 
 def engine_limits() -> EngineLimits:
@@ -172,7 +172,10 @@ def print_profile(profile: Profile) -> None:
         print(f"profile: replicas at once: decode gap {o.decode_alone_s * 1e3:.1f} ms alone, "
               f"{o.decode_beside_prefill_s * 1e3:.1f} ms beside prefills -> x{o.decode_slowdown:.2f}; prefill TTFT "
               f"{o.prefill_alone_s:.2f} s alone, {o.prefill_beside_decode_s:.2f} s beside {o.streams} decoding "
-              f"-> busy part x{o.prefill_slowdown:.2f}", flush=True)
+              f"-> busy part x{o.prefill_slowdown:.2f}" + (
+                  f"; shortest prompt {o.short_alone_s:.3f} s alone, {o.short_beside_s:.3f} s beside -> "
+                  f"+{o.prefill_delay_s * 1e3:.0f} ms on the way in" if o.short_beside_s is not None else ""),
+              flush=True)
 
 
 def compare(rows: list[tuple[Case, Prediction, Measured]]) -> float:
@@ -201,8 +204,8 @@ def run(url: str, args: argparse.Namespace) -> float:
     print(f"prediction: the closed loop played step by step (bench/plan/closed_loop.py) with these speeds: prefill "
           f"steps of <= {limits.max_num_batched_tokens} tokens, <= {limits.prefill_chunk_size} per prompt, "
           f"busy(n) = prefill(n) - overhead; decode_step(B, ctx) = step(B, ctx) x skew; hand-off before a "
-          f"sequence joins; prefill at its slowdown's pace while decoding runs, a decode step started during a "
-          f"prefill x its slowdown", flush=True)
+          f"sequence joins; prefill at its slowdown's pace while decoding runs, and a request sent then "
+          f"arrives its delay later; a decode step started during a prefill x its slowdown", flush=True)
     rows = []
     for index, case in enumerate(CASES):
         print(f"... measuring {case.name}", file=sys.stderr, flush=True)

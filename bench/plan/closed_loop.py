@@ -7,7 +7,8 @@ give the same timings.
                 together), each sending its next request when the last ends
     arrival     a request reaches the prefill engine ``overhead_s`` after it
                 is sent (HTTP, tokenizing, routing: the profile's TTFT
-                intercept)
+                intercept), ``prefill_delay_s`` later when it is sent while
+                the decode engine computes (its way waits for the cores)
     prefill     one step at a time; a step takes the waiting prompts first
                 come first served, at most ``prefill_chunk_size`` tokens of
                 one prompt and ``max_num_batched_tokens`` in all (a longer
@@ -46,10 +47,12 @@ class Speeds:
     handoff_s: float = 0.0  # first token to joining the decode engine
     prefill_slowdown: float = 1.0  # a prefill step started while the decode replica computes
     decode_slowdown: float = 1.0  # a decode step started while the prefill replica computes
+    prefill_delay_s: float = 0.0  # added to overhead_s for a request sent while the decode replica computes
 
     def __post_init__(self) -> None:
-        if self.overhead_s < 0 or self.handoff_s < 0:
-            raise ValueError(f"overhead_s ({self.overhead_s}) and handoff_s ({self.handoff_s}) must be >= 0")
+        if min(self.overhead_s, self.handoff_s, self.prefill_delay_s) < 0:
+            raise ValueError(f"overhead_s ({self.overhead_s}), handoff_s ({self.handoff_s}) and prefill_delay_s "
+                             f"({self.prefill_delay_s}) must be >= 0")
         if self.prefill_slowdown < 1 or self.decode_slowdown < 1:
             raise ValueError("slowdowns are >= 1 (a step never runs faster for the other replica's work), got "
                              f"prefill {self.prefill_slowdown}, decode {self.decode_slowdown}")
@@ -126,7 +129,9 @@ class _Engines:
     def send(self, client: int, t: float) -> None:
         self.sent[client] = self.sent.get(client, 0) + 1
         seq = _Sequence(client, t, self.work.prompt_tokens)
-        self.at(t + self.speeds.overhead_s, "arrive", seq)
+        decoding = self.decode_busy or self.decode_running or self.decode_ready  # others' tokens still stream
+        delay = self.speeds.prefill_delay_s if decoding else 0.0
+        self.at(t + self.speeds.overhead_s + delay, "arrive", seq)
 
     def start_prefill(self, t: float) -> None:
         budget, step = self.limits.max_num_batched_tokens, []
@@ -180,15 +185,14 @@ class _Engines:
 
     def decode_done(self, t: float) -> None:
         self.decode_busy = False
-        still = []
+        done, still = [], []
         for seq in self.decode_running:
             seq.generated += 1
             seq.context += 1
-            if seq.generated == self.work.output_tokens:
-                self.finish(seq, t)
-            else:
-                still.append(seq)
+            (done if seq.generated == self.work.output_tokens else still).append(seq)
         self.decode_running = still
+        for seq in done:
+            self.finish(seq, t)
 
     def finish(self, seq: _Sequence, t: float) -> None:
         self.timings.append(RequestTiming(seq.client, seq.send_s, seq.first_token_s - seq.send_s, t - seq.send_s,

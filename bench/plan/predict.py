@@ -79,6 +79,7 @@ class ContextCost:
 class Overlap:
     prefill_slowdown: float = 1.0
     decode_slowdown: float = 1.0
+    prefill_delay_s: float = 0.0  # a request's way to the prefill engine, longer while decode computes
 
 
 def prefill_beyond(samples: Sequence[tuple[float, float]]) -> PrefillBeyond | None:
@@ -124,7 +125,8 @@ def speeds(step: StepModel, prefill: PrefillModel, *, beyond: PrefillBeyond | No
         overhead_s=overhead_s,
         prefill_busy_s=lambda n: max(prefill_at(prefill, n, beyond) - overhead_s, 1e-6),
         decode_step_s=lambda b, ctx: decode_step_at(step, context, b, ctx) * gaps.skew,
-        handoff_s=gaps.handoff_s, prefill_slowdown=overlap.prefill_slowdown, decode_slowdown=overlap.decode_slowdown)
+        handoff_s=gaps.handoff_s, prefill_slowdown=overlap.prefill_slowdown, decode_slowdown=overlap.decode_slowdown,
+        prefill_delay_s=overlap.prefill_delay_s)
 
 
 def predict_closed_loop(s: Speeds, *, concurrency: int, requests_per_client: int, prompt_tokens: int,

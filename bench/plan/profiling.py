@@ -88,16 +88,41 @@ class OverlapSample:
     prefill_alone_s: float  # mean TTFT of the longest profiled prompt, nothing else running
     prefill_beside_decode_s: float  # mean TTFT of that prompt while ``streams`` sequences decode
     streams: int
-    overhead_s: float  # the TTFT intercept: not compute, so not slowed
+    overhead_s: float  # the TTFT intercept
+    short_alone_s: float | None = None  # mean TTFT of the shortest profiled prompt, nothing else running
+    short_beside_s: float | None = None  # mean TTFT of that prompt while ``streams`` sequences decode
 
     @property
     def decode_slowdown(self) -> float:
         return max(self.decode_beside_prefill_s / self.decode_alone_s, 1.0)
 
+    def _prefill_extra(self) -> tuple[float, float]:
+        """(delay, slowdown): TTFT beside decoding = alone + delay + (slowdown - 1) x busy.
+        Two prompt lengths separate the two; with one, all of it is slowdown.
+        Why a delay: the request's own path (gateway, handles, the replica's
+        loop) waits for cores the decode replica and the streams' tokens hold,
+        whatever the prompt's length -- with prefill on AMX tiles (2-core
+        Sapphire Rapids) a 64-token prompt beside 2 streams took 0.10 s for
+        0.06 s predicted by a slowdown of the busy part alone."""
+        busy_long = self.prefill_alone_s - self.overhead_s
+        extra_long = self.prefill_beside_decode_s - self.prefill_alone_s
+        if self.short_alone_s is None or self.short_beside_s is None:
+            return 0.0, ((busy_long + extra_long) / busy_long if busy_long > 0 else 1.0)
+        busy_short = self.short_alone_s - self.overhead_s
+        extra_short = self.short_beside_s - self.short_alone_s
+        if busy_long - busy_short <= 0:
+            return max(extra_short, 0.0), 1.0
+        slope = max((extra_long - extra_short) / (busy_long - busy_short), 0.0)
+        return max(extra_short - slope * max(busy_short, 0.0), 0.0), 1.0 + slope
+
     @property
     def prefill_slowdown(self) -> float:
-        busy = self.prefill_alone_s - self.overhead_s
-        return max((self.prefill_beside_decode_s - self.overhead_s) / busy, 1.0) if busy > 0 else 1.0
+        return max(self._prefill_extra()[1], 1.0)
+
+    @property
+    def prefill_delay_s(self) -> float:
+        """Added to a request's way to the prefill engine while the decode replica computes."""
+        return self._prefill_extra()[0]
 
 
 @dataclass(frozen=True)
@@ -186,11 +211,13 @@ class _Prober:
             raise RuntimeError(f"no inter-token gaps at batch {size}: the server must stream one token per chunk")
         return ContextSample(size, prompt + s.decode_tokens / 2, statistics.median(gaps), len(gaps))
 
-    async def overlap(self, prefill_alone_s: float, overhead_s: float) -> OverlapSample:
+    async def overlap(self, prefill_alone_s: float, overhead_s: float,
+                      short_alone_s: float | None = None) -> OverlapSample:
         """One stream decoding while prompts of the longest profiled length
         prefill back to back (its gaps that fall wholly inside a prefill),
         against the same stream alone; then that prompt's TTFT while
-        ``overlap_streams`` sequences decode, against its TTFT alone."""
+        ``overlap_streams`` sequences decode, against its TTFT alone, and the
+        shortest profiled prompt's too (``short_alone_s`` given)."""
         s = self.settings
         prompt, tokens = max(s.prompt_lengths), 4 * s.decode_tokens
         alone = await self.request(s.decode_prompt_tokens, tokens)
@@ -212,12 +239,15 @@ class _Prober:
         streams = [asyncio.create_task(self.request(s.decode_prompt_tokens, 8 * s.decode_tokens))
                    for _ in range(s.overlap_streams)]
         await asyncio.sleep(prefill_alone_s)  # the streams' own prefills are done: they decode now
-        ttfts = []
+        ttfts, short = [], []
         for _ in range(s.repeats):
             ttfts.append((await self.request(prompt, 1)).ttft_s)
+            if short_alone_s is not None:
+                short.append((await self.request(min(s.prompt_lengths), 1)).ttft_s)
         await asyncio.gather(*streams)
         return OverlapSample(statistics.median(alone.itl_s[1:]), statistics.median(inside), prefill_alone_s,
-                             statistics.mean(ttfts), s.overlap_streams, overhead_s)
+                             statistics.mean(ttfts), s.overlap_streams, overhead_s, short_alone_s,
+                             statistics.mean(short) if short else None)
 
 
 def token_gaps(record: RequestRecord) -> list[tuple[float, float]]:
@@ -258,7 +288,9 @@ async def profile_endpoint(
             if settings.overlap:
                 longest = max(p.prompt_tokens for p in prefill_samples)
                 alone = statistics.mean(p.ttft_s for p in prefill_samples if p.prompt_tokens == longest)
-                overlap = await prober.overlap(alone, prefill.overhead_s)
+                shortest = min(p.prompt_tokens for p in prefill_samples)
+                short = statistics.mean(p.ttft_s for p in prefill_samples if p.prompt_tokens == shortest)
+                overlap = await prober.overlap(alone, prefill.overhead_s, short if shortest < longest else None)
                 progress.update(task, advance=1, description="replicas computing at once")
     step = fit_step([d.batch for d in decode_samples], [d.step_s for d in decode_samples])
     return Profile(url, model, settings, prefill_samples, decode_samples, prefill, step, context_samples, overlap)

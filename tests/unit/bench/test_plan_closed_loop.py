@@ -96,6 +96,16 @@ def test_prefill_runs_slower_while_decoding_and_at_its_own_pace_otherwise():
                                                             OVERHEAD + 1.4 + (1 - 1.4 / 1.5)])
 
 
+def test_a_request_sent_while_decoding_arrives_its_delay_later():
+    """Two clients, prompts of 0.1 s: the first two requests are sent with nothing decoding (no delay); A's
+    second is sent at 1.22 s, when A's first ends and B's still decodes: it arrives 0.05 s later; B's second,
+    sent at 1.37 s, finds no sequence decoding (A's second is in prefill): no delay."""
+    base = simulate(speeds(), Workload(2, 2, 10, 21))
+    delayed = simulate(speeds(prefill_delay_s=0.05), Workload(2, 2, 10, 21))
+    assert [t.ttft_s for t in base] == pytest.approx([0.2, 0.3, 0.2, 0.2])
+    assert [t.ttft_s for t in delayed] == pytest.approx([0.2, 0.3, 0.25, 0.2])
+
+
 def test_the_same_inputs_give_the_same_timings():
     a = simulate(speeds(), Workload(3, 4, 64, 48))
     b = simulate(speeds(), Workload(3, 4, 64, 48))
@@ -104,7 +114,7 @@ def test_the_same_inputs_give_the_same_timings():
 
 @pytest.mark.parametrize("make", [
     lambda: Workload(0, 1, 10, 10), lambda: Workload(1, 1, 0, 10), lambda: EngineLimits(prefill_chunk_size=0),
-    lambda: speeds(decode_slowdown=0.5), lambda: speeds(overhead_s=-1.0),
+    lambda: speeds(decode_slowdown=0.5), lambda: speeds(overhead_s=-1.0), lambda: speeds(prefill_delay_s=-0.1),
 ])
 def test_bad_inputs_are_refused(make):
     with pytest.raises(ValueError):

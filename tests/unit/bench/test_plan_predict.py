@@ -104,3 +104,18 @@ def test_accuracy_cases_send_prompts_no_other_case_sent():
                 text = builder.build(RequestPlan(i, "fixed", "default", case.prompt_tokens, 0, 1, None)).text
                 starts.append(tuple(text.split()[:8]))
         assert len(set(starts)) == len(starts)
+
+
+@pytest.mark.parametrize("short, long_, delay, slowdown", [
+    # overhead 0.1 s; busy 0.1 s (short) and 0.5 s (long) alone
+    ((0.2, 0.25), (0.6, 0.65), 0.05, 1.0),    # the same 50 ms at both lengths: all delay
+    ((0.2, 0.22), (0.6, 0.70), 0.0, 1.2),     # 20% of the busy part at both: all slowdown
+    ((0.2, 0.275), (0.6, 0.775), 0.05, 1.25),   # 50 ms + 25% of the busy part
+    ((0.2, 0.35), (0.6, 0.65), 0.15, 1.0),    # more at the short length than the long: no slowdown below 1
+    (None, (0.6, 0.70), 0.0, 1.2),            # one length: all of it slowdown, as before
+])
+def test_overlap_probe_splits_prefill_delay_from_slowdown(short, long_, delay, slowdown):
+    from bench.plan.profiling import OverlapSample
+
+    o = OverlapSample(0.02, 0.02, long_[0], long_[1], 2, 0.1, *(short or (None, None)))
+    assert (o.prefill_delay_s, o.prefill_slowdown) == (pytest.approx(delay), pytest.approx(slowdown))
