@@ -67,6 +67,7 @@ class PrefillBeyond:
 class Gaps:
     handoff_s: float = 0.0
     skew: float = 1.0
+    first_token_s: float = 0.0  # a streamed request's TTFT over the profile's one-token request of its length
 
 
 @dataclass(frozen=True)
@@ -122,7 +123,7 @@ def speeds(step: StepModel, prefill: PrefillModel, *, beyond: PrefillBeyond | No
            context: ContextCost = ContextCost(), overlap: Overlap = Overlap()) -> Speeds:
     overhead_s = prefill.overhead_s
     return Speeds(
-        overhead_s=overhead_s,
+        overhead_s=overhead_s + gaps.first_token_s,
         prefill_busy_s=lambda n: max(prefill_at(prefill, n, beyond) - overhead_s, 1e-6),
         decode_step_s=lambda b, ctx: decode_step_at(step, context, b, ctx) * gaps.skew,
         handoff_s=gaps.handoff_s, prefill_slowdown=overlap.prefill_slowdown, decode_slowdown=overlap.decode_slowdown,

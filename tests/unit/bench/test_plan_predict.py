@@ -119,3 +119,12 @@ def test_overlap_probe_splits_prefill_delay_from_slowdown(short, long_, delay, s
 
     o = OverlapSample(0.02, 0.02, long_[0], long_[1], 2, 0.1, *(short or (None, None)))
     assert (o.prefill_delay_s, o.prefill_slowdown) == (pytest.approx(delay), pytest.approx(slowdown))
+
+
+def test_a_streamed_requests_first_token_offset_moves_ttft_not_the_busy_part():
+    plain = speeds(STEP, PREFILL)
+    s = speeds(STEP, PREFILL, gaps=Gaps(first_token_s=0.02))
+    assert s.overhead_s == pytest.approx(plain.overhead_s + 0.02)
+    assert s.prefill_busy_s(50) == pytest.approx(plain.prefill_busy_s(50)) == pytest.approx(0.5)
+    assert predict_closed_loop(s, concurrency=1, requests_per_client=1, prompt_tokens=50,
+                               output_tokens=21).ttft_s == pytest.approx(0.6 + 0.02)
