@@ -42,7 +42,7 @@ from bench.tokenizer import load_tokenizer
 from bench.workload import Bucket, Closed, Fixed, RequestOptions, Stop, Workload
 
 GOAL = 0.2
-PROFILE = ProfileSettings(prompt_lengths=(32, 64, 128, 256), repeats=2, batches=(1, 2, 4), decode_prompt_tokens=32,
+PROFILE = ProfileSettings(prompt_lengths=(32, 64, 128, 256), repeats=3, batches=(1, 2, 4), decode_prompt_tokens=32,
                           decode_tokens=32, closed_loop_rounds=3, timeout_s=300, context_batches=(1, 4), overlap=True)
 
 
@@ -173,15 +173,17 @@ def print_profile(profile: Profile) -> None:
     cost = context_cost(profile)
     print(f"profile: long context ({', '.join(f'B={c.batch} ctx {c.context:g}:{c.step_s * 1e3:.1f}ms' for c in profile.context_samples)}) "
           f"-> step(B, ctx) = step(B) + B x {cost.per_seq_token_s * 1e6:.2f} us x (ctx - {cost.reference_context:g})")
+    beyond = prefill_beyond([(p.prompt_tokens, p.ttft_s) for p in profile.prefill_samples])
+    if beyond is not None:
+        print(f"profile: prompts past {beyond.tokens:g} tokens: {beyond.time_s:.3f} s + {beyond.slope_s * 1e3:.3f} ms x "
+              f"(n - {beyond.tokens:g}) + {beyond.curvature_s * 1e6:.3f} us x (n - {beyond.tokens:g})^2")
     o = profile.overlap
     if o is not None:
         print(f"profile: replicas at once: decode gap {o.decode_alone_s * 1e3:.1f} ms alone, "
               f"{o.decode_beside_prefill_s * 1e3:.1f} ms beside prefills -> x{o.decode_slowdown:.2f}; prefill TTFT "
-              f"{o.prefill_alone_s:.2f} s alone, {o.prefill_beside_decode_s:.2f} s beside {o.streams} decoding "
-              f"-> busy part x{o.prefill_slowdown:.2f}" + (
-                  f"; shortest prompt {o.short_alone_s:.3f} s alone, {o.short_beside_s:.3f} s beside -> "
-                  f"+{o.prefill_delay_s * 1e3:.0f} ms on the way in" if o.short_beside_s is not None else ""),
-              flush=True)
+              f"alone / beside {o.streams} decoding: "
+              + ", ".join(f"{p.prompt_tokens}: {p.alone_s:.3f} / {p.beside_s:.3f} s" for p in o.prefill)
+              + f" -> +{o.prefill_delay_s * 1e3:.0f} ms on the way in, busy part x{o.prefill_slowdown:.2f}", flush=True)
 
 
 def compare(rows: list[tuple[Case, Prediction, Measured]]) -> float:

@@ -25,13 +25,18 @@ TTFT p50 and TPOT p50 are medians over the simulated requests; output
 tok/s = C x output tokens / mean E2E, as the bench measures it.
 
 Prompts longer than the profile's: prefill time continues from the mean
-measured at the longest profiled prompt at the slope of the last measured
-segment.  Not the fitted line, nor a causal-attention n^2 term: measured on
-our engine, the marginal cost per token *falls* as prompts grow (larger
-GEMMs run closer to peak; 5.0 ms/token from 32 to 128 tokens, 4.4 from 128
-to 256 on the CI machine), so a line through all the points overshoots, and
-an n^2 term more so; the last segment is the measurement nearest the regime
-extrapolated into.
+measured at the longest profiled prompt along a parabola through the last
+three profiled lengths when their marginal cost per token rises, else at the
+last measured segment's slope.  Which of the two holds depends on the
+machine: on AVX2 the marginal cost *fell* as prompts grew (larger GEMMs ran
+closer to peak; 5.0 ms/token from 32 to 128 tokens, 4.4 from 128 to 256), so
+a line through all the points overshot; with the linears on AMX tiles
+(2-core Sapphire Rapids, 1 thread) causal attention's n^2 shows instead:
+0.28 ms/token from 128 to 256 tokens, 0.44 from 256 to 384, 0.50 from 384
+to 512 (the last segment's slope alone put 512 tokens at 0.18 s, measured
+0.23 s).  A rising slope continues to rise, a falling one holds: the
+extrapolation never assumes long prompts get cheaper per token than the
+longest measured.
 """
 
 from __future__ import annotations
@@ -56,11 +61,13 @@ class Prediction:
 
 @dataclass(frozen=True)
 class PrefillBeyond:
-    """Prefill time past the longest profiled prompt (``tokens``, measured ``time_s``)."""
+    """Prefill time past the longest profiled prompt (``tokens``, measured ``time_s``):
+    time_s + slope_s x (n - tokens) + curvature_s x (n - tokens)^2."""
 
     tokens: float
     time_s: float
-    slope_s: float  # seconds per token of the last measured segment
+    slope_s: float  # seconds per token at ``tokens``
+    curvature_s: float = 0.0  # seconds per token^2, >= 0
 
 
 @dataclass(frozen=True)
@@ -84,22 +91,33 @@ class Overlap:
 
 
 def prefill_beyond(samples: Sequence[tuple[float, float]]) -> PrefillBeyond | None:
-    """From (prompt tokens, TTFT) samples; None with fewer than two lengths."""
+    """From (prompt tokens, TTFT) samples; None with fewer than two lengths.
+    With three or more, the parabola through the means at the last three
+    lengths when it bends up (its slope at the last length, and its
+    curvature); else, or with two, the last segment's slope."""
     by_length: dict[float, list[float]] = defaultdict(list)
     for tokens, ttft_s in samples:
         by_length[tokens].append(ttft_s)
     lengths = sorted(by_length)
     if len(lengths) < 2:
         return None
-    mean = {n: sum(v) / len(v) for n, v in by_length.items()}
+    mean = {n: statistics.median(v) for n, v in by_length.items()}  # a cold or preempted sample is one of several
     last, before = lengths[-1], lengths[-2]
-    return PrefillBeyond(last, mean[last], max((mean[last] - mean[before]) / (last - before), 0.0))
+    slope = max((mean[last] - mean[before]) / (last - before), 0.0)
+    if len(lengths) < 3:
+        return PrefillBeyond(last, mean[last], slope)
+    first = lengths[-3]
+    earlier = (mean[before] - mean[first]) / (before - first)
+    # f = A + B n + C n^2: a segment's slope is B + C (its two ends' sum), so C = (slope change) / (last - first)
+    curvature = max((slope - earlier) / (last - first), 0.0)
+    return PrefillBeyond(last, mean[last], slope + curvature * (last - before), curvature)
 
 
 def prefill_at(prefill: PrefillModel, tokens: float, beyond: PrefillBeyond | None) -> float:
     if beyond is None or tokens <= beyond.tokens:
         return prefill.time_s(tokens)
-    return beyond.time_s + beyond.slope_s * (tokens - beyond.tokens)
+    past = tokens - beyond.tokens
+    return beyond.time_s + beyond.slope_s * past + beyond.curvature_s * past * past
 
 
 def fit_context_cost(step: StepModel, samples: Sequence[tuple[int, float, float]],

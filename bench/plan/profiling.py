@@ -80,48 +80,67 @@ class ContextSample:
 
 
 @dataclass(frozen=True)
+class PrefillBeside:
+    """One profiled prompt length's TTFT alone and while the decode replica computes."""
+
+    prompt_tokens: int
+    alone_s: float  # median TTFT, nothing else running (the profile's prefill samples)
+    beside_s: float  # median TTFT while ``streams`` sequences decode
+
+
+def split_prefill_extra(points: Sequence[PrefillBeside], overhead_s: float) -> tuple[float, float]:
+    """(delay, slowdown) from TTFT beside decoding = alone + delay +
+    (slowdown - 1) x busy, busy = alone - overhead: the least-squares line
+    through (busy, extra) with delay >= 0 and slowdown >= 1.  One length
+    cannot separate the two: all of it is slowdown.  Measured with prefill on
+    AMX tiles (2-core Sapphire Rapids, one stream decoding): 32 tokens +15 ms,
+    128 +28 ms, 256 +40 ms, 512 +55-83 ms, i.e. ~13 ms on the way in and
+    x1.35-1.4 on the busy part; two samples per length put the slowdown
+    anywhere from x1.1 to x1.67, so every length counts, each a median."""
+    xs = [p.alone_s - overhead_s for p in points]
+    ys = [p.beside_s - p.alone_s for p in points]
+    if not xs:
+        return 0.0, 1.0
+
+    def sse(delay: float, slope: float) -> float:
+        return sum((y - delay - slope * x) ** 2 for x, y in zip(xs, ys))
+
+    sxx = sum(x * x for x in xs)
+    candidates = [(0.0, max(sum(x * y for x, y in zip(xs, ys)) / sxx, 0.0) if sxx > 0 else 0.0),
+                  (max(statistics.mean(ys), 0.0), 0.0)]  # on a tie (one length) the first, all slowdown, wins
+    n, mx = len(xs), statistics.mean(xs)
+    var = sum((x - mx) ** 2 for x in xs)
+    if n >= 2 and var > 0:
+        slope = sum((x - mx) * (y - statistics.mean(ys)) for x, y in zip(xs, ys)) / var
+        delay = statistics.mean(ys) - slope * mx
+        if slope >= 0 and delay >= 0:
+            candidates.insert(0, (delay, slope))
+    delay, slope = min(candidates, key=lambda c: sse(*c))
+    return delay, 1.0 + slope
+
+
+@dataclass(frozen=True)
 class OverlapSample:
     """Each replica's speed while the other computes, as ratios to its speed alone."""
 
     decode_alone_s: float  # median gap of one stream, nothing else running
     decode_beside_prefill_s: float  # median gap of one stream while long prompts prefill back to back
-    prefill_alone_s: float  # mean TTFT of the longest profiled prompt, nothing else running
-    prefill_beside_decode_s: float  # mean TTFT of that prompt while ``streams`` sequences decode
     streams: int
     overhead_s: float  # the TTFT intercept
-    short_alone_s: float | None = None  # mean TTFT of the shortest profiled prompt, nothing else running
-    short_beside_s: float | None = None  # mean TTFT of that prompt while ``streams`` sequences decode
+    prefill: tuple[PrefillBeside, ...] = ()  # every profiled length, alone and beside ``streams`` decoding
 
     @property
     def decode_slowdown(self) -> float:
         return max(self.decode_beside_prefill_s / self.decode_alone_s, 1.0)
 
-    def _prefill_extra(self) -> tuple[float, float]:
-        """(delay, slowdown): TTFT beside decoding = alone + delay + (slowdown - 1) x busy.
-        Two prompt lengths separate the two; with one, all of it is slowdown.
-        Measured with prefill on AMX tiles (2-core Sapphire Rapids): 32 tokens
-        0.044 s alone, 0.052 s beside 2 streams; 256 tokens 0.10 s and 0.15 s:
-        a delay of ~0 and a slowdown of x1.67 -- the extra time is the busy
-        part's, there."""
-        busy_long = self.prefill_alone_s - self.overhead_s
-        extra_long = self.prefill_beside_decode_s - self.prefill_alone_s
-        if self.short_alone_s is None or self.short_beside_s is None:
-            return 0.0, ((busy_long + extra_long) / busy_long if busy_long > 0 else 1.0)
-        busy_short = self.short_alone_s - self.overhead_s
-        extra_short = self.short_beside_s - self.short_alone_s
-        if busy_long - busy_short <= 0:
-            return max(extra_short, 0.0), 1.0
-        slope = max((extra_long - extra_short) / (busy_long - busy_short), 0.0)
-        return max(extra_short - slope * max(busy_short, 0.0), 0.0), 1.0 + slope
-
     @property
     def prefill_slowdown(self) -> float:
-        return max(self._prefill_extra()[1], 1.0)
+        return split_prefill_extra(self.prefill, self.overhead_s)[1]
 
     @property
     def prefill_delay_s(self) -> float:
         """Added to a request's way to the prefill engine while the decode replica computes."""
-        return self._prefill_extra()[0]
+        return split_prefill_extra(self.prefill, self.overhead_s)[0]
 
 
 @dataclass(frozen=True)
@@ -210,16 +229,16 @@ class _Prober:
             raise RuntimeError(f"no inter-token gaps at batch {size}: the server must stream one token per chunk")
         return ContextSample(size, prompt + s.decode_tokens / 2, statistics.median(gaps), len(gaps))
 
-    async def overlap(self, prefill_alone_s: float, overhead_s: float,
-                      short_alone_s: float | None = None) -> OverlapSample:
+    async def overlap(self, alone: dict[int, float], overhead_s: float) -> OverlapSample:
         """One stream decoding while prompts of the longest profiled length
         prefill back to back (its gaps that fall wholly inside a prefill),
-        against the same stream alone; then that prompt's TTFT while
-        ``overlap_streams`` sequences decode, against its TTFT alone, and the
-        shortest profiled prompt's too (``short_alone_s`` given)."""
+        against the same stream alone; then every profiled length's TTFT
+        (``alone``: length -> median TTFT alone), ``max(repeats, 3)`` times
+        each, while ``overlap_streams`` sequences decode.  Only prefills that
+        ended before the first stream did count."""
         s = self.settings
-        prompt, tokens = max(s.prompt_lengths), 4 * s.decode_tokens
-        alone = await self.request(s.decode_prompt_tokens, tokens)
+        prompt, tokens = max(alone), 4 * s.decode_tokens
+        first = await self.request(s.decode_prompt_tokens, tokens)
         spans: list[tuple[float, float]] = []
         done = asyncio.Event()
 
@@ -235,18 +254,26 @@ class _Prober:
         inside = [b - a for a, b in token_gaps(beside) if any(lo <= a and b <= hi for lo, hi in spans)]
         if not inside:
             raise RuntimeError("no decode gap fell inside a prefill: profile longer prompts (--profile-prompts)")
-        streams = [asyncio.create_task(self.request(s.decode_prompt_tokens, 8 * s.decode_tokens))
+        gap = statistics.median(first.itl_s[1:])
+        repeats = max(s.repeats, 3)
+        # long enough to outlast every probe at twice its TTFT alone, and at least 8x decode_tokens
+        stream_tokens = max(8 * s.decode_tokens, int(2 * repeats * sum(alone.values()) / gap) + s.decode_tokens)
+        streams = [asyncio.create_task(self.request(s.decode_prompt_tokens, stream_tokens))
                    for _ in range(s.overlap_streams)]
-        await asyncio.sleep(prefill_alone_s)  # the streams' own prefills are done: they decode now
-        ttfts, short = [], []
-        for _ in range(s.repeats):
-            ttfts.append((await self.request(prompt, 1)).ttft_s)
-            if short_alone_s is not None:
-                short.append((await self.request(min(s.prompt_lengths), 1)).ttft_s)
-        await asyncio.gather(*streams)
-        return OverlapSample(statistics.median(alone.itl_s[1:]), statistics.median(inside), prefill_alone_s,
-                             statistics.mean(ttfts), s.overlap_streams, overhead_s, short_alone_s,
-                             statistics.mean(short) if short else None)
+        await asyncio.sleep(max(alone.values()))  # the streams' own prefills are done: they decode now
+        probes: list[tuple[int, RequestRecord]] = []
+        for _ in range(repeats):
+            for length in sorted(alone):
+                probes.append((length, await self.request(length, 1)))
+        ended = min(r.start_s + r.e2e_s for r in await asyncio.gather(*streams))
+        beside_s: dict[int, list[float]] = {}
+        for length, r in probes:
+            if r.start_s + r.ttft_s <= ended:
+                beside_s.setdefault(length, []).append(r.ttft_s)
+        points = tuple(PrefillBeside(n, alone[n], statistics.median(beside_s[n])) for n in sorted(beside_s))
+        if not points:
+            raise RuntimeError("the decoding streams ended before any prefill probe: raise decode_tokens")
+        return OverlapSample(gap, statistics.median(inside), s.overlap_streams, overhead_s, points)
 
 
 def token_gaps(record: RequestRecord) -> list[tuple[float, float]]:
@@ -268,12 +295,15 @@ async def profile_endpoint(
             task = progress.add_task("profiling", total=steps)
             await prober.request(settings.decode_prompt_tokens, 4)  # warm-up
             progress.advance(task)
-            prefill_samples = []
+            prefill_samples, alone = [], {}
             for length in settings.prompt_lengths:
+                ttfts = []
                 for _ in range(settings.repeats):
                     record = await prober.request(length, 1)
                     prefill_samples.append(PrefillSample(record.input_tokens, record.ttft_s))
+                    ttfts.append(record.ttft_s)
                     progress.update(task, advance=1, description=f"prefill {length} tokens")
+                alone[length] = statistics.median(ttfts)
             decode_samples = []
             for size in settings.batches:
                 decode_samples.append(await prober.batch(size))
@@ -285,11 +315,7 @@ async def profile_endpoint(
             prefill = fit_prefill([p.prompt_tokens for p in prefill_samples], [p.ttft_s for p in prefill_samples])
             overlap = None
             if settings.overlap:
-                longest = max(p.prompt_tokens for p in prefill_samples)
-                alone = statistics.mean(p.ttft_s for p in prefill_samples if p.prompt_tokens == longest)
-                shortest = min(p.prompt_tokens for p in prefill_samples)
-                short = statistics.mean(p.ttft_s for p in prefill_samples if p.prompt_tokens == shortest)
-                overlap = await prober.overlap(alone, prefill.overhead_s, short if shortest < longest else None)
+                overlap = await prober.overlap(alone, prefill.overhead_s)
                 progress.update(task, advance=1, description="replicas computing at once")
     step = fit_step([d.batch for d in decode_samples], [d.step_s for d in decode_samples])
     return Profile(url, model, settings, prefill_samples, decode_samples, prefill, step, context_samples, overlap)

@@ -86,7 +86,7 @@ async def test_profile_probes_long_contexts_and_the_replicas_at_once():
     o = profile.overlap
     assert o is not None and o.streams == 2
     assert 1.0 <= o.decode_slowdown < 1.5 and 1.0 <= o.prefill_slowdown < 1.5
-    assert o.short_alone_s is not None and o.short_beside_s is not None and 0.0 <= o.prefill_delay_s < 0.05
+    assert [p.prompt_tokens for p in o.prefill] == [100, 400] and 0.0 <= o.prefill_delay_s < 0.05
 
 
 def _parser() -> argparse.ArgumentParser:

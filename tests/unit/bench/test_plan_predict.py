@@ -76,14 +76,38 @@ def test_speeds_take_the_busy_part_of_prefill_and_the_measured_slowdowns():
     assert (s.handoff_s, s.prefill_slowdown, s.decode_slowdown) == (0.03, 1.3, 1.4)
 
 
-def test_long_prompts_continue_the_last_measured_segment():
+def test_long_prompts_continue_the_last_measured_segment_when_the_slope_falls():
+    # 32 -> 128: 4.2 ms/token; 128 -> 256: 4.06 ms/token (falling, as on AVX2): the last slope holds
     beyond = prefill_beyond([(32, 0.18), (32, 0.20), (128, 0.60), (256, 1.10), (256, 1.14)])
-    assert beyond == PrefillBeyond(256, pytest.approx(1.12), pytest.approx((1.12 - 0.60) / 128))
+    assert beyond == PrefillBeyond(256, pytest.approx(1.12), pytest.approx((1.12 - 0.60) / 128), 0.0)
     assert prefill_at(PREFILL, 200, beyond) == pytest.approx(PREFILL.time_s(200))  # inside: the fitted line
     assert prefill_at(PREFILL, 512, beyond) == pytest.approx(1.12 + 256 * 0.52 / 128)
     assert prefill_beyond([(32, 0.2), (32, 0.3)]) is None
     s = speeds(STEP, PREFILL, beyond=beyond)
     assert s.prefill_busy_s(512) == pytest.approx(1.12 + 256 * 0.52 / 128 - 0.1)
+
+
+def test_long_prompts_follow_the_parabola_when_the_slope_rises():
+    """Samples of f(n) = 0.03 + 2e-4 n + 3e-7 n^2 (attention's n^2 once the linears are fast) at 32..256:
+    the extrapolation recovers f at 512 and 1024 exactly; the last segment's slope alone falls short."""
+    def f(n):
+        return 0.03 + 2e-4 * n + 3e-7 * n * n
+
+    beyond = prefill_beyond([(n, f(n)) for n in (32, 64, 128, 256) for _ in range(2)])
+    assert beyond.curvature_s == pytest.approx(3e-7)
+    assert beyond.slope_s == pytest.approx(2e-4 + 2 * 3e-7 * 256)  # f'(256)
+    for n in (300, 512, 1024):
+        assert prefill_at(PREFILL, n, beyond) == pytest.approx(f(n))
+    last_slope = (f(256) - f(128)) / 128
+    assert f(256) + last_slope * 256 < 0.93 * f(512)
+
+
+def test_two_lengths_or_a_cold_sample_do_not_bend_the_extrapolation():
+    assert prefill_beyond([(128, 0.6), (256, 1.1)]) == PrefillBeyond(128 * 2, 1.1, pytest.approx(0.5 / 128), 0.0)
+    # one cold sample among three at 256 moves the median, not the mean's way
+    warm = prefill_beyond([(64, 0.3), (128, 0.6), (256, 1.1), (256, 1.1), (256, 1.1)])
+    cold = prefill_beyond([(64, 0.3), (128, 0.6), (256, 1.1), (256, 1.1), (256, 3.0)])
+    assert cold == warm
 
 
 def test_accuracy_cases_send_prompts_no_other_case_sent():
@@ -111,14 +135,30 @@ def test_accuracy_cases_send_prompts_no_other_case_sent():
     ((0.2, 0.25), (0.6, 0.65), 0.05, 1.0),    # the same 50 ms at both lengths: all delay
     ((0.2, 0.22), (0.6, 0.70), 0.0, 1.2),     # 20% of the busy part at both: all slowdown
     ((0.2, 0.275), (0.6, 0.775), 0.05, 1.25),   # 50 ms + 25% of the busy part
-    ((0.2, 0.35), (0.6, 0.65), 0.15, 1.0),    # more at the short length than the long: no slowdown below 1
-    (None, (0.6, 0.70), 0.0, 1.2),            # one length: all of it slowdown, as before
+    ((0.2, 0.35), (0.6, 0.65), 0.10, 1.0),    # more at the short length than the long: no slowdown below 1
+    (None, (0.6, 0.70), 0.0, 1.2),            # one length: all of it slowdown
 ])
 def test_overlap_probe_splits_prefill_delay_from_slowdown(short, long_, delay, slowdown):
-    from bench.plan.profiling import OverlapSample
+    from bench.plan.profiling import OverlapSample, PrefillBeside
 
-    o = OverlapSample(0.02, 0.02, long_[0], long_[1], 2, 0.1, *(short or (None, None)))
+    points = ((PrefillBeside(32, *short),) if short else ()) + (PrefillBeside(256, *long_),)
+    o = OverlapSample(0.02, 0.02, 2, 0.1, points)
     assert (o.prefill_delay_s, o.prefill_slowdown) == (pytest.approx(delay), pytest.approx(slowdown))
+
+
+def test_overlap_fit_uses_every_length_least_squares():
+    """Four lengths, extra = 13 ms + 0.37 x busy with +-3 ms of noise (the AMX machine's figures): the fit
+    recovers both within the noise; the two ends alone would be off by the noise at each."""
+    from bench.plan.profiling import OverlapSample, PrefillBeside, split_prefill_extra
+
+    overhead, noise = 0.034, (0.003, -0.003, 0.003, -0.003)
+    busy = (0.010, 0.021, 0.036, 0.073)
+    points = tuple(PrefillBeside(n, overhead + b, overhead + b + 0.013 + 0.37 * b + e)
+                   for n, b, e in zip((32, 64, 128, 256), busy, noise))
+    delay, slowdown = split_prefill_extra(points, overhead)
+    assert delay == pytest.approx(0.013, abs=0.004) and slowdown == pytest.approx(1.37, abs=0.08)
+    assert OverlapSample(0.02, 0.02, 2, overhead, points).prefill_slowdown == slowdown
+    assert split_prefill_extra((), overhead) == (0.0, 1.0)
 
 
 def test_a_streamed_requests_first_token_offset_moves_ttft_not_the_busy_part():
