@@ -233,7 +233,7 @@ class _Prober:
         """One stream decoding while prompts of the longest profiled length
         prefill back to back (its gaps that fall wholly inside a prefill),
         against the same stream alone; then every profiled length's TTFT
-        (``alone``: length -> median TTFT alone), ``max(repeats, 3)`` times
+        (``alone``: length -> median TTFT alone), ``max(repeats, 4)`` times
         each, while ``overlap_streams`` sequences decode.  Only prefills that
         ended before the first stream did count."""
         s = self.settings
@@ -255,12 +255,14 @@ class _Prober:
         if not inside:
             raise RuntimeError("no decode gap fell inside a prefill: profile longer prompts (--profile-prompts)")
         gap = statistics.median(first.itl_s[1:])
-        repeats = max(s.repeats, 3)
+        repeats = max(s.repeats, 4)
         # long enough to outlast every probe at twice its TTFT alone, and at least 8x decode_tokens
         stream_tokens = max(8 * s.decode_tokens, int(2 * repeats * sum(alone.values()) / gap) + s.decode_tokens)
         streams = [asyncio.create_task(self.request(s.decode_prompt_tokens, stream_tokens))
                    for _ in range(s.overlap_streams)]
-        await asyncio.sleep(max(alone.values()))  # the streams' own prefills are done: they decode now
+        # the streams' own prefills (one after another) and hand-offs are done: they decode now.  Waiting only the
+        # longest prompt's TTFT left the first probes queued behind those prefills or beside one stream.
+        await asyncio.sleep(s.overlap_streams * max(alone.values()) + 4 * gap)
         probes: list[tuple[int, RequestRecord]] = []
         for _ in range(repeats):
             for length in sorted(alone):

@@ -123,8 +123,8 @@ def test_accuracy_cases_send_prompts_no_other_case_sent():
     for seed in (0, 1):
         starts = []
         for index, case in enumerate((*CASES, CASES[0])):  # the last: the gap probe's seed
-            builder = PromptBuilder(workload(case, 4, case_seed(seed, index)), tokenizer)
-            for i in range(4 * case.concurrency):
+            builder = PromptBuilder(workload(case, 8, case_seed(seed, index)), tokenizer)
+            for i in range(8 * case.concurrency):
                 text = builder.build(RequestPlan(i, "fixed", "default", case.prompt_tokens, 0, 1, None)).text
                 starts.append(tuple(text.split()[:8]))
         assert len(set(starts)) == len(starts)
