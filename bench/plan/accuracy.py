@@ -34,7 +34,7 @@ from bench.load.loadgen import run_workload
 from bench.plan.inputs import read_model_shape
 from bench.plan.closed_loop import EngineLimits, Speeds
 from bench.plan.predict import (
-    ContextCost, Gaps, Overlap, Prediction, fit_context_cost, predict_closed_loop, prefill_beyond, speeds,
+    JITTER_RUNS, ContextCost, Gaps, Overlap, Prediction, fit_context_cost, predict_closed_loop, prefill_beyond, speeds, way_in,
 )
 from bench.plan.profiling import Profile, ProfileSettings, profile_endpoint
 from bench.targets import print_target
@@ -143,6 +143,10 @@ def overlap(profile: Profile) -> Overlap:
     return Overlap(o.prefill_slowdown, o.decode_slowdown, o.prefill_delay_s) if o is not None else Overlap()
 
 
+def jitter(profile: Profile) -> float:
+    return profile.overlap.jitter_s if profile.overlap is not None else 0.0
+
+
 def engine_limits() -> EngineLimits:
     """The scheduler's defaults: the cluster this bench starts runs them."""
     from services.engine.config import SchedulerConfig
@@ -154,7 +158,7 @@ def engine_limits() -> EngineLimits:
 def profile_speeds(profile: Profile, gaps: Gaps) -> Speeds:
     beyond = prefill_beyond([(p.prompt_tokens, p.ttft_s) for p in profile.prefill_samples])
     return speeds(profile.step, profile.prefill, beyond=beyond, gaps=gaps, context=context_cost(profile),
-                  overlap=overlap(profile))
+                  overlap=overlap(profile), jitter_s=jitter(profile))
 
 
 def predict(profile: Profile, case: Case, gaps: Gaps, requests_per_client: int) -> Prediction:
@@ -186,7 +190,10 @@ def print_profile(profile: Profile) -> None:
               f"{o.decode_beside_prefill_s * 1e3:.1f} ms beside prefills -> x{o.decode_slowdown:.2f}; prefill TTFT "
               f"alone / beside {o.streams} decoding: "
               + ", ".join(f"{p.prompt_tokens}: {p.alone_s:.3f} / {p.beside_s:.3f} s" for p in o.prefill)
-              + f" -> +{o.prefill_delay_s * 1e3:.0f} ms on the way in, busy part x{o.prefill_slowdown:.2f}", flush=True)
+              + f" -> +{o.prefill_delay_s * 1e3:.0f} ms on the way in, busy part x{o.prefill_slowdown:.2f}; "
+              f"TTFT spread (pooled std) {o.jitter_s * 1e3:.1f} ms", flush=True)
+    print(f"profile: the way in {way_in(profile.prefill, profile.step) * 1e3:.1f} ms (TTFT intercept "
+          f"{profile.prefill.overhead_s * 1e3:.1f} ms less a forward's fixed {profile.step.base_s * 1e3:.1f} ms)", flush=True)
 
 
 def compare(rows: list[tuple[Case, Prediction, Measured]]) -> float:
@@ -215,7 +222,7 @@ def run(url: str, args: argparse.Namespace) -> float:
     limits = engine_limits()
     print(f"prediction: the closed loop played step by step (bench/plan/closed_loop.py) with these speeds: prefill "
           f"steps of <= {limits.max_num_batched_tokens} tokens, <= {limits.prefill_chunk_size} per prompt, "
-          f"busy(n) = prefill(n) - overhead; decode_step(B, ctx) = step(B, ctx) x skew; hand-off before a "
+          f"busy(n) = prefill(n) - the way in; each request's way in drawn with the TTFT spread, {JITTER_RUNS} runs pooled; decode_step(B, ctx) = step(B, ctx) x skew; hand-off before a "
           f"sequence joins; prefill at its slowdown's pace while decoding runs, and a request sent then "
           f"arrives its delay later; a decode step started during a prefill x its slowdown", flush=True)
     rows = []

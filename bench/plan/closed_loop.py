@@ -6,9 +6,14 @@ give the same timings.
     clients     C at once at t = 0 (the load generator starts every worker
                 together), each sending its next request when the last ends
     arrival     a request reaches the prefill engine ``overhead_s`` after it
-                is sent (HTTP, tokenizing, routing: the profile's TTFT
-                intercept), ``prefill_delay_s`` later when it is sent while
-                the decode engine computes (its way waits for the cores)
+                is sent (HTTP, tokenizing, routing), ``prefill_delay_s``
+                later when it is sent while the decode engine computes (its
+                way waits for the cores), plus a draw of N(0,
+                ``arrival_jitter_s``) (never before it is sent): on a real
+                machine no two requests take the same time, so a closed
+                loop's clients drift in and out of phase and now and then
+                one queues behind another's prefill, which a jitter-free
+                loop settles out of for good
     prefill     one step at a time; a step takes the waiting prompts first
                 come first served, at most ``prefill_chunk_size`` tokens of
                 one prompt and ``max_num_batched_tokens`` in all (a longer
@@ -27,13 +32,16 @@ give the same timings.
                 profile's overlap probe)
 
 Per request, as the load generator measures it: TTFT (send to first token),
-TPOT ((E2E - TTFT) / (output - 1)) and E2E (send to last token).
+TPOT ((E2E - TTFT) / (output - 1)) and E2E (send to last token).  The
+jitter's draws come from ``seed``: the same inputs and seed give the same
+timings.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
+import random
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
@@ -48,11 +56,12 @@ class Speeds:
     prefill_slowdown: float = 1.0  # a prefill step started while the decode replica computes
     decode_slowdown: float = 1.0  # a decode step started while the prefill replica computes
     prefill_delay_s: float = 0.0  # added to overhead_s for a request sent while the decode replica computes
+    arrival_jitter_s: float = 0.0  # standard deviation of a request's way to the prefill engine
 
     def __post_init__(self) -> None:
-        if min(self.overhead_s, self.handoff_s, self.prefill_delay_s) < 0:
-            raise ValueError(f"overhead_s ({self.overhead_s}), handoff_s ({self.handoff_s}) and prefill_delay_s "
-                             f"({self.prefill_delay_s}) must be >= 0")
+        if min(self.overhead_s, self.handoff_s, self.prefill_delay_s, self.arrival_jitter_s) < 0:
+            raise ValueError(f"overhead_s ({self.overhead_s}), handoff_s ({self.handoff_s}), prefill_delay_s "
+                             f"({self.prefill_delay_s}) and arrival_jitter_s ({self.arrival_jitter_s}) must be >= 0")
         if self.prefill_slowdown < 1 or self.decode_slowdown < 1:
             raise ValueError("slowdowns are >= 1 (a step never runs faster for the other replica's work), got "
                              f"prefill {self.prefill_slowdown}, decode {self.decode_slowdown}")
@@ -122,6 +131,7 @@ class _Engines:
     decode_busy: bool = False
     timings: list = field(default_factory=list)
     sent: dict = field(default_factory=dict)  # client -> requests sent
+    rng: random.Random = field(default_factory=random.Random)
 
     def at(self, t: float, kind: str, payload=None) -> None:
         heapq.heappush(self.events, (t, next(self.order), kind, payload))
@@ -130,8 +140,10 @@ class _Engines:
         self.sent[client] = self.sent.get(client, 0) + 1
         seq = _Sequence(client, t, self.work.prompt_tokens)
         decoding = self.decode_busy or self.decode_running or self.decode_ready  # others' tokens still stream
-        delay = self.speeds.prefill_delay_s if decoding else 0.0
-        self.at(t + self.speeds.overhead_s + delay, "arrive", seq)
+        way = self.speeds.overhead_s + (self.speeds.prefill_delay_s if decoding else 0.0)
+        if self.speeds.arrival_jitter_s > 0:
+            way = max(way + self.rng.gauss(0.0, self.speeds.arrival_jitter_s), 0.0)
+        self.at(t + way, "arrive", seq)
 
     def start_prefill(self, t: float) -> None:
         budget, step = self.limits.max_num_batched_tokens, []
@@ -225,6 +237,7 @@ class _Engines:
         return sorted(self.timings, key=lambda r: (r.send_s, r.client))
 
 
-def simulate(speeds: Speeds, work: Workload, limits: EngineLimits = EngineLimits()) -> list[RequestTiming]:
+def simulate(speeds: Speeds, work: Workload, limits: EngineLimits = EngineLimits(),
+             seed: int = 0) -> list[RequestTiming]:
     """Every request of the closed loop, in send order."""
-    return _Engines(speeds, limits, work).run()
+    return _Engines(speeds, limits, work, rng=random.Random(seed)).run()

@@ -10,9 +10,17 @@ phase, which a steady-state mean cannot see.  Its speeds, every one a
 profile measurement:
 
     prefill_busy(n)  = prefill(n) - overhead          one step computing n prompt tokens
-        prefill(n)   the fitted TTFT line up to the longest profiled prompt, then the mean at
-                     that prompt continued at the last measured segment's slope
-    overhead         the fitted line's intercept: send to reaching the engine
+        prefill(n)   the fitted TTFT line up to the longest profiled prompt, then beyond it (below)
+    overhead         send to reaching the engine: the fitted line's intercept less the engine's
+                     fixed time per forward, the decode step line's intercept (a prefill step
+                     streams the weights once, as a decode step does).  Traced on the AMX
+                     machine: a 64-token prompt's prefill.compute span 38-47 ms where
+                     prefill(64) - intercept is 18 ms, routing 2-8 ms after the send; charging
+                     the whole intercept to the way in left the engine idle then and hid
+                     queueing behind it
+    jitter           the standard deviation of TTFT between repeats of one prompt length beside
+                     decoding (the overlap probe), as a spread of each request's way in; the loop
+                     is played ``JITTER_RUNS`` times, one seed each, and every figure pools them
     decode_step(b, ctx) = (step(b) + b x ctx_cost x (ctx - ctx_p)) x skew
         step(b)      the fitted step line at the profile's decode context ctx_p
         ctx_cost     seconds per sequence per token of context: a least-squares slope through the
@@ -137,20 +145,30 @@ def decode_step_at(step: StepModel, cost: ContextCost, batch: int, context: floa
     return max(step.step_s(batch) + extra, step.base_s)
 
 
+def way_in(prefill: PrefillModel, step: StepModel) -> float:
+    """Send to reaching the prefill engine: the TTFT line's intercept less a forward's fixed time."""
+    return max(prefill.overhead_s - max(step.base_s, 0.0), 0.0)
+
+
 def speeds(step: StepModel, prefill: PrefillModel, *, beyond: PrefillBeyond | None = None, gaps: Gaps = Gaps(),
-           context: ContextCost = ContextCost(), overlap: Overlap = Overlap()) -> Speeds:
-    overhead_s = prefill.overhead_s
+           context: ContextCost = ContextCost(), overlap: Overlap = Overlap(), jitter_s: float = 0.0) -> Speeds:
+    overhead_s = way_in(prefill, step)
     return Speeds(
         overhead_s=overhead_s + gaps.first_token_s,
         prefill_busy_s=lambda n: max(prefill_at(prefill, n, beyond) - overhead_s, 1e-6),
         decode_step_s=lambda b, ctx: decode_step_at(step, context, b, ctx) * gaps.skew,
         handoff_s=gaps.handoff_s, prefill_slowdown=overlap.prefill_slowdown, decode_slowdown=overlap.decode_slowdown,
-        prefill_delay_s=overlap.prefill_delay_s)
+        prefill_delay_s=overlap.prefill_delay_s, arrival_jitter_s=jitter_s)
+
+
+JITTER_RUNS = 32
 
 
 def predict_closed_loop(s: Speeds, *, concurrency: int, requests_per_client: int, prompt_tokens: int,
                         output_tokens: int, limits: EngineLimits = EngineLimits()) -> Prediction:
-    timings = simulate(s, Workload(concurrency, requests_per_client, prompt_tokens, output_tokens), limits)
+    work = Workload(concurrency, requests_per_client, prompt_tokens, output_tokens)
+    runs = JITTER_RUNS if s.arrival_jitter_s > 0 else 1
+    timings = [t for seed in range(runs) for t in simulate(s, work, limits, seed)]
     mean_e2e = statistics.mean(t.e2e_s for t in timings)
     rate = concurrency / mean_e2e  # requests/s, Little on the whole loop
     decoding_s = statistics.mean(t.e2e_s - t.ttft_s for t in timings)

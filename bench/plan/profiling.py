@@ -29,6 +29,7 @@ from rich.progress import Progress
 from bench.load.client import RequestRecord, endpoint_url, request_body, send_request
 from bench.load.loadgen import resolve_model
 from bench.plan.perf_model import PrefillModel, StepModel, fit_prefill, fit_step
+from bench.plan.predict import way_in
 from bench.load.prompts import Prompt, words_text
 from bench.load.schedule import RequestPlan
 from bench.tokenizer import TextTokenizer
@@ -86,6 +87,20 @@ class PrefillBeside:
     prompt_tokens: int
     alone_s: float  # median TTFT, nothing else running (the profile's prefill samples)
     beside_s: float  # median TTFT while ``streams`` sequences decode
+    samples: tuple[float, ...] = ()  # every TTFT beside decoding the median is over
+
+
+def ttft_jitter(points: Sequence[PrefillBeside]) -> float:
+    """The pooled standard deviation of TTFT about each length's mean beside
+    decoding: how far two alike requests' times differ under load (0 with
+    fewer than two samples of any length)."""
+    squares, freedom = 0.0, 0
+    for p in points:
+        if len(p.samples) >= 2:
+            mean = statistics.mean(p.samples)
+            squares += sum((x - mean) ** 2 for x in p.samples)
+            freedom += len(p.samples) - 1
+    return (squares / freedom) ** 0.5 if freedom else 0.0
 
 
 def split_prefill_extra(points: Sequence[PrefillBeside], overhead_s: float) -> tuple[float, float]:
@@ -126,7 +141,7 @@ class OverlapSample:
     decode_alone_s: float  # median gap of one stream, nothing else running
     decode_beside_prefill_s: float  # median gap of one stream while long prompts prefill back to back
     streams: int
-    overhead_s: float  # the TTFT intercept
+    overhead_s: float  # send to reaching the prefill engine (bench/plan/predict.py way_in)
     prefill: tuple[PrefillBeside, ...] = ()  # every profiled length, alone and beside ``streams`` decoding
 
     @property
@@ -141,6 +156,10 @@ class OverlapSample:
     def prefill_delay_s(self) -> float:
         """Added to a request's way to the prefill engine while the decode replica computes."""
         return split_prefill_extra(self.prefill, self.overhead_s)[0]
+
+    @property
+    def jitter_s(self) -> float:
+        return ttft_jitter(self.prefill)
 
 
 @dataclass(frozen=True)
@@ -272,7 +291,8 @@ class _Prober:
         for length, r in probes:
             if r.start_s + r.ttft_s <= ended:
                 beside_s.setdefault(length, []).append(r.ttft_s)
-        points = tuple(PrefillBeside(n, alone[n], statistics.median(beside_s[n])) for n in sorted(beside_s))
+        points = tuple(PrefillBeside(n, alone[n], statistics.median(beside_s[n]), tuple(beside_s[n]))
+                       for n in sorted(beside_s))
         if not points:
             raise RuntimeError("the decoding streams ended before any prefill probe: raise decode_tokens")
         return OverlapSample(gap, statistics.median(inside), s.overlap_streams, overhead_s, points)
@@ -315,9 +335,9 @@ async def profile_endpoint(
                 context_samples.append(await prober.context(size))
                 progress.update(task, advance=1, description=f"decode batch {size}, long context")
             prefill = fit_prefill([p.prompt_tokens for p in prefill_samples], [p.ttft_s for p in prefill_samples])
+            step = fit_step([d.batch for d in decode_samples], [d.step_s for d in decode_samples])
             overlap = None
             if settings.overlap:
-                overlap = await prober.overlap(alone, prefill.overhead_s)
+                overlap = await prober.overlap(alone, way_in(prefill, step))
                 progress.update(task, advance=1, description="replicas computing at once")
-    step = fit_step([d.batch for d in decode_samples], [d.step_s for d in decode_samples])
     return Profile(url, model, settings, prefill_samples, decode_samples, prefill, step, context_samples, overlap)

@@ -11,7 +11,7 @@ from bench.plan.closed_loop import Speeds
 from bench.plan.perf_model import PrefillModel, StepModel
 from bench.plan.predict import (
     ContextCost, Gaps, Overlap, PrefillBeyond, decode_step_at, fit_context_cost, predict_closed_loop, prefill_at,
-    prefill_beyond, speeds,
+    prefill_beyond, speeds, way_in,
 )
 
 STEP = StepModel(base_s=0.04, per_seq_s=0.01)
@@ -71,7 +71,8 @@ def test_speeds_take_the_busy_part_of_prefill_and_the_measured_slowdowns():
     s = speeds(STEP, PREFILL, gaps=Gaps(handoff_s=0.03, skew=1.2), context=ContextCost(1e-4, 48.0),
                overlap=Overlap(prefill_slowdown=1.3, decode_slowdown=1.4))
     assert isinstance(s, Speeds)
-    assert s.overhead_s == 0.1 and s.prefill_busy_s(50) == pytest.approx(0.5)
+    # the way in: the intercept 0.1 less a forward's fixed 0.04 (the step line's base), which the step carries
+    assert s.overhead_s == pytest.approx(0.06) and s.prefill_busy_s(50) == pytest.approx(0.54)
     assert s.decode_step_s(2, 148.0) == pytest.approx((0.06 + 0.02) * 1.2)
     assert (s.handoff_s, s.prefill_slowdown, s.decode_slowdown) == (0.03, 1.3, 1.4)
 
@@ -84,7 +85,7 @@ def test_long_prompts_continue_the_last_measured_segment_when_the_slope_falls():
     assert prefill_at(PREFILL, 512, beyond) == pytest.approx(1.12 + 256 * 0.52 / 128)
     assert prefill_beyond([(32, 0.2), (32, 0.3)]) is None
     s = speeds(STEP, PREFILL, beyond=beyond)
-    assert s.prefill_busy_s(512) == pytest.approx(1.12 + 256 * 0.52 / 128 - 0.1)
+    assert s.prefill_busy_s(512) == pytest.approx(1.12 + 256 * 0.52 / 128 - 0.06)
 
 
 def test_long_prompts_follow_the_parabola_when_the_slope_rises():
@@ -165,6 +166,47 @@ def test_a_streamed_requests_first_token_offset_moves_ttft_not_the_busy_part():
     plain = speeds(STEP, PREFILL)
     s = speeds(STEP, PREFILL, gaps=Gaps(first_token_s=0.02))
     assert s.overhead_s == pytest.approx(plain.overhead_s + 0.02)
-    assert s.prefill_busy_s(50) == pytest.approx(plain.prefill_busy_s(50)) == pytest.approx(0.5)
+    assert s.prefill_busy_s(50) == pytest.approx(plain.prefill_busy_s(50)) == pytest.approx(0.54)
     assert predict_closed_loop(s, concurrency=1, requests_per_client=1, prompt_tokens=50,
                                output_tokens=21).ttft_s == pytest.approx(0.6 + 0.02)
+
+
+@pytest.mark.parametrize("intercept, base, way", [(0.1, 0.04, 0.06), (0.03, 0.04, 0.0), (0.1, -0.01, 0.1)])
+def test_the_way_in_is_the_intercept_less_a_forwards_fixed_time(intercept, base, way):
+    assert way_in(PrefillModel(overhead_s=intercept, per_token_s=0.01), StepModel(base_s=base, per_seq_s=0.01)) \
+        == pytest.approx(way)
+
+
+def test_ttft_jitter_is_the_pooled_spread_within_each_length():
+    from bench.plan.profiling import PrefillBeside, ttft_jitter
+
+    points = (PrefillBeside(32, 0.05, 0.06, (0.05, 0.07)), PrefillBeside(64, 0.06, 0.08, (0.07, 0.08, 0.09)),
+              PrefillBeside(128, 0.07, 0.09, (0.09,)))
+    # squares about each mean: 2 x 0.01^2 + 2 x 0.01^2 over 1 + 2 degrees of freedom
+    assert ttft_jitter(points) == pytest.approx((4e-4 / 3) ** 0.5)
+    assert ttft_jitter(points[2:]) == 0.0 and ttft_jitter(()) == 0.0
+
+
+def test_jitter_pools_seeded_runs_and_lets_in_phase_clients_queue():
+    """Chat c3 on the AMX machine in round figures (prefill 36 ms + 0.3 ms/token, decode step 21 ms + 1.4 ms
+    per sequence): without jitter the three clients settle, after their first rounds, into a phase where no
+    prompt waits for another's prefill; a spread in the way in (as the probe measures it) lets some collide
+    again, and TTFT p50 rises.  Seeded: repeatable."""
+    from bench.plan.closed_loop import Workload, simulate
+
+    prefill, step = PrefillModel(overhead_s=0.036, per_token_s=3e-4), StepModel(base_s=0.021, per_seq_s=0.0014)
+    alone = 0.036 + 64 * 3e-4
+
+    def queued(s) -> int:
+        late = [t for seed in range(32) for t in simulate(s, Workload(3, 8, 64, 48), seed=seed) if t.send_s > 2.0]
+        return sum(t.ttft_s > alone + 0.01 for t in late)
+
+    calm, jittered = speeds(step, prefill), speeds(step, prefill, jitter_s=0.01)
+    assert queued(calm) == 0 and queued(jittered) > 50
+    a, b = (predict_closed_loop(jittered, concurrency=3, requests_per_client=8, prompt_tokens=64, output_tokens=48)
+            for _ in range(2))
+    assert a == b
+    assert a.ttft_s > predict_closed_loop(calm, concurrency=3, requests_per_client=8, prompt_tokens=64,
+                                          output_tokens=48).ttft_s
+    with pytest.raises(ValueError, match="arrival_jitter_s"):
+        speeds(step, prefill, jitter_s=-0.01)
