@@ -32,19 +32,18 @@ profile measurement:
 TTFT p50 and TPOT p50 are medians over the simulated requests; output
 tok/s = C x output tokens / mean E2E, as the bench measures it.
 
-Prompts longer than the profile's: prefill time continues from the mean
-measured at the longest profiled prompt along a parabola through the last
-three profiled lengths when their marginal cost per token rises, else at the
-last measured segment's slope.  Which of the two holds depends on the
-machine: on AVX2 the marginal cost *fell* as prompts grew (larger GEMMs ran
-closer to peak; 5.0 ms/token from 32 to 128 tokens, 4.4 from 128 to 256), so
-a line through all the points overshot; with the linears on AMX tiles
-(2-core Sapphire Rapids, 1 thread) causal attention's n^2 shows instead:
-0.28 ms/token from 128 to 256 tokens, 0.44 from 256 to 384, 0.50 from 384
-to 512 (the last segment's slope alone put 512 tokens at 0.18 s, measured
-0.23 s).  A rising slope continues to rise, a falling one holds: the
-extrapolation never assumes long prompts get cheaper per token than the
-longest measured.
+Prompts longer than the profile's: prefill time continues from the median
+measured at the longest profiled prompt along the least-squares parabola
+through every profiled length when it bends up (the marginal cost per token
+rises), else at the last measured segment's slope.  Which of the two holds
+depends on the machine: on AVX2 the marginal cost *fell* as prompts grew
+(larger GEMMs ran closer to peak; 5.0 ms/token from 32 to 128 tokens, 4.4
+from 128 to 256), so a line through all the points overshot; with the
+linears on AMX tiles (2-core Sapphire Rapids, 1 thread) causal attention's
+n^2 shows instead: 0.28 ms/token from 128 to 256 tokens, 0.44 from 256 to
+384, 0.50 from 384 to 512 (the last segment's slope alone put 512 tokens at
+0.18 s, measured 0.23 s).  The extrapolation never assumes long prompts get
+cheaper per token than the longest measured.
 """
 
 from __future__ import annotations
@@ -53,6 +52,8 @@ import statistics
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Sequence
+
+import numpy as np
 
 from bench.plan.closed_loop import EngineLimits, Speeds, Workload, simulate
 from bench.plan.perf_model import PrefillModel, StepModel
@@ -100,25 +101,28 @@ class Overlap:
 
 def prefill_beyond(samples: Sequence[tuple[float, float]]) -> PrefillBeyond | None:
     """From (prompt tokens, TTFT) samples; None with fewer than two lengths.
-    With three or more, the parabola through the means at the last three
-    lengths when it bends up (its slope at the last length, and its
-    curvature); else, or with two, the last segment's slope."""
+    With three or more, the least-squares parabola through every length's
+    median, when it bends up, continued from the longest length's median
+    with its slope and curvature there; else, or with two lengths, the last
+    segment's slope.  All lengths, not the last three: on the AMX machine
+    the three-point parabola read 0.18 to 0.31 s for 512 tokens from three
+    profiles (+-5 ms on one median moves the slope change it rests on), the
+    least-squares one 0.19 to 0.25 s (measured 0.23 s)."""
     by_length: dict[float, list[float]] = defaultdict(list)
     for tokens, ttft_s in samples:
         by_length[tokens].append(ttft_s)
     lengths = sorted(by_length)
     if len(lengths) < 2:
         return None
-    mean = {n: statistics.median(v) for n, v in by_length.items()}  # a cold or preempted sample is one of several
+    median = {n: statistics.median(v) for n, v in by_length.items()}  # a cold or preempted sample is one of several
     last, before = lengths[-1], lengths[-2]
-    slope = max((mean[last] - mean[before]) / (last - before), 0.0)
+    slope = max((median[last] - median[before]) / (last - before), 0.0)
     if len(lengths) < 3:
-        return PrefillBeyond(last, mean[last], slope)
-    first = lengths[-3]
-    earlier = (mean[before] - mean[first]) / (before - first)
-    # f = A + B n + C n^2: a segment's slope is B + C (its two ends' sum), so C = (slope change) / (last - first)
-    curvature = max((slope - earlier) / (last - first), 0.0)
-    return PrefillBeyond(last, mean[last], slope + curvature * (last - before), curvature)
+        return PrefillBeyond(last, median[last], slope)
+    curvature, linear, _ = np.polyfit(lengths, [median[n] for n in lengths], 2)
+    if curvature <= 0:
+        return PrefillBeyond(last, median[last], slope)
+    return PrefillBeyond(last, median[last], max(linear + 2 * curvature * last, 0.0), float(curvature))
 
 
 def prefill_at(prefill: PrefillModel, tokens: float, beyond: PrefillBeyond | None) -> float:
