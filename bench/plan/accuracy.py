@@ -34,7 +34,8 @@ from bench.load.loadgen import run_workload
 from bench.plan.inputs import read_model_shape
 from bench.plan.closed_loop import EngineLimits, Speeds
 from bench.plan.predict import (
-    JITTER_RUNS, ContextCost, Gaps, Overlap, Prediction, fit_context_cost, predict_closed_loop, prefill_beyond, speeds, way_in,
+    JITTER_RUNS, ContextCost, Gaps, Overlap, Prediction, fit_context_cost, predict_closed_loop, prefill_beyond, speeds,
+    way_in,
 )
 from bench.plan.profiling import Profile, ProfileSettings, profile_endpoint
 from bench.targets import print_target
@@ -190,7 +191,7 @@ def print_profile(profile: Profile) -> None:
               f"{o.decode_beside_prefill_s * 1e3:.1f} ms beside prefills -> x{o.decode_slowdown:.2f}; prefill TTFT "
               f"alone / beside {o.streams} decoding: "
               + ", ".join(f"{p.prompt_tokens}: {p.alone_s:.3f} / {p.beside_s:.3f} s" for p in o.prefill)
-              + f" -> +{o.prefill_delay_s * 1e3:.0f} ms on the way in, busy part x{o.prefill_slowdown:.2f}; "
+              + f" -> +{o.prefill_delay_s * 1e3:.0f} ms on the way in, engine part x{o.prefill_slowdown:.2f}; "
               f"TTFT spread (pooled std) {o.jitter_s * 1e3:.1f} ms", flush=True)
     print(f"profile: the way in {way_in(profile.prefill, profile.step) * 1e3:.1f} ms (TTFT intercept "
           f"{profile.prefill.overhead_s * 1e3:.1f} ms less a forward's fixed {profile.step.base_s * 1e3:.1f} ms)", flush=True)
@@ -222,7 +223,8 @@ def run(url: str, args: argparse.Namespace) -> float:
     limits = engine_limits()
     print(f"prediction: the closed loop played step by step (bench/plan/closed_loop.py) with these speeds: prefill "
           f"steps of <= {limits.max_num_batched_tokens} tokens, <= {limits.prefill_chunk_size} per prompt, "
-          f"busy(n) = prefill(n) - the way in; each request's way in drawn with the TTFT spread, {JITTER_RUNS} runs pooled; decode_step(B, ctx) = step(B, ctx) x skew; hand-off before a "
+          f"busy(n) = prefill(n) - the way in; each request's way in drawn with the TTFT spread, "
+          f"{JITTER_RUNS} runs pooled; decode_step(B, ctx) = step(B, ctx) x skew; hand-off before a "
           f"sequence joins; prefill at its slowdown's pace while decoding runs, and a request sent then "
           f"arrives its delay later; a decode step started during a prefill x its slowdown", flush=True)
     rows = []

@@ -112,13 +112,14 @@ def ttft_jitter(points: Sequence[PrefillBeside]) -> float:
 
 def split_prefill_extra(points: Sequence[PrefillBeside], overhead_s: float) -> tuple[float, float]:
     """(delay, slowdown) from TTFT beside decoding = alone + delay +
-    (slowdown - 1) x busy, busy = alone - overhead: the least-squares line
-    through (busy, extra) with delay >= 0 and slowdown >= 1.  One length
-    cannot separate the two: all of it is slowdown.  Measured with prefill on
-    AMX tiles (2-core Sapphire Rapids, one stream decoding): 32 tokens +15 ms,
-    128 +28 ms, 256 +40 ms, 512 +55-83 ms, i.e. ~13 ms on the way in and
-    x1.35-1.4 on the busy part; two samples per length put the slowdown
-    anywhere from x1.1 to x1.67, so every length counts, each a median."""
+    (slowdown - 1) x busy, busy = alone - ``overhead_s`` (the way in: what
+    is left is the prefill engine's time): the least-squares line through
+    (busy, extra) with delay >= 0 and slowdown >= 1.  One length cannot
+    separate the two: all of it is slowdown.  Measured with prefill on AMX
+    tiles (2-core Sapphire Rapids, one stream decoding), TTFT beside decoding
+    over alone: 32 tokens +15 ms, 128 +28 ms, 256 +40 ms, 512 +55-83 ms; two
+    samples of two lengths put the slowdown anywhere from x1.1 to x1.67, so
+    every length counts, each a median."""
     xs = [p.alone_s - overhead_s for p in points]
     ys = [p.beside_s - p.alone_s for p in points]
     if not xs:
