@@ -184,7 +184,8 @@ def _profile(args, console):
     from bench.tokenizer import load_tokenizer
 
     settings = ProfileSettings(prompt_lengths=args.profile_prompts, batches=tuple(args.profile_batches),
-                               decode_tokens=args.profile_tokens)
+                               decode_tokens=args.profile_tokens,
+                               prefill_max_tokens=min(ProfileSettings.prefill_max_tokens, args.profile_tokens))
     console.print(f"profiling {args.profile} (prefill at {list(settings.prompt_lengths)} tokens, decode at batches {list(settings.batches)}) ...")
     profile = asyncio.run(profile_endpoint(args.profile, load_tokenizer(args.tokenizer), settings))
     print_profile(profile, console)
