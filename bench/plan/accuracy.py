@@ -243,6 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.requests_per_client < 1:
         ap.error(f"--requests-per-client must be >= 1, got {args.requests_per_client}")
+    if args.seed < 0:
+        ap.error(f"--seed must be >= 0 (prompt seeds are non-negative), got {args.seed}")
     print("# the planner's prediction from a profile vs a measured run, per workload")
     print_fingerprint()
     command = ["python", "-m", "bench.plan.accuracy", "--requests-per-client", str(args.requests_per_client),

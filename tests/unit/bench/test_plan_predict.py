@@ -210,3 +210,16 @@ def test_jitter_pools_seeded_runs_and_lets_in_phase_clients_queue():
                                           output_tokens=48).ttft_s
     with pytest.raises(ValueError, match="arrival_jitter_s"):
         speeds(step, prefill, jitter_s=-0.01)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--seed", "-1"], "--seed must be >= 0"),
+    (["--requests-per-client", "0"], "--requests-per-client must be >= 1"),
+    (["--seed", "x"], "invalid int value"),
+])
+def test_accuracy_bench_refuses_bad_flags_before_starting_anything(argv, message, capsys):
+    from bench.plan.accuracy import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
