@@ -113,10 +113,10 @@ def measure_gaps(url: str, tokenizer, seed: int, prefill_s: float = 0.0) -> Gaps
     at a time, the KV hand-off's extra time in a request's first
     inter-token gap (first gap - median gap) and the skew of the rest
     (mean gap / median gap), each the median over requests; and their
-    median TTFT over ``prefill_s``, the profile's one-token TTFT at their
-    length: a streamed request that goes on to decode reaches its first
-    token later (measured with AMX prefill: chat c1 TTFT 0.06 s, the profile's
-    one-token requests of its length 0.05 s)."""
+    median TTFT over ``prefill_s``, the profile's prefill line at their
+    length: what a request that decodes its whole output adds to the first
+    token over the profile's short prefill probes (3-14 ms measured with
+    AMX prefill; 5-17 ms while the probes were one-token requests)."""
     probe = Case("gap probe", PROFILE.decode_prompt_tokens, PROFILE.decode_tokens, 1)
     result = asyncio.run(run_workload(url, workload(probe, GAP_PROBE_REQUESTS, case_seed(seed, len(CASES))), tokenizer, show_progress=False))
     records = [r for r in result.records if r.ok and len(r.itl_s) > 2][1:]  # the first may be cold
@@ -219,7 +219,7 @@ def run(url: str, args: argparse.Namespace) -> float:
     gaps = measure_gaps(url, tokenizer, args.seed, profile.prefill.time_s(PROFILE.decode_prompt_tokens))
     print(f"profile: KV hand-off adds {gaps.handoff_s * 1e3:.1f} ms to a request's first inter-token gap; "
           f"mean / median gap {gaps.skew:.3f}; a streamed request's first token {gaps.first_token_s * 1e3:.1f} ms "
-          f"after a one-token request's", flush=True)
+          f"after the profile's prefill line at its length", flush=True)
     limits = engine_limits()
     print(f"prediction: the closed loop played step by step (bench/plan/closed_loop.py) with these speeds: prefill "
           f"steps of <= {limits.max_num_batched_tokens} tokens, <= {limits.prefill_chunk_size} per prompt, "
@@ -250,26 +250,34 @@ def main(argv: list[str] | None = None) -> int:
     command = ["python", "-m", "bench.plan.accuracy", "--requests-per-client", str(args.requests_per_client),
                "--seed", str(args.seed)] + (["--url", args.url] if args.url else [])
     print(f"# reproduce: {shlex.join(command)}", flush=True)
-    if args.url:
-        worst = run(args.url, args)
-    else:
-        from bench.load.serve_modes import pool
-        from prefix_store.redis_server import free_service_port
-        from services.cli.cluster_runtime import LocalCluster
-        from services.config import AdmissionSettings, ClusterConfig
-
-        # no SLO shedding: the prediction is of serving every request (queueing included), not of refusing some
-        config = ClusterConfig(mode="disaggregated", prefill=pool(), decode=pool(), port=free_service_port(),
-                               admission=AdmissionSettings(shed=False))
-        print("... starting 1 prefill + 1 decode replica (1 torch thread each)", file=sys.stderr, flush=True)
-        cluster = LocalCluster(config, num_cpus=8, dashboard=False).start(progress=lambda m: None)
-        try:
-            worst = run(f"http://127.0.0.1:{cluster.config.port}", args)
-        finally:
-            cluster.stop()
+    try:
+        worst = measure_all(args)
+    except RuntimeError as exc:  # no server at --url, or a profile request failed: one line, not a traceback
+        print(f"bench.plan.accuracy: error: {exc}", file=sys.stderr)
+        return 1
     print()
     print_target("profile_prediction_error_max", worst, "<=", GOAL)
     return 0
+
+
+def measure_all(args: argparse.Namespace) -> float:
+    """The run on ``--url``, or on a 1 prefill + 1 decode cluster started (and stopped) here."""
+    if args.url:
+        return run(args.url, args)
+    from bench.load.serve_modes import pool
+    from prefix_store.redis_server import free_service_port
+    from services.cli.cluster_runtime import LocalCluster
+    from services.config import AdmissionSettings, ClusterConfig
+
+    # no SLO shedding: the prediction is of serving every request (queueing included), not of refusing some
+    config = ClusterConfig(mode="disaggregated", prefill=pool(), decode=pool(), port=free_service_port(),
+                           admission=AdmissionSettings(shed=False))
+    print("... starting 1 prefill + 1 decode replica (1 torch thread each)", file=sys.stderr, flush=True)
+    cluster = LocalCluster(config, num_cpus=8, dashboard=False).start(progress=lambda m: None)
+    try:
+        return run(f"http://127.0.0.1:{cluster.config.port}", args)
+    finally:
+        cluster.stop()
 
 
 if __name__ == "__main__":

@@ -131,7 +131,7 @@ class _Engines:
     decode_busy: bool = False
     timings: list = field(default_factory=list)
     sent: dict = field(default_factory=dict)  # client -> requests sent
-    rng: random.Random = field(default_factory=random.Random)
+    rng: random.Random = field(default_factory=lambda: random.Random(0))  # seeded: the loop is repeatable
 
     def at(self, t: float, kind: str, payload=None) -> None:
         heapq.heappush(self.events, (t, next(self.order), kind, payload))

@@ -83,7 +83,7 @@ class PrefillBeyond:
 class Gaps:
     handoff_s: float = 0.0
     skew: float = 1.0
-    first_token_s: float = 0.0  # a streamed request's TTFT over the profile's one-token request of its length
+    first_token_s: float = 0.0  # a streamed request's TTFT over the profile's prefill line at its length
 
 
 @dataclass(frozen=True)
