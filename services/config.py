@@ -13,6 +13,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 from services.engine.config import EngineConfig, SchedulerConfig, SpeculativeConfig
+from services.speed.model import PrefillModel, StepModel
 from services.topology import TopologySettings, internal_exposure_problem, is_loopback  # noqa: F401 - re-exported
 
 
@@ -130,13 +131,19 @@ class RouterSettings(_Strict):
 
 
 class AdmissionSettings(_Strict):
-    """What the gateway admits, and how long a request may take."""
-    ttft_slo_s: float = Field(2.0, gt=0, description="refuse (429 + Retry-After) a request whose predicted TTFT, "
-                                                     "from the pool's queued prompt tokens and its measured "
-                                                     "prefill rate, exceeds this")
-    ttft_headroom: float = Field(0.6, gt=0, le=1, description="admit while the predicted TTFT is at most this "
-                                                               "fraction of the SLO: the margin that absorbs the "
-                                                               "prediction's noise, so admitted requests meet the SLO")
+    """What the gateway admits, where it is prefilled (services/gateway/placement.py), and how long a
+    request may take."""
+    ttft_slo_s: float = Field(2.0, gt=0, description="refuse (429 + Retry-After) a request whose predicted TTFT "
+                                                     "(the calibrated speed model over the work queued at the "
+                                                     "place that would prefill it soonest) exceeds this")
+    tpot_slo_s: float = Field(0.1, gt=0, description="a decode replica prefills a prompt itself only while its "
+                                                     "streams' predicted TPOT stays within this")
+    ttft_headroom: float = Field(0.8, gt=0, le=1, description="refuse (and keep TPOT) at this fraction of each "
+                                                               "SLO: the margin that absorbs the prediction's noise")
+    max_local_prefill_s: float = Field(1.0, ge=0, description="the longest prefill (predicted) a decode replica "
+                                                              "takes on itself while a prefill replica lives: its "
+                                                              "streams pause for it and later prompts wait behind "
+                                                              "it; 0: never while a prefill replica lives")
     shed: bool = Field(True, description="false: admit everything (no SLO-based 429s)")
     max_in_flight: int = Field(1024, ge=1, description="requests the gateway serves at once before 429")
     request_timeout_s: float = Field(300.0, gt=0, description="end-to-end deadline of one request")
@@ -151,14 +158,25 @@ class AutoscalePoolBounds(_Strict):
 
 
 class AutoscaleSpeed(_Strict):
-    """One replica's speed, the planner's model (bench/plan/perf_model.py): the
-    `measured` lines `pdcluster plan --profile URL` prints.  The defaults are
-    a 1-thread replica of the bundled model on this project's 2-core AVX2 CI
-    machine (bf16; profiled by bench/plan/accuracy.py); profile your own."""
-    prefill_overhead_s: float = Field(0.07, ge=0, description="per-request prefill overhead (HTTP, routing, hand-off)")
-    prefill_per_token_s: float = Field(0.0045, gt=0, description="prefill seconds per prompt token")
-    step_base_s: float = Field(0.018, gt=0, description="decode step time at batch 0 (the line's intercept)")
-    step_per_seq_s: float = Field(0.0076, ge=0, description="decode step time added per sequence in the batch")
+    """One replica's speed, the model admission, placement, the autoscaler and
+    the planner share (services/speed/model.py): the `measured` lines
+    `pdcluster plan --profile URL` prints.  The defaults are a 1-thread
+    replica of the bundled model (bf16) measured on a 2-core AMD EPYC
+    (avx512_bf16) CI machine, Dec 2: engine prefill 0.041 s at 32 tokens,
+    0.64 s at 512, 2.16 s at 1500, 5.16 s at 3000; decode step 26 ms at
+    batch 1, 57 ms at 16, 86 ms at 32.  The gateway calibrates them online
+    from the TTFTs it measures; profile your own for the autoscaler."""
+    prefill_overhead_s: float = Field(0.02, ge=0, description="per-request prefill overhead (HTTP, routing, hand-off)")
+    prefill_per_token_s: float = Field(0.0012, gt=0, description="prefill seconds per prompt token")
+    prefill_per_token2_s: float = Field(1.7e-7, ge=0, description="prefill seconds per squared prompt token "
+                                                                   "(causal attention)")
+    step_base_s: float = Field(0.015, gt=0, description="decode step time at batch 0 (the line's intercept)")
+    step_per_seq_s: float = Field(0.0022, ge=0, description="decode step time added per sequence in the batch")
+
+    def models(self) -> tuple[PrefillModel, StepModel]:
+        return (PrefillModel(overhead_s=self.prefill_overhead_s, per_token_s=self.prefill_per_token_s,
+                             per_token2_s=self.prefill_per_token2_s, source="config"),
+                StepModel(base_s=self.step_base_s, per_seq_s=self.step_per_seq_s, source="config"))
 
 
 class AutoscalingSettings(_Strict):

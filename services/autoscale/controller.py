@@ -50,12 +50,8 @@ def scaling_rules(settings: AutoscalingSettings, max_num_seqs: int) -> ScalingRu
 
 
 def speed_models(settings: AutoscalingSettings):
-    """The planner's PrefillModel and StepModel from the config's figures."""
-    from bench.plan.perf_model import PrefillModel, StepModel
-
-    s = settings.speed
-    return (PrefillModel(overhead_s=s.prefill_overhead_s, per_token_s=s.prefill_per_token_s, source="config"),
-            StepModel(base_s=s.step_base_s, per_seq_s=s.step_per_seq_s, source="config"))
+    """The shared PrefillModel and StepModel from the config's figures."""
+    return settings.speed.models()
 
 
 def http_metrics_fetcher(config: ClusterConfig) -> Callable[[], str]:

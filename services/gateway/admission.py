@@ -1,160 +1,151 @@
-"""Load shedding by SLO, at the gateway.
+"""Admission at the gateway: which place prefills a request (placement.py's
+rule), and a 429 only where that rule predicts the SLO would break.
 
-The rule (Little's law on prompt tokens, per pool that prefills):
+The gateway sees every request of the cluster (one gateway replica), so its
+own counters are exact and current, unlike stats polled from the replicas:
 
-    cost           = a request's prompt tokens + a fixed per-request overhead (in tokens)
-    queued_tokens  = the cost of requests admitted to the pool whose first token has not come back
-    rate_tps       = cost the pool finished per second of busy time (its last completions)
-    predicted_ttft = (queued_tokens + this request's cost) / rate_tps
+    per place (prefill pool, decode pool)   prompt tokens and requests admitted, no first token yet
+    decode_streams                          requests admitted and not finished (each holds a decode seat)
+    decode busy                             decode-side prefill seconds placed in the last window
+    calibration                             (modelled, measured) TTFT of each place's recent first tokens
 
-    admit  when  fewer than MIN_SAMPLES completions are measured, or the queue is
-                 empty, or predicted_ttft <= ttft_slo_s x headroom
-    refuse with 429 and Retry-After = the time for the excess to drain, otherwise
-
-The headroom (0.6 by default) absorbs the prediction's noise (a rate
-measured over recent completions, scheduling jitter), so that admitted
-requests meet the SLO rather than straddle it.  The overhead keeps tiny prompts (a one-step prefill costs about as much as
-a few dozen prompt tokens) from making the pool look slow, and the first
-completions (cold caches, a readiness probe) from poisoning the rate.
-
-An empty queue always admits: a prompt too long to meet the SLO on an idle
-pool can never meet it, and refusing it forever would be worse than serving
-it late.  Busy time, not wall time, is the denominator, so an idle spell
-does not make the pool look slow.  The gateway sees every request of the
-cluster (one gateway replica), so its own count of queued tokens is exact
-and current, unlike stats polled from the replicas.
-
-``decide`` is the pure rule; ``Admission`` holds the counters it reads."""
+The speed model (services/speed/model.py) starts from the configured
+profile (autoscaling.speed, what `pdcluster plan --profile` measures) and is
+calibrated online from the measured TTFTs (services/speed/calibration.py).
+Nothing is refused on a prediction before MIN_SAMPLES first tokens were
+measured.  ``place`` decides and counts; the ``Ticket`` it returns gives
+the counts back."""
 
 from __future__ import annotations
 
-import math
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import replace
 
 from observability import metrics
 from services.backend import BackendOverloaded
+from services.config import AutoscaleSpeed
+from services.gateway.placement import DECODE, PREFILL, PlaceLoad, Placement, Rules, Snapshot, place
+from services.speed.calibration import Calibration
 
-_RATE_WINDOW = 32  # completions the rate is measured over
-MIN_SAMPLES = 4    # completions measured before anything is shed
-REQUEST_OVERHEAD_TOKENS = 32
+MIN_SAMPLES = 4  # first tokens measured (any place) before a prediction may refuse
 
-
-@dataclass(frozen=True)
-class AdmissionDecision:
-    admit: bool
-    predicted_ttft_s: float | None  # None: no measured rate yet
-    retry_after_s: float = 0.0
+# Until the gateway is built from a config: the config's default speed model.
+DEFAULT_RULES = Rules(*AutoscaleSpeed().models())
 
 
-def decide(queued_tokens: int, prompt_tokens: int, rate_tps: float | None, ttft_slo_s: float) -> AdmissionDecision:
-    if rate_tps is None or rate_tps <= 0:
-        return AdmissionDecision(True, None)
-    predicted = (queued_tokens + prompt_tokens) / rate_tps
-    if queued_tokens == 0 or predicted <= ttft_slo_s:
-        return AdmissionDecision(True, predicted)
-    return AdmissionDecision(False, predicted, retry_after_s=max(1.0, math.ceil(predicted - ttft_slo_s)))
+class PlaceQueue:
+    """Prompt tokens admitted to one place and not yet answered with a first token."""
 
-
-class PoolRate:
-    """Prompt tokens per busy second of one pool, from recent first tokens.
-
-    A completion at time t after a busy reference r (the previous completion,
-    or the moment the pool last went from idle to busy) contributes
-    (tokens, t - r); the rate is the window's tokens over its seconds."""
-
-    def __init__(self, window: int = _RATE_WINDOW):
+    def __init__(self):
         self.queued_tokens = 0
         self.queued_requests = 0
-        self._samples: deque[tuple[int, float]] = deque(maxlen=window)
-        self._reference_s: float | None = None  # None while idle
+        self.calibration = Calibration()
 
-    def enqueue(self, tokens: int, now: float) -> None:
-        if self.queued_requests == 0:
-            self._reference_s = now
-        self.queued_tokens += tokens
-        self.queued_requests += 1
-
-    def dequeue(self, tokens: int, now: float, completed: bool) -> None:
-        self.queued_tokens -= tokens
-        self.queued_requests -= 1
-        if completed and self._reference_s is not None:
-            self._samples.append((tokens, max(now - self._reference_s, 1e-6)))
-            self._reference_s = now
-        if self.queued_requests == 0:
-            self._reference_s = None
-
-    @property
-    def rate_tps(self) -> float | None:
-        """None until MIN_SAMPLES completions were measured."""
-        if len(self._samples) < MIN_SAMPLES:
-            return None
-        return sum(t for t, _ in self._samples) / sum(s for _, s in self._samples)
+    def load(self, live_replicas: int) -> PlaceLoad:
+        return PlaceLoad(live_replicas, self.queued_tokens, self.queued_requests, self.calibration.predict)
 
 
 class Ticket:
     """One admitted request: ``first_token()`` when its first token arrives,
-    ``close()`` when it ends (either order; both idempotent)."""
+    ``close()`` when it ends (either order; both idempotent).  ``pool`` is
+    where its prompt is prefilled: "prefill" or "decode"."""
 
-    def __init__(self, admission: Admission, pool: str, tokens: int):
-        self._admission, self.pool, self.tokens = admission, pool, tokens
+    def __init__(self, admission: Admission, placement: Placement, tokens: int):
+        self._admission, self.placement, self.tokens = admission, placement, tokens
+        self.pool = placement.pool
+        self._admitted_at = time.monotonic()
         self._queued, self._open = True, True
 
     def first_token(self) -> None:
         if self._queued:
             self._queued = False
-            self._admission.rates[self.pool].dequeue(self.tokens, time.monotonic(), completed=True)
+            measured = time.monotonic() - self._admitted_at
+            self._admission._dequeue(self, measured)
 
     def close(self) -> None:
         if self._queued:
             self._queued = False
-            self._admission.rates[self.pool].dequeue(self.tokens, time.monotonic(), completed=False)
+            self._admission._dequeue(self, None)
         if self._open:
             self._open = False
             self._admission.in_flight -= 1
 
 
 class Admission:
-    def __init__(self, ttft_slo_s: float, max_in_flight: int, shed: bool = True, headroom: float = 0.6):
+    def __init__(self, ttft_slo_s: float, max_in_flight: int, shed: bool = True, headroom: float = 0.8,
+                 rules: Rules | None = None, decode_seats_per_replica: int = 1 << 30):
         if not 0 < headroom <= 1:
             raise ValueError(f"headroom must be in (0, 1], got {headroom}")
+        self.rules = replace(rules or DEFAULT_RULES, ttft_slo_s=ttft_slo_s, headroom=headroom, shed=shed)
         self.ttft_slo_s, self.max_in_flight, self.shed, self.headroom = ttft_slo_s, max_in_flight, shed, headroom
+        self.decode_seats_per_replica = decode_seats_per_replica
         self.in_flight = 0
-        self.rates: dict[str, PoolRate] = {}
+        self.places = {PREFILL: PlaceQueue(), DECODE: PlaceQueue()}
+        self._decode_busy: deque[tuple[float, float]] = deque()  # (when placed, seconds of decode time)
         self.num_shed = 0
         self.num_over_capacity = 0
         self.num_admitted = 0
+        self.placed = {PREFILL: 0, DECODE: 0}
         self.admitted_prompt_tokens = 0  # whichever pool prefills them: the autoscaler's prompt mean
 
-    def admit(self, pool: str, prompt_tokens: int) -> Ticket:
-        """A ticket, or BackendOverloaded (429 with Retry-After)."""
-        cost = prompt_tokens + REQUEST_OVERHEAD_TOKENS
+    @property
+    def num_measured(self) -> int:
+        return sum(q.calibration.num_samples for q in self.places.values())
+
+    def snapshot(self, prefill_live: int | None, decode_live: int | None, now: float) -> Snapshot:
+        """``*_live``: live replicas (None: unknown -- no Redis -- counted as one; prefill 0: no prefill pool)."""
+        decode = max(decode_live if decode_live is not None else 1, 1)
+        prefill_live = 1 if prefill_live is None else prefill_live
+        prefill = self.places[PREFILL].load(prefill_live) if prefill_live > 0 else None
+        while self._decode_busy and self._decode_busy[0][0] < now - self.rules.window_s:
+            self._decode_busy.popleft()
+        return Snapshot(prefill=prefill, decode=self.places[DECODE].load(decode),
+                        decode_streams=self.in_flight, decode_seats=self.decode_seats_per_replica * decode,
+                        decode_busy_s=sum(s for _, s in self._decode_busy),
+                        calibrated=self.num_measured >= MIN_SAMPLES)
+
+    def place(self, prompt_tokens: int, prefill_live: int | None, decode_live: int | None) -> Ticket:
+        """A ticket naming where the prompt is prefilled, or BackendOverloaded (429 with Retry-After)."""
         if self.in_flight >= self.max_in_flight:
             self.num_over_capacity += 1
             metrics.count_admission_rejection("in_flight_cap")
             raise BackendOverloaded(f"the gateway is serving {self.in_flight} requests (admission.max_in_flight "
                                     f"= {self.max_in_flight}); retry shortly", retry_after_s=1.0)
-        rate = self.rates.setdefault(pool, PoolRate())
-        if self.shed:
-            d = decide(rate.queued_tokens, cost, rate.rate_tps, self.ttft_slo_s * self.headroom)
-            if not d.admit:
-                self.num_shed += 1
-                metrics.count_admission_rejection("slo")
-                raise BackendOverloaded(
-                    f"the {pool} pool is overloaded: {rate.queued_tokens} prompt tokens (with per-request "
-                    f"overhead) queued at {rate.rate_tps:.0f} tokens/s predict a time to first token of "
-                    f"{d.predicted_ttft_s:.1f} s, "
-                    f"over {self.headroom:g} x the {self.ttft_slo_s:g} s SLO (admission.ttft_slo_s); retry after "
-                    f"{d.retry_after_s:.0f} s or add {pool} replicas", retry_after_s=d.retry_after_s)
-        rate.enqueue(cost, time.monotonic())
+        now = time.monotonic()
+        choice = place(prompt_tokens, self.snapshot(prefill_live, decode_live, now), self.rules)
+        if choice.pool is None:
+            self.num_shed += 1
+            metrics.count_admission_rejection("slo")
+            raise BackendOverloaded(f"{choice.reason}; retry after {choice.retry_after_s:.0f} s or add replicas",
+                                    retry_after_s=choice.retry_after_s)
+        if choice.pool == DECODE:
+            self._decode_busy.append((now, choice.local_prefill_s))
+        return self._enqueue(choice, prompt_tokens)
+
+    def _enqueue(self, choice: Placement, prompt_tokens: int) -> Ticket:
+        q = self.places[choice.pool]
+        q.queued_tokens += prompt_tokens
+        q.queued_requests += 1
         self.in_flight += 1
         self.num_admitted += 1
+        self.placed[choice.pool] += 1
         self.admitted_prompt_tokens += prompt_tokens
-        return Ticket(self, pool, cost)
+        return Ticket(self, choice, prompt_tokens)
+
+    def _dequeue(self, ticket: Ticket, measured_s: float | None) -> None:
+        q = self.places[ticket.pool]
+        q.queued_tokens -= ticket.tokens
+        q.queued_requests -= 1
+        if measured_s is not None:
+            q.calibration.observe(ticket.placement.modelled_ttft_s, measured_s)
 
     def view(self) -> dict:
         return {"in_flight": self.in_flight, "shed": self.num_shed, "over_capacity": self.num_over_capacity,
                 "admitted": self.num_admitted, "admitted_prompt_tokens": self.admitted_prompt_tokens,
-                "pools": {p: {"queued_tokens": r.queued_tokens, "queued_requests": r.queued_requests,
-                              "rate_tps": r.rate_tps} for p, r in self.rates.items()}}
+                "placed": dict(self.placed),
+                "pools": {p: {"queued_tokens": q.queued_tokens, "queued_requests": q.queued_requests,
+                              "calibration": {"samples": q.calibration.num_samples,
+                                              "offset_s": round(q.calibration.line.offset_s, 4),
+                                              "slope": round(q.calibration.line.slope, 3)}}
+                          for p, q in self.places.items()}}

@@ -36,6 +36,7 @@ import asyncio
 import dataclasses
 import logging
 import math
+import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
@@ -46,18 +47,21 @@ from ray.serve.exceptions import BackPressureError
 from observability import metrics
 from router.routing_header import RoutingHeader
 from services.backend import Backend, BackendError, BackendFailure, BackendOverloaded, BackendUnavailable
-from services.gateway.admission import Admission
+from services.gateway.admission import DEFAULT_RULES, Admission, Ticket
 from services.gateway.deadlines import with_deadlines, with_gap_deadline
 from services.gateway.failover import (AVOIDED, RECOMPUTE, FailoverReason, ReplicaLost, ResumeTarget, decide,
                                        gave_up_message, live_elsewhere, lost_reason, resume_path, resume_target)
 from services.gateway.failover_log import FailoverLog, PendingSpan
 from services.gateway.liveness import PoolLiveness
+from services.gateway.placement import DECODE, Placement
 from services.gateway.resume import StreamProgress, resume_request, with_stream_seed
 from services.messages import GenerateRequest, LeaseRelease, PrefillResponse, TokenDelta
 
 log = logging.getLogger("pdcluster.gateway")
 _REPLICA_DIED = (ray_exceptions.RayActorError, ray_exceptions.ActorUnavailableError)
 _RELEASE_TIMEOUT_S = 5.0
+_HANDOFF_RETRY_S = 0.25       # between offers of a hand-off to a full decode pool
+_HANDOFF_LEASE_MARGIN_S = 2.0  # stop offering it this long before its lease runs out
 
 
 def backend_error(exc: BaseException) -> BaseException:
@@ -80,15 +84,20 @@ class ClusterBackend(Backend):
                  block_size: int, liveness: PoolLiveness | None = None, fallback_to_colocated: bool = False,
                  local_prefill_max_tokens: int = 0, admission: Admission | None = None,
                  request_timeout_s: float = 300.0, inter_token_timeout_s: float = 30.0,
-                 max_failovers: int = 2, failovers: FailoverLog | None = None, resume_local_max_tokens: int = 512):
+                 max_failovers: int = 2, failovers: FailoverLog | None = None, resume_local_max_tokens: int = 512,
+                 handoff_wait_s: float = 30.0):
         self.handles = handles
         self.max_failovers = max_failovers
         # A resumed stream with more tokens to prefill again than this goes through the prefill pool.
         self.resume_local_max_tokens = resume_local_max_tokens
         self.failovers = failovers or FailoverLog()
-        self.admission = admission or Admission(ttft_slo_s=float("inf"), max_in_flight=1 << 30, shed=False)
+        # Built without one (tests, tools): no refusals, and the prefill pool prefills while it lives.
+        self.admission = admission or Admission(ttft_slo_s=float("inf"), max_in_flight=1 << 30, shed=False,
+                                                rules=dataclasses.replace(DEFAULT_RULES, max_local_prefill_s=0.0))
         self.request_timeout_s, self.inter_token_timeout_s = request_timeout_s, inter_token_timeout_s
         self.num_lease_releases = 0
+        self.num_handoff_waits = 0
+        self.handoff_wait_s = handoff_wait_s  # longest wait for a decode seat after the first token went out
         self._background: set[asyncio.Task] = set()
         self.local_prefill_max_tokens = local_prefill_max_tokens
         self.num_local_prefills = 0
@@ -101,22 +110,32 @@ class ClusterBackend(Backend):
         self.block_size = block_size
         self.prefill_retries = 0
 
-    def _prefill_pool(self, req: GenerateRequest) -> str:
-        if self.mode == "colocated":
-            return "colocated"
-        if self._prefill_at_zero() or prefill_locally(len(req.prompt_token_ids), self.local_prefill_max_tokens):
-            return "decode"
-        return "prefill"
-
     def _prefill_at_zero(self) -> bool:
         """The prefill pool is scaled to zero on purpose (services/pools/pool_targets.py), as of the last read."""
         return self.liveness is not None and self.liveness.cached_scaled_to_zero("prefill")
 
+    async def _admit(self, req: GenerateRequest) -> Ticket:
+        """Where the prompt is prefilled (admission's placement), or 429."""
+        num_tokens = len(req.prompt_token_ids)
+        if self.mode == "colocated":
+            return self.admission.place(num_tokens, 0, await self._live_count("colocated"))
+        if prefill_locally(num_tokens, self.local_prefill_max_tokens):  # the operator's fixed rule, if set
+            return self.admission.place(num_tokens, 0, await self._live_count("decode"))
+        return self.admission.place(num_tokens, await self._prefill_live(), await self._live_count("decode"))
+
+    async def _prefill_live(self) -> int | None:
+        """Live prefill replicas; 0 when the pool is scaled to zero or has none alive; None when unknown."""
+        if self.liveness is None:
+            return None
+        if await self.liveness.scaled_to_zero("prefill"):
+            return 0
+        return await self.liveness.live("prefill")
+
     async def generate(self, req: GenerateRequest) -> AsyncIterator[TokenDelta]:
-        ticket = self.admission.admit(self._prefill_pool(req), len(req.prompt_token_ids))  # or 429
+        ticket = await self._admit(req)  # or 429
         req = with_stream_seed(req)  # so a failover's hop draws what the lost replica would have
         # The inter-token deadline is per attempt (with_gap_deadline): passing it may fail over.
-        chunks = with_deadlines(self._with_failover(req), self.request_timeout_s, math.inf)
+        chunks = with_deadlines(self._with_failover(req, ticket.placement), self.request_timeout_s, math.inf)
         try:
             async for chunk in chunks:
                 ticket.first_token()
@@ -125,11 +144,11 @@ class ClusterBackend(Backend):
             ticket.close()
             await chunks.aclose()
 
-    async def _with_failover(self, req: GenerateRequest) -> AsyncIterator[TokenDelta]:
+    async def _with_failover(self, req: GenerateRequest, placement: Placement) -> AsyncIterator[TokenDelta]:
         """The stream, resumed on another replica each time it loses its own
         (at most ``max_failovers`` times); then the loss's error."""
         progress = StreamProgress(len(req.prompt_token_ids), req.params.max_tokens)
-        attempt, pending = self._generate(req, progress), None
+        attempt, pending = self._generate(req, placement, progress), None
         while True:
             chunks = with_gap_deadline(attempt, self.inter_token_timeout_s, pending is not None, progress)
             try:
@@ -210,43 +229,41 @@ class ClusterBackend(Backend):
             async for chunk in chunks:
                 yield chunk
 
-    async def _generate(self, req: GenerateRequest, progress: StreamProgress | None = None
-                        ) -> AsyncIterator[TokenDelta]:
+    async def _generate(self, req: GenerateRequest, placement: Placement,
+                        progress: StreamProgress | None = None) -> AsyncIterator[TokenDelta]:
         if self.mode == "colocated":
             async for chunk in self._whole_request("colocated", "generate", req, progress):
                 yield chunk
             return
-        reason = await self._decode_prefills(req)
-        if reason is not None:
-            metrics.count_decode_pool_prefill(reason)
-            async for chunk in self._whole_request("decode", "generate_colocated", req, progress):
+        if placement.pool == DECODE:
+            async for chunk in self._on_decode(req, placement.reason, progress):
                 yield chunk
             return
-        pre = await self._prefill(req)
+        try:
+            pre = await self._prefill(req)
+        except (BackendFailure, BackendOverloaded, BackendUnavailable) as exc:
+            # Nothing was sent yet: the decode replica can prefill it (a dead prefill pool is not a lost request).
+            log.warning("prefill of %s failed before its first token (%s); the decode pool prefills it",
+                        req.request_id, exc)
+            async for chunk in self._on_decode(req, "prefill_failed", progress):
+                yield chunk
+            return
         # Closed with this generator (the client left): its lease release must not wait for GC.
         async with aclosing(self._decode_handoff(req, pre, progress)) as chunks:
             async for chunk in chunks:
                 yield chunk
 
-    async def _decode_prefills(self, req: GenerateRequest) -> str | None:
-        """Why the decode replica runs both phases of ``req`` (the counted
-        reason), None when the prefill pool takes it, or BackendUnavailable."""
-        if prefill_locally(len(req.prompt_token_ids), self.local_prefill_max_tokens):
-            # Short prompts cost the decode replica less than a hand-off would (long ones still go to prefill).
-            self.num_local_prefills += 1
-            return "short_prompt"
-        if self.liveness is None:
-            return None
-        if await self.liveness.scaled_to_zero("prefill"):
-            return "prefill_pool_at_zero"  # the autoscaler (or the config) took the prefill pool away
-        if await self.liveness.live("prefill") == 0:
-            if not self.fallback_to_colocated:
-                raise BackendUnavailable("the prefill pool has no live replica; retry later, scale it up "
-                                         "(`pdcluster scale prefill N`) or set fallback_to_colocated")
-            self.num_colocated_fallbacks += 1  # counted, never silent
-            log.warning("no live prefill replica: request %s runs colocated on the decode pool", req.request_id)
-            return "no_prefill_replica"
-        return None
+    def _on_decode(self, req: GenerateRequest, reason: str, progress: StreamProgress | None
+                   ) -> AsyncIterator[TokenDelta]:
+        """Both phases on a decode replica (counted by ``reason``)."""
+        self.num_local_prefills += 1
+        if reason == "no_prefill_replica" and self._prefill_at_zero():
+            reason = "prefill_pool_at_zero"  # away by design (the autoscaler, the config), not dead
+        elif reason in ("no_prefill_replica", "prefill_failed"):
+            self.num_colocated_fallbacks += 1
+            log.warning("no live prefill replica: request %s is prefilled on the decode pool", req.request_id)
+        metrics.count_decode_pool_prefill(reason or "decode")
+        return self._whole_request("decode", "generate_colocated", req, progress)
 
     async def _decode_handoff(self, req: GenerateRequest, pre: PrefillResponse,
                               progress: StreamProgress | None) -> AsyncIterator[TokenDelta]:
@@ -262,10 +279,21 @@ class ClusterBackend(Backend):
             # The decode call goes where the router puts it (free KV), not where choice 0 prefilled.
             decode = dataclasses.replace(req, handoff=pre,
                                          routing=dataclasses.replace(req.routing, prefer_worker=None))
-            stream = self.handles["decode"].options(stream=True).generate.remote(decode)
-            async for chunk in self._relay(stream, progress):
-                decoded = True
-                yield chunk
+            give_up_at = min(pre.lease_deadline_unix - _HANDOFF_LEASE_MARGIN_S, time.time() + self.handoff_wait_s)
+            while True:
+                stream = self.handles["decode"].options(stream=True).generate.remote(decode)
+                try:
+                    async for chunk in self._relay(stream, progress):
+                        decoded = True
+                        yield chunk
+                    return
+                except BackendOverloaded:
+                    # The first token went out: a full decode replica means wait for a seat (the lease
+                    # holds the blocks), never an error mid-stream -- until the lease runs short.
+                    if decoded or time.time() > give_up_at:
+                        raise
+                    self.num_handoff_waits += 1
+                    await asyncio.sleep(_HANDOFF_RETRY_S)
         finally:
             if pre.block_ids and pre.finish_reason is None and not decoded:
                 # Client gone, decode 429, pull failure, decode death, deadline: no pull will happen
@@ -345,7 +373,7 @@ class ClusterBackend(Backend):
     def _needed_pools(self) -> tuple[str, ...]:
         if self.mode == "colocated":
             return ("colocated",)
-        return ("decode",) if self.fallback_to_colocated or self._prefill_at_zero() else ("prefill", "decode")
+        return ("decode",)  # the decode replicas prefill when no prefill replica is alive
 
     async def _live(self, pool: str) -> int:
         """Replicas of ``pool`` whose engine loop is alive: from the status

@@ -15,6 +15,7 @@ from services.config import ClusterConfig
 from services.engine.model.default import resolve_model_path
 from services.engine.tokenizer import Tokenizer
 from services.gateway.admission import Admission
+from services.gateway.placement import Rules
 from services.gateway.cluster_backend import ClusterBackend
 from services.gateway.failover_log import FailoverLog
 from services.gateway.http import GatewayHTTPServer
@@ -68,6 +69,18 @@ class GatewayBackend(ClusterBackend):
         return status
 
 
+def admission_for(cfg: ClusterConfig) -> Admission:
+    """Admission and placement from the config: SLOs, the shared speed model, the schedulers' step sizes."""
+    adm, sched = cfg.admission, cfg.scheduler
+    serving = cfg.decode if cfg.mode == "disaggregated" else cfg.colocated
+    prefill, step = cfg.autoscaling.speed.models()
+    rules = Rules(prefill=prefill, step=step, ttft_slo_s=adm.ttft_slo_s, tpot_slo_s=adm.tpot_slo_s,
+                  headroom=adm.ttft_headroom, batch_tokens=sched.max_num_batched_tokens,
+                  max_local_prefill_s=adm.max_local_prefill_s, shed=adm.shed)
+    return Admission(adm.ttft_slo_s, adm.max_in_flight, adm.shed, adm.ttft_headroom, rules=rules,
+                     decode_seats_per_replica=sched.max_num_seqs + serving.max_queue)
+
+
 @serve.ingress(app)
 class Gateway:
     async def __init__(self, config: dict, **handles):
@@ -92,8 +105,7 @@ class Gateway:
                                  liveness=PoolLiveness(cfg.index_url, cfg.cluster_name),
                                  fallback_to_colocated=cfg.fallback_to_colocated,
                                  local_prefill_max_tokens=cfg.router.local_prefill_max_tokens,
-                                 admission=Admission(adm.ttft_slo_s, adm.max_in_flight, adm.shed,
-                                                     adm.ttft_headroom),
+                                 admission=admission_for(cfg),
                                  request_timeout_s=adm.request_timeout_s,
                                  inter_token_timeout_s=adm.inter_token_timeout_s,
                                  max_failovers=cfg.max_failovers,

@@ -41,6 +41,7 @@ class DecodeServer(WorkerEndpoints):
         self.worker = Worker(self.cfg, self.cfg.decode, "decode", _replica_name("decode"))
         await self.worker.start()
         self._background: set[asyncio.Task] = set()
+        self._rejected_once: set[str] = set()  # fault reject_decode: request ids refused once
 
     def _check_lease(self, req: GenerateRequest) -> None:
         """Refuses a hand-off whose lease has (nearly) run out: its blocks may be recycled."""
@@ -105,7 +106,8 @@ class DecodeServer(WorkerEndpoints):
         error: BaseException | None = None
         pulled = None  # blocks pulled; set once the pull's notification released the lease
         try:
-            if faults.has(req.faults, "reject_decode"):
+            if faults.has(req.faults, "reject_decode") and req.request_id not in self._rejected_once:
+                self._rejected_once.add(req.request_id)  # the gateway offers it again: taken then
                 raise BackendOverloaded(f"decode replica {w.name} is full (injected fault); retry shortly")
             self._check_lease(req)
             # Decodes run for long: the batch's seats plus the queue.
@@ -126,8 +128,10 @@ class DecodeServer(WorkerEndpoints):
             raise
         finally:
             stages.finish(error)  # decode.queue + decode.generate spans, decode metrics
-            if pulled is None and req.handoff.block_ids:
-                self._release_remote(req)  # no pull happened: the prefill side frees now, not at TTL
+            # No pull happened: the prefill side frees now, not at TTL -- unless this replica was only
+            # full: then the gateway offers the hand-off again (or releases it when it gives up).
+            if pulled is None and req.handoff.block_ids and not isinstance(error, BackendOverloaded):
+                self._release_remote(req)
 
     async def _decode(self, req: GenerateRequest, stages: DecodeStages) -> AsyncIterator[TokenDelta]:
         first = True

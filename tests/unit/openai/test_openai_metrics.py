@@ -115,13 +115,13 @@ async def test_each_app_has_its_own_registry(backend, tokenizer):
 
 async def test_admission_counters(backend, tokenizer):
     admission = Admission(ttft_slo_s=1.0, max_in_flight=1)
-    ticket = admission.admit("prefill", 100)
+    ticket = admission.place(100, prefill_live=1, decode_live=1)
     with pytest.raises(Exception, match="max_in_flight"):
-        admission.admit("prefill", 100)
+        admission.place(100, prefill_live=1, decode_live=1)
     async with client_of(app_with(backend, tokenizer, GatewayMetrics(admission_view=admission.view))) as c:
         families = await scrape(c)
         assert value(families, "pdcluster_admission_in_flight") == 1
-        assert value(families, "pdcluster_admission_queued_tokens", pool="prefill") > 100
+        assert value(families, "pdcluster_admission_queued_tokens", pool="prefill") == 100
         assert value(families, "pdcluster_admission_rejections_total", reason="in_flight_cap") == 1
         assert value(families, "pdcluster_admission_rejections_total", reason="slo") == 0
         assert value(families, "pdcluster_admission_admitted_total") == 1  # the refused one is not counted

@@ -1,86 +1,115 @@
-"""Load shedding: the pure rule, the busy-time rate, and the tickets."""
+"""Admission's counters around the placement rule: tickets give back what
+they took, calibration learns from first tokens, refusals wait for it, and
+the in-flight cap is a 429."""
 
 from __future__ import annotations
 
 import pytest
 
-from services.gateway.admission import MIN_SAMPLES, REQUEST_OVERHEAD_TOKENS, Admission, PoolRate, decide
 from services.backend import BackendOverloaded
+from services.gateway.admission import MIN_SAMPLES, Admission
+from services.gateway.placement import DECODE, PREFILL, Rules
+from services.speed.calibration import MAX_SLOPE, Calibration, Line, fit
+from services.speed.model import PrefillModel, StepModel
+
+RULES = Rules(prefill=PrefillModel(0.02, 0.001), step=StepModel(0.02, 0.002), max_local_prefill_s=1.0)
 
 
-@pytest.mark.parametrize("queued,prompt,rate,admit,predicted", [
-    (0, 100, None, True, None),        # nothing measured yet: admit
-    (0, 10_000, 1000.0, True, 10.0),   # empty queue: admit even a prompt that alone breaks the SLO
-    (900, 100, 1000.0, True, 1.0),     # 1.0 s <= 2 s
-    (1900, 100, 1000.0, True, 2.0),    # exactly the SLO
-    (2900, 100, 1000.0, False, 3.0),   # 3 s > 2 s
-])
-def test_decide(queued, prompt, rate, admit, predicted):
-    d = decide(queued, prompt, rate, ttft_slo_s=2.0)
-    assert d.admit is admit
-    assert d.predicted_ttft_s == predicted
+def _admission(**kw) -> Admission:
+    return Admission(ttft_slo_s=2.0, max_in_flight=kw.pop("max_in_flight", 1000), rules=RULES, **kw)
 
 
-def test_retry_after_is_the_excess_rounded_up_and_at_least_one_second():
-    assert decide(5000, 500, 1000.0, 2.0).retry_after_s == 4.0   # 5.5 s predicted, 3.5 s over
-    assert decide(2050, 0, 1000.0, 2.0).retry_after_s == 1.0     # 0.05 s over
+def _calibrate(adm: Admission, pool: str = PREFILL) -> None:
+    for _ in range(MIN_SAMPLES):
+        adm.places[pool].calibration.observe(0.1, 0.1)
 
 
-def _measured(rate: PoolRate, tokens: int, seconds: float, samples: int = MIN_SAMPLES) -> None:
-    for i in range(samples):
-        rate.enqueue(tokens, now=1000.0 * i)
-        rate.dequeue(tokens, now=1000.0 * i + seconds, completed=True)
+def test_sixteen_simultaneous_chats_on_an_idle_cluster_are_all_admitted_and_split():
+    adm = _admission()
+    _calibrate(adm)
+    tickets = [adm.place(100, prefill_live=1, decode_live=1) for _ in range(16)]
+    assert adm.num_shed == 0 and len(tickets) == 16
+    assert adm.placed[PREFILL] > 0 and adm.placed[DECODE] > 0  # both places prefill the burst
 
 
-def test_pool_rate_counts_busy_time_only_and_waits_for_enough_samples():
-    rate = PoolRate()
-    _measured(rate, 100, 0.5, samples=MIN_SAMPLES - 1)  # 100 tokens per 0.5 busy s ...
-    assert rate.rate_tps is None                         # ... but too few samples to judge
-    _measured(rate, 100, 0.5, samples=1)
-    assert rate.rate_tps == pytest.approx(200.0)
-    rate.enqueue(300, now=1e6)                  # idle time before this does not count
-    rate.enqueue(300, now=1e6 + 0.5)
-    rate.dequeue(300, now=1e6 + 1.0, completed=True)    # 300 in 1 s
-    rate.dequeue(300, now=1e6 + 1.5, completed=False)   # failed before its first token: no sample
-    assert rate.rate_tps == pytest.approx((MIN_SAMPLES * 100 + 300) / (MIN_SAMPLES * 0.5 + 1.0))
-    assert rate.queued_tokens == 0 and rate.queued_requests == 0
+def test_a_dead_prefill_pool_sends_everything_to_decode():
+    adm = _admission()
+    _calibrate(adm)
+    tickets = [adm.place(n, prefill_live=0, decode_live=1) for n in (100, 600, 50)]
+    assert [t.pool for t in tickets] == [DECODE, DECODE, DECODE]
 
 
-def test_admission_sheds_with_retry_after_and_tickets_give_back():
-    adm = Admission(ttft_slo_s=1.0, max_in_flight=100)
-    _measured(adm.rates.setdefault("prefill", PoolRate()), 1000, 1.0)  # measured: 1000 tokens/s
-    first = adm.admit("prefill", 1000 - REQUEST_OVERHEAD_TOKENS)          # the queue was empty
+def test_tickets_give_back_and_close_twice_is_harmless():
+    adm = _admission()
+    t1, t2 = adm.place(1500, 1, 1), adm.place(100, 1, 1)
+    assert (t1.pool, t2.pool) == (PREFILL, DECODE)
+    assert adm.places[PREFILL].queued_tokens == 1500 and adm.places[DECODE].queued_tokens == 100
+    t1.first_token()
+    t1.first_token()
+    assert adm.places[PREFILL].queued_tokens == 0 and adm.places[PREFILL].calibration.num_samples == 1
+    for t in (t1, t2, t1, t2):
+        t.close()
+    assert adm.in_flight == 0 and adm.places[DECODE].queued_requests == 0
+    assert adm.places[DECODE].calibration.num_samples == 0  # closed before a first token: no sample
+
+
+def test_refusal_waits_for_measurements_then_gives_retry_after():
+    adm = _admission()
+    adm.place(3000, 1, 1)                       # idle: admitted however long
+    second = adm.place(3000, 1, 1)              # uncalibrated: admitted, not refused on a guess
+    assert second.pool == PREFILL
+    _calibrate(adm)
     with pytest.raises(BackendOverloaded, match="admission.ttft_slo_s") as err:
-        adm.admit("prefill", 500)                      # over 1.5 s predicted behind the queued 1000
-    assert err.value.retry_after_s == 1.0 and adm.num_shed == 1
-    other = adm.admit("decode", 500)                   # pools are measured apart
-    first.first_token()
-    assert adm.rates["prefill"].queued_tokens == 0
-    again = adm.admit("prefill", 500)                  # the queue drained: admitted
-    for ticket in (first, other, again, first):        # close twice: no double count
-        ticket.close()
-    assert adm.in_flight == 0 and adm.rates["prefill"].queued_requests == 0
-
-
-def test_a_cold_first_completion_does_not_shed_a_burst():
-    adm = Admission(ttft_slo_s=2.0, max_in_flight=100)
-    probe = adm.admit("prefill", 3)
-    probe.first_token()                      # whatever its latency: one sample
-    tickets = [adm.admit("prefill", 40) for _ in range(10)]  # ten requests at once: all admitted
-    assert len(tickets) == 10 and adm.num_shed == 0
+        adm.place(3000, 1, 1)
+    assert err.value.retry_after_s >= 1.0 and adm.num_shed == 1
 
 
 def test_in_flight_cap_is_a_429():
-    adm = Admission(ttft_slo_s=1.0, max_in_flight=2)
-    adm.admit("prefill", 1), adm.admit("prefill", 1)
+    adm = _admission(max_in_flight=2)
+    adm.place(1, 1, 1), adm.place(1, 1, 1)
     with pytest.raises(BackendOverloaded, match="max_in_flight"):
-        adm.admit("prefill", 1)
+        adm.place(1, 1, 1)
     assert adm.num_over_capacity == 1
 
 
-def test_shedding_off_admits_everything_up_to_the_cap():
-    adm = Admission(ttft_slo_s=0.001, max_in_flight=10, shed=False)
-    _measured(adm.rates.setdefault("prefill", PoolRate()), 1, 1.0)
-    adm.admit("prefill", 10_000)
-    adm.admit("prefill", 10_000)
-    assert adm.in_flight == 2
+def test_decode_seats_bound_the_streams():
+    adm = _admission(decode_seats_per_replica=2)
+    adm.place(1, 1, 1), adm.place(1, 1, 1)
+    with pytest.raises(BackendOverloaded, match="decode seat"):
+        adm.place(1, 1, 1)
+    adm.place(1, 1, 2)  # a second decode replica: room again
+
+
+def test_view_keeps_the_gauges_the_metrics_read():
+    adm = _admission()
+    adm.place(100, 1, 1)
+    view = adm.view()
+    assert view["in_flight"] == 1 and view["admitted_prompt_tokens"] == 100
+    assert set(view["pools"]) == {PREFILL, DECODE}
+    assert sum(p["queued_tokens"] for p in view["pools"].values()) == 100
+
+
+# ---- calibration ------------------------------------------------------------
+
+def test_fit_without_samples_is_the_model():
+    assert fit([]) == Line(0.0, 1.0)
+
+
+def test_alike_samples_move_the_offset_not_the_slope():
+    line = fit([(0.1, 0.16)] * 20)   # short prompts only: measured 60 ms over the model
+    assert line.offset_s == pytest.approx(0.06, abs=0.01) and line.slope == pytest.approx(1.0, abs=0.05)
+
+
+def test_spread_samples_set_the_slope():
+    samples = [(x, 0.05 + 2.0 * x) for x in (0.1, 0.5, 1.0, 2.0, 4.0)] * 4  # twice as slow as modelled
+    line = fit(samples)
+    assert 1.9 <= line.slope <= 2.0 and line.offset_s <= 0.15  # the prior's pull (2 samples' weight) is small
+
+
+def test_calibration_bounds_and_ignores_nonsense():
+    c = Calibration()
+    c.observe(-1.0, 0.5)
+    assert c.num_samples == 0
+    for _ in range(50):
+        c.observe(0.01, 100.0)
+    assert c.line.slope <= MAX_SLOPE and c.predict(0.0) >= 0.0

@@ -59,11 +59,14 @@ async def _collect(backend):
     return [c async for c in backend.generate(GenerateRequest("r1", [1, 2, 3], greedy(2), RoutingHeader((), 3)))]
 
 
-async def test_no_live_prefill_replica_is_503_naming_the_fix():
-    backend, handles = _backend(0, fallback=False)
-    with pytest.raises(BackendUnavailable, match="prefill pool has no live replica"):
-        await _collect(backend)
-    assert handles["prefill"].calls == [] and handles["decode"].calls == []
+async def test_no_live_prefill_replica_prefills_on_the_decode_pool_and_is_counted():
+    backend, handles = _backend({"prefill": 0, "decode": 1}, fallback=False)  # no 503 while decode lives
+    chunks = await _collect(backend)
+    assert [c.text for c in chunks] == ["hi", "!"] and chunks[-1].finish_reason == "length"
+    assert [name for name, *_ in handles["decode"].calls] == ["generate_colocated"] and handles["prefill"].calls == []
+    assert backend.num_colocated_fallbacks == 1
+    health = await backend.health()
+    assert health["status"] == "ok" and health["live_replicas"] == {"decode": 1}
 
 
 async def test_fallback_to_colocated_runs_on_decode_and_is_counted():
@@ -112,11 +115,9 @@ async def test_a_prefill_pool_scaled_to_zero_on_purpose_prefills_on_the_decode_r
     assert [c.text for c in chunks] == ["hi", "!"] and chunks[-1].finish_reason == "length"
     assert [name for name, *_ in handles["decode"].calls] == ["generate_colocated"] and handles["prefill"].calls == []
     assert backend.num_colocated_fallbacks == 0  # not a fallback
-    assert backend._prefill_pool(GenerateRequest("r2", [1] * 40, greedy(2), RoutingHeader((), 40))) == "decode"
     health = await backend.health()
     assert health["status"] == "ok" and health["live_replicas"] == {"decode": 1}
-    # the pool's target back above zero: a missing replica is a missing replica again
+    # the pool's target back above zero: a missing replica is a counted fallback
     liveness.targets["prefill"] = 1
-    with pytest.raises(BackendUnavailable, match="prefill pool has no live replica"):
-        await _collect(backend)
-    assert (await backend.health())["status"] == "unavailable"
+    await _collect(backend)
+    assert backend.num_colocated_fallbacks == 1 and handles["prefill"].calls == []

@@ -41,6 +41,8 @@ class _Handles:
                             return FakeResponse(HANDOFF)
                         if method == "release":
                             return FakeResponse(True)
+                        if getattr(handles, "next_streams", None):
+                            return handles.next_streams.pop(0)
                         return handles.decode_stream
                 return Method()
         return Handle()
@@ -69,13 +71,25 @@ def _releases(fake):
             if name == "prefill.release"]
 
 
-async def test_decode_429_releases_the_lease_on_its_prefill_replica():
-    backend, fake = _backend(FakeStream(error=BackendOverloaded("full")))
+async def test_a_decode_429_that_outlasts_the_wait_releases_the_lease_on_its_prefill_replica():
+    backend, fake = _backend(FakeStream(error=BackendOverloaded("full")), handoff_wait_s=0.0)
     with pytest.raises(BackendOverloaded):
         await _drain(backend)
     await _settle(backend)
     assert _releases(fake) == [("r1", "prefill-x")] and backend.num_lease_releases == 1
     assert backend.admission.in_flight == 0
+
+
+async def test_a_full_decode_replica_is_offered_the_hand_off_again_not_an_error_mid_stream():
+    streams = [FakeStream(error=BackendOverloaded("full")), FakeStream(error=BackendOverloaded("full")),
+               FakeStream([TokenDelta([6], "b"), TokenDelta([7], "c", "length")])]
+    backend, fake = _backend(None)
+    fake.decode_stream = None
+    fake.next_streams = streams
+    chunks = await _drain(backend)
+    await _settle(backend)
+    assert [c.text for c in chunks] == ["a", "b", "c"] and backend.num_handoff_waits == 2
+    assert _releases(fake) == []  # the third offer pulled it
 
 
 async def test_client_gone_after_the_first_token_releases():

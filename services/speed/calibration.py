@@ -1,0 +1,74 @@
+"""The speed model, kept true to the traffic: what the gateway measured
+against what the model predicted.
+
+Each first token gives one sample (modelled TTFT x, measured TTFT y: from
+admission to the first token at the gateway, so the way in and the way out
+are in it).  The calibrated prediction is the line a + b x fitted to the
+last samples by least squares, pulled towards the model itself (a = 0,
+b = 1) with the weight of PRIOR_WEIGHT samples:
+
+    minimise  sum (y_i - a - b x_i)^2  +  w (a^2 + (b - 1)^2 X^2)      X = SCALE_S
+
+so that a handful of short prompts (x all alike) moves the offset a, not
+the slope, and the slope follows the data once prompts of several sizes
+(or queues of several depths) were seen.  a >= 0 and b in [MIN_SLOPE,
+MAX_SLOPE]: no sample makes the model predict a negative or absurd time."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+WINDOW = 64
+PRIOR_WEIGHT = 2.0
+SCALE_S = 1.0
+MIN_SLOPE, MAX_SLOPE = 0.2, 10.0
+
+
+@dataclass(frozen=True)
+class Line:
+    offset_s: float = 0.0
+    slope: float = 1.0
+
+    def __call__(self, modelled_s: float) -> float:
+        return self.offset_s + self.slope * modelled_s
+
+
+def fit(samples: list[tuple[float, float]] | deque, prior_weight: float = PRIOR_WEIGHT) -> Line:
+    """The pulled least-squares line through (modelled, measured) samples (pure)."""
+    n = len(samples)
+    if n == 0:
+        return Line()
+    sx = sum(x for x, _ in samples)
+    sy = sum(y for _, y in samples)
+    sxx = sum(x * x for x, _ in samples)
+    sxy = sum(x * y for x, y in samples)
+    w, scale2 = prior_weight, SCALE_S * SCALE_S
+    # Normal equations of the penalised problem: [[n+w, sx], [sx, sxx+w X^2]] [a, b] = [sy, sxy + w X^2].
+    a11, a12, a22 = n + w, sx, sxx + w * scale2
+    b1, b2 = sy, sxy + w * scale2
+    det = a11 * a22 - a12 * a12
+    slope = (a11 * b2 - a12 * b1) / det
+    slope = min(max(slope, MIN_SLOPE), MAX_SLOPE)
+    offset = max((b1 - a12 * slope) / a11, 0.0)
+    return Line(offset, slope)
+
+
+class Calibration:
+    """The last WINDOW samples of one place that prefills, and their line."""
+
+    def __init__(self, window: int = WINDOW):
+        self._samples: deque[tuple[float, float]] = deque(maxlen=window)
+        self.line = Line()
+
+    @property
+    def num_samples(self) -> int:
+        return len(self._samples)
+
+    def observe(self, modelled_s: float, measured_s: float) -> None:
+        if modelled_s >= 0 and measured_s >= 0:
+            self._samples.append((modelled_s, measured_s))
+            self.line = fit(self._samples)
+
+    def predict(self, modelled_s: float) -> float:
+        return self.line(modelled_s)

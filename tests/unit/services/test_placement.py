@@ -1,0 +1,97 @@
+"""The admission and placement rule (services/gateway/placement.py) as a
+table: the cases issue 32 found refused on an idle cluster, and the ones
+that must still be refused or kept off the decode replica."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.gateway.placement import (DECODE, PREFILL, PlaceLoad, Rules, Snapshot, decode_keeps_tpot,
+                                        modelled_ttft_s, place)
+from services.speed.model import PrefillModel, StepModel
+
+# Round figures: 1 ms per prompt token, 20 ms per step, no attention term; a 20 ms + 2 ms/seq decode step.
+RULES = Rules(prefill=PrefillModel(0.02, 0.001), step=StepModel(0.02, 0.002), ttft_slo_s=2.0, tpot_slo_s=0.1,
+              headroom=0.8, batch_tokens=1024, window_s=10.0, max_local_prefill_s=1.0)
+
+
+def snap(prefill=(1, 0, 0), decode=(1, 0, 0), streams=0, seats=1 << 30, busy_s=0.0, calibrated=True):
+    """(live replicas, queued tokens, queued requests) per place; prefill None: no live prefill replica."""
+    return Snapshot(prefill=None if prefill is None else PlaceLoad(*prefill), decode=PlaceLoad(*decode),
+                    decode_streams=streams, decode_seats=seats, decode_busy_s=busy_s, calibrated=calibrated)
+
+
+@pytest.mark.parametrize("case, prompt, snapshot, pool, reason", [
+    # Issue 32's refusals on an idle-looking cluster: every one is served now.
+    ("idle cluster, short chat: a tie goes to the prefill pool", 100, snap(), PREFILL, "prefill_pool"),
+    ("16th of 16 simultaneous chats (15 queued, split)", 100,
+     snap(prefill=(1, 800, 8), decode=(1, 700, 7), streams=15), DECODE, "earlier_on_decode"),
+    ("8th of 8 simultaneous 200-token streams", 20,
+     snap(prefill=(1, 60, 3), decode=(1, 80, 4), streams=7), PREFILL, "prefill_pool"),
+    ("prefill pool dead (SIGKILL)", 100, snap(prefill=None, decode=(1, 300, 3), streams=10), DECODE,
+     "no_prefill_replica"),
+    ("prefill pool dead, long prompt over the local bound", 3000, snap(prefill=None), DECODE,
+     "no_prefill_replica"),
+    # Long prompts stay off the decode replica while a prefill replica lives.
+    ("long input, idle cluster", 1500, snap(), PREFILL, "prefill_pool"),
+    ("short chat while the prefill pool runs a 3k burst", 100, snap(prefill=(1, 3000, 1), streams=5), DECODE,
+     "earlier_on_decode"),
+    ("idle prefill pool beats a decode replica with queued prompts", 100,
+     snap(prefill=(1, 0, 0), decode=(1, 400, 4), streams=4), PREFILL, "prefill_pool"),
+    # The decode replica's streams keep their TPOT: it is too busy, the prefill pool takes it.
+    ("decode replica at its TPOT limit", 100, snap(prefill=(1, 200, 2), streams=30), PREFILL, "prefill_pool"),
+    ("decode replica busy prefilling", 100, snap(prefill=(1, 200, 2), busy_s=7.5), PREFILL, "prefill_pool"),
+    # The SLO still holds: an idle place admits anything; a queue that breaks it is refused.
+    ("3k prompt alone breaks the SLO but its place is idle", 3000, snap(), PREFILL, "prefill_pool"),
+    ("second 3k prompt of a burst", 3000, snap(prefill=(1, 3000, 1), streams=1), None, None),
+    ("uncalibrated: no refusal on a guess", 3000, snap(prefill=(1, 3000, 1), streams=1, calibrated=False),
+     PREFILL, "prefill_pool"),
+    ("two prefill replicas halve the queue", 1200, snap(prefill=(2, 1600, 2), streams=2), PREFILL,
+     "prefill_pool"),
+    ("every decode seat taken", 10, snap(streams=128, seats=128), None, None),
+])
+def test_placement_table(case, prompt, snapshot, pool, reason):
+    p = place(prompt, snapshot, RULES)
+    assert p.pool == pool, (case, p)
+    if pool is None:
+        assert p.retry_after_s >= 1.0 and p.reason, case
+    else:
+        assert p.reason == reason, (case, p)
+        assert p.predicted_ttft_s > 0, case
+
+
+def test_a_refusal_names_the_slo_and_the_excess():
+    p = place(3000, snap(prefill=(1, 6000, 2), streams=2), RULES)
+    # 9000 tokens behind one replica: 9 steps x 20 ms + 9 s = 9.18 s; 7.58 s over 0.8 x 2 s
+    assert p.pool is None and p.predicted_ttft_s == pytest.approx(9.18)
+    assert p.retry_after_s == 8.0
+    assert "admission.ttft_slo_s" in p.reason and "6000 queued" in p.reason
+
+
+def test_shedding_off_admits_everything_but_seats():
+    rules = Rules(prefill=RULES.prefill, step=RULES.step, shed=False)
+    assert place(3000, snap(prefill=(1, 90_000, 30)), rules).pool == PREFILL
+    assert place(1, snap(streams=5, seats=5), rules).pool is None
+
+
+def test_modelled_ttft_batches_the_queue_into_steps():
+    # 1600 queued chat tokens + 100: two 1024-token steps, not 17 per-request overheads.
+    assert modelled_ttft_s(100, PlaceLoad(1, 1600, 16), RULES) == pytest.approx(2 * 0.02 + 1.7)
+    # beside 10 decoding streams, each step also runs their decode step (20 + 20 ms)
+    assert modelled_ttft_s(100, PlaceLoad(1, 0, 0), RULES, beside_streams=10) == pytest.approx(0.04 + 0.02 + 0.1)
+
+
+def test_calibration_is_applied_to_each_place():
+    slow_prefill = PlaceLoad(1, 0, 0, calibrated=lambda s: 10 * s)  # measured 10x the model
+    p = place(400, Snapshot(prefill=slow_prefill, decode=PlaceLoad(1)), RULES)
+    assert p.pool == DECODE  # 0.42 s there against 4.2 s in the prefill pool
+
+
+@pytest.mark.parametrize("streams, busy_s, prompt, keeps", [
+    (0, 0.0, 100, True),
+    (30, 0.0, 100, False),     # step(31) = 82 ms > 80 ms
+    (10, 6.0, 100, False),     # 61% busy: 42 ms / 0.39 = 108 ms
+    (10, 0.0, 1200, False),    # 1.2 s of prefill there > 1 s bound
+])
+def test_decode_keeps_tpot(streams, busy_s, prompt, keeps):
+    assert decode_keeps_tpot(prompt, snap(streams=streams, busy_s=busy_s), RULES)[0] is keeps
