@@ -23,11 +23,19 @@ The decode replica may prefill only while its streams keep their TPOT:
     place   = the eligible place with the earliest ttft; the decode pool when the prefill pool
               has no live replica (dead, scaled to zero, or colocated mode), whatever its streams'
               TPOT: serving late beats refusing what can be served
-    refuse  (429, Retry-After = the excess) only when ttft(place) > ttft_slo x headroom, and the
-              place already has queued work (an idle place cannot do better later), and the model
-              is calibrated (enough first tokens measured); or when the decode pool has no seat
-              left (every stream needs one; a decode replica must never refuse a stream after its
-              first token)
+    refuse  (429, Retry-After = the excess) only when
+                ttft(place) + tail > ttft_slo x headroom        (tail: how far the slowest tenth of
+                                                                 the place's recent TTFTs landed above
+                                                                 the calibrated line)
+              and the place already has queued work             (an idle place cannot do better later)
+              and the model is calibrated                       (enough first tokens measured)
+              and the cluster is overloaded: work is admitted faster than it is served
+                  (admitted prompt tokens/s over the last window > overload_factor x the tokens/s
+                  first tokens came back at, per busy second), or ttft(place) > late_factor x slo;
+              a bounded queue that merely misses the SLO (a closed-loop client at a fixed
+              concurrency) is served late, not refused: refusing it would help no one;
+            or when the decode pool has no seat left (every stream needs one; a decode replica
+              must never refuse a stream after its first token)
 
 ``place`` is the pure rule; ``Admission`` (admission.py) takes the snapshot
 and holds the counters."""
@@ -50,6 +58,7 @@ class PlaceLoad:
     queued_tokens: int = 0          # admitted there, no first token yet (this prompt excluded)
     queued_requests: int = 0
     calibrated: Callable[[float], float] = field(default=lambda s: s, compare=False)
+    tail_s: float = 0.0             # how far its slowest recent TTFTs landed above the calibrated line
 
 
 @dataclass(frozen=True)
@@ -60,6 +69,11 @@ class Snapshot:
     decode_seats: int = 1 << 30     # streams it can hold in all (batch seats + queue, x replicas)
     decode_busy_s: float = 0.0      # prefill seconds placed on decode replicas within the window
     calibrated: bool = True         # enough first tokens measured to refuse on a prediction
+    admitted_tps: float = 0.0       # prompt tokens admitted per second over the last window
+    served_tps: float | None = None  # prompt tokens answered with a first token per busy second
+
+    def overloaded(self, factor: float) -> bool:
+        return self.served_tps is not None and self.admitted_tps > factor * self.served_tps
 
 
 @dataclass(frozen=True)
@@ -73,6 +87,8 @@ class Rules:
     window_s: float = 10.0          # the decode replicas' busy share is measured over this
     max_local_prefill_s: float = 1.0  # the longest prefill a decode replica takes on while a prefill replica lives
     shed: bool = True
+    overload_factor: float = 1.25   # admitted faster than this x served: overloaded
+    late_factor: float = 4.0        # past this x the SLO a queue is refused even when not overloaded
 
 
 @dataclass(frozen=True)
@@ -140,11 +156,14 @@ def _with(p: Placement, reason: str) -> Placement:
 
 def _admit_or_refuse(choice: Placement, load: PlaceLoad, snap: Snapshot, rules: Rules) -> Placement:
     bound = rules.ttft_slo_s * rules.headroom
-    if (not rules.shed or not snap.calibrated or load.queued_requests == 0
-            or choice.predicted_ttft_s <= bound):
+    tail = choice.predicted_ttft_s + load.tail_s
+    if (not rules.shed or not snap.calibrated or load.queued_requests == 0 or tail <= bound
+            or not (snap.overloaded(rules.overload_factor)
+                    or choice.predicted_ttft_s > rules.late_factor * rules.ttft_slo_s)):
         return choice
-    excess = choice.predicted_ttft_s - bound
+    excess = tail - bound
     return Placement(None, choice.predicted_ttft_s, choice.modelled_ttft_s, reason=(
-        f"predicted time to first token {choice.predicted_ttft_s:.1f} s (behind {load.queued_tokens} queued "
+        f"predicted time to first token {choice.predicted_ttft_s:.1f} s (+{load.tail_s:.1f} s for the slowest "
+        f"tenth; behind {load.queued_tokens} queued "
         f"prompt tokens on {load.live_replicas} replica(s) of the {choice.pool} pool) is over {rules.headroom:g} x "
         f"the {rules.ttft_slo_s:g} s SLO (admission.ttft_slo_s)"), retry_after_s=max(1.0, math.ceil(excess)))

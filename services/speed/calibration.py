@@ -12,7 +12,12 @@ b = 1) with the weight of PRIOR_WEIGHT samples:
 so that a handful of short prompts (x all alike) moves the offset a, not
 the slope, and the slope follows the data once prompts of several sizes
 (or queues of several depths) were seen.  a >= 0 and b in [MIN_SLOPE,
-MAX_SLOPE]: no sample makes the model predict a negative or absurd time."""
+MAX_SLOPE]: no sample makes the model predict a negative or absurd time.
+
+The line predicts the typical TTFT; ``margin_s`` is how far above it the
+slowest tenth of the window's samples landed (the 90th percentile of the
+positive residuals), so that a refusal rule can bound the tail, not the
+mean."""
 
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ WINDOW = 64
 PRIOR_WEIGHT = 2.0
 SCALE_S = 1.0
 MIN_SLOPE, MAX_SLOPE = 0.2, 10.0
+TAIL = 0.9
 
 
 @dataclass(frozen=True)
@@ -32,6 +38,12 @@ class Line:
 
     def __call__(self, modelled_s: float) -> float:
         return self.offset_s + self.slope * modelled_s
+
+
+def tail_margin_s(samples: list[tuple[float, float]] | deque, line: Line, tail: float = TAIL) -> float:
+    """The ``tail`` quantile of how far measured TTFTs landed above the line (pure; >= 0)."""
+    over = sorted(max(y - line(x), 0.0) for x, y in samples)
+    return over[min(int(tail * len(over)), len(over) - 1)] if over else 0.0
 
 
 def fit(samples: list[tuple[float, float]] | deque, prior_weight: float = PRIOR_WEIGHT) -> Line:
@@ -60,6 +72,7 @@ class Calibration:
     def __init__(self, window: int = WINDOW):
         self._samples: deque[tuple[float, float]] = deque(maxlen=window)
         self.line = Line()
+        self.margin_s = 0.0
 
     @property
     def num_samples(self) -> int:
@@ -69,6 +82,7 @@ class Calibration:
         if modelled_s >= 0 and measured_s >= 0:
             self._samples.append((modelled_s, measured_s))
             self.line = fit(self._samples)
+            self.margin_s = tail_margin_s(self._samples, self.line)
 
     def predict(self, modelled_s: float) -> float:
         return self.line(modelled_s)
