@@ -1,0 +1,27 @@
+"""One cluster with the default configuration (`pdcluster up` with no
+config: 1 prefill + 1 decode replica, default admission), for the tests of
+what it serves and refuses (issue 32)."""
+
+from __future__ import annotations
+
+import pytest
+
+from prefix_store.redis_server import free_service_port
+from services.config import ClusterConfig
+from tests.integration.cluster.conftest import directory_cluster, stop_after_directory
+
+_RUNNING: list = []
+
+
+@pytest.fixture(scope="session")
+def default_cluster():
+    yield from directory_cluster(ClusterConfig(port=free_service_port()), _RUNNING)
+
+
+@pytest.fixture(scope="session")
+def default_url(default_cluster) -> str:
+    return f"http://127.0.0.1:{default_cluster.config.port}"
+
+
+def pytest_runtest_teardown(item, nextitem):
+    stop_after_directory(item, nextitem, _RUNNING)

@@ -1,0 +1,104 @@
+"""Issue 32 on a real default cluster: what an idle cluster refused before
+is served now, and the death of the only prefill replica loses nothing.
+
+    16 simultaneous short chats               all 200
+    8 simultaneous 200-token streams           all 200, every stream complete ([DONE], no error event)
+    SIGKILL of the only prefill replica under  every request 200 and complete: the decode replica
+    4 requests/s                               prefills until a prefill replica is back
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+
+import httpx
+import pytest
+
+from tests.integration.cluster.conftest import board
+from tests.integration.cluster.test_cluster_api import MODEL, wait_no_leaks
+
+pytestmark = pytest.mark.integration
+CHATS = ["What is the capital of France?", "Name three primary colours.", "Say hello in Spanish.",
+         "What is 2 + 2?", "Give me a synonym for happy.", "What colour is the sky?", "Name a planet.",
+         "What is water made of?"]
+
+
+async def _chat(http: httpx.AsyncClient, url: str, i: int, max_tokens: int = 16) -> httpx.Response:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": f"{CHATS[i % len(CHATS)]} (#{i})"}],
+            "max_tokens": max_tokens, "temperature": 0}
+    return await http.post(url + "/v1/chat/completions", json=body)
+
+
+async def _stream(http: httpx.AsyncClient, url: str, i: int) -> tuple[int, str]:
+    body = {"model": MODEL, "prompt": f"Tell a long story about a lighthouse keeper, part {i}.",
+            "max_tokens": 200, "temperature": 0, "stream": True, "ignore_eos": True}
+    async with http.stream("POST", url + "/v1/completions", json=body) as r:
+        return r.status_code, (await r.aread()).decode()
+
+
+def test_sixteen_simultaneous_short_chats_on_an_idle_cluster_are_all_served(default_url, default_cluster):
+    async def burst():
+        async with httpx.AsyncClient(timeout=120) as http:
+            return await asyncio.gather(*(_chat(http, default_url, i) for i in range(16)))
+
+    responses = asyncio.run(burst())
+    assert [r.status_code for r in responses] == [200] * 16, [r.text for r in responses if r.status_code != 200]
+    assert all(r.json()["choices"][0]["message"]["content"] for r in responses)
+    wait_no_leaks(default_cluster)
+
+
+def test_eight_simultaneous_200_token_streams_are_all_served_whole(default_url, default_cluster):
+    async def burst():
+        async with httpx.AsyncClient(timeout=180) as http:
+            return await asyncio.gather(*(_stream(http, default_url, i) for i in range(8)))
+
+    results = asyncio.run(burst())
+    assert [status for status, _ in results] == [200] * 8, results
+    for _, text in results:
+        events = [json.loads(line[6:]) for line in text.splitlines()
+                  if line.startswith("data: {")]
+        assert not any("error" in e for e in events), text[-500:]
+        assert text.rstrip().endswith("data: [DONE]")
+        assert sum(len(e["choices"][0]["text"]) > 0 for e in events if e.get("choices")) >= 100
+    wait_no_leaks(default_cluster)
+
+
+def _prefill_replica(cluster) -> dict:
+    deadline = time.monotonic() + 30
+    while not (found := [s for s in board(cluster) if s["role"] == "prefill" and s.get("engine_alive", True)]):
+        assert time.monotonic() < deadline, "no live prefill replica on the status board"
+        time.sleep(0.5)
+    return found[0]
+
+
+def test_sigkill_of_the_only_prefill_replica_under_4_rps_loses_no_request(default_url, default_cluster):
+    victim = _prefill_replica(default_cluster)
+    rate_rps, seconds, kill_after_s = 4.0, 15.0, 3.0
+
+    async def load():
+        async with httpx.AsyncClient(timeout=280, limits=httpx.Limits(max_connections=200)) as http:
+            tasks, started = [], time.monotonic()
+            for i in range(int(rate_rps * seconds)):  # bounded: 60 requests, one every 0.25 s
+                at = started + i / rate_rps
+                await asyncio.sleep(max(at - time.monotonic(), 0))
+                if i == int(rate_rps * kill_after_s):
+                    os.kill(victim["pid"], signal.SIGKILL)  # as the OOM killer would: no goodbye
+                tasks.append(asyncio.create_task(_chat(http, default_url, i, max_tokens=8)))
+            return await asyncio.gather(*tasks)
+
+    responses = asyncio.run(load())
+    failed = [(r.status_code, r.text[:200]) for r in responses if r.status_code != 200]
+    assert not failed, f"{len(failed)} of {len(responses)} lost: {failed[:5]}"
+    assert all(r.json()["usage"]["completion_tokens"] >= 1 for r in responses)
+    # Serve replaces the replica; the cluster serves through the prefill pool again.
+    replacement = _prefill_replica(default_cluster)
+    deadline = time.monotonic() + 240
+    while replacement["pid"] == victim["pid"]:
+        assert time.monotonic() < deadline, "the killed prefill replica was never replaced"
+        time.sleep(1)
+        replacement = _prefill_replica(default_cluster)
+    wait_no_leaks(default_cluster)
