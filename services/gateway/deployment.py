@@ -76,6 +76,8 @@ def admission_for(cfg: ClusterConfig) -> Admission:
     prefill, step = cfg.autoscaling.speed.models()
     rules = Rules(prefill=prefill, step=step, ttft_slo_s=adm.ttft_slo_s, tpot_slo_s=adm.tpot_slo_s,
                   headroom=adm.ttft_headroom, batch_tokens=sched.max_num_batched_tokens,
+                  decode_step_tokens=(sched.decode_step_prefill_tokens if cfg.mode == "disaggregated"
+                                      else sched.max_num_batched_tokens),
                   max_local_prefill_s=adm.max_local_prefill_s, shed=adm.shed)
     return Admission(adm.ttft_slo_s, adm.max_in_flight, adm.shed, adm.ttft_headroom, rules=rules,
                      decode_seats_per_replica=sched.max_num_seqs + serving.max_queue)

@@ -7,7 +7,7 @@ snapshot of the gateway's own counters:
 
     work       = prompt tokens queued at p (admitted, no first token yet) + this prompt's
     per_rep    = work / live replicas of p
-    steps      = ceil(per_rep / tokens one step prefills)
+    steps      = ceil(per_rep / prompt tokens one step takes there)
     modelled   = steps x (step overhead [+ a decode step of the streams beside it, on decode])
                  + per_token x per_rep + per_token2 x prompt^2
     ttft_p     = calibrated(modelled)          (services/speed/calibration.py: measured vs modelled)
@@ -83,7 +83,8 @@ class Rules:
     ttft_slo_s: float = 2.0
     tpot_slo_s: float = 0.1
     headroom: float = 0.8           # refuse/keep-TPOT at this fraction of each SLO
-    batch_tokens: int = 1024        # tokens one prefill step takes
+    batch_tokens: int = 1024        # prompt tokens one prefill-pool step takes
+    decode_step_tokens: int = 256   # prompt tokens one decode-replica step takes beside its decodes
     window_s: float = 10.0          # the decode replicas' busy share is measured over this
     max_local_prefill_s: float = 1.0  # the longest prefill a decode replica takes on while a prefill replica lives
     shed: bool = True
@@ -101,12 +102,14 @@ class Placement:
     retry_after_s: float = 0.0
 
 
-def modelled_ttft_s(prompt_tokens: int, load: PlaceLoad, rules: Rules, beside_streams: float = 0.0) -> float:
-    """The uncalibrated time to a first token at a place (pure)."""
+def modelled_ttft_s(prompt_tokens: int, load: PlaceLoad, rules: Rules, beside_streams: float | None = None) -> float:
+    """The uncalibrated time to a first token at a place (pure); ``beside_streams``: the streams
+    per replica it decodes meanwhile (a decode replica), None for a prefill replica."""
     p = rules.prefill
     per_replica = (load.queued_tokens + prompt_tokens) / max(load.live_replicas, 1)
-    steps = max(math.ceil(per_replica / max(rules.batch_tokens, 1)), 1)
-    step_extra = rules.step.step_s(beside_streams) if beside_streams > 0 else 0.0
+    step_tokens = rules.batch_tokens if beside_streams is None else rules.decode_step_tokens
+    steps = max(math.ceil(per_replica / max(step_tokens, 1)), 1)
+    step_extra = rules.step.step_s(beside_streams) if beside_streams else 0.0
     return steps * (p.overhead_s + step_extra) + p.per_token_s * per_replica + p.per_token2_s * prompt_tokens ** 2
 
 

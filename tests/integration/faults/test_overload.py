@@ -30,7 +30,7 @@ async def _one(http: httpx.AsyncClient, url: str, rng: random.Random) -> dict:
         ttft = time.monotonic() - started
         text = (await r.aread()).decode()
     return {"status": r.status_code, "ttft_s": ttft, "retry_after": r.headers.get("retry-after"),
-            "done": "[DONE]" in text and '"error"' not in text}
+            "done": "[DONE]" in text and '"error"' not in text, "tail": text[-300:]}
 
 
 async def _capacity(url: str, rng: random.Random, concurrency: int = 8, seconds: float = 10.0) -> float:
@@ -73,7 +73,8 @@ def test_overload_is_shed_and_admitted_requests_meet_the_ttft_slo(url, faults_cl
           f"{len(admitted)} admitted, {len(shed)} shed")
     assert all(s in (200, 429) for s in statuses), sorted(set(statuses))
     assert shed and all(r["retry_after"] and int(r["retry_after"]) >= 1 for r in shed)
-    assert admitted and all(r["done"] for r in results if r["status"] == 200)
+    broken = [r["tail"] for r in results if r["status"] == 200 and not r["done"]]
+    assert admitted and not broken, broken[:3]
     p99 = admitted[min(len(admitted) - 1, int(0.99 * len(admitted)))]
     print(f"admitted TTFT p50 {admitted[len(admitted) // 2]:.2f} s, p99 {p99:.2f} s (SLO {TTFT_SLO_S} s)")
     assert p99 <= TTFT_SLO_S

@@ -31,7 +31,7 @@ def snap(prefill=(1, 0, 0), decode=(1, 0, 0), streams=0, seats=1 << 30, busy_s=0
     # Issue 32's refusals on an idle-looking cluster: every one is served now.
     ("idle cluster, short chat: a tie goes to the prefill pool", 100, snap(), PREFILL, "prefill_pool"),
     ("16th of 16 simultaneous chats (15 queued, split)", 100,
-     snap(prefill=(1, 800, 8), decode=(1, 700, 7), streams=15), DECODE, "earlier_on_decode"),
+     snap(prefill=(1, 1100, 11), decode=(1, 400, 4), streams=15), DECODE, "earlier_on_decode"),
     ("8th of 8 simultaneous 200-token streams", 20,
      snap(prefill=(1, 60, 3), decode=(1, 80, 4), streams=7), PREFILL, "prefill_pool"),
     ("prefill pool dead (SIGKILL)", 100, snap(prefill=None, decode=(1, 300, 3), streams=10), DECODE,
