@@ -11,6 +11,7 @@ from ray import serve
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from observability import tracing
+from prefix_store.url_reference import resolve_index_url
 from services.config import ClusterConfig
 from services.engine.model.default import resolve_model_path
 from services.engine.tokenizer import Tokenizer
@@ -74,6 +75,7 @@ class Gateway:
         bind_replica_grpc_to_loopback()
         tracing.setup_tracing("pdcluster-gateway")
         cfg = ClusterConfig.model_validate(config)
+        cfg = cfg.model_copy(update={"index_url": resolve_index_url(cfg.index_url)})  # a reference in Serve's config
         path = resolve_model_path(cfg.model)
         mc = read_model_config(path)
         max_len = min(cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from kernels.kv_quant import kv_dtype_label
 from prefix_store.index import make_index
 from prefix_store.publisher import KVEventPublisher
+from prefix_store.url_reference import resolve_index_url
 from prefix_store.worker_id import WorkerId
 from router.replica_stats import ReplicaStats
 from services.pools import faults
@@ -60,7 +61,8 @@ class Worker:
         self.name = name or f"{role}-{os.getpid()}"
         tracing.setup_tracing(f"pdcluster-{role}", instance=self.name)
         self.worker_id = WorkerId.new(self.name)
-        index_url = config.index_url or os.environ.get("REDIS_URL") or None
+        # Serve's config carries a reference to the URL, never its password (index_url_ref.py).
+        index_url = resolve_index_url(config.index_url) or os.environ.get("REDIS_URL") or None
         self.index_url = index_url
         self.index = make_index(index_url, cluster=config.cluster_name, model=config.served_model_name)
         self.publisher = KVEventPublisher(self.index, self.worker_id, info={"role": role})
