@@ -7,7 +7,7 @@ external is needed.
     OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT, _HEADERS, _TIMEOUT   read by the OTLP exporter itself
 
 Several processes (gateway, prefill and decode replicas) append to the same
-file.  Each line goes out in a single ``write()`` on an ``O_APPEND`` file
+file, which rotates at a size cap (span_file.py).  Each line goes out in a single ``write()`` on an ``O_APPEND`` file
 descriptor: on a local filesystem the kernel serialises appends per inode, so
 lines from different processes never interleave (NFS gives no such promise).
 ``os.write`` is unbuffered, so there is nothing to flush.
@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import threading
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -33,6 +32,8 @@ from typing import Any
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import (BatchSpanProcessor, ConsoleSpanExporter, SpanExporter,
                                             SpanExportResult)
+
+from observability.span_file import SpanFile, SpanFileLimits, span_file_paths
 
 log = logging.getLogger("pdcluster.telemetry")
 
@@ -63,29 +64,21 @@ def span_to_dict(span: ReadableSpan, attribute_filter: AttributeFilter | None = 
 
 
 class JsonlSpanExporter(SpanExporter):
-    """Appends spans to ``path`` (created with its parent directories)."""
+    """Appends spans to ``path`` (created 0600 with its parent directories),
+    rotated at a size cap (span_file.py)."""
 
-    def __init__(self, path: str | Path, attribute_filter: AttributeFilter | None = None):
+    def __init__(self, path: str | Path, attribute_filter: AttributeFilter | None = None,
+                 limits: SpanFileLimits | None = None):
         self.path = Path(path)
         self.attribute_filter = attribute_filter
-        self._fd: int | None = None
-        self._lock = threading.Lock()   # export() and shutdown() may race at exit
+        self.file = SpanFile(self.path, limits)
         self._warned = False
-
-    def _open(self) -> int:
-        if self._fd is None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        return self._fd
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         try:
             lines = [(json.dumps(span_to_dict(s, self.attribute_filter), separators=(",", ":"),
                                  default=str) + "\n").encode() for s in spans]
-            with self._lock:
-                fd = self._open()
-                for line in lines:
-                    os.write(fd, line)  # one write per line: never interleaved with other writers
+            self.file.append(lines)
             return SpanExportResult.SUCCESS
         except (OSError, TypeError, ValueError) as exc:
             if not self._warned:  # once: a full disk must not flood the logs
@@ -95,13 +88,21 @@ class JsonlSpanExporter(SpanExporter):
             return SpanExportResult.FAILURE
 
     def shutdown(self) -> None:
-        with self._lock:
-            if self._fd is not None:
-                os.close(self._fd)
-                self._fd = None
+        self.file.close()  # export() and shutdown() may race at exit: the file locks
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         return True  # unbuffered writes
+
+
+def read_span_files(path: str | Path, keep: int | None = None) -> tuple[list[dict[str, Any]], int]:
+    """``read_spans`` over the live file and its rotated ones, oldest first."""
+    keep = SpanFileLimits.from_env().keep if keep is None else keep
+    spans, bad = [], 0
+    for p in span_file_paths(Path(path), keep):
+        more, more_bad = read_spans(p)
+        spans += more
+        bad += more_bad
+    return spans, bad
 
 
 def read_spans(path: str | Path) -> tuple[list[dict[str, Any]], int]:

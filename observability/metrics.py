@@ -28,6 +28,8 @@ the Ray dashboard and its Prometheus endpoint, as ``ray_<name>`` (counters
                                                                            for a lease already gone)
     pdcluster_failovers                  counter    reason                 gateway: streams resumed on another
                                                                            replica (services/gateway/failover.py reasons)
+    pdcluster_task_crashes               counter    task                   any replica: a supervised background
+                                                                           task ended unexpectedly (services/supervisor.py)
 
 ``pool`` is gateway | prefill | decode | colocated.  Metrics exist only in a
 Ray driver or worker and are created on first use; anywhere else (unit
@@ -97,6 +99,8 @@ SPECS: dict[str, MetricSpec] = {
         "counter", "KV lease outcomes on prefill replicas besides a pull's release", ("event",)),
     "pdcluster_failovers": MetricSpec(
         "counter", "Streams resumed on another replica after losing their own", ("reason",)),
+    "pdcluster_task_crashes": MetricSpec(
+        "counter", "Supervised background tasks that ended unexpectedly (restarted, or health fails)", ("task",)),
 }
 
 _metrics: dict[str, Any] = {}
@@ -228,6 +232,10 @@ def count_deadline(kind: str) -> None:
 
 def count_lease_event(event: str) -> None:
     _inc("pdcluster_lease_events", 1, event=event)
+
+
+def count_task_crash(task: str) -> None:
+    _inc("pdcluster_task_crashes", 1, task=task)
 
 
 def count_failover(reason: str) -> None:

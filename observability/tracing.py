@@ -20,6 +20,7 @@ Exporters (``setup_tracing`` reads the standard variables once per process):
     OTEL_TRACES_EXPORTER=none           no exporter, not even the JSONL file
     OTEL_TRACES_SAMPLER[_ARG]           honoured by the SDK (default: parent-based, always on)
     PDCLUSTER_TRACE_FILE=path|off       the local JSONL file (default runs/traces/spans.jsonl)
+    PDCLUSTER_TRACE_FILE_MAX_BYTES/_KEEP  its size cap and rotated files kept (span_file.py)
     PDCLUSTER_TRACE_TEXT=1              allow prompt/completion text in attributes
 
 Prompt and completion text never leaves the process unless record_text is on:

@@ -99,8 +99,9 @@ class KVEventPublisher:
 
     # -- lifecycle -----------------------------------------------------------
     async def start(self) -> None:
+        """Runs ``run`` in a task of its own (an owner that supervises its tasks awaits ``run`` instead)."""
         if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._run())
+            self._task = asyncio.get_running_loop().create_task(self.run())
 
     async def stop(self, *, deregister: bool = True) -> None:
         if self._task is not None:
@@ -117,7 +118,8 @@ class KVEventPublisher:
                 log.warning("worker %s: could not deregister (%s); its entries expire with "
                             "its heartbeat and are purged by any live worker", self.worker, err)
 
-    async def _run(self) -> None:
+    async def run(self) -> None:
+        """Syncs with the index until superseded (returns then) or cancelled."""
         while not self.counters.superseded:
             if time.monotonic() >= self._retry_at_s:
                 await self.sync_once()

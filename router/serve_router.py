@@ -27,6 +27,7 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from prefix_store.index import LookupResult, PrefixIndex, make_index
+from prefix_store.url_reference import resolve_index_url
 from router.inflight import InFlightTracker
 from router.policy import RoutingPolicy, make_policy
 from router.replica_stats import WORKER_NAME_KEY, ReplicaStats
@@ -54,13 +55,14 @@ class PrefixAwareRequestRouter(RequestRouter):
         default_free_kv_blocks: int = 0, inflight_ttl_s: float = 600.0,
         index: PrefixIndex | None = None, **_: Any,
     ) -> None:
-        """``index_url``: ``redis://host:port`` (None: route by load only).  ``index``:
+        """``index_url``: ``redis://host:port``, or a reference to it (services/index_url_ref.py;
+        None: route by load only).  ``index``:
         an index object instead of a URL, for in-process use and tests."""
         if pool not in DEFAULT_POLICY:
             raise ValueError(f"router pool {pool!r} is unknown: use 'prefill' or 'decode'")
         self.pool = pool
         self.policy: RoutingPolicy = make_policy(policy or DEFAULT_POLICY[pool], **(policy_options or {}))
-        self._index_url = index_url
+        self._index_url = resolve_index_url(index_url)  # Serve's config holds a reference (index_url_ref.py)
         self._index_options = {"cluster": cluster, "model": model}
         self._lookup_timeout_s = lookup_timeout_s
         self._index: PrefixIndex | None = index

@@ -8,6 +8,7 @@ from ray.serve.deployment import Deployment
 
 from router.serve_router import request_router_config
 from services.config import ClusterConfig, PoolConfig
+from prefix_store.url_reference import index_url_reference
 
 
 # A pool of zero replicas (the prefill pool at low load): Serve takes no
@@ -37,7 +38,7 @@ def _pool_options(config: ClusterConfig, pool: PoolConfig, router_pool: str | No
         opts["num_replicas"] = pool.num_replicas
     if router_pool:
         opts["request_router_config"] = request_router_config(
-            router_pool, index_url=config.index_url, cluster=config.cluster_name,
+            router_pool, index_url=index_url_reference(config.index_url), cluster=config.cluster_name,
             model=config.served_model_name, lookup_timeout_s=config.router.lookup_timeout_s,
             policy=config.router.prefill_policy if router_pool == "prefill" else config.router.decode_policy)
     return opts
@@ -49,7 +50,10 @@ def replica_args(config: ClusterConfig) -> dict:
     in place instead of restarting every deployment with new arguments."""
     sizing = {"num_replicas", "autoscaling"}
     # the autoscaler's settings are the driver's business, not the replicas'
-    return config.model_dump(exclude={"prefill": sizing, "decode": sizing, "colocated": sizing, "autoscaling": True})
+    args = config.model_dump(exclude={"prefill": sizing, "decode": sizing, "colocated": sizing, "autoscaling": True})
+    # Serve shows deployment arguments at /api/serve/applications/: the URL's password stays out (index_url_ref.py)
+    args["index_url"] = index_url_reference(config.index_url)
+    return args
 
 
 def _versioned(deployment: Deployment, args: dict) -> Deployment:

@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
     import os
     from pathlib import Path
 
-    from observability.exporters import read_spans
+    from observability.exporters import read_span_files
     from observability.tracing import DEFAULT_TRACE_FILE, TRACE_FILE_ENV
 
     path = Path(args.file or os.environ.get(TRACE_FILE_ENV) or DEFAULT_TRACE_FILE)
@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: no span file at {path}: start the cluster with tracing on (the default) and send a "
               f"request, or pass --file")
         return 1
-    spans, bad = read_spans(path)
+    spans, bad = read_span_files(path)
     traces = group_traces(spans)
     if args.list is not None:
         for line in list_traces(traces, args.list):

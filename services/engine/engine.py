@@ -127,7 +127,9 @@ class Engine:
                       prefill_only: bool = False, block_hashes: Sequence[int] = ()) -> Request:
         """``block_hashes``: the prompt's full blocks' hashes as the gateway
         computed them (same seed and block size: the gateway checks the seed at
-        start-up); taken as they are, the rest is hashed here on demand."""
+        start-up); taken as they are for lookup, the rest is hashed here on
+        demand.  A hit is used only when the cached block's tokens equal the
+        prompt's (kv_cache.py): a wrong or colliding hash costs a recompute."""
         if request_id in self.requests or request_id in self.awaiting_kv:
             raise InvalidRequestError(f"request id {request_id!r} is already in use; pick a unique id")
         if prefill_only and self.leases.get(request_id) is not None:

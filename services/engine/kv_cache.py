@@ -13,6 +13,17 @@ Every block is in exactly one of three states::
     evictable   ref_count == 0, holds a cached full block (hash -> block)
     free        ref_count == 0, holds nothing worth keeping
 
+A hash names a block for routing and lookup; it is not trusted alone.  A
+cached block keeps the token ids it was computed from, and a prefix hit is
+taken only while those equal the request's own (nano-vllm's
+``block_manager.allocate``): a 64-bit hash collision, or a gateway's
+``block_hashes`` that do not describe the prompt, cost a recompute, never
+another prompt's K/V::
+
+    request tokens  [ t0..t3 | t4..t7 | t8..t11 ]      hashes [ h0 | h1 | h2 ]
+    cache           h0 -> blk 5 (t0..t3) ok, h1 -> blk 2 (u4..u7) != t4..t7: stop
+    match           (5,)                                   one block reused
+
 Allocation takes free blocks first, then evicts the least recently released
 evictable block (its hash leaves the cache: an ``evicted`` event).  Blocks
 released by one request go to the evictable list tail-first, so a
@@ -82,6 +93,8 @@ class KVCache:
         self.on_event = on_event
         self._ref = [0] * spec.num_blocks
         self._hash_of: list[int | None] = [None] * spec.num_blocks
+        self._tokens_of: list[tuple[int, ...] | None] = [None] * spec.num_blocks  # what a cached block holds
+        self.num_hash_mismatches = 0  # hash hits refused because the tokens differ
         self._cached: dict[int, int] = {}  # block hash -> block id
         self._free: deque[int] = deque(range(spec.num_blocks))
         self._evictable: OrderedDict[int, None] = OrderedDict()  # oldest first
@@ -106,13 +119,33 @@ class KVCache:
     def ref_count(self, block_id: int) -> int:
         return self._ref[block_id]
 
+    def is_cached(self, block_id: int) -> bool:
+        """Whether the block holds a prefix-cache entry (a hash and its tokens)."""
+        return self._hash_of[block_id] is not None
+
     # ---- prefix cache ------------------------------------------------
-    def match_prefix(self, block_hashes: Sequence[int]) -> PrefixMatch:
+    def _block_tokens(self, token_ids: Sequence[int], i: int) -> tuple[int, ...]:
+        bs = self.spec.block_size
+        return tuple(token_ids[i * bs:(i + 1) * bs])
+
+    def _check_covered(self, block_hashes: Sequence[int], token_ids: Sequence[int]) -> None:
+        if len(token_ids) < len(block_hashes) * self.spec.block_size:
+            raise ValueError(f"{len(block_hashes)} block hashes need {len(block_hashes) * self.spec.block_size} "
+                             f"token ids, got {len(token_ids)}: pass the tokens the hashes were computed from")
+
+    def match_prefix(self, block_hashes: Sequence[int], token_ids: Sequence[int]) -> PrefixMatch:
+        """Leading blocks cached under ``block_hashes`` whose stored tokens
+        equal ``token_ids`` block by block; stops at the first miss or the
+        first block whose tokens differ (counted in ``num_hash_mismatches``)."""
+        self._check_covered(block_hashes, token_ids)
         ids: list[int] = []
         if self.enable_prefix_caching:
-            for h in block_hashes:
+            for i, h in enumerate(block_hashes):
                 b = self._cached.get(h)
                 if b is None:
+                    break
+                if self._tokens_of[b] != self._block_tokens(token_ids, i):
+                    self.num_hash_mismatches += 1
                     break
                 ids.append(b)
         return PrefixMatch(tuple(ids), sum(1 for b in ids if self._ref[b] == 0))
@@ -126,16 +159,19 @@ class KVCache:
                 del self._evictable[b]
             self._ref[b] += 1
 
-    def commit(self, block_ids: Sequence[int], block_hashes: Sequence[int]) -> None:
-        """Registers full, computed blocks under their hashes (``stored``).
-        A hash that is already cached in another block stays with that one."""
+    def commit(self, block_ids: Sequence[int], block_hashes: Sequence[int], token_ids: Sequence[int]) -> None:
+        """Registers full, computed blocks under their hashes (``stored``),
+        each with its tokens (``token_ids`` from the first block on).  A hash
+        that is already cached in another block stays with that one."""
         if not self.enable_prefix_caching:
             return
+        self._check_covered(block_hashes[:len(block_ids)], token_ids)
         stored = []
-        for b, h in zip(block_ids, block_hashes):
+        for i, (b, h) in enumerate(zip(block_ids, block_hashes)):
             if self._hash_of[b] is not None or h in self._cached:
                 continue
             self._hash_of[b] = h
+            self._tokens_of[b] = self._block_tokens(token_ids, i)
             self._cached[h] = b
             stored.append(h)
         if stored and self.on_event:
@@ -158,6 +194,7 @@ class KVCache:
                 h = self._hash_of[b]
                 del self._cached[h]
                 self._hash_of[b] = None
+                self._tokens_of[b] = None
                 evicted.append(h)
             self._ref[b] = 1
             out.append(b)
@@ -183,6 +220,7 @@ class KVCache:
         for b in list(self._evictable):
             del self._cached[self._hash_of[b]]
             self._hash_of[b] = None
+            self._tokens_of[b] = None
             self._free.append(b)
         self._evictable.clear()
         if dropped and self.on_event:
@@ -207,4 +245,7 @@ class KVCache:
                 assert b in evictable, f"block {b} (ref 0, cached) is not evictable"
             if h is not None:
                 assert self._cached.get(h) == b, f"block {b} hash {h} not in the cache map"
+                assert len(self._tokens_of[b] or ()) == self.spec.block_size, f"cached block {b} lacks its tokens"
+            else:
+                assert self._tokens_of[b] is None, f"uncached block {b} still holds tokens"
         assert len(self._cached) == sum(h is not None for h in self._hash_of)

@@ -121,8 +121,11 @@ class Scheduler:
     def commit_computed_blocks(self, req: Request) -> None:
         """Puts the request's newly full, computed blocks into the prefix cache."""
         n_full = req.num_computed_tokens // self.block_size
+        blocks = req.block_ids[:n_full]
+        if not self.kv.enable_prefix_caching or all(self.kv.is_cached(b) for b in blocks):
+            return  # nothing newly full: spare copying the tokens every step
         hashes = self.update_hashes(req)[:n_full]
-        self.kv.commit(req.block_ids[:n_full], hashes)
+        self.kv.commit(blocks, hashes, req.all_token_ids)
 
     # ---- queue -------------------------------------------------------
     def add(self, req: Request, prior_output_token_ids: Sequence[int] = ()) -> None:
@@ -144,7 +147,7 @@ class Scheduler:
             [ prompt ........ | prior output ...... ]   req.num_tokens: K/V written from outside
             [ cached | reserved ................... ]   then commit_external: + first token, decode on
         """
-        match = self.kv.match_prefix(self.update_hashes(req))
+        match = self.kv.match_prefix(self.update_hashes(req), req.all_token_ids)
         need = _cdiv(req.num_tokens, self.block_size) - match.num_blocks
         if need > self.kv.num_free_blocks - match.num_evictable:
             return None
@@ -270,7 +273,7 @@ class Scheduler:
             hashes = self.update_hashes(req)[: (req.num_tokens - 1) // bs]
             if req.params.prompt_logprobs is not None and not req.output_token_ids:
                 hashes = []  # prompt logprobs need every position's logits: a cached block has none
-            match = self.kv.match_prefix(hashes)
+            match = self.kv.match_prefix(hashes, req.all_token_ids)
             cached = match.num_blocks * bs
             num_new = min(req.num_tokens - cached, budget)
             if cached + num_new < req.num_prompt_tokens:

@@ -11,6 +11,7 @@ from ray import serve
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from observability import tracing
+from prefix_store.url_reference import resolve_index_url
 from services.config import ClusterConfig
 from services.engine.model.default import resolve_model_path
 from services.engine.tokenizer import Tokenizer
@@ -27,6 +28,7 @@ from services.openai.replica_board import StatusBoardReader
 from services.openai.routes import configure_app, create_app
 from services.openai.settings import OpenAISettings
 from services.replica_loopback import bind_replica_grpc_to_loopback
+from services.supervisor import RestartPolicy, Supervisor
 
 log = logging.getLogger("pdcluster.gateway")
 app: FastAPI = create_app(request_id_header=False)  # Serve's proxy sets x-request-id
@@ -89,6 +91,7 @@ class Gateway:
         bind_replica_grpc_to_loopback()
         tracing.setup_tracing("pdcluster-gateway")
         cfg = ClusterConfig.model_validate(config)
+        cfg = cfg.model_copy(update={"index_url": resolve_index_url(cfg.index_url)})  # a reference in Serve's config
         path = resolve_model_path(cfg.model)
         mc = read_model_config(path)
         max_len = min(cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
@@ -117,16 +120,25 @@ class Gateway:
                                          failover_view=backend.failovers.view)
         _HOST.update(backend=backend, tokenizer=tokenizer, settings=settings, metrics=gateway_metrics)
         self.http: GatewayHTTPServer | None = None
+        self.supervisor = Supervisor("gateway")
         if cfg.ingress == "gateway":
             self.http = GatewayHTTPServer(app, cfg.host, cfg.port)
-            self.http.start()
+            # Its socket is bound once: a server that stops by itself fails health, Serve replaces the replica.
+            self.supervisor.start("http_server", self.http.serve, RestartPolicy(restart=False))
         log.info("gateway ready: mode=%s model=%s ingress=%s api_keys=%d", cfg.mode, cfg.served_model_name,
                  cfg.ingress, len(cfg.api_key_digests))
+
+    def check_health(self) -> None:
+        """Serve calls this every health_check_period_s; raising makes Serve
+        replace the replica (a background task, e.g. the HTTP server, is dead)."""
+        self.supervisor.check_health()
 
     async def __del__(self):
         """Serve awaits this when it stops the replica: in-flight streams finish first."""
         if self.http is not None:
+            self.supervisor.expect_end("http_server")
             await self.http.stop()
+        await self.supervisor.stop()
         await self.board.aclose()
 
 

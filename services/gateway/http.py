@@ -56,8 +56,16 @@ class GatewayHTTPServer:
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._server.serve(sockets=[self._socket]))
+        self._task = asyncio.get_running_loop().create_task(self.serve())
+
+    async def serve(self) -> None:
+        """Serves until ``stop``; an owner that supervises its tasks awaits this instead of ``start``."""
+        if self._task is None:
+            self._task = asyncio.current_task()
         log.info("gateway serving HTTP on %s:%d", self.host, self.port)
+        await self._server.serve(sockets=[self._socket])
+        if not self._server.should_exit:
+            raise RuntimeError(f"the gateway's HTTP server on {self.host}:{self.port} stopped by itself")
 
     async def stop(self) -> None:
         """Stops accepting, lets in-flight requests finish (up to 30 s)."""

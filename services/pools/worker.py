@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from kernels.kv_quant import kv_dtype_label
 from prefix_store.index import make_index
 from prefix_store.publisher import KVEventPublisher
+from prefix_store.url_reference import resolve_index_url
 from prefix_store.worker_id import WorkerId
 from router.replica_stats import ReplicaStats
 from services.pools import faults
@@ -28,6 +29,7 @@ from services.engine.engine import Engine
 from services.replica_loopback import bind_replica_grpc_to_loopback
 from services.messages import GenerateRequest, TokenDelta
 from services.pools.status_board import publish_forever
+from services.supervisor import RestartPolicy, Supervisor
 from transfer import KVLayout, create_backend
 
 log = logging.getLogger("pdcluster.worker")
@@ -60,7 +62,8 @@ class Worker:
         self.name = name or f"{role}-{os.getpid()}"
         tracing.setup_tracing(f"pdcluster-{role}", instance=self.name)
         self.worker_id = WorkerId.new(self.name)
-        index_url = config.index_url or os.environ.get("REDIS_URL") or None
+        # Serve's config carries a reference to the URL, never its password (index_url_ref.py).
+        index_url = resolve_index_url(config.index_url) or os.environ.get("REDIS_URL") or None
         self.index_url = index_url
         self.index = make_index(index_url, cluster=config.cluster_name, model=config.served_model_name)
         self.publisher = KVEventPublisher(self.index, self.worker_id, info={"role": role})
@@ -83,7 +86,7 @@ class Worker:
         self.counters = WorkerCounters()
         self.in_flight = 0
         self._prefill_rate_tps = 0.0
-        self._tasks: list[asyncio.Task] = []
+        self.supervisor = Supervisor(self.name)  # its background tasks: logged, counted, restarted
         self._started = False
 
     async def start(self) -> None:
@@ -91,14 +94,16 @@ class Worker:
         if self._started:
             return
         self._started = True
-        await self.publisher.start()
-        self._tasks.append(asyncio.create_task(
-            metrics.export_gauges_forever(self.role, self.name, lambda: self.aengine.stats)))
+        # The publisher returns by itself only when a newer epoch of this worker took over.
+        self.supervisor.start("kv_event_publisher", self.publisher.run, RestartPolicy(may_return=True))
+        self.supervisor.start("gauge_exporter",  # returns by itself only outside Ray
+                              lambda: metrics.export_gauges_forever(self.role, self.name, lambda: self.aengine.stats),
+                              RestartPolicy(may_return=True))
         if self.index_url and self.index_url.startswith("redis"):
-            self._tasks.append(asyncio.create_task(
-                publish_forever(self.index_url, self.config.cluster_name, self.name, self.status)))
+            self.supervisor.start("status_board", lambda: publish_forever(
+                self.index_url, self.config.cluster_name, self.name, self.status))
         if self.transfer is not None:
-            self._tasks.append(asyncio.create_task(self._release_on_notification()))
+            self.supervisor.start("lease_notifications", self._release_on_notification)
 
     async def _release_on_notification(self) -> None:
         while True:
@@ -144,8 +149,10 @@ class Worker:
 
     # ---- health --------------------------------------------------------------
     def check_health(self) -> None:
-        """Raises when this replica cannot serve: its engine loop died or is stuck."""
+        """Raises when this replica cannot serve: its engine loop died or is
+        stuck, or a background task stopped for good."""
         self.aengine.check_alive()
+        self.supervisor.check_health()
         age = self.aengine.heartbeat_age_s()
         if age > _STUCK_LOOP_S:
             raise RuntimeError(f"{self.name}: the engine loop has not completed a turn for {age:.0f} s")
@@ -173,6 +180,7 @@ class Worker:
             "spec_proposed_tokens": s.spec_proposed_tokens, "spec_accepted_tokens": s.spec_accepted_tokens,
             "spec_tokens_per_step": s.spec_tokens_per_step,
             "counters": self.counters.__dict__.copy(),
+            "task_crashes": self.supervisor.crash_counts(),
             "transfer_backend": self.transfer.name if self.transfer else None,
             "internal_address": self.internal_address,
             "time": time.time(),
@@ -192,8 +200,7 @@ class Worker:
                 await self.drain_leases()
             except Exception:  # noqa: BLE001 - the engine died meanwhile: nothing left to drain
                 log.warning("lease drain stopped: the engine loop is gone")
-        for t in self._tasks:
-            t.cancel()
+        await self.supervisor.stop()
         await self.publisher.stop()
         await self.aengine.shutdown()
         if self.transfer is not None:

@@ -8,6 +8,7 @@ import asyncio
 import pytest
 
 from kernels.block_copy import gather_blocks_ref, scatter_blocks_ref
+from prefix_store.hashing import hash_prompt_blocks
 from services.engine.async_engine import AsyncEngine
 from services.engine.errors import InvalidRequestError, RequestTooLongError
 from services.engine.request import FinishReason
@@ -33,6 +34,36 @@ def test_shared_512_token_prefix_computes_only_the_suffix(smol_fp32):
     assert computed == len(second) - 512
     fresh = make_engine(smol_fp32).generate([second], greedy(16))[0]
     assert out.new_token_ids == fresh.new_token_ids
+    _no_leak(engine)
+
+
+def _run(engine, rid, prompt, params, block_hashes):
+    engine.add_request(rid, prompt, params, block_hashes=block_hashes)
+    tokens, cached = [], None
+    while engine.has_unfinished():
+        for o in engine.step():
+            tokens += o.new_token_ids
+            cached = o.num_cached_tokens if o.finished else cached
+    return tokens, cached
+
+
+def test_a_forced_hash_collision_is_not_served_from_the_other_prompts_blocks(smol_fp32):
+    """(d) Two prompts sent with one set of block hashes (as a gateway's
+    header carries them): the second is computed, not read from the first's
+    blocks, and its greedy output equals a fresh engine's."""
+    tok = smol_fp32.tokenizer
+    # The answer sits in the second prompt's first block: read from the first prompt's K/V, it is lost.
+    second = tok.encode("The secret code word is tangerine. " + document(6) + " Again, the secret code word is")
+    first = tok.encode(document(14, 2))[:len(second)]
+    engine = make_engine(smol_fp32)
+    bs = engine.kv_spec.block_size
+    forged = hash_prompt_blocks(engine.hash_seed, first, bs)[:len(second) // bs]  # the first prompt's
+    params = greedy(12, ignore_eos=True)
+    _run(engine, "a", first, params, forged)
+    out, cached = _run(engine, "b", second, params, forged)
+    fresh, _ = _run(make_engine(smol_fp32), "b", second, params, ())
+    assert out == fresh
+    assert cached == 0 and engine.kv.num_hash_mismatches == 1
     _no_leak(engine)
 
 

@@ -70,7 +70,7 @@ def test_preempts_newest_by_recompute_and_keeps_its_full_blocks_cached():
     assert a.block_ids == [0, 1, 3] and s.waiting[0] is b
     assert s.num_preemptions == 1
     # b's first full block (tokens 50..53) stayed in the prefix cache as block 2.
-    assert s.kv.match_prefix(b.block_hashes[:1]).block_ids == (2,)
+    assert s.kv.match_prefix(b.block_hashes[:1], b.all_token_ids).block_ids == (2,)
 
 
 def test_waiting_request_reuses_cached_prefix_and_skips_compute():
@@ -187,7 +187,7 @@ def test_a_resumed_request_reserves_its_prior_output_too_and_decodes_after_it():
     assert s.commit_external("b", 42) is b
     assert b.num_computed_tokens == 13 and b.output_token_ids == [70, 71, 72, 73, 42]
     assert len(b.block_hashes) == 3  # the prior output's full block is hashed and cached with the prompt's
-    assert s.kv.match_prefix(b.block_hashes).num_blocks == 3
+    assert s.kv.match_prefix(b.block_hashes, b.all_token_ids).num_blocks == 3
     out = step(s, token=9)
     assert [(e.request.request_id, e.num_new_tokens) for e in out.decodes] == [("b", 1)]
     assert b.num_computed_tokens == 14 and b.output_token_ids[-1] == 9
@@ -202,3 +202,23 @@ def test_a_resumed_reservation_is_refused_when_its_prior_output_does_not_fit():
     b.output_token_ids.extend([70, 71, 72, 73])
     assert s.reserve_external(b) is None
     assert not s.awaiting_kv and s.kv.num_free_blocks == 3
+
+
+def test_a_forced_hash_collision_is_recomputed_not_served_from_the_other_prompts_block():
+    """(d) Two prompts, one set of hashes (as a gateway header could send):
+    the second prompt takes no block of the first, on both ways in."""
+    s = make_scheduler(num_blocks=16)
+    a = make_request("a", 9, max_tokens=1)
+    s.add(a)
+    step(s)  # a's two full blocks enter the prefix cache under its hashes
+    s.finish(a, FinishReason.LENGTH)
+    forged = list(a.block_hashes[:2])
+    b = Request("b", list(range(100, 109)), greedy(1), block_hashes=list(forged))
+    s.add(b)
+    out = step(s)
+    assert [(e.request.request_id, e.num_new_tokens) for e in out.prefills] == [("b", 9)]
+    assert b.num_cached_tokens == 0 and not set(b.block_ids) & {0, 1}
+    c = Request("c", list(range(200, 209)), greedy(1), block_hashes=list(forged))
+    assert s.reserve_external(c) == 0 and c.num_cached_tokens == 0 and not set(c.block_ids) & {0, 1}
+    assert s.kv.num_hash_mismatches == 2
+    s.kv.check_integrity()

@@ -27,6 +27,7 @@ def _call_everything() -> None:
     metrics.count_deadline("inter_token")
     metrics.count_lease_event("late_notification")
     metrics.count_failover("replica_died")
+    metrics.count_task_crash("status_board")
 
 
 def test_noop_without_ray() -> None:
@@ -70,6 +71,7 @@ def test_every_metric_gets_its_declared_tags(fake_ray: dict[str, Any]) -> None:
     assert fake_ray["pdcluster_admission_rejections"].calls == [(1.0, {"reason": "slo"})]
     assert fake_ray["pdcluster_deadlines_exceeded"].calls == [(1.0, {"kind": "inter_token"})]
     assert fake_ray["pdcluster_failovers"].calls == [(1.0, {"reason": "replica_died"})]
+    assert fake_ray["pdcluster_task_crashes"].calls == [(1.0, {"task": "status_board"})]
 
 
 def test_zero_counts_are_skipped_and_failures_never_raise(fake_ray: dict[str, Any],
