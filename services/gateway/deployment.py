@@ -22,6 +22,7 @@ from services.gateway.liveness import PoolLiveness
 from services.gateway.seed_check import SeedCheck
 from services.model_meta import model_hash_seed, read_model_config
 from services.openai.gateway_metrics import GatewayMetrics
+from services.openai.slo import Slo
 from services.openai.replica_board import StatusBoardReader
 from services.openai.routes import configure_app, create_app
 from services.openai.settings import OpenAISettings
@@ -100,7 +101,9 @@ class Gateway:
                                  resume_local_max_tokens=cfg.resume_local_max_tokens(),
                                  failovers=FailoverLog(cfg.index_url, cfg.cluster_name))
         gateway_metrics = GatewayMetrics(board=self.board, admission_view=backend.admission.view,
-                                         failover_view=backend.failovers.view)
+                                         failover_view=backend.failovers.view, model_name=cfg.served_model_name,
+                                         block_size=cfg.block_size,
+                                         slo=Slo(adm.ttft_slo_s, cfg.autoscaling.tpot_slo_s))
         _HOST.update(backend=backend, tokenizer=tokenizer, settings=settings, metrics=gateway_metrics)
         self.http: GatewayHTTPServer | None = None
         if cfg.ingress == "gateway":

@@ -94,7 +94,8 @@ def configure_app(app: FastAPI, backend: Backend, tokenizer: Tokenizer, settings
                   metrics: GatewayMetrics | None = None) -> None:
     """``metrics`` None: a registry of the app's own, with no status board or admission numbers."""
     app.state.backend, app.state.tokenizer, app.state.openai_settings = backend, tokenizer, settings
-    app.state.gateway_metrics = metrics if metrics is not None else GatewayMetrics()
+    app.state.gateway_metrics = metrics if metrics is not None else GatewayMetrics(
+        model_name=settings.served_model_names[0], block_size=settings.block_size)
 
 
 _HEALTH_STATUS = {"content": {"application/json": {"schema": {"type": "object"}}}}
@@ -179,7 +180,7 @@ async def _generate(request: Request, kind: type[CompletionRequest] | type[ChatC
     if wants_prompt_only:
         chunks = prompt_only(chunks)
     chunks = observe_gateway_stream(chunks, len(prompt.token_ids))  # TTFT/TPOT/E2E, finish reason on the root
-    chunks = host.metrics.observe_stream(chunks)                     # the same, for the gateway's /metrics
+    chunks = host.metrics.observe_stream(chunks, len(prompt.token_ids))  # the same, for the gateway's /metrics
     tally = Tally(prompt_tokens=len(prompt.token_ids), n=req.n)
     logprobs = None if params.logprobs is None else LogprobRenderer(host.tokenizer, params.logprobs)
     include_usage = req.stream and req.stream_options is not None and req.stream_options.include_usage
