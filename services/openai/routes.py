@@ -6,6 +6,7 @@ its tokenizer, the OpenAISettings and the gateway's metrics registry.
 
     GET  /openapi.json            this API's OpenAPI document (see openapi.py)       open
     GET  /health                  the backend's health (503 when it is not ok)      open
+    GET  /live, /ready            Kubernetes' liveness and readiness, in probes.py   open
     GET  /v1/models               the served model names
     GET  /v1/models/{model_id}    one model's card, or 404
     POST /v1/completions          prompt: a string or a list of token ids
@@ -61,6 +62,7 @@ from services.openai.settings import OpenAISettings
 from services.openai.tool_calls import ToolCallFormat, constraint_of
 from services.openai.utility_routes import REQUEST_MODELS as UTILITY_REQUEST_MODELS
 from services.openai.utility_routes import router as utility_router
+from services.openai.probes import router as probe_router
 
 router = APIRouter()
 _STARTED_AT = int(time.time())
@@ -82,11 +84,12 @@ def install_openai_api(app: FastAPI, *, request_id_header: bool = True) -> None:
     app.add_middleware(ApiKeyMiddleware)  # innermost: a 401 still gets its x-request-id, span and count
     app.add_middleware(RequestIdMiddleware, echo_header=request_id_header)
     app.add_middleware(TracingMiddleware)
-    endpoints = EndpointLabels([*router.routes, *utility_router.routes], paths=[app.openapi_url or "/openapi.json"])
+    endpoints = EndpointLabels([*router.routes, *utility_router.routes, *probe_router.routes], paths=[app.openapi_url or "/openapi.json"])
     app.add_middleware(ResponseCounter, endpoints=endpoints)   # outermost: counts 401s and Starlette's 500s too
     install_error_handlers(app, request_id_header=request_id_header)
     app.include_router(router)
     app.include_router(utility_router)
+    app.include_router(probe_router)
     install_openapi(app, [CompletionRequest, ChatCompletionRequest, *UTILITY_REQUEST_MODELS], [ChatCompletionChunk])
 
 
