@@ -121,7 +121,7 @@ def _queue_time(s: dict) -> CumulativeHistogram | None:
 
 
 def vllm_families(model_name: str, block_size: int, tally: GatewayTally,
-                  statuses: Iterable[dict] | None) -> list[Metric]:
+                  statuses: Iterable[dict] | None, prefix_caching: bool = True) -> list[Metric]:
     """Every family above.  ``statuses``: the replicas' board statuses, None
     when the board is unreadable (then the board-fed families carry no
     samples rather than zeros: unknown is not idle).  A malformed status is
@@ -151,7 +151,7 @@ def vllm_families(model_name: str, block_size: int, tally: GatewayTally,
                                                  p.blocks_used / p.blocks_total if p.blocks_total else 0.0)
         f["vllm:cache_config_info"].add_sample("vllm:cache_config_info", {
             **labels, "block_size": str(block_size), "cache_dtype": ",".join(dtypes),
-            "enable_prefix_caching": "True", "num_gpu_blocks": str(int(p.blocks_total))}, 1.0)
+            "enable_prefix_caching": str(prefix_caching), "num_gpu_blocks": str(int(p.blocks_total))}, 1.0)
         roles = [s for s in usable if "pool" not in labels or s["role"] == labels["pool"]]
         _histogram(f["vllm:request_queue_time_seconds"], labels,
                    merged(REQUEST_LATENCY_BUCKETS, filter(None, map(_queue_time, roles))))

@@ -198,6 +198,19 @@ class LocalCluster:
         redeploy(self.config, config)
         self.config = config
 
+    def drain(self, timeout_s: float) -> dict:
+        """The gateway stops admitting and waits at most ``timeout_s`` for the
+        requests in flight (services/openai/drain.py); call before stop().
+        One gateway replica (the cluster runs one).  Never raises: a drain
+        that cannot run says why, and stopping goes on."""
+        from ray import serve
+
+        try:
+            handle = serve.get_deployment_handle("gateway", APP_NAME)
+            return handle.drain.remote(timeout_s).result(timeout_s=timeout_s + 10)
+        except Exception as exc:  # noqa: BLE001 - a stop must not hang on a broken gateway
+            return {"drained": False, "error": f"{type(exc).__name__}: {exc}"[:300]}
+
     def stop(self) -> None:
         import ray
         from ray import serve

@@ -98,6 +98,15 @@ def dashboard_token_line(env: Mapping[str, str], home: Path) -> str:
     return f"  Ray token     the dashboard asks for it: `ray get-auth-token` prints it (from {where})\n"
 
 
+def drain_summary(result: dict) -> str:
+    """One line from the gateway's drain answer (LocalCluster.drain)."""
+    if "error" in result:
+        return f"could not drain ({result['error']}); stopping anyway"
+    if result.get("drained"):
+        return f"every request finished in {result.get('waited_s', 0):.1f} s"
+    return f"{result.get('in_flight', '?')} request(s) still in flight at the timeout; stopping them"
+
+
 def _auth_lines(config: ClusterConfig) -> dict:
     """The snippet's API-key parts; never the key itself."""
     from services.config import is_loopback
@@ -143,6 +152,10 @@ def run(args: argparse.Namespace) -> int:
             autoscaler = Autoscaler(cluster).start()
             print("autoscaler on: decisions in `pdcluster status`", flush=True)
         stop.wait()
+        if config.shutdown_timeout_s > 0:
+            print(f"draining: new requests get 503; streams in flight get {config.shutdown_timeout_s:g} s "
+                  "(shutdown_timeout_s) ...", flush=True)
+            print(f"drained: {drain_summary(cluster.drain(config.shutdown_timeout_s))}", flush=True)
         print("stopping ...", flush=True)
     finally:
         if autoscaler is not None:

@@ -103,7 +103,8 @@ class Gateway:
         gateway_metrics = GatewayMetrics(board=self.board, admission_view=backend.admission.view,
                                          failover_view=backend.failovers.view, model_name=cfg.served_model_name,
                                          block_size=cfg.block_size,
-                                         slo=Slo(adm.ttft_slo_s, cfg.autoscaling.tpot_slo_s))
+                                         slo=Slo(adm.ttft_slo_s, cfg.autoscaling.tpot_slo_s),
+                                         prefix_caching=cfg.enable_prefix_caching)
         _HOST.update(backend=backend, tokenizer=tokenizer, settings=settings, metrics=gateway_metrics)
         self.http: GatewayHTTPServer | None = None
         if cfg.ingress == "gateway":
@@ -111,6 +112,13 @@ class Gateway:
             self.http.start()
         log.info("gateway ready: mode=%s model=%s ingress=%s api_keys=%d", cfg.mode, cfg.served_model_name,
                  cfg.ingress, len(cfg.api_key_digests))
+
+    async def drain(self, timeout_s: float) -> dict:
+        """Stops admitting (503 + Retry-After, /ready 503) and waits at most
+        ``timeout_s`` for the requests in flight (services/openai/drain.py)."""
+        result = await app.state.drain.wait_idle(timeout_s)
+        log.info("gateway drained: %s", result)
+        return result
 
     async def __del__(self):
         """Serve awaits this when it stops the replica: in-flight streams finish first."""

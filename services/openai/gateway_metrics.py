@@ -95,11 +95,11 @@ class GatewayMetrics:
 
     def __init__(self, board: StatusBoard | None = None, admission_view: Callable[[], dict] | None = None,
                  failover_view: Callable[[], dict] | None = None, model_name: str = "", block_size: int = 16,
-                 slo: Slo | None = None):
+                 slo: Slo | None = None, prefix_caching: bool = True):
         self.board, self.admission_view = board, admission_view
         self.model_name, self.block_size = model_name, block_size
         self.tally = GatewayTally.empty()   # the vLLM families' gateway-side numbers (vllm_families.py)
-        self.slo = slo
+        self.slo, self.prefix_caching = slo, prefix_caching
         self.failover_view = failover_view  # FailoverLog.view of the backend
         self.registry = CollectorRegistry()
         r = self.registry
@@ -197,7 +197,8 @@ class _ScrapeCollector:
 
     def collect(self) -> Iterator[Metric]:
         owner = self.owner
-        yield from vllm_families(owner.model_name, owner.block_size, owner.tally, owner._statuses)
+        yield from vllm_families(owner.model_name, owner.block_size, owner.tally, owner._statuses,
+                                 owner.prefix_caching)
         if owner.slo is not None:
             yield GaugeMetricFamily("pdcluster_slo_ttft_seconds", "The TTFT SLO goodput is counted against",
                                     value=owner.slo.ttft_s)

@@ -5,7 +5,8 @@ untraced, like /health):
                  event loop runs; a failing pool never restarts the gateway.
     GET /ready   readiness: a request sent now succeeds: the backend's health
                  (every pool the mode needs has a live engine) is ok.  503
-                 with the reason otherwise, so a Service stops sending here.
+                 with the reason otherwise, so a Service stops sending here;
+                 503 ``draining`` from the moment a shutdown began (drain.py).
 
 ``/health`` keeps its meaning (the backend's health, as /ready) for the
 clients and scripts that already poll it."""
@@ -32,5 +33,8 @@ async def live() -> JSONResponse:
 @router.get("/ready", responses={200: {**_STATUS, "description": "a request sent now succeeds"},
                                  503: {**_STATUS, "description": "not ready, with the reason"}})
 async def ready(request: Request) -> JSONResponse:
+    drain = getattr(request.app.state, "drain", None)
+    if drain is not None and drain.draining:
+        return JSONResponse({"status": "draining", "in_flight": drain.in_flight}, status_code=503)
     status: dict[str, Any] = await host_of(request).backend.health()
     return JSONResponse(status, status_code=200 if status.get("status") == "ok" else 503)

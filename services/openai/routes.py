@@ -63,6 +63,7 @@ from services.openai.tool_calls import ToolCallFormat, constraint_of
 from services.openai.utility_routes import REQUEST_MODELS as UTILITY_REQUEST_MODELS
 from services.openai.utility_routes import router as utility_router
 from services.openai.probes import router as probe_router
+from services.openai.drain import Drain, DrainGate
 
 router = APIRouter()
 _STARTED_AT = int(time.time())
@@ -82,6 +83,8 @@ def install_openai_api(app: FastAPI, *, request_id_header: bool = True) -> None:
     ``request_id_header=False`` when a proxy in front already echoes
     x-request-id (Ray Serve's does)."""
     app.add_middleware(ApiKeyMiddleware)  # innermost: a 401 still gets its x-request-id, span and count
+    app.add_middleware(DrainGate)         # once draining, new requests get 503 (drain.py)
+    app.state.drain = Drain()
     app.add_middleware(RequestIdMiddleware, echo_header=request_id_header)
     app.add_middleware(TracingMiddleware)
     endpoints = EndpointLabels([*router.routes, *utility_router.routes, *probe_router.routes], paths=[app.openapi_url or "/openapi.json"])
