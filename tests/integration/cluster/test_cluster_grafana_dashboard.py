@@ -6,6 +6,7 @@ loopback port with its own tmp storage; without the binary the test skips."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import time
@@ -14,6 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from observability.dashboard_plot import expr_for_prometheus, render
 from prefix_store.redis_server import free_service_port
 
 pytestmark = pytest.mark.integration
@@ -27,7 +29,7 @@ def panel_queries(dashboard: dict) -> list[tuple[str, str]]:
     out = []
     for panel in dashboard["panels"]:
         for target in panel["targets"]:
-            expr = target["expr"].replace("$__rate_interval", "1m").replace("$model_name", MODEL)
+            expr = expr_for_prometheus(target["expr"], MODEL)
             assert "$" not in expr, f"{panel['title']}: a Grafana variable the test does not know: {expr}"
             out.append((panel["title"], expr))
     return out
@@ -94,3 +96,5 @@ def test_every_dashboard_panel_returns_data(prometheus, client):
     assert moved, "the requests never showed in Prometheus"
     empty = [(title, expr) for title, expr in queries if not query(prometheus, expr)]
     assert not empty, "panels without data:\n" + "\n".join(f"  {t}: {e}" for t, e in empty)
+    if os.environ.get("PDCLUSTER_DASHBOARD_PNG"):   # the README's picture, drawn from this very data
+        assert render(prometheus, Path(os.environ["PDCLUSTER_DASHBOARD_PNG"]), MODEL, minutes=2) > 0
