@@ -47,6 +47,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from observability.histogram import CumulativeHistogram
+from observability.vllm_families import REQUEST_LATENCY_BUCKETS
+
 log = logging.getLogger("pdcluster.metrics")
 
 # Seconds.  TTFT spans cache hits (ms) to long queued prompts (tens of s).
@@ -168,6 +171,20 @@ def observe_e2e(pool: str, seconds: float) -> None:
 
 def observe_queue(pool: str, seconds: float) -> None:
     _observe("pdcluster_queue_seconds", seconds, pool=pool)
+    queue_times(pool).observe(seconds)
+
+
+_QUEUE_TIMES: dict[str, CumulativeHistogram] = {}
+
+
+def queue_times(pool: str) -> CumulativeHistogram:
+    """This process's engine queue times in ``pool`` (with or without Ray):
+    a replica publishes ``snapshot()`` in its board status, and the gateway
+    sums them into ``vllm:request_queue_time_seconds`` (vllm_families.py)."""
+    h = _QUEUE_TIMES.get(pool)
+    if h is None:
+        h = _QUEUE_TIMES[pool] = CumulativeHistogram(REQUEST_LATENCY_BUCKETS)
+    return h
 
 
 def set_engine_stats(pool: str, replica: str, stats: Any) -> None:
@@ -296,4 +313,5 @@ class RequestTimer:
 
 def _reset_for_tests() -> None:
     _metrics.clear()
+    _QUEUE_TIMES.clear()
     _warned.clear()

@@ -264,6 +264,10 @@ class ClusterConfig(_Strict):
         "gateway", description="gateway: the gateway replica serves HTTP on host:port itself, no Serve proxy "
                                "(one Serve hop less per streamed token); serve_proxy: Serve's HTTP proxy in front")
     max_body_bytes: int = Field(1 * 2**20, ge=1024)
+    shutdown_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM or Ctrl-C, `pdcluster up` drains the "
+                                                            "gateway first: new requests get 503, /ready fails, "
+                                                            "streams in flight get this long to finish.  0: stop "
+                                                            "at once")
     autoscaling: AutoscalingSettings = AutoscalingSettings()
     # API keys: from here, api_key_file and PDCLUSTER_API_KEY together.  Only
     # their digests are dumped (deployment args, the state file); the clear

@@ -198,6 +198,10 @@ class LocalCluster:
         redeploy(self.config, config)
         self.config = config
 
+    def drain(self, timeout_s: float) -> dict:
+        """drain_gateway; call before stop()."""
+        return drain_gateway(timeout_s)
+
     def stop(self) -> None:
         import ray
         from ray import serve
@@ -225,6 +229,20 @@ class LocalCluster:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def drain_gateway(timeout_s: float) -> dict:
+    """The connected cluster's gateway stops admitting and waits at most
+    ``timeout_s`` for the requests in flight (services/openai/drain.py).
+    One gateway replica (the cluster runs one).  Never raises: a drain that
+    cannot run says why, and stopping goes on."""
+    from ray import serve
+
+    try:
+        handle = serve.get_deployment_handle("gateway", APP_NAME)
+        return handle.drain.remote(timeout_s).result(timeout_s=timeout_s + 10)
+    except Exception as exc:  # noqa: BLE001 - a stop must not hang on a broken gateway
+        return {"drained": False, "error": f"{type(exc).__name__}: {exc}"[:300]}
 
 
 def redeploy(old: ClusterConfig, new: ClusterConfig) -> None:

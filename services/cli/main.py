@@ -15,10 +15,10 @@ cluster_env()
 
 from bench.load import cli as bench_cli  # noqa: E402  (after cluster_env, as every command below)
 from bench.plan import cli as plan_cli  # noqa: E402
-from services.cli import join, model, status, trace, up  # noqa: E402
+from services.cli import drain, join, model, status, trace, up  # noqa: E402
 
 # each registers one or more subcommands, in this order in --help
-COMMANDS = (model, up, join, status, trace, bench_cli, plan_cli)
+COMMANDS = (model, up, join, status, drain, trace, bench_cli, plan_cli)
 
 
 def build_parser() -> argparse.ArgumentParser:

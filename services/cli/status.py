@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 
 from prefix_store.redis_url import redact_url
 from services.cli.cluster_runtime import STATE_FILE, write_state
@@ -16,6 +17,8 @@ from services.cli.tables import plain_table, table_lines
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("status", help="pools, replicas, queue depths and KV usage of the running cluster")
     p.add_argument("--json", action="store_true", help="print raw JSON")
+    p.add_argument("--watch", type=float, nargs="?", const=2.0, default=None, metavar="S",
+                   help="redraw every S seconds (default 2) until Ctrl-C")
     p.set_defaults(func=run_status)
     s = sub.add_parser("scale", help="change a pool's replica count while serving")
     s.add_argument("pool", choices=["prefill", "decode", "colocated"])
@@ -48,7 +51,23 @@ def _spec(s: dict) -> str:
     return f"{s.get('spec_accepted_tokens') or 0}/{drafted}" if drafted else "-"
 
 
-def run_status(args: argparse.Namespace) -> int:
+def run_status(args: argparse.Namespace, sleep=time.sleep) -> int:
+    """Once, or with ``--watch S`` redrawn every S seconds until Ctrl-C."""
+    if args.watch is None:
+        return status_once(args)
+    if args.watch < 0.5:
+        raise SystemExit(f"pdcluster status: --watch {args.watch:g} is too often; the board refreshes every "
+                         "0.5 s: use 0.5 or more")
+    try:
+        while True:
+            print("\033[H\033[2J", end="")   # home + clear: a redraw, not a scroll
+            status_once(args)
+            sleep(args.watch)
+    except KeyboardInterrupt:
+        return 0
+
+
+def status_once(args: argparse.Namespace) -> int:
     from redis.exceptions import RedisError
 
     from services.pools.status_board import read_board

@@ -5,8 +5,11 @@ on --host (127.0.0.1 by default); a non-loopback host needs an API key
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import threading
+from collections.abc import Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -15,6 +18,7 @@ if TYPE_CHECKING:
 SNIPPET = """\
 ready in {ready:.0f} s: {mode} cluster serving {model}
   OpenAI API    http://{host}:{port}/v1     (GET /v1/models, POST /v1/chat/completions, /v1/completions)
+  Monitoring    http://{host}:{port}/metrics (vLLM's names too)  probes: /live, /ready  (README "Monitoring")
 {dashboard}{auth}try:
   curl -s http://{host}:{port}/v1/chat/completions -H 'content-type: application/json'{curl_auth} \\
     -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "What is the capital of France?"}}], "max_tokens": 32}}'
@@ -70,12 +74,37 @@ def _problem(error: dict) -> str:
     return (f"{where}: " if where else "") + error["msg"].removeprefix("Value error, ")
 
 
-def dashboard_line(url: str | None, pools: str) -> str:
-    """The snippet's dashboard line: the URL Ray reported once started, or
-    where to look instead (`up --head` runs `ray start --include-dashboard=false`)."""
-    if url:
-        return f"  Ray dashboard {url:<28} (deployments: gateway, {pools})\n"
-    return "  Ray dashboard none on this node: `pdcluster status` shows nodes, pools and replicas\n"
+def dashboard_line(url: str | None, pools: str, env: Mapping[str, str] | None = None,
+                   home: Path | None = None) -> str:
+    """The snippet's dashboard lines: the URL Ray reported once started and,
+    with Ray's token authentication on, how to get the token it asks for;
+    or where to look instead (`up --head` runs `ray start --include-dashboard=false`).
+    ``env``/``home``: where Ray reads its auth settings (os.environ, ~)."""
+    if not url:
+        return "  Ray dashboard none on this node: `pdcluster status` shows nodes, pools and replicas\n"
+    return f"  Ray dashboard {url:<28} (deployments: gateway, {pools})\n" + dashboard_token_line(
+        os.environ if env is None else env, Path.home() if home is None else home)
+
+
+def dashboard_token_line(env: Mapping[str, str], home: Path) -> str:
+    """Ray (RAY_AUTH_MODE=token, its default for a local cluster) asks the
+    dashboard's visitors for its token: say where it is, never the token."""
+    if env.get("RAY_AUTH_MODE", "").lower() != "token":
+        return ""
+    if env.get("RAY_AUTH_TOKEN"):
+        where = "the RAY_AUTH_TOKEN environment variable of this shell"
+    else:
+        where = env.get("RAY_AUTH_TOKEN_PATH") or str(home / ".ray" / "auth_token")
+    return f"  Ray token     the dashboard asks for it: `ray get-auth-token` prints it (from {where})\n"
+
+
+def drain_summary(result: dict) -> str:
+    """One line from the gateway's drain answer (LocalCluster.drain)."""
+    if "error" in result:
+        return f"could not drain ({result['error']}); stopping anyway"
+    if result.get("drained"):
+        return f"every request finished in {result.get('waited_s', 0):.1f} s"
+    return f"{result.get('in_flight', '?')} request(s) still in flight at the timeout; stopping them"
 
 
 def _auth_lines(config: ClusterConfig) -> dict:
@@ -123,6 +152,10 @@ def run(args: argparse.Namespace) -> int:
             autoscaler = Autoscaler(cluster).start()
             print("autoscaler on: decisions in `pdcluster status`", flush=True)
         stop.wait()
+        if config.shutdown_timeout_s > 0:
+            print(f"draining: new requests get 503; streams in flight get {config.shutdown_timeout_s:g} s "
+                  "(shutdown_timeout_s) ...", flush=True)
+            print(f"drained: {drain_summary(cluster.drain(config.shutdown_timeout_s))}", flush=True)
         print("stopping ...", flush=True)
     finally:
         if autoscaler is not None:

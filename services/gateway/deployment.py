@@ -24,6 +24,7 @@ from services.gateway.liveness import PoolLiveness
 from services.gateway.seed_check import SeedCheck
 from services.model_meta import model_hash_seed, read_model_config
 from services.openai.gateway_metrics import GatewayMetrics
+from services.openai.slo import Slo
 from services.openai.replica_board import StatusBoardReader
 from services.openai.routes import configure_app, create_app
 from services.openai.settings import OpenAISettings
@@ -117,7 +118,10 @@ class Gateway:
                                  resume_local_max_tokens=cfg.resume_local_max_tokens(),
                                  failovers=FailoverLog(cfg.index_url, cfg.cluster_name))
         gateway_metrics = GatewayMetrics(board=self.board, admission_view=backend.admission.view,
-                                         failover_view=backend.failovers.view)
+                                         failover_view=backend.failovers.view, model_name=cfg.served_model_name,
+                                         block_size=cfg.block_size,
+                                         slo=Slo(adm.ttft_slo_s, adm.tpot_slo_s),
+                                         prefix_caching=cfg.enable_prefix_caching)
         _HOST.update(backend=backend, tokenizer=tokenizer, settings=settings, metrics=gateway_metrics)
         self.http: GatewayHTTPServer | None = None
         self.supervisor = Supervisor("gateway")
@@ -132,6 +136,13 @@ class Gateway:
         """Serve calls this every health_check_period_s; raising makes Serve
         replace the replica (a background task, e.g. the HTTP server, is dead)."""
         self.supervisor.check_health()
+
+    async def drain(self, timeout_s: float) -> dict:
+        """Stops admitting (503 + Retry-After, /ready 503) and waits at most
+        ``timeout_s`` for the requests in flight (services/openai/drain.py)."""
+        result = await app.state.drain.wait_idle(timeout_s)
+        log.info("gateway drained: %s", result)
+        return result
 
     async def __del__(self):
         """Serve awaits this when it stops the replica: in-flight streams finish first."""

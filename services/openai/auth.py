@@ -2,7 +2,7 @@
 disconnects pass untouched once a request is let in).
 
     no key configured                (OpenAISettings.api_key_digests empty)  -> let in
-    path in OPEN_PATHS               (/health, /openapi.json)                -> let in
+    path in OPEN_PATHS               (/health, /live, /ready, /openapi.json) -> let in
     exactly one `Authorization: Bearer <token>` header, and
       sha256(token) equals one of api_key_digests                            -> let in
     anything else                                                            -> 401
@@ -29,7 +29,7 @@ from services.openai.errors import OpenAIError
 
 log = logging.getLogger(__name__)
 
-OPEN_PATHS = frozenset({"/health", "/openapi.json"})
+OPEN_PATHS = frozenset({"/health", "/live", "/ready", "/openapi.json"})  # probes carry no key
 _CHALLENGE = 'Bearer realm="pdcluster"'
 _HOW = "send `Authorization: Bearer <key>` (the openai client's api_key does)"
 

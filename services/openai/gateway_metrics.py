@@ -21,6 +21,13 @@ prometheus_client's global one), so two apps in a process never mix numbers.
     pdcluster_requests_waiting               gauge      pool, replica             unreachable)
     pdcluster_prompt_tokens_total            counter    pool, replica           hit rate = hit tokens / prompt tokens
     pdcluster_prefix_cache_hit_tokens_total  counter    pool, replica
+    pdcluster_kv_transfer_bytes_total        counter    pool, replica           KV pulled by a decode replica (its
+    pdcluster_kv_transfer_seconds_total      counter    pool, replica             board counters)
+    pdcluster_slo_requests_total             counter    outcome                 met | missed, at the finish reason
+    pdcluster_slo_ttft_seconds               gauge                              the SLOs judged against (with slo=)
+    pdcluster_slo_tpot_seconds               gauge
+    vllm:*                                   (see observability/vllm_families.py: vLLM's own families,
+                                              cluster-wide and per pool, from the gateway and the board)
 
 Names and buckets are observability/metrics.py's where the meaning is the same
 (Ray exports those as ``ray_<name>``, so the two never collide); the latency
@@ -46,6 +53,9 @@ from starlette.routing import get_route_path
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from observability import metrics
+from observability.vllm_families import GatewayTally, vllm_families
+from services.openai.slo import Slo
+
 log = logging.getLogger("pdcluster.metrics")
 
 _REPLICA_LABELS = ("pool", "replica")
@@ -62,7 +72,16 @@ _BOARD_METRICS: tuple[tuple[str, str, str, Callable[[dict], float]], ...] = (
      lambda s: s["prompt_tokens_computed"] + s["prompt_tokens_cached"]),
     ("pdcluster_prefix_cache_hit_tokens", "counter", "Prompt tokens found in the prefix cache",
      lambda s: s["prompt_tokens_cached"]),
+    ("pdcluster_kv_transfer_bytes", "counter", "KV bytes this replica pulled from prefill replicas",
+     lambda s: _counter_of(s, "bytes_pulled")),
+    ("pdcluster_kv_transfer_seconds", "counter", "Seconds this replica spent pulling KV "
+     "(throughput = rate(bytes) / rate(seconds))", lambda s: _counter_of(s, "transfer_seconds")),
 )
+
+
+def _counter_of(status: dict, name: str) -> float:
+    value = (status.get("counters") or {}).get(name, 0)
+    return value if _number(value) else 0
 
 
 class StatusBoard(Protocol):
@@ -75,8 +94,12 @@ class GatewayMetrics:
     metrics are absent."""
 
     def __init__(self, board: StatusBoard | None = None, admission_view: Callable[[], dict] | None = None,
-                 failover_view: Callable[[], dict] | None = None):
+                 failover_view: Callable[[], dict] | None = None, model_name: str = "", block_size: int = 16,
+                 slo: Slo | None = None, prefix_caching: bool = True):
         self.board, self.admission_view = board, admission_view
+        self.model_name, self.block_size = model_name, block_size
+        self.tally = GatewayTally.empty()   # the vLLM families' gateway-side numbers (vllm_families.py)
+        self.slo, self.prefix_caching = slo, prefix_caching
         self.failover_view = failover_view  # FailoverLog.view of the backend
         self.registry = CollectorRegistry()
         r = self.registry
@@ -89,6 +112,10 @@ class GatewayMetrics:
         self._e2e = Histogram("pdcluster_e2e_seconds", "Request latency, arrival to last token, as the client "
                               "sees it", buckets=metrics.E2E_BOUNDARIES, registry=r)
         self._generation_tokens = Counter("pdcluster_generation_tokens", "Tokens streamed to clients", registry=r)
+        self._slo_requests = Counter("pdcluster_slo_requests", "Finished requests by whether they met the TTFT "
+                                     "and TPOT SLOs (goodput = met / all)", ("outcome",), registry=r)
+        for outcome in ("met", "missed"):
+            self._slo_requests.labels(outcome)
         self._statuses: list[dict] | None = None
         r.register(_ScrapeCollector(self))
         self._warned: set[str] = set()
@@ -100,28 +127,41 @@ class GatewayMetrics:
         except Exception as exc:  # noqa: BLE001 - metrics must never fail a request
             self._warn_once("pdcluster_http_responses", exc)
 
-    def observe_stream(self, chunks: AsyncIterator[Any]) -> AsyncIterator[Any]:
-        """Wraps a TokenDelta stream (closing it closes ``chunks``): TTFT at
-        the first token, TPOT and E2E at the finish reason, tokens at the end."""
-        return self._observed(chunks)
+    def observe_stream(self, chunks: AsyncIterator[Any], num_prompt_tokens: int = 0) -> AsyncIterator[Any]:
+        """Wraps a TokenDelta stream (closing it closes ``chunks``): TTFT and
+        prompt tokens at the first token, inter-token gaps per chunk, TPOT,
+        E2E and the SLO outcome at the finish reason, tokens at the end."""
+        return self._observed(chunks, num_prompt_tokens)
 
-    async def _observed(self, chunks: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    async def _observed(self, chunks: AsyncIterator[Any], num_prompt_tokens: int) -> AsyncIterator[Any]:
         timer = metrics.RequestTimer("gateway")   # its arithmetic only: finish() is observe_gateway_stream's
-        finished = False
+        finished, cached = False, 0
+        tally = self.tally
         try:
             async for chunk in chunks:
-                first = timer.first_token_s is None
+                first, last_s = timer.first_token_s is None, timer.last_token_s
                 timer.on_tokens(len(chunk.token_ids))
+                cached = max(cached, chunk.num_cached_tokens)
                 if first and timer.ttft_s is not None:
                     self._record("pdcluster_ttft_seconds", self._ttft.observe, timer.ttft_s)
+                    tally.ttft.observe(timer.ttft_s)
+                    tally.prompt_tokens += num_prompt_tokens or chunk.num_prompt_tokens
+                elif chunk.token_ids and last_s is not None:
+                    tally.inter_token.observe(timer.last_token_s - last_s)
                 if chunk.finish_reason is not None and not finished:
                     finished = True
                     if timer.tpot_s is not None:
                         self._record("pdcluster_tpot_seconds", self._tpot.observe, timer.tpot_s)
-                    self._record("pdcluster_e2e_seconds", self._e2e.observe, timer.clock() - timer.start_s)
+                    e2e_s = timer.clock() - timer.start_s
+                    self._record("pdcluster_e2e_seconds", self._e2e.observe, e2e_s)
+                    tally.e2e.observe(e2e_s)
+                    if self.slo is not None:
+                        self._slo_requests.labels(self.slo.outcome(timer.ttft_s, timer.tpot_s)).inc()
                 yield chunk
         finally:
+            tally.cached_prompt_tokens += cached if timer.num_tokens else 0
             if timer.num_tokens:
+                tally.generation_tokens += timer.num_tokens
                 self._record("pdcluster_generation_tokens", self._generation_tokens.inc, timer.num_tokens)
             aclose = getattr(chunks, "aclose", None)
             if aclose is not None:
@@ -156,6 +196,14 @@ class _ScrapeCollector:
         return []   # built per scrape; nothing to check for clashes at registration
 
     def collect(self) -> Iterator[Metric]:
+        owner = self.owner
+        yield from vllm_families(owner.model_name, owner.block_size, owner.tally, owner._statuses,
+                                 owner.prefix_caching)
+        if owner.slo is not None:
+            yield GaugeMetricFamily("pdcluster_slo_ttft_seconds", "The TTFT SLO goodput is counted against",
+                                    value=owner.slo.ttft_s)
+            yield GaugeMetricFamily("pdcluster_slo_tpot_seconds", "The TPOT SLO goodput is counted against",
+                                    value=owner.slo.tpot_s)
         if self.owner.admission_view is not None:
             try:
                 yield from _admission_families(self.owner.admission_view())

@@ -6,6 +6,7 @@ its tokenizer, the OpenAISettings and the gateway's metrics registry.
 
     GET  /openapi.json            this API's OpenAPI document (see openapi.py)       open
     GET  /health                  the backend's health (503 when it is not ok)      open
+    GET  /live, /ready            Kubernetes' liveness and readiness, in probes.py   open
     GET  /v1/models               the served model names
     GET  /v1/models/{model_id}    one model's card, or 404
     POST /v1/completions          prompt: a string or a list of token ids
@@ -61,6 +62,8 @@ from services.openai.settings import OpenAISettings
 from services.openai.tool_calls import ToolCallFormat, constraint_of
 from services.openai.utility_routes import REQUEST_MODELS as UTILITY_REQUEST_MODELS
 from services.openai.utility_routes import router as utility_router
+from services.openai.probes import router as probe_router
+from services.openai.drain import Drain, DrainGate
 
 router = APIRouter()
 _STARTED_AT = int(time.time())
@@ -80,13 +83,16 @@ def install_openai_api(app: FastAPI, *, request_id_header: bool = True) -> None:
     ``request_id_header=False`` when a proxy in front already echoes
     x-request-id (Ray Serve's does)."""
     app.add_middleware(ApiKeyMiddleware)  # innermost: a 401 still gets its x-request-id, span and count
+    app.add_middleware(DrainGate)         # once draining, new requests get 503 (drain.py)
+    app.state.drain = Drain()
     app.add_middleware(RequestIdMiddleware, echo_header=request_id_header)
     app.add_middleware(TracingMiddleware)
-    endpoints = EndpointLabels([*router.routes, *utility_router.routes], paths=[app.openapi_url or "/openapi.json"])
+    endpoints = EndpointLabels([*router.routes, *utility_router.routes, *probe_router.routes], paths=[app.openapi_url or "/openapi.json"])
     app.add_middleware(ResponseCounter, endpoints=endpoints)   # outermost: counts 401s and Starlette's 500s too
     install_error_handlers(app, request_id_header=request_id_header)
     app.include_router(router)
     app.include_router(utility_router)
+    app.include_router(probe_router)
     install_openapi(app, [CompletionRequest, ChatCompletionRequest, *UTILITY_REQUEST_MODELS], [ChatCompletionChunk])
 
 
@@ -94,7 +100,8 @@ def configure_app(app: FastAPI, backend: Backend, tokenizer: Tokenizer, settings
                   metrics: GatewayMetrics | None = None) -> None:
     """``metrics`` None: a registry of the app's own, with no status board or admission numbers."""
     app.state.backend, app.state.tokenizer, app.state.openai_settings = backend, tokenizer, settings
-    app.state.gateway_metrics = metrics if metrics is not None else GatewayMetrics()
+    app.state.gateway_metrics = metrics if metrics is not None else GatewayMetrics(
+        model_name=settings.served_model_names[0], block_size=settings.block_size)
 
 
 _HEALTH_STATUS = {"content": {"application/json": {"schema": {"type": "object"}}}}
@@ -179,7 +186,7 @@ async def _generate(request: Request, kind: type[CompletionRequest] | type[ChatC
     if wants_prompt_only:
         chunks = prompt_only(chunks)
     chunks = observe_gateway_stream(chunks, len(prompt.token_ids))  # TTFT/TPOT/E2E, finish reason on the root
-    chunks = host.metrics.observe_stream(chunks)                     # the same, for the gateway's /metrics
+    chunks = host.metrics.observe_stream(chunks, len(prompt.token_ids))  # the same, for the gateway's /metrics
     tally = Tally(prompt_tokens=len(prompt.token_ids), n=req.n)
     logprobs = None if params.logprobs is None else LogprobRenderer(host.tokenizer, params.logprobs)
     include_usage = req.stream and req.stream_options is not None and req.stream_options.include_usage

@@ -20,7 +20,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from observability import metrics, tracing
 _PROPAGATED_HEADERS = frozenset({"traceparent", "tracestate", "baggage"})
-_UNTRACED_PATHS = frozenset({"/health", "/-/healthz", "/-/routes", "/metrics"})  # probes, scrapes
+_UNTRACED_PATHS = frozenset({"/health", "/live", "/ready", "/-/healthz", "/-/routes", "/metrics"})  # probes, scrapes
 
 
 def _carrier(scope: Scope) -> dict[str, str]:

@@ -181,6 +181,7 @@ class Worker:
             "spec_tokens_per_step": s.spec_tokens_per_step,
             "counters": self.counters.__dict__.copy(),
             "task_crashes": self.supervisor.crash_counts(),
+            "queue_time_s": metrics.queue_times(self.role).snapshot(),
             "transfer_backend": self.transfer.name if self.transfer else None,
             "internal_address": self.internal_address,
             "time": time.time(),
@@ -210,7 +211,8 @@ class Worker:
 async def stream_whole_request(worker: Worker, request: GenerateRequest, capacity: int):
     """Both phases on this replica's engine (colocated mode, and the decode
     pool's fallback when no prefill replica is alive)."""
-    timer = metrics.RequestTimer(worker.role)
+    timer = metrics.RequestTimer(worker.role, clock=time.monotonic)   # the engine's clock: first_scheduled_s
+    queued = False
     with worker.admitted(capacity), engine_errors_as_backend_errors():
         async for out in worker.aengine.generate(request.request_id, request.prompt_token_ids, request.params,
                                                  prior_output_token_ids=request.prior_output_token_ids,
@@ -218,6 +220,10 @@ async def stream_whole_request(worker: Worker, request: GenerateRequest, capacit
             if timer.num_tokens == 0:
                 metrics.count_prompt_tokens(worker.role, worker.name, out.num_prompt_tokens,
                                             out.num_cached_tokens)
+            scheduled_s = getattr(out, "first_scheduled_s", None)
+            if not queued and scheduled_s is not None:
+                queued = True
+                metrics.observe_queue(worker.role, max(scheduled_s - timer.start_s, 0.0))
             faults.drop_stream(request.faults, timer.num_tokens, resumed=bool(request.prior_output_token_ids))
             timer.on_tokens(len(out.new_token_ids))
             yield TokenDelta(out.new_token_ids, out.text_delta,

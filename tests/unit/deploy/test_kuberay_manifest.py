@@ -139,3 +139,18 @@ def test_redis_service_selects_the_redis_deployment(documents):
     labels = redis["spec"]["template"]["metadata"]["labels"]
     assert service["spec"]["selector"].items() <= labels.items()
     assert service["spec"]["ports"][0]["port"] == 6379
+
+
+def test_the_head_is_ready_when_a_request_would_succeed(rayservice):
+    head = _containers(rayservice)["head"]
+    probe = head["readinessProbe"]["httpGet"]
+    assert probe["path"] == "/ready"
+    assert probe["port"] in {p["name"] for p in head["ports"]} and "serve" == probe["port"]
+
+
+def test_the_head_drains_before_it_stops(rayservice):
+    head_pod = rayservice["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]
+    command = head_pod["containers"][0]["lifecycle"]["preStop"]["exec"]["command"]
+    assert command[:2] == ["pdcluster", "drain"]
+    drain_s = float(command[command.index("--timeout") + 1])
+    assert head_pod["terminationGracePeriodSeconds"] >= drain_s + 20

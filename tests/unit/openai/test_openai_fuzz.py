@@ -103,7 +103,8 @@ async def test_openapi_document_names_the_request_models(client):
     r = await client.get("/openapi.json")
     assert r.status_code == 200
     doc = r.json()
-    assert set(doc["paths"]) == {"/health", "/v1/models", "/v1/models/{model_id}", C, CC, TOK, DETOK, "/metrics"}
+    assert set(doc["paths"]) == {"/health", "/live", "/ready", "/v1/models", "/v1/models/{model_id}", C, CC, TOK,
+                                 DETOK, "/metrics"}
     for path, model in ((C, "CompletionRequest"), (CC, "ChatCompletionRequest")):
         body = doc["paths"][path]["post"]["requestBody"]
         assert body["content"]["application/json"]["schema"] == {"$ref": f"#/components/schemas/{model}"}

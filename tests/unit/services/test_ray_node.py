@@ -100,3 +100,19 @@ def test_up_prints_a_dashboard_url_only_where_ray_reported_one():
     assert "http" not in head and "pdcluster status" in head
     assert "--include-dashboard=false" in head_command("10.0.0.1")
     assert "{dashboard}" in SNIPPET and "8265" not in SNIPPET
+
+
+def test_up_says_where_the_dashboards_auth_token_is_never_the_token():
+    from pathlib import Path
+
+    from services.cli.up import dashboard_line
+
+    url, home = "http://127.0.0.1:8265", Path("/home/op")
+    on = dashboard_line(url, "prefill, decode", {"RAY_AUTH_MODE": "token"}, home)
+    assert "ray get-auth-token" in on and "/home/op/.ray/auth_token" in on
+    custom = dashboard_line(url, "colocated", {"RAY_AUTH_MODE": "TOKEN", "RAY_AUTH_TOKEN_PATH": "/etc/ray/t"}, home)
+    assert "/etc/ray/t" in custom
+    from_env = dashboard_line(url, "colocated", {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "s3cret-value"}, home)
+    assert "RAY_AUTH_TOKEN environment variable" in from_env and "s3cret-value" not in from_env
+    assert "token" not in dashboard_line(url, "colocated", {}, home).lower()
+    assert "get-auth-token" not in dashboard_line(None, "colocated", {"RAY_AUTH_MODE": "token"}, home)
