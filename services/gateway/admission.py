@@ -26,7 +26,7 @@ from dataclasses import replace
 from observability import metrics
 from services.backend import BackendOverloaded
 from services.config import AutoscaleSpeed
-from services.gateway.throughput import AdmittedRate, ServedRate, next_overloaded
+from services.gateway.throughput import AdmittedRate, ServedRate
 from services.gateway.placement import DECODE, PREFILL, PlaceLoad, Placement, Rules, Snapshot, place
 from services.speed.calibration import Calibration
 
@@ -86,8 +86,7 @@ class Admission:
         self.in_flight = 0
         self.places = {PREFILL: PlaceQueue(), DECODE: PlaceQueue()}
         self._decode_busy: deque[tuple[float, float]] = deque()  # (when placed, seconds of decode time)
-        self.admitted_rate, self.offered_rate, self.served_rate = AdmittedRate(), AdmittedRate(), ServedRate()
-        self.overloaded = False
+        self.admitted_rate, self.served_rate = AdmittedRate(), ServedRate()
         self.num_shed = 0
         self.num_over_capacity = 0
         self.num_admitted = 0
@@ -109,7 +108,7 @@ class Admission:
                         decode_streams=self.in_flight, decode_seats=self.decode_seats_per_replica * decode,
                         decode_busy_s=sum(s for _, s in self._decode_busy),
                         calibrated=self.num_measured >= MIN_SAMPLES,
-                        overloaded=self.overloaded)
+                        admitted_tps=self.admitted_rate.tokens_per_s(now), served_tps=self.served_rate.tokens_per_s())
 
     def place(self, prompt_tokens: int, prefill_live: int | None, decode_live: int | None) -> Ticket:
         """A ticket naming where the prompt is prefilled, or BackendOverloaded (429 with Retry-After)."""
@@ -119,9 +118,6 @@ class Admission:
             raise BackendOverloaded(f"the gateway is serving {self.in_flight} requests (admission.max_in_flight "
                                     f"= {self.max_in_flight}); retry shortly", retry_after_s=1.0)
         now = time.monotonic()
-        self.offered_rate.add(prompt_tokens, now)
-        self.overloaded = next_overloaded(self.overloaded, self.admitted_rate.tokens_per_s(now),
-                                          self.offered_rate.tokens_per_s(now), self.served_rate.tokens_per_s())
         choice = place(prompt_tokens, self.snapshot(prefill_live, decode_live, now), self.rules)
         if choice.pool is None:
             self.num_shed += 1
@@ -156,7 +152,6 @@ class Admission:
         return {"in_flight": self.in_flight, "shed": self.num_shed, "over_capacity": self.num_over_capacity,
                 "admitted": self.num_admitted, "admitted_prompt_tokens": self.admitted_prompt_tokens,
                 "placed": dict(self.placed), "served_tokens_per_s": self.served_rate.tokens_per_s(),
-                "overloaded": self.overloaded,
                 "pools": {p: {"queued_tokens": q.queued_tokens, "queued_requests": q.queued_requests,
                               "calibration": {"samples": q.calibration.num_samples,
                                               "offset_s": round(q.calibration.line.offset_s, 4),

@@ -1,7 +1,6 @@
-"""The rates admission compares to tell overload from a standing queue.
+"""The two rates admission compares to tell overload from a standing queue.
 
     admitted  prompt tokens admitted per second over the last WINDOW_S (wall time)
-    offered   the same, refused requests included
     served    prompt tokens answered with a first token per *busy* second, over the
               last SERVED_WINDOW first tokens: a first token at time t after a busy
               reference r (the previous first token, or the moment the cluster last
@@ -11,24 +10,13 @@ Busy time, not wall time, is the served rate's denominator, so an idle spell
 does not make the cluster look slow; under saturation it is the cluster's
 prefill throughput, whatever the batch sizes.  A closed-loop client (a
 fixed concurrency) admits exactly what is served; open-loop arrivals above
-capacity admit more.
-
-Overload is a latch (``next_overloaded``, pure): it goes on when work is
-admitted faster than ON_FACTOR x served (arrivals outrun the cluster: the
-queue grows), and off only when the work *offered* -- refusals included --
-falls below what is served.  Once shedding holds the admitted rate at the
-served rate, an open-loop flood stays "overloaded" (its offered rate does
-not fall), so the SLO rule keeps refusing; a closed loop never turns it on
-(it admits what is served), so its standing queue is served late, not
-refused -- refusing it would only turn each refusal into an immediate
-resend."""
+capacity admit more."""
 
 from __future__ import annotations
 
 from collections import deque
 
-WINDOW_S = 20.0
-ON_FACTOR = 1.5
+WINDOW_S = 10.0
 SERVED_WINDOW = 32
 MIN_SERVED = 4
 
@@ -47,17 +35,6 @@ class AdmittedRate:
         while self._events and self._events[0][0] < now - self.window_s:
             self._tokens -= self._events.popleft()[1]
         return self._tokens / self.window_s
-
-
-def next_overloaded(was: bool, admitted_tps: float, offered_tps: float, served_tps: float | None) -> bool:
-    """The overload latch's next state (pure)."""
-    if served_tps is None:
-        return False
-    if admitted_tps > ON_FACTOR * served_tps:
-        return True
-    if offered_tps < served_tps:
-        return False
-    return was
 
 
 class ServedRate:

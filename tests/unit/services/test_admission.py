@@ -4,8 +4,6 @@ the in-flight cap is a 429."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from services.backend import BackendOverloaded
@@ -73,15 +71,15 @@ def test_overload_is_admitted_work_outrunning_served_work():
         adm.served_rate.waiting(float(i))
         adm.served_rate.answered(500, i + 0.5, completed=True)
     assert adm.served_rate.tokens_per_s() == pytest.approx(1000.0)
-    for _ in range(12):
-        adm.place(1500, 1, 1)                   # a standing queue: served late, not refused ...
-        if adm.places[PREFILL].queued_tokens >= 4500:
-            break
-    assert adm.num_shed == 0 and not adm.overloaded
-    adm.admitted_rate.add(40_000, time.monotonic())  # a flood: 2000 tokens/s admitted over 20 s > 1.5 x 1000
-    with pytest.raises(BackendOverloaded):
-        adm.place(1500, 1, 1)
-    assert adm.overloaded and adm.num_shed == 1
+    adm.place(1500, 1, 1)
+    adm.place(1500, 1, 1)                       # 3000 queued: 3.1 s predicted, but 300 tokens/s admitted
+    assert adm.num_shed == 0                    # a standing queue, not overload: served late
+    for _ in range(6):
+        try:
+            adm.place(1500, 1, 1)
+        except BackendOverloaded:
+            pass
+    assert adm.num_shed > 0                     # 1500 tokens/s admitted over 10 s > 1.25 x 1000: shed
 
 
 def test_in_flight_cap_is_a_429():
