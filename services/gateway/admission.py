@@ -7,7 +7,6 @@ own counters are exact and current, unlike stats polled from the replicas:
     per place (prefill pool, decode pool)   prompt tokens and requests admitted, no first token yet
     decode_streams                          requests admitted and not finished (each holds a decode seat)
     decode busy                             decode-side prefill seconds placed in the last window
-    admitted / served rates                 overload, or a standing queue (throughput.py)
     calibration                             (modelled, measured) TTFT of each place's recent first tokens
 
 The speed model (services/speed/model.py) starts from the configured
@@ -26,7 +25,6 @@ from dataclasses import replace
 from observability import metrics
 from services.backend import BackendOverloaded
 from services.config import AutoscaleSpeed
-from services.gateway.throughput import AdmittedRate, ServedRate
 from services.gateway.placement import DECODE, PREFILL, PlaceLoad, Placement, Rules, Snapshot, place
 from services.speed.calibration import Calibration
 
@@ -86,7 +84,6 @@ class Admission:
         self.in_flight = 0
         self.places = {PREFILL: PlaceQueue(), DECODE: PlaceQueue()}
         self._decode_busy: deque[tuple[float, float]] = deque()  # (when placed, seconds of decode time)
-        self.admitted_rate, self.served_rate = AdmittedRate(), ServedRate()
         self.num_shed = 0
         self.num_over_capacity = 0
         self.num_admitted = 0
@@ -107,8 +104,7 @@ class Admission:
         return Snapshot(prefill=prefill, decode=self.places[DECODE].load(decode),
                         decode_streams=self.in_flight, decode_seats=self.decode_seats_per_replica * decode,
                         decode_busy_s=sum(s for _, s in self._decode_busy),
-                        calibrated=self.num_measured >= MIN_SAMPLES,
-                        admitted_tps=self.admitted_rate.tokens_per_s(now), served_tps=self.served_rate.tokens_per_s())
+                        calibrated=self.num_measured >= MIN_SAMPLES)
 
     def place(self, prompt_tokens: int, prefill_live: int | None, decode_live: int | None) -> Ticket:
         """A ticket naming where the prompt is prefilled, or BackendOverloaded (429 with Retry-After)."""
@@ -129,8 +125,6 @@ class Admission:
         return self._enqueue(choice, prompt_tokens, now)
 
     def _enqueue(self, choice: Placement, prompt_tokens: int, now: float) -> Ticket:
-        self.admitted_rate.add(prompt_tokens, now)
-        self.served_rate.waiting(now)
         q = self.places[choice.pool]
         q.queued_tokens += prompt_tokens
         q.queued_requests += 1
@@ -141,7 +135,6 @@ class Admission:
         return Ticket(self, choice, prompt_tokens)
 
     def _dequeue(self, ticket: Ticket, measured_s: float | None) -> None:
-        self.served_rate.answered(ticket.tokens, time.monotonic(), completed=measured_s is not None)
         q = self.places[ticket.pool]
         q.queued_tokens -= ticket.tokens
         q.queued_requests -= 1
@@ -151,7 +144,7 @@ class Admission:
     def view(self) -> dict:
         return {"in_flight": self.in_flight, "shed": self.num_shed, "over_capacity": self.num_over_capacity,
                 "admitted": self.num_admitted, "admitted_prompt_tokens": self.admitted_prompt_tokens,
-                "placed": dict(self.placed), "served_tokens_per_s": self.served_rate.tokens_per_s(),
+                "placed": dict(self.placed), 
                 "pools": {p: {"queued_tokens": q.queued_tokens, "queued_requests": q.queued_requests,
                               "calibration": {"samples": q.calibration.num_samples,
                                               "offset_s": round(q.calibration.line.offset_s, 4),

@@ -29,11 +29,6 @@ The decode replica may prefill only while its streams keep their TPOT:
                                                                  the calibrated line)
               and the place already has queued work             (an idle place cannot do better later)
               and the model is calibrated                       (enough first tokens measured)
-              and the cluster is overloaded: work is admitted faster than it is served
-                  (admitted prompt tokens/s over the last window > overload_factor x the tokens/s
-                  first tokens came back at, per busy second), or ttft(place) > late_factor x slo;
-              a bounded queue that merely misses the SLO (a closed-loop client at a fixed
-              concurrency) is served late, not refused: refusing it would help no one;
             or when the decode pool has no seat left (every stream needs one; a decode replica
               must never refuse a stream after its first token)
 
@@ -69,11 +64,6 @@ class Snapshot:
     decode_seats: int = 1 << 30     # streams it can hold in all (batch seats + queue, x replicas)
     decode_busy_s: float = 0.0      # prefill seconds placed on decode replicas within the window
     calibrated: bool = True         # enough first tokens measured to refuse on a prediction
-    admitted_tps: float = 0.0       # prompt tokens admitted per second over the last window
-    served_tps: float | None = None  # prompt tokens answered with a first token per busy second
-
-    def overloaded(self, factor: float) -> bool:
-        return self.served_tps is not None and self.admitted_tps > factor * self.served_tps
 
 
 @dataclass(frozen=True)
@@ -88,8 +78,6 @@ class Rules:
     window_s: float = 10.0          # the decode replicas' busy share is measured over this
     max_local_prefill_s: float = 1.0  # the longest prefill a decode replica takes on while a prefill replica lives
     shed: bool = True
-    overload_factor: float = 1.25   # admitted faster than this x served: overloaded
-    late_factor: float = 4.0        # past this x the SLO a queue is refused even when not overloaded
 
 
 @dataclass(frozen=True)
@@ -160,9 +148,7 @@ def _with(p: Placement, reason: str) -> Placement:
 def _admit_or_refuse(choice: Placement, load: PlaceLoad, snap: Snapshot, rules: Rules) -> Placement:
     bound = rules.ttft_slo_s * rules.headroom
     tail = choice.predicted_ttft_s + load.tail_s
-    if (not rules.shed or not snap.calibrated or load.queued_requests == 0 or tail <= bound
-            or not (snap.overloaded(rules.overload_factor)
-                    or choice.predicted_ttft_s > rules.late_factor * rules.ttft_slo_s)):
+    if not rules.shed or not snap.calibrated or load.queued_requests == 0 or tail <= bound:
         return choice
     excess = tail - bound
     return Placement(None, choice.predicted_ttft_s, choice.modelled_ttft_s, reason=(
