@@ -1,0 +1,153 @@
+"""SLO goodput on mixed traffic: the default `pdcluster up` (no config) vs
+vLLM-CPU on the same cores, one server at a time, our load generator
+(Poisson arrivals, greedy, ignore EOS, the same seeded prompts for both).
+
+    (i)  mix at 1 req/s: short chats (~100 in / 64 out) 50%, long inputs
+         (~1,500 in / 32 out) 25%, long outputs (~100 in / 256 out) 25%
+    (ii) short chats at 1 req/s, with bursts of four 3,000-token prompts
+         (32 out) every 20 s
+
+A request is good when it was served (a 429 or any error counts as a miss),
+its TTFT <= 2 s and its TPOT <= 100 ms.  The rates are the issue's, set on a
+Sapphire Rapids machine whose fingerprint read "ours 945 GFLOP/s"; on a
+slower machine every rate is scaled by this machine's own measured figure
+over that one (both servers get the same scaled rate; the scale is printed).
+
+    python -m bench.load.mixed_goodput [--duration 60] [--scale S]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench.fingerprint import print_fingerprint
+from bench.load.client import RequestRecord
+from bench.load.loadgen import run_workload
+from bench.load.servers import REPO, OurServer, PeerServer
+from bench.targets import print_target
+from bench.tokenizer import load_tokenizer
+from bench.workload import Workload
+from prefix_store.redis_server import free_service_port
+
+TTFT_SLO_S, TPOT_SLO_S = 2.0, 0.1
+REFERENCE_GFLOPS = 945.0  # the issue's Sapphire Rapids fingerprint ("ours 945 GFLOP/s")
+
+
+@dataclass(frozen=True)
+class Goodput:
+    sent: int
+    served: int
+    refused: int       # 429
+    good: int
+    chats: int         # short-chat requests (workload ii's protected class)
+    chats_good: int
+
+    @property
+    def ratio(self) -> float:
+        return self.good / self.sent if self.sent else float("nan")
+
+
+def is_good(r: RequestRecord) -> bool:
+    """Served, first token within the TTFT SLO, and (with 2+ tokens) TPOT within its SLO (pure)."""
+    if not r.ok or r.ttft_s is None or r.ttft_s > TTFT_SLO_S:
+        return False
+    return r.tpot_s is None or r.tpot_s <= TPOT_SLO_S
+
+
+def goodput(records: list[RequestRecord]) -> Goodput:
+    chats = [r for r in records if r.bucket == "short_chat"]
+    return Goodput(sent=len(records), served=sum(r.ok for r in records),
+                   refused=sum(r.error == "http_429" for r in records),
+                   good=sum(is_good(r) for r in records), chats=len(chats), chats_good=sum(is_good(r) for r in chats))
+
+
+def _bucket(name: str, share: float, tokens_in: int, tokens_out: int) -> dict:
+    return {"name": name, "share": share,
+            "input_tokens": {"dist": "normal", "mean": tokens_in, "std": tokens_in / 10, "min": 16},
+            "output_tokens": {"dist": "fixed", "value": tokens_out}}
+
+
+def _workload(name: str, buckets: list[dict], arrival: dict, duration_s: float, seed: int) -> Workload:
+    return Workload.model_validate({
+        "name": name, "seed": seed, "buckets": buckets, "arrival": arrival, "stop": {"duration_s": duration_s},
+        "request": {"endpoint": "completions", "temperature": 0.0, "ignore_eos": True, "timeout_s": 300}})
+
+
+def workloads(scale: float, duration_s: float) -> dict[str, list[Workload]]:
+    """Each case is one or more workloads run at once against the same server."""
+    chat = _bucket("short_chat", 1.0, 100, 64)
+    mix = [{**chat, "share": 0.5}, _bucket("long_input", 0.25, 1500, 32), _bucket("long_output", 0.25, 100, 256)]
+    return {
+        "i_mix": [_workload("i_mix", mix, {"kind": "poisson", "rate_rps": 1.0 * scale}, duration_s, 11)],
+        "ii_bursts": [
+            _workload("ii_chats", [chat], {"kind": "poisson", "rate_rps": 1.0 * scale}, duration_s, 12),
+            _workload("ii_long", [_bucket("burst_3k", 1.0, 3000, 32)],
+                      {"kind": "burst", "burst_size": 4, "period_s": 20.0 / scale}, duration_s, 13)],
+    }
+
+
+async def _run_case(url: str, case: list[Workload], tokenizer) -> list[RequestRecord]:
+    results = await asyncio.gather(*(run_workload(url, w, tokenizer, label=w.name) for w in case))
+    return [r for result in results for r in result.records]
+
+
+def run_server(server, cases: dict[str, list[Workload]], tokenizer) -> dict[str, Goodput]:
+    print(f"... {server.name}: launching", file=sys.stderr, flush=True)
+    server.start()
+    print(f"... {server.name}: ready in {server.launch_to_ready_s:.1f} s", file=sys.stderr, flush=True)
+    try:
+        warmup = _workload("warmup", [_bucket("short_chat", 1.0, 64, 8)], {"kind": "closed", "concurrency": 2},
+                           10.0, 1)
+        asyncio.run(run_workload(server.url, warmup, tokenizer, show_progress=False))
+        return {key: goodput(asyncio.run(_run_case(server.url, case, tokenizer))) for key, case in cases.items()}
+    finally:
+        server.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--duration", type=float, default=60.0, help="seconds of traffic per case")
+    ap.add_argument("--scale", type=float, default=None, help="rate scale (default: measured, at most 1)")
+    ap.add_argument("--peer-script", default=str(REPO.parent / "shared" / "peer" / "vllm-cpu.sh"))
+    args = ap.parse_args(argv)
+    fp = print_fingerprint()
+    scale = args.scale if args.scale is not None else min(1.0, fp.ours_bf16_gemm_tflops * 1e3 / REFERENCE_GFLOPS)
+    print(f"# pdcluster (default `pdcluster up`, no config) vs vLLM-CPU 0.32, SmolLM2-135M-Instruct bf16, same "
+          f"2 cores, one server at a time; SLO TTFT <= {TTFT_SLO_S} s, TPOT <= {TPOT_SLO_S * 1e3:.0f} ms")
+    print(f"# rate scale {scale:.2f} (this machine's {fp.ours_bf16_gemm_tflops * 1e3:.0f} GFLOP/s over the "
+          f"reference {REFERENCE_GFLOPS:.0f}): (i) {scale:.2f} req/s, (ii) chats {scale:.2f} req/s + 4 x 3k "
+          f"every {20 / scale:.0f} s")
+    print(f"# reproduce: python -m bench.load.mixed_goodput --duration {args.duration:g} --scale {scale:.2f}")
+    cases = workloads(scale, args.duration)
+    tokenizer = load_tokenizer(None)
+    with tempfile.TemporaryDirectory() as tmp:
+        config = Path(tmp) / "default.yaml"
+        config.write_text("{}\n")  # the defaults, as `pdcluster up` without --config
+        (REPO / "runs").mkdir(exist_ok=True)
+        ours = OurServer(config, free_service_port(), REPO / "runs" / "mixed_goodput_ours.log")
+        peer = PeerServer(Path(args.peer_script), free_service_port())
+        peer.setup()
+        results = {"pdcluster": run_server(ours, cases, tokenizer), "vLLM": run_server(peer, cases, tokenizer)}
+    print(f"\n{'case':10} | {'server':9} | sent | served | 429 | good | goodput | chats good")
+    for key in cases:
+        for name, by_case in results.items():
+            g = by_case[key]
+            print(f"{key:10} | {name:9} | {g.sent:4} | {g.served:6} | {g.refused:3} | {g.good:4} | "
+                  f"{g.ratio:7.2%} | {g.chats_good}/{g.chats}")
+    ours_r, peer_r = results["pdcluster"], results["vLLM"]
+    print_target("i_mix_goodput", ours_r["i_mix"].ratio, ">=", 0.95)
+    print_target("i_mix_goodput_vs_vllm", ours_r["i_mix"].ratio / max(peer_r["i_mix"].ratio, 1e-9), ">=", 1.5)
+    print_target("ii_bursts_goodput", ours_r["ii_bursts"].ratio, ">=", 0.90)
+    ii = ours_r["ii_bursts"]
+    print_target("ii_bursts_chats_good", ii.chats_good / ii.chats if ii.chats else float("nan"), ">=", 1.0)
+    print_target("ii_bursts_goodput_vs_vllm", ii.ratio / max(peer_r["ii_bursts"].ratio, 1e-9), ">=", 1.5)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

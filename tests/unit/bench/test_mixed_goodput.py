@@ -1,0 +1,38 @@
+"""The goodput judgement of bench/load/mixed_goodput.py: served, TTFT and
+TPOT within the SLO; a refusal is a miss; short chats counted apart."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.load.client import RequestRecord
+from bench.load.mixed_goodput import goodput, is_good, workloads
+
+
+def rec(bucket="short_chat", ttft=0.5, e2e=3.0, out=64, error=None) -> RequestRecord:
+    return RequestRecord(index=0, bucket=bucket, tenant="t", input_tokens=100, output_tokens=out,
+                         planned_output_tokens=out, start_s=0.0, ttft_s=ttft, e2e_s=e2e, error=error)
+
+
+@pytest.mark.parametrize("record, good", [
+    (rec(), True),                                   # TPOT (3 - 0.5) / 63 = 40 ms
+    (rec(ttft=2.1), False),                          # late first token
+    (rec(e2e=10.0), False),                          # TPOT 151 ms
+    (rec(out=1, e2e=0.5), True),                     # one token: no TPOT to judge
+    (rec(error="http_429", ttft=None, e2e=None), False),
+])
+def test_is_good(record, good):
+    assert is_good(record) is good
+
+
+def test_goodput_counts_refusals_as_misses_and_chats_apart():
+    g = goodput([rec(), rec(error="http_429", ttft=None, e2e=None), rec(bucket="burst_3k", ttft=4.0)])
+    assert (g.sent, g.served, g.refused, g.good, g.chats, g.chats_good) == (3, 2, 1, 1, 2, 1)
+    assert g.ratio == pytest.approx(1 / 3)
+
+
+def test_workloads_scale_the_rates_and_burst_period():
+    cases = workloads(0.5, 60.0)
+    assert cases["i_mix"][0].arrival.rate_rps == 0.5
+    chats, bursts = cases["ii_bursts"]
+    assert chats.arrival.rate_rps == 0.5 and bursts.arrival.period_s == 40.0 and bursts.arrival.burst_size == 4
