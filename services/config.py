@@ -153,6 +153,13 @@ class AdmissionSettings(_Strict):
     request_timeout_s: float = Field(300.0, gt=0, description="end-to-end deadline of one request")
     inter_token_timeout_s: float = Field(30.0, gt=0, description="longest wait for the next token once "
                                                                  "the first has arrived")
+    first_token_timeout_s: float | None = Field(
+        None, gt=0, description="longest wait for the first token, or 3x the request's predicted time to first "
+                                "token when that is longer (a long prompt on a slow machine is never cut for "
+                                "being long); None: 10 x ttft_slo_s")
+
+    def first_token_timeout(self) -> float:
+        return self.first_token_timeout_s or 10 * self.ttft_slo_s
 
 
 class AutoscalePoolBounds(_Strict):

@@ -85,7 +85,7 @@ class ClusterBackend(Backend):
                  local_prefill_max_tokens: int = 0, admission: Admission | None = None,
                  request_timeout_s: float = 300.0, inter_token_timeout_s: float = 30.0,
                  max_failovers: int = 2, failovers: FailoverLog | None = None, resume_local_max_tokens: int = 512,
-                 handoff_wait_s: float = 30.0):
+                 handoff_wait_s: float = 30.0, first_token_timeout_s: float = math.inf):
         self.handles = handles
         self.max_failovers = max_failovers
         # A resumed stream with more tokens to prefill again than this goes through the prefill pool.
@@ -95,6 +95,7 @@ class ClusterBackend(Backend):
         self.admission = admission or Admission(ttft_slo_s=float("inf"), max_in_flight=1 << 30, shed=False,
                                                 rules=dataclasses.replace(DEFAULT_RULES, max_local_prefill_s=0.0))
         self.request_timeout_s, self.inter_token_timeout_s = request_timeout_s, inter_token_timeout_s
+        self.first_token_timeout_s = first_token_timeout_s  # raised to 3x a request's predicted TTFT when longer
         self.num_lease_releases = 0
         self.num_handoff_waits = 0
         self.handoff_wait_s = handoff_wait_s  # longest wait for a decode seat after the first token went out
@@ -135,7 +136,9 @@ class ClusterBackend(Backend):
         ticket = await self._admit(req)  # or 429
         req = with_stream_seed(req)  # so a failover's hop draws what the lost replica would have
         # The inter-token deadline is per attempt (with_gap_deadline): passing it may fail over.
-        chunks = with_deadlines(self._with_failover(req, ticket.placement), self.request_timeout_s, math.inf)
+        first_token_s = max(self.first_token_timeout_s, 3 * ticket.placement.predicted_ttft_s)
+        chunks = with_deadlines(self._with_failover(req, ticket.placement), self.request_timeout_s, math.inf,
+                                first_token_s)
         try:
             async for chunk in chunks:
                 ticket.first_token()

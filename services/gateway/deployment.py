@@ -114,6 +114,7 @@ class Gateway:
                                  admission=admission_for(cfg),
                                  request_timeout_s=adm.request_timeout_s,
                                  inter_token_timeout_s=adm.inter_token_timeout_s,
+                                 first_token_timeout_s=adm.first_token_timeout(),
                                  max_failovers=cfg.max_failovers,
                                  resume_local_max_tokens=cfg.resume_local_max_tokens(),
                                  failovers=FailoverLog(cfg.index_url, cfg.cluster_name))

@@ -128,3 +128,30 @@ async def test_request_deadline_covers_the_wait_for_the_first_token():
     with pytest.raises(BackendTimeout, match="deadline"):
         async for _ in with_deadlines(slow(), 0.1, 10.0):
             pass
+
+
+async def test_a_first_token_later_than_its_deadline_aborts_the_stream():
+    cancelled = asyncio.Event()
+
+    async def stalled():
+        try:
+            await asyncio.sleep(3600)
+            yield "never"
+        finally:
+            cancelled.set()  # the replica calls behind it are cancelled
+
+    with pytest.raises(BackendTimeout, match="admission.first_token_timeout_s"):
+        async for _ in with_deadlines(stalled(), 300.0, 10.0, first_token_timeout_s=0.1):
+            pass
+    assert cancelled.is_set()
+
+
+async def test_the_first_token_deadline_ends_with_the_first_token():
+    async def slow_after_first():
+        yield TokenDelta([1], "a")
+        await asyncio.sleep(0.3)   # past the first-token bound, within the inter-token one
+        yield TokenDelta([2], "b", "length")
+
+    chunks = [c async for c in with_deadlines(slow_after_first(), 300.0, 10.0, first_token_timeout_s=0.1)]
+    assert [c.text for c in chunks] == ["a", "b"]
+
