@@ -13,7 +13,7 @@ Sapphire Rapids machine whose fingerprint read "ours 945 GFLOP/s"; on a
 slower machine every rate is scaled by this machine's own measured figure
 over that one (both servers get the same scaled rate; the scale is printed).
 
-    python -m bench.load.mixed_goodput [--duration 60] [--scale S]
+    python -m bench.load.mixed_goodput [--duration 60] [--scale S] [--config deploy/race.yaml] [--no-peer]
 """
 
 from __future__ import annotations
@@ -114,28 +114,40 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--duration", type=float, default=60.0, help="seconds of traffic per case")
     ap.add_argument("--scale", type=float, default=None, help="rate scale (default: measured, at most 1)")
     ap.add_argument("--peer-script", default=str(REPO.parent / "shared" / "peer" / "vllm-cpu.sh"))
+    ap.add_argument("--config", default=None, help="our cluster's config (default: none, as `pdcluster up`)")
+    ap.add_argument("--no-peer", action="store_true", help="ours only (the vs-vLLM targets are then missed)")
     args = ap.parse_args(argv)
     fp = print_fingerprint()
     scale = args.scale if args.scale is not None else min(1.0, fp.ours_bf16_gemm_tflops * 1e3 / REFERENCE_GFLOPS)
-    print(f"# pdcluster (default `pdcluster up`, no config) vs vLLM-CPU 0.32, SmolLM2-135M-Instruct bf16, same "
+    ours_name = f"--config {args.config}" if args.config else "default `pdcluster up`, no config"
+    print(f"# pdcluster ({ours_name}) vs vLLM-CPU 0.32, SmolLM2-135M-Instruct bf16, same "
           f"2 cores, one server at a time; SLO TTFT <= {TTFT_SLO_S} s, TPOT <= {TPOT_SLO_S * 1e3:.0f} ms")
     print(f"# rate scale {scale:.2f} (this machine's {fp.ours_bf16_gemm_tflops * 1e3:.0f} GFLOP/s over the "
           f"reference {REFERENCE_GFLOPS:.0f}): (i) {scale:.2f} req/s, (ii) chats {scale:.2f} req/s + 4 x 3k "
           f"every {20 / scale:.0f} s")
-    print(f"# reproduce: python -m bench.load.mixed_goodput --duration {args.duration:g} --scale {scale:.2f}")
+    extra = (f" --config {args.config}" if args.config else "") + (" --no-peer" if args.no_peer else "")
+    print(f"# reproduce: python -m bench.load.mixed_goodput --duration {args.duration:g} --scale {scale:.2f}{extra}")
     cases = workloads(scale, args.duration)
     tokenizer = load_tokenizer(None)
     with tempfile.TemporaryDirectory() as tmp:
-        config = Path(tmp) / "default.yaml"
-        config.write_text("{}\n")  # the defaults, as `pdcluster up` without --config
+        config = Path(args.config) if args.config else Path(tmp) / "default.yaml"
+        if not args.config:
+            config.write_text("{}\n")  # the defaults, as `pdcluster up` without --config
         (REPO / "runs").mkdir(exist_ok=True)
         ours = OurServer(config, free_service_port(), REPO / "runs" / "mixed_goodput_ours.log")
-        peer = PeerServer(Path(args.peer_script), free_service_port())
-        peer.setup()
-        results = {"pdcluster": run_server(ours, cases, tokenizer), "vLLM": run_server(peer, cases, tokenizer)}
+        results = {"pdcluster": run_server(ours, cases, tokenizer)}
+        if not args.no_peer:
+            peer = PeerServer(Path(args.peer_script), free_service_port())
+            peer.setup()
+            results["vLLM"] = run_server(peer, cases, tokenizer)
+        else:
+            nothing = Goodput(0, 0, 0, 0, 0, 0)
+            results["vLLM"] = {key: nothing for key in cases}
     print(f"\n{'case':10} | {'server':9} | sent | served | 429 | good | goodput | chats good")
     for key in cases:
         for name, by_case in results.items():
+            if by_case[key].sent == 0:
+                continue
             g = by_case[key]
             print(f"{key:10} | {name:9} | {g.sent:4} | {g.served:6} | {g.refused:3} | {g.good:4} | "
                   f"{g.ratio:7.2%} | {g.chats_good}/{g.chats}")
