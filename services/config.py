@@ -156,10 +156,13 @@ class AdmissionSettings(_Strict):
     first_token_timeout_s: float | None = Field(
         None, gt=0, description="longest wait for the first token, or 3x the request's predicted time to first "
                                 "token when that is longer (a long prompt on a slow machine is never cut for "
-                                "being long); None: 10 x ttft_slo_s")
+                                "being long); None: 10 x ttft_slo_s, or request_timeout_s with shed false "
+                                "(serving late was asked for)")
 
     def first_token_timeout(self) -> float:
-        return self.first_token_timeout_s or 10 * self.ttft_slo_s
+        if self.first_token_timeout_s:
+            return self.first_token_timeout_s
+        return 10 * self.ttft_slo_s if self.shed else self.request_timeout_s
 
 
 class AutoscalePoolBounds(_Strict):

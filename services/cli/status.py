@@ -53,16 +53,17 @@ def _spec(s: dict) -> str:
 
 def run_status(args: argparse.Namespace, sleep=time.sleep) -> int:
     """Once, or with ``--watch S`` redrawn every S seconds until Ctrl-C."""
-    if args.watch is None:
+    watch = getattr(args, "watch", None)  # callers that build their own Namespace may leave it out
+    if watch is None:
         return status_once(args)
-    if args.watch < 0.5:
-        raise SystemExit(f"pdcluster status: --watch {args.watch:g} is too often; the board refreshes every "
+    if watch < 0.5:
+        raise SystemExit(f"pdcluster status: --watch {watch:g} is too often; the board refreshes every "
                          "0.5 s: use 0.5 or more")
     try:
         while True:
             print("\033[H\033[2J", end="")   # home + clear: a redraw, not a scroll
             status_once(args)
-            sleep(args.watch)
+            sleep(watch)
     except KeyboardInterrupt:
         return 0
 

@@ -87,9 +87,13 @@ def cluster(trace_file):
     # A killed decode replica's respawn (Ray actor + model load) on a loaded CI machine can
     # outlast the default 30 s inter-token deadline the resumed stream waits within; the
     # deadline has its own tests (faults/test_deadlines.py).
+    # These tests check the disaggregated path (routing, hand-off spans, logprobs across it): every
+    # prompt goes through the prefill pool (max_local_prefill_s 0); placement has its own tests
+    # (tests/integration/admission, tests/unit/services/test_placement.py).
     config = ClusterConfig(port=free_service_port(), prefill=small_pool(num_replicas=2), decode=small_pool(),
                            lease_ttl_s=120.0,  # far above any wait: a stranded lease fails the leak checks
-                           admission=AdmissionSettings(shed=False, inter_token_timeout_s=120.0))
+                           admission=AdmissionSettings(shed=False, inter_token_timeout_s=120.0,
+                                                       max_local_prefill_s=0.0))
     yield from directory_cluster(config, _RUNNING, metrics_interval_s=METRICS_REPORT_INTERVAL_S)
 
 

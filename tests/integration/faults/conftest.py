@@ -30,7 +30,8 @@ def pytest_runtest_teardown(item, nextitem):
 def faults_cluster():
     os.environ["PDCLUSTER_FAULTS"] = "1"  # replicas (and the gateway) inherit the driver's environment
     config = ClusterConfig(port=free_service_port(), prefill=small_pool(), decode=small_pool(), lease_ttl_s=120.0,
-                           admission=AdmissionSettings(ttft_slo_s=TTFT_SLO_S,
+                           # The faults act on the hand-off path: every prompt through the prefill pool.
+                           admission=AdmissionSettings(ttft_slo_s=TTFT_SLO_S, max_local_prefill_s=0.0,
                                                        inter_token_timeout_s=INTER_TOKEN_TIMEOUT_S))
     try:
         yield from directory_cluster(config, _RUNNING)

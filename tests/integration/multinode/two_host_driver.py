@@ -86,7 +86,8 @@ def main(address: str, node_ip: str, dev: str) -> int:
     config = ClusterConfig.model_validate({
         "port": free_service_port(), "prefill": pool.model_dump(), "decode": pool.model_dump(), "dtype": DTYPE,
         "transfer_backend": "nixl", "lease_ttl_s": 120.0,
-        "admission": AdmissionSettings(shed=False, inter_token_timeout_s=150.0).model_dump(),
+        # KV must cross the veth: every prompt through the prefill pool.
+        "admission": AdmissionSettings(shed=False, inter_token_timeout_s=150.0, max_local_prefill_s=0.0).model_dump(),
         "topology": {"internal_host": "node", "allow_transfer_fallback": False,
                      "gateway": {"node_selector": {"pdcluster/head": "true"}},
                      "prefill": {"node_selector": {"pdcluster/role": "prefill"}},

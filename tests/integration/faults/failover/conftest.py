@@ -50,7 +50,9 @@ def failover_cluster(trace_file):
     config = ClusterConfig(port=free_service_port(), prefill=small_pool(kv_cache_mib=160),
                            decode=small_pool(num_replicas=2, kv_cache_mib=160), fallback_to_colocated=True,
                            lease_ttl_s=120.0, router=RouterSettings(resume_local_max_tokens=RESUME_LOCAL_MAX_TOKENS),
-                           admission=AdmissionSettings(shed=False, inter_token_timeout_s=INTER_TOKEN_TIMEOUT_S))
+                           # The faults act on the hand-off path: every prompt through the prefill pool.
+                           admission=AdmissionSettings(shed=False, inter_token_timeout_s=INTER_TOKEN_TIMEOUT_S,
+                                                       max_local_prefill_s=0.0))
     try:
         yield from directory_cluster(config, _RUNNING)
     finally:
