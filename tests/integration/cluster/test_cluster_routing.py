@@ -49,7 +49,10 @@ def test_shared_system_prompt_lands_on_one_prefill_replica_and_decode_reuses_blo
     assert reused >= (len(questions) - 1) * 18  # the decode side pulled only what it lacked
 
 
-def test_overload_beyond_the_queue_answers_429_then_recovers(cluster, base_url):
+def test_a_burst_beyond_the_prefill_queues_is_served_by_the_decode_pool(cluster, base_url):
+    """48 long prompts at once overflow the prefill replicas' queues (8 each): what the prefill
+    pool refuses before a first token is prefilled by the decode replica instead (issue 32:
+    never refuse what can be served), and nothing leaks."""
     long_question = "Please consider: " + " ".join(f"item {i} is fine" for i in range(60))
 
     def one(i):
@@ -59,10 +62,8 @@ def test_overload_beyond_the_queue_answers_429_then_recovers(cluster, base_url):
     with concurrent.futures.ThreadPoolExecutor(48) as pool:
         responses = list(pool.map(one, range(48)))
     codes = [r.status_code for r in responses]
-    assert set(codes) <= {200, 429}, codes
-    limited = [r for r in responses if r.status_code == 429]
-    assert limited, "a queue of 8 per replica should overflow with 48 long prompts at once"
-    assert limited[0].headers.get("retry-after") and limited[0].json()["error"]["type"] == "rate_limit_error"
+    assert codes == [200] * 48, [(r.status_code, r.text[:200]) for r in responses if r.status_code != 200][:3]
+    assert all(r.json()["usage"]["completion_tokens"] == 48 for r in responses)
     wait_no_leaks(cluster, timeout_s=60)
     assert chat(base_url, "Still there?").status_code == 200
 

@@ -41,21 +41,18 @@ def test_hostile_parameters_fail_alone(url, faults_cluster, extra, stream):
 def test_a_dead_engine_loop_is_reported_and_replaced(url, faults_cluster):
     before = {s["name"] for s in board(faults_cluster) if s["role"] == "prefill"}
     r = post(url, {"prompt": PROMPT, "max_tokens": 4}, fault="kill_prefill_engine")
-    assert r.status_code == 503, r.text  # that request fails, typed, naming the way out
-    assert "engine loop died" in r.json()["error"]["message"]
-    deadline = time.monotonic() + 10
-    while httpx.get(url + "/health", timeout=10).status_code == 200:  # readiness must not lie
-        assert time.monotonic() < deadline, "/health kept saying 200 with no live prefill engine"
-        time.sleep(0.2)
-    wait_serving(url)  # Serve's check_health failed and it started a new replica
-    # the old replica's status-board entry outlives it by up to its TTL (5 s): a fast restart
-    # (AMX prefill) serves before it expires, so wait for it to go, within a bound
-    deadline = time.monotonic() + 30
+    # The prefill engine died before a first token: the decode replica prefills it (issue 32).
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 4
+    # Serve's check_health failed and it started a new prefill replica; the old one's status-board
+    # entry outlives it by up to its TTL (5 s), so wait for a live replacement, within a bound.
+    deadline = time.monotonic() + 180
     while True:
-        after = {s["name"] for s in board(faults_cluster) if s["role"] == "prefill"}
+        after = {s["name"] for s in board(faults_cluster) if s["role"] == "prefill" and s.get("engine_alive")}
         if (after and not (after & before)) or time.monotonic() > deadline:
             break
         time.sleep(0.5)
     assert after and not (after & before), (before, after)
+    wait_serving(url)
     ok_request(url)
     wait_no_leaks(faults_cluster)

@@ -26,7 +26,7 @@ def build_app(index_url: str, model: str):
     @serve.deployment(num_replicas=3, max_ongoing_requests=4, ray_actor_options={"num_cpus": 0},
                       request_router_config=request_router_config(
                           "prefill", index_url=index_url, cluster="test", model=model,
-                          stats_period_s=0.5, lookup_timeout_s=0.5))
+                          stats_period_s=0.5, lookup_timeout_s=2.0))  # a loaded CI machine: no fallback
     class FakePrefill:
         async def __init__(self, index_url: str, model: str):
             from prefix_store.index import make_index
