@@ -9,9 +9,11 @@ vLLM-CPU on the same cores, one server at a time, our load generator
 
 A request is good when it was served (a 429 or any error counts as a miss),
 its TTFT <= 2 s and its TPOT <= 100 ms.  The rates are the issue's, set on a
-Sapphire Rapids machine whose fingerprint read "ours 945 GFLOP/s"; on a
-slower machine every rate is scaled by this machine's own measured figure
-over that one (both servers get the same scaled rate; the scale is printed).
+Sapphire Rapids machine; on a slower machine every rate is scaled by the
+capacity measured first: the median TTFT of a lone 512-token prompt on our
+cluster here, against the 0.227 s measured on that class (session 14's
+table; AMX prefill, 1-thread replica).  Both servers get the same scaled
+rate; the scale is printed.
 
     python -m bench.load.mixed_goodput [--duration 60] [--scale S] [--config deploy/race.yaml] [--no-peer]
 """
@@ -35,7 +37,7 @@ from bench.workload import Workload
 from prefix_store.redis_server import free_service_port
 
 TTFT_SLO_S, TPOT_SLO_S = 2.0, 0.1
-REFERENCE_GFLOPS = 945.0  # the issue's Sapphire Rapids fingerprint ("ours 945 GFLOP/s")
+REFERENCE_TTFT_512_S = 0.227  # a lone 512-token prompt, default cluster, Sapphire Rapids (session 14)
 
 
 @dataclass(frozen=True)
@@ -96,7 +98,22 @@ async def _run_case(url: str, case: list[Workload], tokenizer) -> list[RequestRe
     return [r for result in results for r in result.records]
 
 
-def run_server(server, cases: dict[str, list[Workload]], tokenizer) -> dict[str, Goodput]:
+def measure_ttft_512_s(url: str, tokenizer) -> float:
+    """The median TTFT of a lone 512-token prompt (3 sent one after another, fresh prompts)."""
+    probe = Workload.model_validate({
+        "name": "capacity", "seed": 5, "arrival": {"kind": "closed", "concurrency": 1}, "stop": {"num_requests": 3},
+        "buckets": [{"name": "p512", "share": 1.0, "input_tokens": {"dist": "fixed", "value": 512},
+                     "output_tokens": {"dist": "fixed", "value": 2}}],
+        "request": {"endpoint": "completions", "temperature": 0.0, "ignore_eos": True, "timeout_s": 120}})
+    ttfts = sorted(r.ttft_s for r in asyncio.run(run_workload(url, probe, tokenizer, show_progress=False)).records
+                   if r.ok and r.ttft_s is not None)
+    if not ttfts:
+        raise RuntimeError("the capacity probe got no first token: see the server's log")
+    return ttfts[len(ttfts) // 2]
+
+
+def run_server(server, make_cases, tokenizer) -> dict[str, Goodput]:
+    """``make_cases(url)`` builds the cases once the server is up (ours measures the scale first)."""
     print(f"... {server.name}: launching", file=sys.stderr, flush=True)
     server.start()
     print(f"... {server.name}: ready in {server.launch_to_ready_s:.1f} s", file=sys.stderr, flush=True)
@@ -104,6 +121,7 @@ def run_server(server, cases: dict[str, list[Workload]], tokenizer) -> dict[str,
         warmup = _workload("warmup", [_bucket("short_chat", 1.0, 64, 8)], {"kind": "closed", "concurrency": 2},
                            10.0, 1)
         asyncio.run(run_workload(server.url, warmup, tokenizer, show_progress=False))
+        cases = make_cases(server.url)
         return {key: goodput(asyncio.run(_run_case(server.url, case, tokenizer))) for key, case in cases.items()}
     finally:
         server.stop()
@@ -112,37 +130,50 @@ def run_server(server, cases: dict[str, list[Workload]], tokenizer) -> dict[str,
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--duration", type=float, default=60.0, help="seconds of traffic per case")
-    ap.add_argument("--scale", type=float, default=None, help="rate scale (default: measured, at most 1)")
+    ap.add_argument("--scale", type=float, default=None, help="rate scale (default: measured first, at most 1)")
     ap.add_argument("--peer-script", default=str(REPO.parent / "shared" / "peer" / "vllm-cpu.sh"))
     ap.add_argument("--config", default=None, help="our cluster's config (default: none, as `pdcluster up`)")
     ap.add_argument("--no-peer", action="store_true", help="ours only (the vs-vLLM targets are then missed)")
     args = ap.parse_args(argv)
-    fp = print_fingerprint()
-    scale = args.scale if args.scale is not None else min(1.0, fp.ours_bf16_gemm_tflops * 1e3 / REFERENCE_GFLOPS)
+    print_fingerprint()
     ours_name = f"--config {args.config}" if args.config else "default `pdcluster up`, no config"
-    print(f"# pdcluster ({ours_name}) vs vLLM-CPU 0.32, SmolLM2-135M-Instruct bf16, same "
-          f"2 cores, one server at a time; SLO TTFT <= {TTFT_SLO_S} s, TPOT <= {TPOT_SLO_S * 1e3:.0f} ms")
-    print(f"# rate scale {scale:.2f} (this machine's {fp.ours_bf16_gemm_tflops * 1e3:.0f} GFLOP/s over the "
-          f"reference {REFERENCE_GFLOPS:.0f}): (i) {scale:.2f} req/s, (ii) chats {scale:.2f} req/s + 4 x 3k "
-          f"every {20 / scale:.0f} s")
-    extra = (f" --config {args.config}" if args.config else "") + (" --no-peer" if args.no_peer else "")
-    print(f"# reproduce: python -m bench.load.mixed_goodput --duration {args.duration:g} --scale {scale:.2f}{extra}")
-    cases = workloads(scale, args.duration)
+    print(f"# pdcluster ({ours_name}) vs vLLM-CPU 0.32, SmolLM2-135M-Instruct bf16, same 2 cores, one server at "
+          f"a time; SLO TTFT <= {TTFT_SLO_S} s, TPOT <= {TPOT_SLO_S * 1e3:.0f} ms; {args.duration:g} s per case")
     tokenizer = load_tokenizer(None)
+    chosen: dict[str, float] = {}
+
+    def cases_for(url: str) -> dict[str, list[Workload]]:
+        if "scale" not in chosen:
+            if args.scale is not None:
+                chosen["scale"] = args.scale
+            else:
+                ttft = measure_ttft_512_s(url, tokenizer)
+                chosen["scale"] = min(1.0, REFERENCE_TTFT_512_S / ttft)
+                print(f"# capacity: a lone 512-token prompt's TTFT {ttft:.3f} s here, {REFERENCE_TTFT_512_S} s on "
+                      f"the reference machine", flush=True)
+            scale = chosen["scale"]
+            print(f"# rate scale {scale:.2f}: (i) {scale:.2f} req/s, (ii) chats {scale:.2f} req/s + 4 x 3k every "
+                  f"{20 / scale:.0f} s", flush=True)
+            extra = (f" --config {args.config}" if args.config else "") + (" --no-peer" if args.no_peer else "")
+            print(f"# reproduce: python -m bench.load.mixed_goodput --duration {args.duration:g} --scale "
+                  f"{scale:.2f}{extra}", flush=True)
+        return workloads(chosen["scale"], args.duration)
+
     with tempfile.TemporaryDirectory() as tmp:
         config = Path(args.config) if args.config else Path(tmp) / "default.yaml"
         if not args.config:
             config.write_text("{}\n")  # the defaults, as `pdcluster up` without --config
         (REPO / "runs").mkdir(exist_ok=True)
         ours = OurServer(config, free_service_port(), REPO / "runs" / "mixed_goodput_ours.log")
-        results = {"pdcluster": run_server(ours, cases, tokenizer)}
+        results = {"pdcluster": run_server(ours, cases_for, tokenizer)}
         if not args.no_peer:
             peer = PeerServer(Path(args.peer_script), free_service_port())
             peer.setup()
-            results["vLLM"] = run_server(peer, cases, tokenizer)
+            results["vLLM"] = run_server(peer, cases_for, tokenizer)
         else:
             nothing = Goodput(0, 0, 0, 0, 0, 0)
-            results["vLLM"] = {key: nothing for key in cases}
+            results["vLLM"] = {key: nothing for key in results["pdcluster"]}
+    cases = results["pdcluster"]
     print(f"\n{'case':10} | {'server':9} | sent | served | 429 | good | goodput | chats good")
     for key in cases:
         for name, by_case in results.items():
