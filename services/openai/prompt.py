@@ -2,10 +2,12 @@
 their block hashes, and a max_tokens that fits the context.
 
 ``prepare_prompt`` is all the CPU work (chat template, tokenization,
-hashing) in one function; ``prompt_for`` first refuses a prompt that can
-never fit (by its length alone, without tokenizing it), then runs that work
-in a worker thread when the prompt is long, so one big prompt never stalls
-the other streams on the gateway's event loop.
+hashing) in one function.  ``check_prompt_fits`` first refuses a prompt that
+can never fit (by its length alone, without tokenizing it: every input that
+reaches the prompt counts, tools and tool-call arguments too, input_size.py);
+the route calls it before any grammar is built.  ``prompt_for`` then runs
+that work in a worker thread when the inputs are large, so one big request
+never stalls the other streams on the gateway's event loop.
 
 The bound without tokenizing: no token of a vocabulary stands for more
 characters of input than its own token string has (byte-level BPE spells
@@ -26,14 +28,13 @@ from prefix_store.hashing import hash_prompt_blocks
 from services.engine.tokenizer import Tokenizer
 from services.openai.chat_messages import template_messages
 from services.openai.errors import OpenAIError, invalid_request
+from services.openai.input_size import InputSize, input_size
 from services.openai.protocol import AnyRequest, ChatCompletionRequest
 
-# Prompts bigger than this (characters, or token ids) are tokenized and
-# hashed in a worker thread: ~1 ms of CPU, the most one request may hold the loop.
+# Inputs bigger than this (InputSize.work: characters, or token ids) are
+# rendered, tokenized and hashed in a worker thread: ~1 ms of CPU, the most
+# one request may hold the loop.
 OFF_LOOP_PROMPT_SIZE = 4096
-# About what a chat template adds around each message; it counts toward the
-# work of rendering a chat with many short messages.
-TEMPLATE_CHARS_PER_MESSAGE = 32
 
 _LONGEST_TOKEN_CHARS: WeakKeyDictionary[Tokenizer, int] = WeakKeyDictionary()
 
@@ -56,49 +57,53 @@ def longest_token_chars(tokenizer: Tokenizer) -> int:
     return chars
 
 
-def prompt_chars(req: AnyRequest) -> int:
-    """Characters of text in the prompt: the completion prompt string, or all
-    chat message contents together (0 for a token-id prompt)."""
-    if isinstance(req, ChatCompletionRequest):
-        return sum(len(m.template_dict()["content"]) for m in req.messages)
-    return len(req.prompt) if isinstance(req.prompt, str) else 0
-
-
-def _prompt_size(req: AnyRequest) -> int:
-    """How much CPU the prompt will cost, in characters or token ids."""
-    if isinstance(req, ChatCompletionRequest):
-        return prompt_chars(req) + TEMPLATE_CHARS_PER_MESSAGE * len(req.messages)
-    return len(req.prompt)
+async def check_prompt_fits(tokenizer: Tokenizer, req: AnyRequest, max_model_len: int) -> InputSize:
+    """``check_prompt_length``, the vocabulary pass it may need run off the
+    event loop; the request's input size, for ``prompt_for``."""
+    size = input_size(req)
+    if size.chars > max_model_len and tokenizer not in _LONGEST_TOKEN_CHARS:
+        await asyncio.to_thread(longest_token_chars, tokenizer)   # a pass over the vocabulary, once
+    check_prompt_length(tokenizer, req, max_model_len, size)
+    return size
 
 
 async def prompt_for(tokenizer: Tokenizer, req: AnyRequest, max_model_len: int, hash_seed: int,
-                     block_size: int) -> Prompt:
-    """``prepare_prompt`` after ``check_prompt_length``; off the event loop
-    when the prompt is long."""
-    if prompt_chars(req) > max_model_len and tokenizer not in _LONGEST_TOKEN_CHARS:
-        await asyncio.to_thread(longest_token_chars, tokenizer)   # a pass over the vocabulary, once
-    check_prompt_length(tokenizer, req, max_model_len)
-    if _prompt_size(req) > OFF_LOOP_PROMPT_SIZE:
+                     block_size: int, size: InputSize | None = None) -> Prompt:
+    """``prepare_prompt`` after ``check_prompt_fits`` (``size``: what it
+    returned, when the caller ran it already); off the event loop when the
+    inputs are large."""
+    if size is None:
+        size = await check_prompt_fits(tokenizer, req, max_model_len)
+    if size.work > OFF_LOOP_PROMPT_SIZE:
         return await asyncio.to_thread(prepare_prompt, tokenizer, req, hash_seed, block_size)
     return prepare_prompt(tokenizer, req, hash_seed, block_size)
 
 
-def check_prompt_length(tokenizer: Tokenizer, req: AnyRequest, max_model_len: int) -> None:
-    """A 400 for a prompt that can never fit the context, without tokenizing it."""
+def check_prompt_length(tokenizer: Tokenizer, req: AnyRequest, max_model_len: int,
+                        size: InputSize | None = None) -> None:
+    """A 400 for a prompt that can never fit the context, without tokenizing
+    it: its text, tools and tool calls counted together (input_size.py)."""
     if not isinstance(req, ChatCompletionRequest) and isinstance(req.prompt, list):
         if len(req.prompt) >= max_model_len:
             raise _no_room_for_output(req, len(req.prompt), max_model_len)
         return
-    chars = prompt_chars(req)
-    if chars <= max_model_len:      # every token stands for at least one character
+    size = input_size(req) if size is None else size
+    if size.chars <= max_model_len:      # every token stands for at least one character
         return
     per_token = longest_token_chars(tokenizer)
-    if chars > max_model_len * per_token:
-        what, verb = ("the messages", "hold") if isinstance(req, ChatCompletionRequest) else ("the prompt", "has")
-        raise invalid_request(
-            f"{what} {verb} {chars} characters; this model's context is {max_model_len} tokens of at most "
-            f"{per_token} characters each, {max_model_len * per_token} characters at most: shorten {what}",
-            param=prompt_param(req), code="context_length_exceeded")
+    limit = max_model_len * per_token
+    if size.chars <= limit:
+        return
+    context = (f"this model's context is {max_model_len} tokens of at most {per_token} characters each, "
+               f"{limit} characters at most")
+    if not isinstance(req, ChatCompletionRequest):
+        message = f"the prompt has {size.describe()}; {context}: shorten the prompt"
+    elif size.tool_chars or size.tool_call_chars:
+        message = (f"the messages, tool calls and tools hold {size.describe()}, all rendered into the prompt; "
+                   f"{context}: shorten the {size.largest_param}, or send fewer or shorter tools")
+    else:
+        message = f"the messages hold {size.describe()}; {context}: shorten the messages"
+    raise invalid_request(message, param=size.largest_param, code="context_length_exceeded")
 
 
 def _no_room_for_output(req: AnyRequest, num_prompt_tokens: int, max_model_len: int) -> OpenAIError:

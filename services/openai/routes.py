@@ -48,7 +48,7 @@ from services.openai.intake import read_request
 from services.openai.limits import check_limits
 from services.openai.logprobs_format import LogprobRenderer
 from services.openai.openapi import error_responses, generation_responses, install_openapi, request_body
-from services.openai.prompt import fit_max_tokens, prompt_for
+from services.openai.prompt import check_prompt_fits, fit_max_tokens, prompt_for
 from services.openai.protocol import (
     AnyRequest, ChatCompletionRequest, CompletionRequest, reject_unsupported, requested_max_tokens,
     to_sampling_params, with_max_tokens,
@@ -158,6 +158,9 @@ async def _generate(request: Request, kind: type[CompletionRequest] | type[ChatC
     req, wants_prompt_only = scoring_request(req)   # echo with max_tokens 0
     check_limits(req)
     reject_unsupported(req)
+    # Every input bound for the prompt (tools and tool calls too) counted, and one that can never fit
+    # refused, before any grammar is built or template rendered.
+    size = await check_prompt_fits(host.tokenizer, req, host.backend.max_model_len)
     guided, tools = constraint_of(req)   # response_format / guided_* / tools: a grammar, or a 400 naming the field
     model = resolve_model(req.model, settings)
     requested, max_tokens_param = requested_max_tokens(req)
@@ -165,7 +168,7 @@ async def _generate(request: Request, kind: type[CompletionRequest] | type[ChatC
     params = to_sampling_params(req, 1 if requested is None else requested, max_tokens_param)
 
     prompt = await prompt_for(host.tokenizer, req, host.backend.max_model_len, settings.block_hash_seed,
-                              settings.block_size)
+                              settings.block_size, size)
     chat = isinstance(req, ChatCompletionRequest)
     default = settings.default_chat_max_tokens if chat else settings.default_completion_max_tokens
     max_tokens = fit_max_tokens(req, requested, max_tokens_param, len(prompt.token_ids),

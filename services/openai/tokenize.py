@@ -30,7 +30,8 @@ from pydantic import BaseModel, ConfigDict, Field, RootModel, ValidationError
 from services.engine.tokenizer import Tokenizer
 from services.openai.errors import invalid_request, validation_error
 from services.openai.intake import parse_body
-from services.openai.prompt import OFF_LOOP_PROMPT_SIZE, TEMPLATE_CHARS_PER_MESSAGE, longest_token_chars
+from services.openai.input_size import TEMPLATE_CHARS_PER_MESSAGE
+from services.openai.prompt import OFF_LOOP_PROMPT_SIZE, longest_token_chars
 from services.openai.protocol import ChatMessage
 
 T = TypeVar("T")

@@ -34,7 +34,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from services.engine.guided_spec import GuidedSpec
+from services.engine.guided_spec import MAX_GUIDED_SOURCE_CHARS, GuidedSpec
 from services.openai.errors import OpenAIError, invalid_request
 from services.openai.structured import check_spec
 
@@ -82,14 +82,14 @@ class ToolPlan:
         return schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
 
     def guided_spec(self) -> GuidedSpec | None:
-        """The grammar generation follows (None for "none")."""
+        """The grammar generation follows (None for "none"); its size is
+        checked before it is built (the "auto" grammar is built from the
+        call schema, and comes out larger than it)."""
         if not self.may_call:
             return None
-        schema = json.dumps(self.call_schema(), separators=(",", ":"), ensure_ascii=False)
-        if self.must_call:
-            spec = GuidedSpec("json_schema", schema)
-        else:
-            spec = GuidedSpec("ebnf", _call_or_text_ebnf(schema))
+        schema = _tools_grammar("json_schema", json.dumps(self.call_schema(), separators=(",", ":"),
+                                                          ensure_ascii=False))
+        spec = schema if self.must_call else _tools_grammar("ebnf", _call_or_text_ebnf(schema.source))
         check_spec(spec, "tools")
         return spec
 
@@ -123,6 +123,17 @@ def _bad(param: str, message: str) -> OpenAIError:
     return invalid_request(message, param=param, code="invalid_value")
 
 
+def _tools_too_big(what: str, chars: int) -> OpenAIError:
+    return _bad("tools", f"{what} {chars} characters; the limit is {MAX_GUIDED_SOURCE_CHARS} (one grammar holds "
+                         "every tool's call): send fewer tools, or shorter parameter schemas")
+
+
+def _tools_grammar(kind: str, source: str) -> GuidedSpec:
+    if len(source) > MAX_GUIDED_SOURCE_CHARS:
+        raise _tools_too_big(f"the tools' call grammar ({kind.replace('_', ' ')}) has", len(source))
+    return GuidedSpec(kind, source)
+
+
 def tool_plan_of(req: Any) -> ToolPlan | None:
     """The request's tools and tool_choice, checked (400 naming the field);
     None when it has no tools."""
@@ -139,6 +150,12 @@ def tool_plan_of(req: Any) -> ToolPlan | None:
     names = [f.name for f in functions]
     if len(set(names)) != len(names):
         raise _bad("tools", "two tools have the same function name: give each a unique name")
+    # Sized before any is compiled: together they make one grammar (ToolPlan.guided_spec).
+    schemas = [_call_schema_text(f) for f in functions]
+    if sum(map(len, schemas)) > MAX_GUIDED_SOURCE_CHARS:
+        raise _tools_too_big("the tools' call schemas together have", sum(map(len, schemas)))
+    for i, schema in enumerate(schemas):
+        check_spec(GuidedSpec("json_schema", schema), f"tools[{i}].function.parameters")
     kind, forced = _choice(choice, names)
     return ToolPlan(functions, kind, forced)
 
@@ -164,10 +181,11 @@ def _function(i: int, tool: Any) -> ToolFunction:
         raise _bad(f"{param}.function.parameters", "function parameters must be a JSON schema object")
     if fn.get("strict") is not None and not isinstance(fn["strict"], bool):
         raise _bad(f"{param}.function.strict", "function strict must be a boolean")
-    function = ToolFunction(name, description, parameters)
-    schema = json.dumps(function.call_schema(), separators=(",", ":"), ensure_ascii=False)
-    check_spec(GuidedSpec("json_schema", schema), f"{param}.function.parameters")
-    return function
+    return ToolFunction(name, description, parameters)
+
+
+def _call_schema_text(function: ToolFunction) -> str:
+    return json.dumps(function.call_schema(), separators=(",", ":"), ensure_ascii=False)
 
 
 def _choice(choice: Any, names: list[str]) -> tuple[str, str | None]:
