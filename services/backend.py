@@ -8,16 +8,24 @@ from __future__ import annotations
 import abc
 import contextlib
 from collections.abc import AsyncIterator, Iterator
+from typing import TypeVar
 
 from services.engine.errors import EngineDeadError, InvalidRequestError, RequestFailedError
 from services.messages import GenerateRequest, TokenDelta
 
 
 class BackendError(Exception):
-    """Base of errors a backend raises; ``status`` is the HTTP status to answer."""
+    """Base of errors a backend raises; ``status`` is the HTTP status to answer.
+
+    ``client_safe``: the message was written for the client -- the cause and
+    the fix, no replica names, peer ids, endpoints or exception text.  Any
+    other message goes to the log and the trace, and the client is told its
+    class's sentence instead (services/openai/errors.py).  ``for_client``
+    marks one message; a class whose every message is safe sets it."""
     status = 500
     code = "internal_error"
     type = "server_error"
+    client_safe = False
 
 
 class BackendOverloaded(BackendError):
@@ -34,6 +42,8 @@ class BackendUnavailable(BackendError):
 
 class BackendInvalidRequest(BackendError):
     status, code, type = 400, "invalid_request", "invalid_request_error"
+    # The engine's validators (InvalidRequestError) write these for the client: the field, its bound, the fix.
+    client_safe = True
 
 
 class BackendFailure(BackendError):
@@ -55,6 +65,15 @@ class BackendLeaseExpired(BackendError):
     """The prefill hand-off's KV lease ran out before the decode side could
     pull it: refusing is the alternative to reading recycled blocks."""
     status, code, type = 503, "kv_lease_expired", "server_error"
+
+
+E = TypeVar("E", bound=BackendError)
+
+
+def for_client(exc: E) -> E:
+    """``exc``, its message marked as written for the client (see BackendError)."""
+    exc.client_safe = True
+    return exc
 
 
 def as_backend_error(exc: BaseException) -> BaseException:

@@ -23,7 +23,7 @@ from collections import deque
 from dataclasses import replace
 
 from observability import metrics
-from services.backend import BackendOverloaded
+from services.backend import BackendOverloaded, for_client
 from services.config import AutoscaleSpeed
 from services.gateway.placement import DECODE, PREFILL, PlaceLoad, Placement, Rules, Snapshot, place
 from services.speed.calibration import Calibration
@@ -111,15 +111,17 @@ class Admission:
         if self.in_flight >= self.max_in_flight:
             self.num_over_capacity += 1
             metrics.count_admission_rejection("in_flight_cap")
-            raise BackendOverloaded(f"the gateway is serving {self.in_flight} requests (admission.max_in_flight "
-                                    f"= {self.max_in_flight}); retry shortly", retry_after_s=1.0)
+            raise for_client(BackendOverloaded(f"the gateway is serving {self.in_flight} requests "
+                                               f"(admission.max_in_flight = {self.max_in_flight}); retry shortly",
+                                               retry_after_s=1.0))
         now = time.monotonic()
         choice = place(prompt_tokens, self.snapshot(prefill_live, decode_live, now), self.rules)
         if choice.pool is None:
             self.num_shed += 1
             metrics.count_admission_rejection("slo")
-            raise BackendOverloaded(f"{choice.reason}; retry after {choice.retry_after_s:.0f} s or add replicas",
-                                    retry_after_s=choice.retry_after_s)
+            # placement.py's reasons are numbers and setting names, never replica names
+            raise for_client(BackendOverloaded(f"{choice.reason}; retry after {choice.retry_after_s:.0f} s or add "
+                                               "replicas", retry_after_s=choice.retry_after_s))
         if choice.pool == DECODE:
             self._decode_busy.append((now, choice.local_prefill_s))
         return self._enqueue(choice, prompt_tokens, now)

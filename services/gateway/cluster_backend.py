@@ -46,7 +46,9 @@ from ray.serve.exceptions import BackPressureError
 
 from observability import metrics
 from router.routing_header import RoutingHeader
-from services.backend import Backend, BackendError, BackendFailure, BackendOverloaded, BackendUnavailable
+from services.backend import (
+    Backend, BackendError, BackendFailure, BackendOverloaded, BackendUnavailable, for_client,
+)
 from services.gateway.admission import DEFAULT_RULES, Admission, Ticket
 from services.gateway.deadlines import with_deadlines, with_gap_deadline
 from services.gateway.failover import (AVOIDED, RECOMPUTE, FailoverReason, ReplicaLost, ResumeTarget, decide,
@@ -67,7 +69,7 @@ _HANDOFF_LEASE_MARGIN_S = 2.0  # stop offering it this long before its lease run
 def backend_error(exc: BaseException) -> BaseException:
     """The typed error a replica raised, unwrapped from Ray's task error."""
     if isinstance(exc, BackPressureError):
-        return BackendOverloaded(f"the pool's queue is full: {exc}; retry shortly")
+        return for_client(BackendOverloaded("a pool's request queue is full (its max_queue); retry shortly"))
     cause = getattr(exc, "cause", None)
     if isinstance(exc, ray_exceptions.RayTaskError) and isinstance(cause, BackendError):
         return cause
@@ -185,7 +187,7 @@ class ClusterBackend(Backend):
             self.failovers.gave_up_on(req.request_id, lost.reason.value, lost.replica, decision.why)
             if lost.reason is FailoverReason.INTER_TOKEN_DEADLINE or progress.num_failovers == 0:
                 raise lost.final_error() from lost  # as without failover: the loss's own error
-            raise BackendFailure(gave_up_message(lost, decision.why, tuple(progress.lost))) from lost
+            raise for_client(BackendFailure(gave_up_message(lost, decision.why, tuple(progress.lost)))) from lost
         prefill_live = await self._live_count("prefill") if self.mode != "colocated" else None
         target = resume_target(self.mode, elsewhere, prefill_live, self.fallback_to_colocated)
         num_tokens = len(req.prompt_token_ids) + len(progress.token_ids)  # to prefill again

@@ -17,7 +17,7 @@ import math
 from collections.abc import AsyncIterator
 
 from observability import metrics
-from services.backend import BackendTimeout
+from services.backend import BackendTimeout, for_client
 from services.messages import TokenDelta
 from services.gateway.failover import FailoverReason, ReplicaLost
 from services.gateway.resume import StreamProgress
@@ -46,15 +46,17 @@ async def with_deadlines(chunks: AsyncIterator[TokenDelta], request_timeout_s: f
             except TimeoutError:
                 if first and gap_ends_s < end_s:
                     metrics.count_deadline("first_token")
-                    raise BackendTimeout(f"no first token within {first_token_timeout_s:.0f} s "
-                                         "(admission.first_token_timeout_s, or 3x the predicted time to first "
-                                         "token when longer); the request was aborted: retry it") from None
+                    raise for_client(BackendTimeout(
+                        f"no first token within {first_token_timeout_s:.0f} s (admission.first_token_timeout_s, "
+                        "or 3x the predicted time to first token when longer); the request was aborted: retry it"
+                    )) from None
                 metrics.count_deadline("request" if gap_ends_s >= end_s else "inter_token")
                 if gap_ends_s >= end_s:
-                    raise BackendTimeout(f"the request ran past its {request_timeout_s:g} s deadline "
-                                         "(admission.request_timeout_s) and was aborted") from None
-                raise BackendTimeout(f"no token for {inter_token_timeout_s:g} s (admission.inter_token_timeout_s); "
-                                     "the request was aborted: retry it") from None
+                    raise for_client(BackendTimeout(f"the request ran past its {request_timeout_s:g} s deadline "
+                                                    "(admission.request_timeout_s) and was aborted")) from None
+                raise for_client(BackendTimeout(f"no token for {inter_token_timeout_s:g} s "
+                                                "(admission.inter_token_timeout_s); the request was aborted: "
+                                                "retry it")) from None
             first = False
             yield chunk
     finally:
@@ -80,8 +82,9 @@ async def with_gap_deadline(chunks: AsyncIterator[TokenDelta], inter_token_timeo
                 return
             except TimeoutError:
                 metrics.count_deadline("inter_token")
-                timeout = BackendTimeout(f"no token for {inter_token_timeout_s:g} s "
-                                         "(admission.inter_token_timeout_s); the request was aborted: retry it")
+                timeout = for_client(BackendTimeout(f"no token for {inter_token_timeout_s:g} s "
+                                                    "(admission.inter_token_timeout_s); the request was aborted: "
+                                                    "retry it"))
                 raise ReplicaLost(FailoverReason.INTER_TOKEN_DEADLINE, str(timeout), progress.replica,
                                   cause=timeout) from None
             waiting_first = False

@@ -160,6 +160,10 @@ def live_elsewhere(live: int | None, lost_here: int) -> int | None:
 
 
 def gave_up_message(lost: ReplicaLost, why: str, history: tuple[str, ...]) -> str:
-    """The error event's sentence: the cause, what happened before, what to do."""
-    before = f" (earlier: {', '.join(history)})" if history else ""
-    return f"{lost.reason.value} on {lost.replica or 'a replica'}: {lost}; {why}{before}"
+    """The error event's sentence: the cause, what happened before, what to
+    do.  ``history``: StreamProgress.lost (``reason@replica``); the client is
+    told the reasons only -- the replicas and the loss's own text are in the
+    gateway's log (FailoverLog.gave_up_on) and the trace."""
+    reasons = [entry.split("@", 1)[0] for entry in history]
+    before = f" (earlier: {', '.join(reasons)})" if reasons else ""
+    return f"{lost.reason.value}: {why}{before}"

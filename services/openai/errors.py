@@ -3,7 +3,13 @@ one: ``{"error": {"message", "type", "param", "code"}}``.
 
 Client mistakes answer 4xx (never FastAPI's 422, never a 5xx); backend
 trouble answers the status its typed error carries (429 with Retry-After,
-503, 502)."""
+503, 502).
+
+No internals reach a client: a backend error's own text (replica names,
+peer ids, endpoints, exception text) is told only when its raiser wrote it
+for the client (``BackendError.client_safe``); otherwise the client gets
+the cause and the fix for its class (``client_message``), and the text goes
+to the log and the request's trace span, keyed by the request id."""
 
 from __future__ import annotations
 
@@ -16,7 +22,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from services.backend import BackendError, BackendOverloaded, as_backend_error
+from observability import tracing
+from services.backend import (
+    BackendError, BackendFailure, BackendInvalidRequest, BackendKVTransferFailed, BackendLeaseExpired,
+    BackendOverloaded, BackendTimeout, BackendUnavailable, as_backend_error,
+)
 from services.engine.errors import EngineDeadError, InvalidRequestError, RequestFailedError
 
 log = logging.getLogger(__name__)
@@ -42,11 +52,47 @@ def invalid_request(message: str, param: str | None = None, code: str | None = N
     return OpenAIError(400, message, param=param, code=code)
 
 
+# What a client is told of a backend error whose text was not written for it:
+# the cause and the fix.  First match wins (subclasses before their base).
+_CLIENT_MESSAGES: tuple[tuple[type[BackendError], str], ...] = (
+    (BackendLeaseExpired, "the prompt's KV cache expired before a decode replica could read it (the cluster is "
+                          "busy); retry the request"),
+    (BackendKVTransferFailed, "moving the prompt's KV cache between replicas failed; retry the request"),
+    (BackendFailure, "a replica failed while serving this request; retry the request, and report the "
+                     "x-request-id if it persists"),
+    (BackendTimeout, "the request ran past its deadline and was aborted; retry it, or ask for fewer tokens"),
+    (BackendOverloaded, "the cluster is at capacity; retry after the seconds in the Retry-After header"),
+    (BackendUnavailable, "no replica can serve this request right now (one may be starting or being replaced); "
+                         "retry in a few seconds"),
+    (BackendInvalidRequest, "a replica refused this request's parameters; check them against GET /openapi.json"),
+    (BackendError, "internal server error; retry, and report the x-request-id if it persists"),
+)
+
+
+def client_message(exc: BackendError) -> str:
+    """The message a client gets for ``exc``: its own when written for the
+    client, else its class's cause and fix (never replica names, peer ids,
+    endpoints or exception text)."""
+    if exc.client_safe and str(exc):
+        return str(exc)
+    return next(text for kind, text in _CLIENT_MESSAGES if isinstance(exc, kind))
+
+
 def from_backend_error(exc: BackendError) -> OpenAIError:
     headers = {}
     if isinstance(exc, BackendOverloaded):
         headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after_s)))
-    return OpenAIError(exc.status, str(exc) or type(exc).__name__, type=exc.type, code=exc.code, headers=headers)
+    return OpenAIError(exc.status, client_message(exc), type=exc.type, code=exc.code, headers=headers)
+
+
+def record_backend_error(exc: BackendError, request_id: str | None, where: str = "before the response") -> None:
+    """The error's own text, which the client may not have been told, to the
+    log (one line; a warning for a 5xx) and the current trace span."""
+    cause = exc.__cause__
+    detail = f"{type(exc).__name__}: {exc}" + (f" (cause: {type(cause).__name__}: {cause})" if cause else "")
+    level = logging.WARNING if exc.status >= 500 else logging.INFO
+    log.log(level, "request_id=%s failed %s: %d %s: %s", request_id, where, exc.status, exc.code, detail)
+    tracing.set_attrs({"error.type": type(exc).__name__, "error.code": exc.code, "error.detail": detail[:1000]})
 
 
 # -- pydantic errors -> one 400 naming the field -------------------------------------------
@@ -140,11 +186,15 @@ def install_error_handlers(app: FastAPI, request_id_header: bool = True) -> None
 
     async def on_backend_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, BackendError)
+        record_backend_error(exc, getattr(request.state, "request_id", None))
         return error_response(from_backend_error(exc), request)
 
     async def on_engine_error(request: Request, exc: Exception) -> JSONResponse:
         # An engine in this process (tests, colocated): the same mapping as across the Serve hop.
-        return error_response(from_backend_error(as_backend_error(exc)), request)
+        err = as_backend_error(exc)
+        assert isinstance(err, BackendError)
+        record_backend_error(err, getattr(request.state, "request_id", None))
+        return error_response(from_backend_error(err), request)
 
     async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
         # Runs outside every middleware, so it adds x-request-id itself.

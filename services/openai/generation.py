@@ -18,9 +18,9 @@ from typing import TypeVar
 
 from starlette.requests import Request
 
-from services.backend import BackendError, BackendFailure
+from services.backend import BackendError, BackendFailure, for_client
 from services.messages import TokenDelta
-from services.openai.errors import OpenAIError, from_backend_error
+from services.openai.errors import OpenAIError, from_backend_error, record_backend_error
 from services.openai.formats import ResponseFormat, Tally
 from services.openai.responses import ChatCompletionResponse, CompletionResponse
 from services.openai.sse import DONE, SSEResponse, sse_error
@@ -35,7 +35,7 @@ class ClientGone(OpenAIError):
 
 
 def _truncated() -> BackendFailure:
-    return BackendFailure("the backend's stream ended without a finish reason; retry the request")
+    return for_client(BackendFailure("the backend's stream ended without a finish reason; retry the request"))
 
 
 async def _aclose(chunks: AsyncIterator[TokenDelta]) -> None:
@@ -124,7 +124,7 @@ async def _sse_body(first: TokenDelta | None, chunks: AsyncIterator[TokenDelta],
         if include_usage:
             yield fmt.usage(tally.usage())
     except BackendError as exc:
-        log.warning("stream %s failed mid-way: %s: %s", fmt.id, type(exc).__name__, exc)
+        record_backend_error(exc, fmt.id, where="mid-stream")
         error = from_backend_error(exc)
     except Exception:
         log.exception("stream %s failed mid-way", fmt.id)

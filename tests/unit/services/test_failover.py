@@ -219,7 +219,7 @@ async def test_after_max_failovers_the_error_names_the_cause():
                FakeStream([_d(8, "d")], error=broken)]
     backend, cluster = _backend(streams, live={"decode": 2})
     got = []
-    with pytest.raises(BackendFailure, match=r"stream_broken .*lost its replica 3 times and max_failovers is 2"):
+    with pytest.raises(BackendFailure, match=r"stream_broken: .*lost its replica 3 times and max_failovers is 2"):
         async for c in backend.generate(GenerateRequest("r1", list(range(20)), greedy(10), RoutingHeader((), 20))):
             got += c.token_ids
     assert got == [5, 6, 7, 8] and len(_resumes(cluster)) == 2
