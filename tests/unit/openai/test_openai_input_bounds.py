@@ -13,6 +13,7 @@ import pytest
 from openai_fakes import FakeBackend, assert_openai_error, make_app
 
 import services.openai.prompt as prompt_module
+import services.openai.structured as structured_module
 import services.openai.tools as tools_module
 from services.engine.guided_spec import MAX_GUIDED_SOURCE_CHARS
 from services.openai.input_size import InputSize, input_size
@@ -123,3 +124,18 @@ async def test_a_chat_with_large_tools_is_rendered_and_tokenized_off_the_event_l
     assert loop_thread not in work_done["render"] + work_done["encode"]
     small = await client.post(CC, json={"messages": HI, "tools": [tool("lookup")], "max_tokens": 1})
     assert small.status_code == 200 and work_done["render"][-1] == loop_thread   # small chats stay on the loop
+
+
+@pytest.mark.parametrize("field", ["response_format", "guided_json"])
+async def test_a_schema_over_the_grammar_bound_is_refused_before_it_is_compiled(tokenizer, monkeypatch, field):
+    built = []
+    real = structured_module.check_spec
+    monkeypatch.setattr(structured_module, "check_spec", lambda *a: built.append(a) or real(*a))
+    backend = FakeBackend(max_model_len=8192)
+    app = make_app(backend, tokenizer, max_body_bytes=4 * MAX_GUIDED_SOURCE_CHARS)
+    schema = wide_parameters(MAX_GUIDED_SOURCE_CHARS // 20)
+    value = {"type": "json_schema", "json_schema": {"name": "big", "schema": schema}} if field == "response_format" \
+        else schema
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway") as client:
+        err = assert_openai_error(await client.post(CC, json={"messages": HI, field: value}), 400, field)
+    assert str(MAX_GUIDED_SOURCE_CHARS) in err["message"] and built == [] and backend.requests == []
