@@ -99,8 +99,10 @@ def check_prompt_length(tokenizer: Tokenizer, req: AnyRequest, max_model_len: in
     if not isinstance(req, ChatCompletionRequest):
         message = f"the prompt has {size.describe()}; {context}: shorten the prompt"
     elif size.tool_chars or size.tool_call_chars:
+        fix = ("send fewer or shorter tools" if size.largest_param == "tools"
+               else "shorten the messages and their tool calls' arguments")
         message = (f"the messages, tool calls and tools hold {size.describe()}, all rendered into the prompt; "
-                   f"{context}: shorten the {size.largest_param}, or send fewer or shorter tools")
+                   f"{context}: {fix}")
     else:
         message = f"the messages hold {size.describe()}; {context}: shorten the messages"
     raise invalid_request(message, param=size.largest_param, code="context_length_exceeded")
