@@ -59,7 +59,7 @@ from services.openai.responses import (
 )
 from services.messages import GenerateRequest
 from services.openai.settings import OpenAISettings
-from services.openai.tool_calls import ToolCallFormat, constraint_of
+from services.openai.tool_calls import ToolCallFormat, constraint_off_loop
 from services.openai.utility_routes import REQUEST_MODELS as UTILITY_REQUEST_MODELS
 from services.openai.utility_routes import router as utility_router
 from services.openai.probes import router as probe_router
@@ -158,7 +158,8 @@ async def _generate(request: Request, kind: type[CompletionRequest] | type[ChatC
     req, wants_prompt_only = scoring_request(req)   # echo with max_tokens 0
     check_limits(req)
     reject_unsupported(req)
-    guided, tools = constraint_of(req)   # response_format / guided_* / tools: a grammar, or a 400 naming the field
+    # response_format / guided_* / tools: a grammar, or a 400 naming the field (checked off the event loop).
+    guided, tools = await constraint_off_loop(req)
     model = resolve_model(req.model, settings)
     requested, max_tokens_param = requested_max_tokens(req)
     # Built (and bad values refused) before spending CPU on the prompt; max_tokens is fitted below.
