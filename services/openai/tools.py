@@ -123,9 +123,11 @@ def _bad(param: str, message: str) -> OpenAIError:
     return invalid_request(message, param=param, code="invalid_value")
 
 
-def tool_plan_of(req: Any) -> ToolPlan | None:
+def tool_plan_of(req: Any, check_grammars: bool = True) -> ToolPlan | None:
     """The request's tools and tool_choice, checked (400 naming the field);
-    None when it has no tools."""
+    None when it has no tools.  ``check_grammars`` False skips building each
+    tool's grammar (xgrammar): for a request whose tools ``constraint_of``
+    already checked, off the event loop (the prompt's rendering)."""
     tools, choice = getattr(req, "tools", None), getattr(req, "tool_choice", None)
     if not tools:
         if choice not in (None, "none"):
@@ -135,7 +137,7 @@ def tool_plan_of(req: Any) -> ToolPlan | None:
         return None
     if len(tools) > MAX_TOOLS:
         raise _bad("tools", f"tools has {len(tools)} entries; the limit is {MAX_TOOLS}")
-    functions = tuple(_function(i, t) for i, t in enumerate(tools))
+    functions = tuple(_function(i, t, check_grammars) for i, t in enumerate(tools))
     names = [f.name for f in functions]
     if len(set(names)) != len(names):
         raise _bad("tools", "two tools have the same function name: give each a unique name")
@@ -143,7 +145,7 @@ def tool_plan_of(req: Any) -> ToolPlan | None:
     return ToolPlan(functions, kind, forced)
 
 
-def _function(i: int, tool: Any) -> ToolFunction:
+def _function(i: int, tool: Any, check_grammar: bool = True) -> ToolFunction:
     param = f"tools[{i}]"
     if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
         raise _bad(param, f'{param} must be {{"type": "function", "function": {{"name": ..., "parameters": ...}}}}')
@@ -165,8 +167,9 @@ def _function(i: int, tool: Any) -> ToolFunction:
     if fn.get("strict") is not None and not isinstance(fn["strict"], bool):
         raise _bad(f"{param}.function.strict", "function strict must be a boolean")
     function = ToolFunction(name, description, parameters)
-    schema = json.dumps(function.call_schema(), separators=(",", ":"), ensure_ascii=False)
-    check_spec(GuidedSpec("json_schema", schema), f"{param}.function.parameters")
+    if check_grammar:
+        schema = json.dumps(function.call_schema(), separators=(",", ":"), ensure_ascii=False)
+        check_spec(GuidedSpec("json_schema", schema), f"{param}.function.parameters")
     return function
 
 
