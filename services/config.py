@@ -265,8 +265,8 @@ class ClusterConfig(_Strict):
     transfer_timeout_s: float = Field(10.0, gt=0)
     lease_ttl_s: float = Field(30.0, gt=0)
     grammar_compile_timeout_s: float = Field(
-        10.0, gt=0, description="structured output: a grammar (json_schema, regex, EBNF, tools) that takes longer "
-                                "to compile on a replica fails its request with a 400 naming this limit")
+        10.0, gt=0, description="structured output: a grammar (json_schema, regex, EBNF, tools) whose compile on a "
+                                "replica takes more CPU seconds fails its request with a 400 naming this limit")
     grammar_compile_workers: int = Field(2, ge=1, description="grammar compile worker processes per replica")
     fallback_to_colocated: bool = False
     max_failovers: int = Field(2, ge=0, description="times one request may resume on another replica after "

@@ -92,7 +92,7 @@ class EngineConfig:
     lease_ttl_s: float = 30.0           # prefill-only blocks stay pinned this long at most
     num_threads: int | None = None      # torch intra-op threads; None leaves torch's default
     # Structured output: grammar compiles run in this many worker processes, each killed past the
-    # limit (the request gets a 400 naming it); see grammar_pool.py.
+    # limit in CPU seconds (the request gets a 400 naming it); see grammar_pool.py.
     grammar_compile_workers: int = 2
     grammar_compile_timeout_s: float = 10.0
     scheduler: SchedulerConfig = SchedulerConfig()

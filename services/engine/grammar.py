@@ -10,9 +10,10 @@ JSON schema over a 49k vocabulary, seconds for a big one), so:
   read it.  A live request holds its own grammar, so the LRU below may evict
   it without the request noticing: nothing is ever recompiled on the engine
   thread (a resumed request goes through admission again);
-- it runs in a bounded pool of worker processes with a hard time limit
-  (grammar_pool.py says why processes); a spec over the limit is an
-  InvalidRequestError (a 400) naming the limit and the setting;
+- it runs in a bounded pool of worker processes with a hard limit on each
+  compile's CPU seconds (grammar_pool.py says why processes, and why CPU
+  time); a spec over the limit is an InvalidRequestError (a 400) naming
+  the limit and the setting;
 - identical specs compile once: a second caller of a spec being compiled
   waits for that compile (in-flight de-duplication), and a spec that failed
   (refused, or over the limit) fails again at once from a small memo
@@ -74,8 +75,8 @@ def tokenizer_info(tokenizer: Tokenizer, vocab_size: int) -> "xgrammar.Tokenizer
 
 def compile_timeout_error(spec: GuidedSpec, timeout_s: float) -> InvalidRequestError:
     return InvalidRequestError(
-        f"guided {spec.kind} {spec.describe()} did not compile within the {timeout_s:g} s grammar compile limit "
-        f"(grammar_compile_timeout_s): simplify it (fewer anyOf / enum / pattern / nested properties), "
+        f"guided {spec.describe()} did not compile within the {timeout_s:g} s grammar compile limit "
+        f"(grammar_compile_timeout_s, CPU seconds): simplify it (fewer anyOf / enum / pattern / nested properties), "
         "or ask the operator to raise grammar_compile_timeout_s")
 
 

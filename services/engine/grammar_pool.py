@@ -19,9 +19,15 @@ releases the GIL (measured), as does the compile.  The workers run at nice
 +10: on a small machine the engine's step wins the CPU, and a compile takes
 longer rather than a stream's next token.
 
-The limit covers one job inside the worker (compile and serialisation),
-not the wait for a free worker nor a worker's start (importing xgrammar
-pulls in torch: seconds).  Frames on the worker's stdin/stdout are an
+The limit is CPU seconds of the worker's one job (compile and
+serialisation), enforced by the kernel (RLIMIT_CPU, set before each job:
+SIGXCPU ends the worker), so whether a spec is over the limit depends on the
+spec, not on how busy the machine is; the kernel counts whole seconds, so a
+limit is rounded up to the worker's next whole CPU second (under 1 s more).
+A wall-clock backstop (``WALL_BACKSTOP_FACTOR`` times the limit) kills a
+worker that stopped using CPU or is starved of it.  Neither counts the wait
+for a free worker nor a worker's start (importing xgrammar pulls in torch:
+seconds).  Frames on the worker's stdin/stdout are an
 8-byte big-endian length and the bytes; the first frame a worker reads is
 the tokenizer info (``TokenizerInfo.serialize_json``).  Nothing here
 imports xgrammar in the replica's own process."""
@@ -31,8 +37,11 @@ from __future__ import annotations
 import json
 import logging
 import os
+import math
 import queue
+import resource
 import select
+import signal
 import struct
 import subprocess
 import sys
@@ -45,6 +54,7 @@ log = logging.getLogger(__name__)
 _LEN = struct.Struct(">Q")
 WORKER_START_TIMEOUT_S = 120.0   # a cold worker imports xgrammar and torch: seconds on a loaded machine
 WORKER_NICE = 10
+WALL_BACKSTOP_FACTOR = 6.0
 
 
 class GrammarCompileTimeout(Exception):
@@ -82,8 +92,13 @@ class _Worker:
 
     def compile(self, kind: str, source: str, timeout_s: float) -> CompileOutcome:
         started = time.monotonic()
-        _write_frame(self.proc.stdin, json.dumps({"kind": kind, "source": source}).encode())
-        reply = _read_frame(self.proc.stdout, started + timeout_s)
+        _write_frame(self.proc.stdin, json.dumps({"kind": kind, "source": source, "cpu_s": timeout_s}).encode())
+        try:
+            reply = _read_frame(self.proc.stdout, started + timeout_s * WALL_BACKSTOP_FACTOR)
+        except GrammarWorkerError:
+            if self.proc.wait() == -signal.SIGXCPU:
+                raise GrammarCompileTimeout() from None   # the kernel ended it at the CPU limit
+            raise
         seconds = time.monotonic() - started
         if reply[:1] == b"o":
             return CompileOutcome(compiled_json=reply[1:].decode(), seconds=seconds)
@@ -199,12 +214,27 @@ def _worker_main() -> None:
             job = json.loads(_read_frame_blocking(stdin))
         except EOFError:
             return   # the replica closed the pipe or died
+        _limit_cpu(job["cpu_s"])
         try:
             compiled = _compile(compiler, job["kind"], job["source"])
             reply = b"o" + compiled.serialize_json().encode()
         except (RuntimeError, ValueError, TypeError) as exc:
             reply = b"e" + _first_line(exc).encode()
+        _limit_cpu(None)
         _write_frame(stdout, reply)
+
+
+def _limit_cpu(seconds: float | None) -> None:
+    """SIGXCPU (which ends this process) once it used ``seconds`` more CPU; None: no limit."""
+    if seconds is None:
+        soft = resource.RLIM_INFINITY
+    else:
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        soft = math.ceil(usage.ru_utime + usage.ru_stime + seconds)
+    hard = resource.getrlimit(resource.RLIMIT_CPU)[1]
+    if hard != resource.RLIM_INFINITY:
+        soft = hard if soft == resource.RLIM_INFINITY else min(soft, hard)
+    resource.setrlimit(resource.RLIMIT_CPU, (soft, hard))
 
 
 def _compile(compiler, kind: str, source: str):
