@@ -153,9 +153,10 @@ class Engine:
         cache's.  Compiles here only for a caller that drives the engine
         itself (no engine thread); on AsyncEngine's thread that raises
         (GrammarCache.compile), so a step never waits on a compile."""
-        if params.guided is None:
-            return None
-        return grammar or self.grammars.get(params.guided) or self.grammars.compile(params.guided)
+        if params.guided is None or grammar is not None:
+            return grammar
+        cached = self.grammars.get(params.guided)
+        return cached if cached is not None else self.grammars.compile(params.guided)
 
     def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         """Raises a typed error naming the fix if the request can never run."""

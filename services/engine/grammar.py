@@ -4,12 +4,19 @@ own tokenizer (xgrammar).
 Compiling is the expensive part of structured output (~10 ms for a small
 JSON schema over a 49k vocabulary, seconds for a big one), so:
 
-- it never runs on the engine thread: ``AsyncEngine`` calls ``compile`` in a
-  worker thread at admission and hands the compiled grammar to the engine
-  with the request (``Request.grammar``); the engine and the sampler only
-  read it.  A live request holds its own grammar, so the LRU below may evict
-  it without the request noticing: nothing is ever recompiled on the engine
-  thread (a resumed request goes through admission again);
+- it never runs on the engine thread: ``AsyncEngine`` awaits
+  ``compile_future`` at admission and hands the compiled grammar to the
+  engine with the request (``Request.grammar``); the engine and the sampler
+  only read it.  A live request holds its own grammar, so the LRU below may
+  evict it without the request noticing: nothing is ever recompiled on the
+  engine thread (a resumed request goes through admission again), and a
+  compile asked for on that thread raises instead of stalling it;
+
+      admission (event loop)        compile thread (N)         worker process (N)
+      await compile_future(spec) -> _run: pool.compile   ->   compile + serialise
+                                    deserialize_json     <-   (killed at the limit)
+      engine.add_request(..., grammar=compiled)  -> Request.grammar -> GrammarMatcher
+
 - it runs in a bounded pool of worker processes with a hard limit on each
   compile's CPU seconds (grammar_pool.py says why processes, and why CPU
   time); a spec over the limit is an InvalidRequestError (a 400) naming

@@ -143,7 +143,9 @@ class GrammarGuide:
         history = self.histories.get(request_id)
         # Never compiled here (this runs inside a step): the request carries the
         # grammar admission compiled; a stand-in history without one reads the cache.
-        compiled = getattr(history, "grammar", None) or self.grammars.get(spec)
+        compiled = getattr(history, "grammar", None)
+        if compiled is None:
+            compiled = self.grammars.get(spec)
         if compiled is None:
             self._step_failed[request_id] = (
                 f"this request's {spec.kind} grammar was not compiled before it was scheduled (an internal error: "

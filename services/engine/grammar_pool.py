@@ -129,13 +129,16 @@ class GrammarCompilePool:
         self._live: set[_Worker] = set()
         self._lock = threading.Lock()
         self._closed = False
-        self.num_killed = 0
+        self.num_dropped = 0   # workers killed at the limit, or found dead
 
     def compile(self, kind: str, source: str, timeout_s: float) -> CompileOutcome:
         """GrammarCompileTimeout past ``timeout_s``; GrammarWorkerError if the worker failed."""
         worker = self._slots.get()
         try:
-            if worker is None or worker.proc.poll() is not None:
+            if worker is not None and worker.proc.poll() is not None:
+                self._drop(worker)   # died while idle (killed from outside, out of memory)
+                worker = None
+            if worker is None:
                 worker = self._start()
             outcome = worker.compile(kind, source, timeout_s)
         except (GrammarCompileTimeout, GrammarWorkerError, OSError) as exc:
@@ -162,7 +165,7 @@ class GrammarCompilePool:
             return
         with self._lock:
             self._live.discard(worker)
-            self.num_killed += 1
+            self.num_dropped += 1
         worker.kill()
 
     def close(self) -> None:
@@ -202,8 +205,10 @@ def _read_exact(pipe, n: int, deadline: float) -> bytes:
 # ---- the worker process -------------------------------------------------------
 def _worker_main() -> None:
     os.nice(WORKER_NICE)
-    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
-    sys.stdout = sys.stderr   # a stray print must not corrupt the frames
+    # Frames go out on a private copy of fd 1; fd 1 itself (Python's prints and
+    # any native library's) now points at stderr, so nothing else can corrupt them.
+    stdin, stdout = sys.stdin.buffer, os.fdopen(os.dup(1), "wb", buffering=0)
+    os.dup2(2, 1)
     import xgrammar as xgr
 
     info = xgr.TokenizerInfo.deserialize_json(_read_frame_blocking(stdin).decode())

@@ -123,6 +123,22 @@ def test_compiles_run_in_worker_processes_bounded_by_the_pool(tokenizer):
         cache.close()
 
 
+def test_a_worker_that_died_between_compiles_is_replaced(tokenizer):
+    import os
+    import signal
+
+    cache = _cache(tokenizer, compile_workers=1)
+    try:
+        cache.compile(GuidedSpec("regex", "a+"))
+        (worker,) = cache._pool._live
+        os.kill(worker.proc.pid, signal.SIGKILL)
+        worker.proc.wait()
+        assert cache.compile(GuidedSpec("regex", "b+")) is not None
+        assert len(cache._pool._live) == 1 and cache._pool.num_dropped == 1
+    finally:
+        cache.close()
+
+
 def test_the_engine_thread_cannot_compile(tokenizer):
     cache = _cache(tokenizer)
     cache.forbidden_thread = threading.current_thread()
