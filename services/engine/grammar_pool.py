@@ -1,23 +1,27 @@
 """The replica's grammar compilers: a bounded pool of worker processes,
-each with a hard per-compile time limit.
+each with a hard limit on one compile's CPU seconds.
 
-    AsyncEngine (worker thread)            worker process (nice +10), one of N
-    GrammarCache.compile(spec) ──frame──▶  GrammarCompiler.compile_*(spec)
-          ◀── "o" + CompiledGrammar.serialize_json()  (or "e" + why)
-    deserialize_json (releases the GIL) -> the cache
+    compile thread (GrammarCache, one per worker)      worker process (nice +10), one of N
+    pool.compile(kind, source, limit) ──frame──▶      GrammarCompiler.compile_*(spec)
+          ◀── "o" + CompiledGrammar.serialize_json()   (or "e" + why xgrammar refused it)
+    CompiledGrammar.deserialize_json -> the cache      SIGXCPU at the limit: the worker ends
 
 Why processes and not threads: xgrammar's compile is C++ that never
 yields; a thread running it cannot be stopped, so a "time limit" on a
 thread only stops the waiting, and a few pathological schemas would hold
 every compile thread for as long as they like.  A process is killed at the
 limit and replaced, so the limit is hard and the pool's size really bounds
-the CPU that compiles take.  Why the real compile and not a precheck in the
-process: ``CompiledGrammar`` serialises (xgrammar >= 0.1.2x,
-``serialize_json`` / ``deserialize_json``), so one compile suffices; a 10 MB
-compiled grammar is a ~50 MB frame and ~0.8 s to deserialise, which
-releases the GIL (measured), as does the compile.  The workers run at nice
-+10: on a small machine the engine's step wins the CPU, and a compile takes
-longer rather than a stream's next token.
+the CPU that compiles take.  Why the real compile in the worker and not a
+precheck there followed by a second compile here: ``CompiledGrammar``
+serialises (``serialize_json`` / ``deserialize_json``, xgrammar 0.2.9), so
+one compile suffices.  Measured on the 2-core test machine, a 40-property
+schema (tests/slow_grammars.py): compile 3.3 s, serialise 2.1-2.9 s (a 49 MB
+frame), deserialise 0.8 s; 20 properties: 1.06 s, 0.42 s.  Compile,
+serialise and deserialise all release the GIL (a Python thread ticking
+every 1 ms saw gaps of 4, 35 and 12 ms), so the replica's own part, the
+deserialise, runs on a compile thread without holding up the engine
+thread.  The workers run at nice +10: on a small machine the engine's step
+wins the CPU, and a compile takes longer rather than a stream's next token.
 
 The limit is CPU seconds of the worker's one job (compile and
 serialisation), enforced by the kernel (RLIMIT_CPU, set before each job:
@@ -25,19 +29,20 @@ SIGXCPU ends the worker), so whether a spec is over the limit depends on the
 spec, not on how busy the machine is; the kernel counts whole seconds, so a
 limit is rounded up to the worker's next whole CPU second (under 1 s more).
 A wall-clock backstop (``WALL_BACKSTOP_FACTOR`` times the limit) kills a
-worker that stopped using CPU or is starved of it.  Neither counts the wait
-for a free worker nor a worker's start (importing xgrammar pulls in torch:
-seconds).  Frames on the worker's stdin/stdout are an
-8-byte big-endian length and the bytes; the first frame a worker reads is
-the tokenizer info (``TokenizerInfo.serialize_json``).  Nothing here
-imports xgrammar in the replica's own process."""
+worker that stopped using CPU or is starved of it; its request gets the
+same 400.  Neither counts the wait for a free worker nor a worker's start
+(importing xgrammar pulls in torch: 2-3 s, much more on a loaded machine).
+Frames on the worker's stdin and its private copy of stdout are an 8-byte
+big-endian length and the bytes; the first frame a worker reads is the
+tokenizer info (``TokenizerInfo.serialize_json``).  Nothing here imports
+xgrammar in the replica's own process."""
 
 from __future__ import annotations
 
 import json
 import logging
-import os
 import math
+import os
 import queue
 import resource
 import select
@@ -58,7 +63,7 @@ WALL_BACKSTOP_FACTOR = 6.0
 
 
 class GrammarCompileTimeout(Exception):
-    """A compile ran past the limit; its worker was killed."""
+    """A compile ran past the limit (CPU, or the wall-clock backstop); its worker was killed."""
 
 
 class GrammarWorkerError(RuntimeError):
