@@ -264,6 +264,10 @@ class ClusterConfig(_Strict):
     transfer_backend: Literal["auto", "nixl", "fallback"] = "auto"
     transfer_timeout_s: float = Field(10.0, gt=0)
     lease_ttl_s: float = Field(30.0, gt=0)
+    grammar_compile_timeout_s: float = Field(
+        10.0, gt=0, description="structured output: a grammar (json_schema, regex, EBNF, tools) whose compile on a "
+                                "replica takes more CPU seconds fails its request with a 400 naming this limit")
+    grammar_compile_workers: int = Field(2, ge=1, description="grammar compile worker processes per replica")
     fallback_to_colocated: bool = False
     max_failovers: int = Field(2, ge=0, description="times one request may resume on another replica after "
                                                     "losing its own (death, broken stream, stall); then an "
@@ -371,6 +375,8 @@ class ClusterConfig(_Strict):
             kv_cache_bytes=pool.kv_cache_mib * 2**20, max_model_len=self.max_model_len,
             enable_prefix_caching=self.enable_prefix_caching, lease_ttl_s=self.lease_ttl_s,
             num_threads=pool.num_threads,
+            grammar_compile_workers=self.grammar_compile_workers,
+            grammar_compile_timeout_s=self.grammar_compile_timeout_s,
             # Prefill replicas never decode past the first token: nothing to draft.
             speculative=SpeculativeConfig() if pool is self.prefill else self.speculative.engine(),
             scheduler=self._scheduler_config(pool))

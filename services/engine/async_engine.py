@@ -61,6 +61,9 @@ class AsyncEngine:
         self._last_turn_s = time.monotonic()
         self.stats: EngineStats = engine.stats()
         self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
+        grammars = getattr(engine, "grammars", None)  # stand-in engines in tests have none
+        if grammars is not None:
+            grammars.forbidden_thread = self._thread   # a compile there raises: it would stall every stream
         self._thread.start()
 
     # ---- health ----------------------------------------------------------
@@ -139,9 +142,10 @@ class AsyncEngine:
         queue = self._open_stream(request_id)
         added = ended = False
         try:
-            await self._compile_grammar(params)
+            extra = await self._compile_grammar(params)
             # Only a resumed request passes its prior output (engines without resume need not know it).
-            extra = {"prior_output_token_ids": tuple(prior_output_token_ids)} if prior_output_token_ids else {}
+            if prior_output_token_ids:
+                extra["prior_output_token_ids"] = tuple(prior_output_token_ids)
             if block_hashes:
                 extra["block_hashes"] = tuple(block_hashes)
             await self._call(lambda: self.engine.add_request(request_id, prompt, params, prefill_only, **extra),
@@ -164,9 +168,10 @@ class AsyncEngine:
         """Blocks for a prompt (and a resumed request's prior output) whose K/V
         comes from outside (see Engine.reserve_external); freed unless
         committed within ``ttl_s``."""
-        await self._compile_grammar(params)
+        extra = await self._compile_grammar(params)
         # Only a resumed request passes its prior output (engines without resume need not know it).
-        extra = {"prior_output_token_ids": tuple(prior_output_token_ids)} if prior_output_token_ids else {}
+        if prior_output_token_ids:
+            extra["prior_output_token_ids"] = tuple(prior_output_token_ids)
         return await self._call(lambda: self.engine.reserve_external(request_id, prompt_token_ids, params, ttl_s,
                                                                      block_hashes, **extra),
                                 undo=self._abort_reservation)
@@ -190,13 +195,17 @@ class AsyncEngine:
         finally:
             await self._close_stream(request_id, abort=committed and not ended)
 
-    async def _compile_grammar(self, params: SamplingParams) -> None:
-        """Compiles a structured request's grammar in a worker thread, so the
-        engine thread's own compile is a cache hit and never stalls a step
-        (InvalidRequestError when the spec does not compile)."""
+    async def _compile_grammar(self, params: SamplingParams) -> dict[str, Any]:
+        """A structured request's grammar, compiled in the replica's compile
+        pool (grammar.py; awaited, no thread held), as the ``grammar`` keyword
+        for the engine: the engine thread never compiles.  InvalidRequestError when
+        the spec does not compile or runs past the compile limit."""
         spec = getattr(params, "guided", None)  # stand-in engines and params in tests have none
-        if spec is not None and self.engine.grammars.get(spec) is None:
-            await asyncio.to_thread(self.engine.grammars.compile, spec)
+        if spec is None:
+            return {}
+        # Shielded: a caller that leaves must not cancel a compile other requests share.
+        grammar = await asyncio.shield(asyncio.wrap_future(self.engine.grammars.compile_future(spec)))
+        return {"grammar": grammar}
 
     async def abort(self, request_id: str) -> bool:
         return await self._call(lambda: self.engine.abort(request_id))
@@ -339,6 +348,9 @@ class AsyncEngine:
         self._stop = True
         self._wake.set()
         await asyncio.to_thread(self._thread.join, 10)
+        grammars = getattr(self.engine, "grammars", None)
+        if grammars is not None:
+            grammars.close()   # its compile worker processes
 
 
 def _put_all(batch: list[tuple[asyncio.Queue, Any]]) -> None:

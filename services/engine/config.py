@@ -91,6 +91,10 @@ class EngineConfig:
     exact_resume: bool = True
     lease_ttl_s: float = 30.0           # prefill-only blocks stay pinned this long at most
     num_threads: int | None = None      # torch intra-op threads; None leaves torch's default
+    # Structured output: grammar compiles run in this many worker processes, each killed past the
+    # limit in CPU seconds (the request gets a 400 naming it); see grammar_pool.py.
+    grammar_compile_workers: int = 2
+    grammar_compile_timeout_s: float = 10.0
     scheduler: SchedulerConfig = SchedulerConfig()
     speculative: SpeculativeConfig = SpeculativeConfig()
 
@@ -107,3 +111,8 @@ class EngineConfig:
             raise ValueError(f"lease_ttl_s must be > 0, got {self.lease_ttl_s}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+        if self.grammar_compile_workers < 1:
+            raise ValueError(f"grammar_compile_workers must be >= 1, got {self.grammar_compile_workers}")
+        if not 0 < self.grammar_compile_timeout_s < float("inf"):
+            raise ValueError(f"grammar_compile_timeout_s must be a finite number of seconds > 0, "
+                             f"got {self.grammar_compile_timeout_s}")

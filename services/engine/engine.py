@@ -20,6 +20,7 @@ import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from types import MappingProxyType
+from typing import Any
 
 import torch
 
@@ -95,7 +96,8 @@ class Engine:
                                   eos_token_ids=tuple(self.tokenizer.eos_token_ids), histories=self.requests,
                                   exact_resume=replays_output(config, self.loaded.model))
         # Structured output: grammars compiled once per spec, over this engine's tokenizer (grammar.py).
-        self.grammars = GrammarCache(self.tokenizer, mc.vocab_size)
+        self.grammars = GrammarCache(self.tokenizer, mc.vocab_size, compile_workers=config.grammar_compile_workers,
+                                     compile_timeout_s=config.grammar_compile_timeout_s)
         self.runner.sampler.grammar.bind(self.grammars)
         self.leases = LeaseTable(self.kv.free, config.lease_ttl_s)
         # A reservation waits at most as long as the lease it will pull from.
@@ -124,12 +126,13 @@ class Engine:
 
     # ---- intake --------------------------------------------------------
     def _make_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
-                      prefill_only: bool = False, block_hashes: Sequence[int] = ()) -> Request:
+                      prefill_only: bool = False, block_hashes: Sequence[int] = (), grammar: Any = None) -> Request:
         """``block_hashes``: the prompt's full blocks' hashes as the gateway
         computed them (same seed and block size: the gateway checks the seed at
         start-up); taken as they are for lookup, the rest is hashed here on
         demand.  A hit is used only when the cached block's tokens equal the
-        prompt's (kv_cache.py): a wrong or colliding hash costs a recompute."""
+        prompt's (kv_cache.py): a wrong or colliding hash costs a recompute.
+        ``grammar``: ``params.guided`` compiled (see grammar_for)."""
         if request_id in self.requests or request_id in self.awaiting_kv:
             raise InvalidRequestError(f"request id {request_id!r} is already in use; pick a unique id")
         if prefill_only and self.leases.get(request_id) is not None:
@@ -137,10 +140,23 @@ class Engine:
                                       "pick a unique id, or release that lease first")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.validate(ids, params)
+        grammar = self.grammar_for(params, grammar)
         if len(block_hashes) > len(ids) // self.kv_spec.block_size:
             raise InvalidRequestError(f"{len(block_hashes)} block hashes for a prompt of {len(ids)} tokens "
                                       f"({len(ids) // self.kv_spec.block_size} full blocks): hash full blocks only")
-        return Request(request_id, ids, params, prefill_only=prefill_only, block_hashes=list(block_hashes))
+        return Request(request_id, ids, params, prefill_only=prefill_only, block_hashes=list(block_hashes),
+                       grammar=grammar)
+
+    def grammar_for(self, params: SamplingParams, grammar: Any = None) -> Any:
+        """The compiled grammar a guided request carries: the one its caller
+        compiled (AsyncEngine does, off this thread, at admission), else the
+        cache's.  Compiles here only for a caller that drives the engine
+        itself (no engine thread); on AsyncEngine's thread that raises
+        (GrammarCache.compile), so a step never waits on a compile."""
+        if params.guided is None or grammar is not None:
+            return grammar
+        cached = self.grammars.get(params.guided)
+        return cached if cached is not None else self.grammars.compile(params.guided)
 
     def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         """Raises a typed error naming the fix if the request can never run."""
@@ -155,8 +171,6 @@ class Engine:
         if bad is not None:
             raise InvalidRequestError(f"logit_bias names token id {bad}, outside this model's vocabulary "
                                       f"[0, {vocab}): remove it")
-        if params.guided is not None:
-            self.grammars.compile(params.guided)  # a cache hit when AsyncEngine compiled it at admission
         if n >= self.max_model_len:
             raise RequestTooLongError(
                 f"prompt has {n} tokens; this model's context is {self.max_model_len}: shorten it")
@@ -172,13 +186,13 @@ class Engine:
 
     def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
                     prefill_only: bool = False, prior_output_token_ids: Sequence[int] = (),
-                    block_hashes: Sequence[int] = ()) -> Request:
+                    block_hashes: Sequence[int] = (), grammar: Any = None) -> Request:
         """``prior_output_token_ids``: a resumed request's output so far (another
         replica generated it); it counts as output, not prompt (output_history.py).
-        ``block_hashes``: see _make_request."""
+        ``block_hashes``, ``grammar``: see _make_request."""
         if prior_output_token_ids:
             check_prior_output(prior_output_token_ids, params.max_tokens, self.loaded.config.vocab_size)
-        req = self._make_request(request_id, prompt, params, prefill_only, block_hashes)
+        req = self._make_request(request_id, prompt, params, prefill_only, block_hashes, grammar)
         self.requests[request_id] = req
         self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop)
         replay_prior_output(self._detok[request_id], prior_output_token_ids, params.ignore_eos,
@@ -189,7 +203,8 @@ class Engine:
     # ---- disaggregation: K/V written from outside ------------------------
     def reserve_external(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                          ttl_s: float | None = None, block_hashes: Sequence[int] = (),
-                         prior_output_token_ids: Sequence[int] = ()) -> ExternalKVAllocation | None:
+                         prior_output_token_ids: Sequence[int] = (), grammar: Any = None
+                         ) -> ExternalKVAllocation | None:
         """Allocates blocks for a prompt whose K/V someone else computed.
         None if the pool cannot hold it now (retry later).  Unless committed
         within ``ttl_s`` (default ``reservation_ttl_s``), the reservation is
@@ -200,7 +215,7 @@ class Engine:
             raise InvalidRequestError(f"ttl_s must be a finite number of seconds > 0, got {ttl_s!r}")
         if prior_output_token_ids:
             check_prior_output(prior_output_token_ids, params.max_tokens, self.loaded.config.vocab_size)
-        req = self._make_request(request_id, prompt_token_ids, params, block_hashes=block_hashes)
+        req = self._make_request(request_id, prompt_token_ids, params, block_hashes=block_hashes, grammar=grammar)
         req.output_token_ids.extend(prior_output_token_ids)  # a fresh request: the scheduler reserves all its tokens
         num_cached_blocks = self.scheduler.reserve_external(req)
         if num_cached_blocks is None:

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from services.engine.errors import InvalidRequestError, InvalidRequestReason
+from services.engine.errors import InvalidRequestReason
 from services.engine.grammar import GrammarCache, xgrammar_module
 from services.engine.guided_spec import GuidedSpec
 from services.engine.penalties import TokenHistory
@@ -140,13 +140,18 @@ class GrammarGuide:
         if self.grammars is None:
             self._step_failed[request_id] = NO_GRAMMARS
             return None
-        try:
-            compiled = self.grammars.compile(spec)  # a cache hit: admission compiled it
-        except InvalidRequestError as exc:
-            self._step_failed[request_id] = InvalidRequestReason(str(exc))
+        history = self.histories.get(request_id)
+        # Never compiled here (this runs inside a step): the request carries the
+        # grammar admission compiled; a stand-in history without one reads the cache.
+        compiled = getattr(history, "grammar", None)
+        if compiled is None:
+            compiled = self.grammars.get(spec)
+        if compiled is None:
+            self._step_failed[request_id] = (
+                f"this request's {spec.kind} grammar was not compiled before it was scheduled (an internal error: "
+                "admission compiles it); retry the request")
             return None
         matcher = xgrammar_module().GrammarMatcher(compiled)
-        history = self.histories.get(request_id)
         for i, token in enumerate(history.output_token_ids if history is not None else ()):
             if not matcher.accept_token(token):
                 self._step_failed[request_id] = (

@@ -16,6 +16,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from services.engine.sampling_params import SamplingParams
 
@@ -53,6 +54,9 @@ class Request:
     first_token_s: float | None = None
     # With params.prompt_logprobs: entry j scores prompt token j+1 (logprobs.py), filled chunk by chunk.
     prompt_logprobs: list = field(default_factory=list)
+    # With params.guided: its compiled grammar, compiled off the engine thread before the request
+    # came in (grammar.py); held here so the grammar cache's eviction never reaches a live request.
+    grammar: Any = None
 
     @property
     def num_prompt_tokens(self) -> int:

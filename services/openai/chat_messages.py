@@ -75,7 +75,7 @@ def template_messages(req: Any) -> list[dict[str, str]]:
             calls = [render_call(c.function.name, _call_arguments(i, j, c)) for j, c in enumerate(m.tool_calls)]
             text = "\n".join(([text] if text else []) + calls)
         out.append({"role": m.role, "content": text})
-    plan = tool_plan_of(req)
+    plan = tool_plan_of(req, check_grammars=False)   # constraint_of checked them, off the event loop
     system = plan.system_text() if plan is not None else None
     if system:
         if out and out[0]["role"] in ("system", "developer"):

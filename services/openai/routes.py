@@ -59,7 +59,7 @@ from services.openai.responses import (
 )
 from services.messages import GenerateRequest
 from services.openai.settings import OpenAISettings
-from services.openai.tool_calls import ToolCallFormat, constraint_of
+from services.openai.tool_calls import ToolCallFormat, constraint_off_loop
 from services.openai.utility_routes import REQUEST_MODELS as UTILITY_REQUEST_MODELS
 from services.openai.utility_routes import router as utility_router
 from services.openai.probes import router as probe_router
@@ -161,7 +161,8 @@ async def _generate(request: Request, kind: type[CompletionRequest] | type[ChatC
     # Every input bound for the prompt (tools and tool calls too) counted, and one that can never fit
     # refused, before any grammar is built or template rendered.
     size = await check_prompt_fits(host.tokenizer, req, host.backend.max_model_len)
-    guided, tools = constraint_of(req)   # response_format / guided_* / tools: a grammar, or a 400 naming the field
+    # response_format / guided_* / tools: a grammar, or a 400 naming the field (checked off the event loop).
+    guided, tools = await constraint_off_loop(req)
     model = resolve_model(req.model, settings)
     requested, max_tokens_param = requested_max_tokens(req)
     # Built (and bad values refused) before spending CPU on the prompt; max_tokens is fitted below.

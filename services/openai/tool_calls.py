@@ -16,6 +16,7 @@ tools' grammar, or response_format / guided_*, never both."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import secrets
@@ -29,8 +30,25 @@ from services.openai.formats import ChatFormat, ChoiceTally, Tally
 from services.openai.responses import (
     AssistantMessage, ChatCompletionResponse, ChatDelta, FunctionCall, FunctionCallDelta, ToolCall, ToolCallDelta,
 )
-from services.openai.structured import guided_spec_of
+from services.openai.structured import GUIDED_FIELDS, guided_spec_of
 from services.openai.tools import ToolPlan, tool_plan_of
+
+
+async def constraint_off_loop(req: Any) -> tuple[GuidedSpec | None, ToolPlan | None]:
+    """``constraint_of`` in a worker thread when the request asks for one:
+    building and checking a grammar (xgrammar) takes milliseconds for a small
+    schema and far more for a big one, which must not hold the event loop
+    every other stream's tokens go through."""
+    if not asks_constraint(req):
+        return None, None
+    return await asyncio.to_thread(constraint_of, req)
+
+
+def asks_constraint(req: Any) -> bool:
+    """Whether any field that constrains the output (or names tools) is set;
+    when none is, ``constraint_of`` is (None, None) without a check."""
+    fields = ("response_format", "tools", "tool_choice", *GUIDED_FIELDS)
+    return any(getattr(req, name, None) is not None for name in fields)
 
 
 def constraint_of(req: Any) -> tuple[GuidedSpec | None, ToolPlan | None]:

@@ -134,9 +134,11 @@ def _tools_grammar(kind: str, source: str) -> GuidedSpec:
     return GuidedSpec(kind, source)
 
 
-def tool_plan_of(req: Any) -> ToolPlan | None:
+def tool_plan_of(req: Any, check_grammars: bool = True) -> ToolPlan | None:
     """The request's tools and tool_choice, checked (400 naming the field);
-    None when it has no tools."""
+    None when it has no tools.  ``check_grammars`` False skips building each
+    tool's grammar (xgrammar): for a request whose tools ``constraint_of``
+    already checked, off the event loop (the prompt's rendering)."""
     tools, choice = getattr(req, "tools", None), getattr(req, "tool_choice", None)
     if not tools:
         if choice not in (None, "none"):
@@ -154,7 +156,7 @@ def tool_plan_of(req: Any) -> ToolPlan | None:
     schemas = [_call_schema_text(f) for f in functions]
     if sum(map(len, schemas)) > MAX_GUIDED_SOURCE_CHARS:
         raise _tools_too_big("the tools' call schemas together have", sum(map(len, schemas)))
-    for i, schema in enumerate(schemas):
+    for i, schema in enumerate(schemas if check_grammars else ()):
         check_spec(GuidedSpec("json_schema", schema), f"tools[{i}].function.parameters")
     kind, forced = _choice(choice, names)
     return ToolPlan(functions, kind, forced)

@@ -90,8 +90,11 @@ def cluster(trace_file):
     # These tests check the disaggregated path (routing, hand-off spans, logprobs across it): every
     # prompt goes through the prefill pool (max_local_prefill_s 0); placement has its own tests
     # (tests/integration/admission, tests/unit/services/test_placement.py).
+    # A 5 s grammar compile limit (CPU seconds), not 10: test_cluster_grammar_isolation.py's over-limit schema
+    # holds a compile worker that long; its slow schemas take about 2 s each.
     config = ClusterConfig(port=free_service_port(), prefill=small_pool(num_replicas=2), decode=small_pool(),
                            lease_ttl_s=120.0,  # far above any wait: a stranded lease fails the leak checks
+                           grammar_compile_timeout_s=5.0,
                            admission=AdmissionSettings(shed=False, inter_token_timeout_s=120.0,
                                                        max_local_prefill_s=0.0))
     yield from directory_cluster(config, _RUNNING, metrics_interval_s=METRICS_REPORT_INTERVAL_S)

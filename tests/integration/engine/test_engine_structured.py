@@ -124,6 +124,9 @@ async def test_async_engine_compiles_at_admission_and_refuses_a_bad_spec(smol_bf
         text = smol_bf16.tokenizer.decode([t for o in outs for t in o.new_token_ids])
         assert json.loads(text) in ({"ok": True}, {"ok": False})
         grammars = aengine.engine.grammars
+        assert grammars.num_compiles == 1
+        again = [o async for o in aengine.generate("r2", _chat(smol_bf16, "ok?"), greedy(16, guided=spec))]
+        assert again[-1].finish_reason is FinishReason.STOP
         assert grammars.num_compiles == 1 and grammars.num_hits >= 1
         with pytest.raises(InvalidRequestError, match="regex"):
             async for _ in aengine.generate("bad", _chat(smol_bf16, "x"), greedy(4, guided=GuidedSpec("regex", "a("))):
@@ -148,3 +151,44 @@ def test_a_grammar_dead_end_fails_only_its_request_as_invalid(smol_bf16):
         assert "allows no next token" in out.error
     assert outs[1].new_token_ids == alone
     _no_leak(engine)
+
+
+async def test_the_engine_thread_never_compiles_even_when_the_cache_evicts(smol_bf16):
+    """Two requests with different schemas and a one-entry grammar cache:
+    the second compile evicts the first grammar before its request is
+    stepped.  Each request carries the grammar admission compiled (off the
+    engine thread), so no compile ever runs on the engine thread, and both
+    outputs validate."""
+    import asyncio
+    import threading
+
+    from services.engine.async_engine import AsyncEngine
+
+    aengine = AsyncEngine(make_engine(smol_bf16))
+    grammars = aengine.engine.grammars
+    grammars.max_entries = 1
+    compiled_on: list[str] = []
+    for name in ("compile", "compile_future"):
+        real = getattr(grammars, name, None)
+        if real is not None:
+            def recording(spec, _real=real):
+                compiled_on.append(threading.current_thread().name)
+                return _real(spec)
+            setattr(grammars, name, recording)
+    schemas = [{"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]},
+               {"type": "object", "properties": {"n": {"enum": [1, 2, 3]}}, "required": ["n"]}]
+
+    async def one(i: int) -> str:
+        outs = [o async for o in aengine.generate(f"e{i}", _chat(smol_bf16, "JSON please."),
+                                                  greedy(16, guided=_spec(schemas[i])))]
+        return smol_bf16.tokenizer.decode([t for o in outs for t in o.new_token_ids])
+
+    try:
+        texts = await asyncio.gather(one(0), one(1))
+        for schema, text in zip(schemas, texts):
+            jsonschema.validate(json.loads(text), schema)
+        assert compiled_on and "engine-loop" not in compiled_on, compiled_on
+        assert len(grammars) == 1      # the cache did evict
+        assert await aengine.run(lambda e: e.kv.num_free_blocks == e.kv.num_total_blocks)
+    finally:
+        await aengine.shutdown()

@@ -69,6 +69,17 @@ def wait_no_leaks(cluster, timeout_s: float = 2.0, roles=("prefill", "decode")) 
         time.sleep(0.1)
 
 
+def wait_hand_off(cluster, timeout_s: float = 180.0) -> None:
+    """Until both pools have a replica with a live engine on the board: a test
+    of the hand-off path must not start while an earlier test's killed prefill
+    replica is being replaced (its prompts would be prefilled on the decode
+    pool, issue 32, and the path under test never taken)."""
+    deadline = time.monotonic() + timeout_s
+    while {s["role"] for s in board(cluster) if s.get("engine_alive")} < {"prefill", "decode"}:
+        assert time.monotonic() < deadline, f"no live replica in each pool after {timeout_s} s: {board(cluster)}"
+        time.sleep(0.5)
+
+
 def wait_serving(url: str, timeout_s: float = 180.0) -> None:
     """Until /health is 200 and a real request succeeds (after a replica was replaced)."""
     deadline = time.monotonic() + timeout_s

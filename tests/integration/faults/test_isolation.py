@@ -40,18 +40,19 @@ def test_hostile_parameters_fail_alone(url, faults_cluster, extra, stream):
 
 def test_a_dead_engine_loop_is_reported_and_replaced(url, faults_cluster):
     before = {s["name"] for s in board(faults_cluster) if s["role"] == "prefill"}
-    r = post(url, {"prompt": PROMPT, "max_tokens": 4}, fault="kill_prefill_engine")
-    # The prefill engine died before a first token: the decode replica prefills it (issue 32).
-    assert r.status_code == 200, r.text
-    assert r.json()["usage"]["completion_tokens"] == 4
+    r = post(url, {"prompt": PROMPT, "max_tokens": 4, "temperature": 0}, fault="kill_prefill_engine")
     # Serve's check_health failed and it started a new prefill replica; the old one's status-board
-    # entry outlives it by up to its TTL (5 s), so wait for a live replacement, within a bound.
+    # entry outlives it by up to its TTL (5 s), so wait for a live replacement, within a bound --
+    # before any assertion, so that a failure here leaves the next test a whole cluster.
     deadline = time.monotonic() + 180
     while True:
         after = {s["name"] for s in board(faults_cluster) if s["role"] == "prefill" and s.get("engine_alive")}
         if (after and not (after & before)) or time.monotonic() > deadline:
             break
         time.sleep(0.5)
+    # The prefill engine died before a first token: the decode replica prefilled it (issue 32).
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 4, r.text  # greedy: no early end of sequence
     assert after and not (after & before), (before, after)
     wait_serving(url)
     ok_request(url)

@@ -9,10 +9,15 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.integration.faults.conftest import MODEL, ok_request, post, wait_no_leaks, wait_serving
+from tests.integration.faults.conftest import MODEL, ok_request, post, wait_hand_off, wait_no_leaks, wait_serving
 
 pytestmark = pytest.mark.integration
 BODY = {"prompt": "Explain in one paragraph why the sky is blue. " * 4, "max_tokens": 16, "temperature": 0}
+
+
+@pytest.fixture(autouse=True)
+def _hand_off_path(faults_cluster):
+    wait_hand_off(faults_cluster)
 
 
 def _failovers(url: str, reason: str) -> float:

@@ -37,7 +37,9 @@ def tokenizer() -> Tokenizer:
 
 @pytest.fixture(scope="module")
 def grammars(tokenizer: Tokenizer) -> GrammarCache:
-    return GrammarCache(tokenizer, VOCAB)
+    cache = GrammarCache(tokenizer, VOCAB)
+    yield cache
+    cache.close()
 
 
 class _History:
@@ -60,7 +62,9 @@ def _json(schema) -> GuidedSpec:
 
 def _generate(sampler: Sampler, tokenizer: Tokenizer, spec: GuidedSpec, steps: int, seed: int = 0,
               histories: dict | None = None, rid: str = "r") -> list[int]:
-    """Samples from random logits under ``spec`` until the grammar is done."""
+    """Samples from random logits under ``spec`` (compiled first, as admission
+    does: the sampler never compiles) until the grammar is done."""
+    sampler.grammar.grammars.compile(spec)
     gen = torch.Generator().manual_seed(seed)
     params = SamplingParams(temperature=0.0, max_tokens=steps, guided=spec)
     out: list[int] = []
@@ -87,6 +91,7 @@ def test_compile_is_cached_per_spec_and_bounded(tokenizer: Tokenizer):
         cache.compile(GuidedSpec("regex", pattern))
     assert len(cache) == 2 and cache.get(_json(SCHEMA)) is None  # the oldest went first
     assert cache.num_compiles == 4
+    cache.close()
 
 
 @pytest.mark.parametrize("spec, fragment", [
@@ -135,6 +140,7 @@ def test_only_guided_rows_are_masked_and_unguided_batches_untouched(grammars, to
     logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(1))
     free = SamplingParams(temperature=0.0)
     guided = SamplingParams(temperature=0.0, guided=GuidedSpec("regex", "x"))
+    grammars.compile(guided.guided)   # admission's part
     result = sampler.sample_batch(logits.clone(), ["a", "b", "c"], [free, guided, free])
     assert result.token_ids["a"] == int(logits[0].argmax()) and result.token_ids["c"] == int(logits[2].argmax())
     assert result.token_ids["b"] == tokenizer.encode("x", add_special_tokens=False)[0]
@@ -145,6 +151,7 @@ def test_only_guided_rows_are_masked_and_unguided_batches_untouched(grammars, to
 
 def test_sampled_rows_stay_inside_the_grammar(grammars, tokenizer):
     spec = GuidedSpec("ebnf", 'root ::= "yes" | "no"')
+    grammars.compile(spec)
     sampler = _sampler(grammars)
     params = SamplingParams(temperature=1.5, seed=3, guided=spec)
     result = sampler.sample_batch(torch.randn(1, VOCAB), ["s"], [params])
@@ -168,12 +175,14 @@ def test_history_that_breaks_the_grammar_fails_that_row_only(grammars, tokenizer
     histories = {"bad": _History(tokenizer.encode("oops", add_special_tokens=False)), "ok": _History()}
     sampler = _sampler(grammars, histories)
     p = SamplingParams(temperature=0.0, guided=_json(SCHEMA))
+    grammars.compile(p.guided)
     result = sampler.sample_batch(torch.randn(2, VOCAB), ["bad", "ok"], [p, p])
     assert "grammar" in result.failed["bad"] and "ok" in result.token_ids
 
 
 def test_min_tokens_never_leaves_a_guided_row_empty(grammars, tokenizer):
     spec = GuidedSpec("ebnf", 'root ::= "done"')
+    grammars.compile(spec)
     histories = {"r": _History(tokenizer.encode("done", add_special_tokens=False))}
     sampler = Sampler((EOS,), histories)
     sampler.grammar.bind(grammars)
@@ -202,6 +211,7 @@ def test_sixteen_rows_inside_a_json_string_stay_guided_step_after_step(grammars,
     reading (the figure itself is bench/load/structured.py's, not a test's)."""
     spec = GuidedSpec("json_schema", json.dumps({"type": "object", "properties": {"s": {"type": "string"}},
                                                  "required": ["s"]}))
+    grammars.compile(spec)
     prefix = tokenizer.encode('{"s": "ab', add_special_tokens=False)
     histories = {f"r{i}": _History(prefix) for i in range(16)}
     sampler = _sampler(grammars, histories)

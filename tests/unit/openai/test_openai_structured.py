@@ -87,6 +87,31 @@ async def test_bad_constraints_are_400_naming_the_field(client, backend, extra, 
     assert backend.requests == []
 
 
+@pytest.mark.parametrize("extra", [
+    {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}},
+    {"guided_regex": "[0-9]+"},
+    {"tools": [WEATHER], "tool_choice": "required"},
+])
+async def test_grammar_checks_run_off_the_event_loop(client, backend, monkeypatch, extra):
+    """Building a grammar (xgrammar) can take seconds for a big schema: the
+    gateway's check of it must not hold the event loop every stream shares."""
+    import threading
+
+    from services.openai import structured
+
+    checked_on: list[threading.Thread] = []
+    real = structured._grammar_error
+
+    def recording(spec):
+        checked_on.append(threading.current_thread())
+        return real(spec)
+
+    monkeypatch.setattr(structured, "_grammar_error", recording)
+    r = await client.post(CC, json=_chat(**extra))
+    assert r.status_code == 200, r.text
+    assert checked_on and threading.main_thread() not in checked_on
+
+
 @pytest.mark.parametrize("messages, param", [
     ([{"role": "user"}], "messages[0].content"),
     ([{"role": "assistant"}], "messages[0].content"),

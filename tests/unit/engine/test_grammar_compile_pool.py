@@ -1,0 +1,177 @@
+"""Grammar compiles cannot stall a replica (issue 33): they run in a bounded
+pool of worker processes with a hard time limit (grammar_pool.py), identical
+specs compile once, a compile over the limit is an InvalidRequestError (a
+400) naming the limit, and the thread that owns the engine never compiles:
+not at admission, not in the sampler, not after the cache evicted the
+request's grammar.  Real SmolLM2 tokenizer, real xgrammar compiles."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from services.engine.errors import InvalidRequestError
+from services.engine.grammar import GrammarCache
+from services.engine.guided_spec import GuidedSpec
+from services.engine.sampler import Sampler
+from services.engine.sampling_params import SamplingParams
+from services.engine.tokenizer import Tokenizer
+from tests.slow_grammars import slow_schema_text
+
+VOCAB = 49152
+EOS = 2
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    from transformers import AutoTokenizer
+
+    from services.engine.model.default import default_model_path
+
+    path = default_model_path()
+    return Tokenizer(AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name), eos_token_ids=(EOS,))
+
+
+def _cache(tokenizer: Tokenizer, **kw) -> GrammarCache:
+    return GrammarCache(tokenizer, VOCAB, **kw)
+
+
+def _compile_in_threads(cache: GrammarCache, specs: list[GuidedSpec]) -> list:
+    """``cache.compile`` of each spec, all started together, one thread each."""
+    start, results = threading.Barrier(len(specs)), [None] * len(specs)
+
+    def one(i: int) -> None:
+        start.wait()
+        try:
+            results[i] = cache.compile(specs[i])
+        except Exception as exc:  # noqa: BLE001 - the test reads it
+            results[i] = exc
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(specs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    return results
+
+
+def test_identical_specs_compile_once(tokenizer):
+    """Eight requests with one schema arriving together: one compile, one grammar."""
+    cache = _cache(tokenizer)
+    try:
+        spec = GuidedSpec("json_schema", slow_schema_text(1, 10))   # ~0.5 s: the eight overlap
+        results = _compile_in_threads(cache, [spec] * 8)
+        assert all(r is results[0] for r in results), results
+        assert cache.num_compiles == 1
+    finally:
+        cache.close()
+
+
+def test_a_compile_over_the_limit_is_a_400_naming_the_limit_and_frees_its_worker(tokenizer):
+    cache = _cache(tokenizer, compile_workers=1, compile_timeout_s=0.5)
+    try:
+        cache.compile(GuidedSpec("regex", "a+"))    # the worker is up: its start is not the compile's time
+        slow = GuidedSpec("json_schema", slow_schema_text(2, 60))  # ~10 s of CPU alone
+        started = time.monotonic()
+        with pytest.raises(InvalidRequestError, match=r"0\.5 s grammar compile limit \(grammar_compile_timeout_s"):
+            cache.compile(slow)
+        # Killed at the limit (CPU seconds, rounded up to the worker's next whole one), not compiled to the end.
+        assert time.monotonic() - started < 5
+        assert cache.num_timeouts == 1
+        # The killed worker's slot serves the next spec (a fresh worker).
+        assert cache.compile(GuidedSpec("regex", "b+")) is not None
+        # The same spec again fails at once, without taking a worker for the whole limit.
+        started = time.monotonic()
+        with pytest.raises(InvalidRequestError, match="grammar_compile_timeout_s"):
+            cache.compile(slow)
+        assert time.monotonic() - started < 0.1 and cache.num_timeouts == 1
+    finally:
+        cache.close()
+
+
+def test_compiles_run_in_worker_processes_bounded_by_the_pool(tokenizer):
+    """Four distinct slow specs through a 2-worker pool: all compile, and no
+    more than two worker processes ever run; the caller's process keeps its
+    own threads responsive meanwhile (the compile is not in it)."""
+    cache = _cache(tokenizer, compile_workers=2)
+    ticks, stop = [], threading.Event()
+
+    def ticker() -> None:
+        last = time.perf_counter()
+        while not stop.is_set():
+            time.sleep(0.005)
+            now = time.perf_counter()
+            ticks.append(now - last)
+            last = now
+
+    try:
+        cache.compile(GuidedSpec("regex", "a+"))
+        t = threading.Thread(target=ticker)
+        t.start()
+        specs = [GuidedSpec("json_schema", slow_schema_text(10 + i, 12)) for i in range(4)]
+        results = _compile_in_threads(cache, specs)
+        stop.set()
+        t.join()
+        assert all(not isinstance(r, Exception) for r in results), results
+        assert cache.num_compiles == 5
+        assert len(cache._pool._live) <= 2
+        assert max(ticks) < 0.25, f"a thread of the caller's process stalled {max(ticks):.3f} s"
+    finally:
+        cache.close()
+
+
+def test_a_worker_that_died_between_compiles_is_replaced(tokenizer):
+    import os
+    import signal
+
+    cache = _cache(tokenizer, compile_workers=1)
+    try:
+        cache.compile(GuidedSpec("regex", "a+"))
+        (worker,) = cache._pool._live
+        os.kill(worker.proc.pid, signal.SIGKILL)
+        worker.proc.wait()
+        assert cache.compile(GuidedSpec("regex", "b+")) is not None
+        assert len(cache._pool._live) == 1 and cache._pool.num_dropped == 1
+    finally:
+        cache.close()
+
+
+def test_the_engine_thread_cannot_compile(tokenizer):
+    cache = _cache(tokenizer)
+    cache.forbidden_thread = threading.current_thread()
+    with pytest.raises(RuntimeError, match="engine thread"):
+        cache.compile(GuidedSpec("regex", "a+"))
+    cache.close()
+
+
+class _History:
+    def __init__(self, grammar=None):
+        self.output_token_ids: list[int] = []
+        self.prompt_token_ids: list[int] = []
+        self.grammar = grammar
+
+
+def test_the_sampler_uses_the_request_grammar_after_eviction_and_never_compiles(tokenizer):
+    """A request admitted with its grammar, then the cache evicts it (one
+    entry, a second spec compiled): the step makes the matcher from the
+    grammar the request carries; nothing is compiled on the stepping thread."""
+    cache = _cache(tokenizer, max_entries=1)
+    try:
+        mine = GuidedSpec("regex", "[0-9]{3}")
+        grammar = cache.compile(mine)
+        cache.compile(GuidedSpec("regex", "[a-z]{3}"))
+        assert cache.get(mine) is None                         # evicted
+        compiles_before = cache.num_compiles
+        cache.forbidden_thread = threading.current_thread()    # this thread steps, as the engine's does
+        sampler = Sampler((EOS,), {"r": _History(grammar)})
+        sampler.grammar.bind(cache)
+        params = SamplingParams(temperature=0.0, max_tokens=3, guided=mine)
+        result = sampler.sample_batch(torch.randn(1, VOCAB), ["r"], [params])
+        assert not result.failed, result.failed
+        assert tokenizer.decode([result.token_ids["r"]]).isdigit()
+        assert cache.num_compiles == compiles_before
+    finally:
+        cache.close()
