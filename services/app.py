@@ -28,7 +28,9 @@ def _pool_options(config: ClusterConfig, pool: PoolConfig, router_pool: str | No
         "max_queued_requests": pool.max_queue,
         "health_check_period_s": 2.0,
         "health_check_timeout_s": 30.0,
-        "graceful_shutdown_timeout_s": 20.0,
+        # A replica Serve stops (a scale-down, a redeploy) gets no new requests and the
+        # configured drain time for the ones in flight, as `pdcluster up` gives the gateway on SIGTERM.
+        "graceful_shutdown_timeout_s": config.shutdown_timeout_s,
     }
     if pool.autoscaling:
         opts["autoscaling_config"] = pool.autoscaling

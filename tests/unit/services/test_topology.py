@@ -31,6 +31,14 @@ def test_placement_maps_to_label_selector_and_resources():
     assert "label_selector" not in deployments["gateway"].ray_actor_options
 
 
+@pytest.mark.parametrize("timeout_s", [0.0, 45.0])
+def test_a_stopped_pool_replica_drains_for_the_configured_shutdown_timeout(timeout_s):
+    """Scale-down drains like SIGTERM: Serve's graceful shutdown of each pool replica is shutdown_timeout_s."""
+    deployments = {d.name: d for d in _deployments(build_app(ClusterConfig(shutdown_timeout_s=timeout_s)))}
+    assert {n: deployments[n]._deployment_config.graceful_shutdown_timeout_s for n in ("prefill", "decode")} == \
+        {"prefill": timeout_s, "decode": timeout_s}
+
+
 def _deployments(app) -> list:
     """Every deployment bound in ``app`` (the ingress and its arguments)."""
     found, todo = [], [app._bound_deployment]
