@@ -7,8 +7,11 @@
        ├──stream first token to the client
        ├──decode.generate(req + hand-off)──> decode replica (router: free KV)
        │     pulls missing blocks (NIXL READ), releases the lease, streams tokens
-       └──finally, if no decode token came back: prefill.release(lease) on the
-          replica that holds it (it is idempotent; the decode side releases too)
+       └──finally, if no decode token came back and no decode call may still be
+          pulling (none was made, it was refused, or it ended): prefill.release(lease)
+          on the replica that holds it.  A decode call cancelled mid-pull (client
+          gone, deadline) releases the lease itself once its pull ended, so no
+          release frees blocks a one-sided READ is still reading.
 
 Every request runs under two deadlines (end-to-end, and the gap between
 tokens once the first arrived); past either, the calls in flight are
@@ -52,7 +55,8 @@ from services.backend import (
 from services.gateway.admission import DEFAULT_RULES, Admission, Ticket
 from services.gateway.deadlines import with_deadlines, with_gap_deadline
 from services.gateway.failover import (AVOIDED, RECOMPUTE, FailoverReason, ReplicaLost, ResumeTarget, decide,
-                                       gave_up_message, live_elsewhere, lost_reason, resume_path, resume_target)
+                                       decode_call_over, gave_up_message, live_elsewhere, lost_reason, resume_path,
+                                       resume_target)
 from services.gateway.failover_log import FailoverLog, PendingSpan
 from services.gateway.liveness import PoolLiveness
 from services.gateway.placement import DECODE, Placement
@@ -79,6 +83,16 @@ def backend_error(exc: BaseException) -> BaseException:
 def prefill_locally(prompt_tokens: int, local_prefill_max_tokens: int) -> bool:
     """Conditional disaggregation: whether the decode replica prefills this prompt itself."""
     return 0 < prompt_tokens <= local_prefill_max_tokens
+
+
+def _reached_a_replica(stream: Any) -> bool:
+    """Whether Serve assigned the call to a replica (True when it cannot tell):
+    one cancelled before assignment never ran anywhere.  Reads the handle's
+    assignment future, which ``cancel()`` cancels only while unassigned."""
+    assignment = getattr(stream, "_replica_result_future", None)
+    if assignment is None:
+        return True
+    return not (assignment.done() and assignment.cancelled())
 
 
 class ClusterBackend(Backend):
@@ -274,6 +288,9 @@ class ClusterBackend(Backend):
                               progress: StreamProgress | None) -> AsyncIterator[TokenDelta]:
         """The prefill replica's first token, then the decode replica's stream from its hand-off."""
         decoded = False  # a decode token back means the decode side pulled and released the lease
+        # A decode call in flight may be pulling the blocks: its replica releases the lease once
+        # that pull ended (a release from here could free blocks a one-sided READ still reads).
+        taken = False
         try:
             yield TokenDelta([pre.first_token_id], pre.text, pre.finish_reason,
                              num_prompt_tokens=pre.num_tokens, num_cached_tokens=pre.num_cached_tokens,
@@ -287,22 +304,24 @@ class ClusterBackend(Backend):
             give_up_at = min(pre.lease_deadline_unix - _HANDOFF_LEASE_MARGIN_S, time.time() + self.handoff_wait_s)
             while True:
                 stream = self.handles["decode"].options(stream=True).generate.remote(decode)
+                taken = True
                 try:
                     async for chunk in self._relay(stream, progress):
                         decoded = True
                         yield chunk
                     return
-                except BackendOverloaded:
+                except BaseException as exc:
+                    taken = _reached_a_replica(stream) and not decode_call_over(exc)
                     # The first token went out: a full decode replica means wait for a seat (the lease
                     # holds the blocks), never an error mid-stream -- until the lease runs short.
-                    if decoded or time.time() > give_up_at:
+                    if not isinstance(exc, BackendOverloaded) or decoded or time.time() > give_up_at:
                         raise
-                    self.num_handoff_waits += 1
-                    await asyncio.sleep(_HANDOFF_RETRY_S)
+                self.num_handoff_waits += 1
+                await asyncio.sleep(_HANDOFF_RETRY_S)
         finally:
-            if pre.block_ids and pre.finish_reason is None and not decoded:
-                # Client gone, decode 429, pull failure, decode death, deadline: no pull will happen
-                # (or it already failed): the blocks go back now, not at the lease's TTL.
+            if pre.block_ids and pre.finish_reason is None and not decoded and not taken:
+                # Client gone before the decode call, decode 429, pull failure, decode death: no pull
+                # will happen (or it already ended): the blocks go back now, not at the lease's TTL.
                 self._in_background(self._release(pre))
 
     def _in_background(self, coro) -> None:

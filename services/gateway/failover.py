@@ -50,7 +50,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from services.backend import BackendFailure, BackendKVTransferFailed, BackendLeaseExpired, BackendUnavailable
+from services.backend import BackendError, BackendFailure, BackendKVTransferFailed, BackendLeaseExpired, BackendUnavailable
 
 
 class FailoverReason(str, enum.Enum):
@@ -89,6 +89,19 @@ class ReplicaLost(BackendFailure):
 
     def final_error(self) -> BaseException:
         return self.cause if self.cause is not None else self
+
+
+def decode_call_over(exc: BaseException) -> bool:
+    """Whether a decode call that raised ``exc`` has ended on its replica, so
+    no pull of its hand-off can still be reading the prefill replica's blocks.
+    A typed error is the replica's own answer (its ``generate`` ran its
+    ``finally``: the pull had ended and the lease was released there); a dead
+    replica reads nothing.  A cancellation (the client left, a deadline) or a
+    broken stream says nothing of the replica: its pull may still run, and it
+    releases the lease itself once that pull ended."""
+    if isinstance(exc, ReplicaLost):
+        return exc.reason is FailoverReason.REPLICA_DIED or exc.cause is not None
+    return isinstance(exc, BackendError)
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ streaming response that can fail or stall."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 
 from services.pools.decode import DecodeServer
 from services.messages import PrefillResponse
@@ -33,11 +34,19 @@ class FakeResponse:
 
     def cancel(self):
         self.cancelled = True
+        if hasattr(self, "_replica_result_future"):
+            self._replica_result_future.cancel()  # as Serve's: a no-op once assigned
 
 
 class FakeStream:
-    def __init__(self, deltas=(), error=None, stall_after=None):
+    def __init__(self, deltas=(), error=None, stall_after=None, assigned=None):
+        """``assigned``: True/False gives the stream Serve's assignment future (done, or
+        pending until cancelled); None leaves it out, as a handle that cannot tell."""
         self.deltas, self.error, self.stall_after, self.cancelled = list(deltas), error, stall_after, False
+        if assigned is not None:
+            self._replica_result_future = concurrent.futures.Future()
+            if assigned:
+                self._replica_result_future.set_result(None)
 
     def __aiter__(self):
         async def gen():
@@ -51,3 +60,5 @@ class FakeStream:
 
     def cancel(self):
         self.cancelled = True
+        if hasattr(self, "_replica_result_future"):
+            self._replica_result_future.cancel()  # as Serve's: a no-op once assigned

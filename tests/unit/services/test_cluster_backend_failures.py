@@ -6,11 +6,15 @@ the same paths in tests/integration/faults)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 
 import pytest
 
-from services.backend import BackendOverloaded, BackendTimeout
+from ray.exceptions import ActorDiedError
+
+from services.backend import BackendKVTransferFailed, BackendOverloaded, BackendTimeout
+from services.gateway.failover import FailoverReason, ReplicaLost, decode_call_over
 from router.routing_header import RoutingHeader
 from services.messages import GenerateRequest
 from services.gateway.cluster_backend import ClusterBackend, with_deadlines
@@ -110,14 +114,63 @@ async def test_a_decoded_stream_leaves_the_lease_to_the_puller():
     assert [c.text for c in chunks] == ["a", "b", "c"] and _releases(fake) == []
 
 
-async def test_inter_token_deadline_aborts_the_stalled_stream_and_releases():
+async def test_inter_token_deadline_aborts_the_stalled_stream_and_leaves_the_lease_to_the_decode_replica():
+    # Cancelled before its first token, the decode call may be mid-pull: a release from the gateway would
+    # let the prefill replica reuse blocks a one-sided READ is still reading (issue 33).  The decode
+    # replica releases once its pull ended (services/pools/decode.py); the lease's TTL is the backstop.
     stream = FakeStream([TokenDelta([6], "b"), TokenDelta([7], "c", "length")], stall_after=0)
     backend, fake = _backend(stream, inter_token_timeout_s=0.2)
     with pytest.raises(BackendTimeout, match="no token for 0.2 s"):
         await _drain(backend)
     await _settle(backend)
-    assert stream.cancelled  # the decode call was cancelled: the replica aborts
+    assert stream.cancelled  # the decode call was cancelled: the replica aborts, then releases
+    assert _releases(fake) == []
+
+
+@pytest.mark.parametrize("assigned, released", [(True, False), (None, False), (False, True)])
+async def test_client_gone_while_the_decode_call_pulls_leaves_the_lease_to_the_decode_replica(assigned, released):
+    # assigned: a decode replica took the call and may be pulling (it releases); None: the handle
+    # cannot tell (treated as taken); False: cancelled before Serve assigned it, nobody pulls.
+    stream = FakeStream([TokenDelta([6], "b")], stall_after=0, assigned=assigned)  # no token yet
+    backend, fake = _backend(stream)
+    chunks = backend.generate(GenerateRequest("r1", list(range(20)), greedy(8), RoutingHeader((), 20)))
+    assert (await anext(chunks)).token_ids == [5]
+    pending = asyncio.ensure_future(anext(chunks))  # the decode call is made and waits on the pull
+    while not any(name == "decode.generate" for name, *_ in fake.calls):
+        await asyncio.sleep(0.01)
+    pending.cancel()  # the client left mid-pull: its task is cancelled
+    with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+        await pending
+    await chunks.aclose()
+    await _settle(backend)
+    assert stream.cancelled and _releases(fake) == ([("r1", "prefill-x")] if released else [])
+
+
+def test_serve_handles_still_carry_the_assignment_future_the_gateway_reads():
+    from ray.serve.handle import _DeploymentResponseBase
+
+    assert "self._replica_result_future" in inspect.getsource(_DeploymentResponseBase.__init__)
+
+
+@pytest.mark.parametrize("error", [
+    BackendKVTransferFailed("the pull broke"),          # the replica answered: its generate ended
+    ActorDiedError(),                                   # the replica is gone: it reads nothing
+    BackendOverloaded("full"),                          # refused before reserving: it never pulled
+])
+async def test_a_decode_call_that_ended_without_a_token_releases_at_once(error):
+    backend, fake = _backend(FakeStream(error=error), handoff_wait_s=0.0, max_failovers=0)
+    with pytest.raises(Exception):
+        await _drain(backend)
+    await _settle(backend)
     assert _releases(fake) == [("r1", "prefill-x")]
+
+
+def test_only_an_ended_decode_call_frees_the_gateway_to_release():
+    assert decode_call_over(BackendKVTransferFailed("x")) and decode_call_over(BackendOverloaded("x"))
+    assert decode_call_over(ReplicaLost(FailoverReason.REPLICA_DIED, "gone"))
+    assert decode_call_over(ReplicaLost(FailoverReason.KV_TRANSFER_FAILED, "x", cause=BackendKVTransferFailed("x")))
+    assert not decode_call_over(ReplicaLost(FailoverReason.STREAM_BROKEN, "broken"))
+    assert not decode_call_over(asyncio.CancelledError()) and not decode_call_over(GeneratorExit())
 
 
 async def test_request_deadline_covers_the_wait_for_the_first_token():
