@@ -77,7 +77,7 @@ import socket
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -85,7 +85,9 @@ import torch
 
 from transfer.auth import DESCRIPTOR, LEASE_RELEASE, ClusterSecret
 from transfer.deadline import Deadline
-from transfer.errors import AuthenticationError, LeaseExpiredError, TransferError
+from transfer.checksum import block_checksums, first_mismatch
+from transfer.errors import (AuthenticationError, LeaseExpiredError, TransferCorruptError, TransferError,
+                             TransferInDoubtError)
 from transfer.layout import KVLayout, check_compatible, check_pool
 from transfer.lease_guard import LeaseClock, LeaseGuard
 from transfer.peer import (Notification, PeerDescriptor, agent_name, check_lease_id, check_peer_id,
@@ -151,6 +153,7 @@ class TransferBackend(ABC):
         self.timeout_s = timeout_s
         self.num_handshakes = 0
         self.num_rejected_notifications = 0  # dropped: malformed, or (with a secret) a missing or wrong tag
+        self.num_corrupt_pulls = 0  # landed, but a block's checksum differed from the owner's hand-off
         self._pool: torch.Tensor | None = None
         self._layout: KVLayout | None = None
         self._peers: dict[str, _CachedPeer] = {}
@@ -193,7 +196,8 @@ class TransferBackend(ABC):
 
     def pull(self, peer: PeerDescriptor | bytes, remote_block_ids: Any, local_block_ids: Any,
              notif: str | None = None, timeout_s: float | None = None,
-             lease_deadline_unix: float | None = None) -> TransferStats:
+             lease_deadline_unix: float | None = None,
+             expected_checksums: Sequence[int] | None = None) -> TransferStats:
         """Copies remote block ``remote_block_ids[i]`` into local block
         ``local_block_ids[i]`` and returns once every byte has landed; then, if
         ``notif`` (the lease id the blocks were lent under) is given, tells the
@@ -206,6 +210,11 @@ class TransferBackend(ABC):
         anyway, and a late release could free a new lease of the same id (the
         request prefilled again) under the puller reading it.
 
+        ``expected_checksums`` (the owner's ``checksums(remote_block_ids)`` at
+        hand-off, one per block) are checked once the bytes landed: a block
+        that differs raises TransferCorruptError and sends no notification
+        (the owner's block changed under the read: never commit it).
+
         Raises TransferError (LayoutMismatchError at a first handshake) when the
         pull cannot complete within ``timeout_s``; the local blocks then hold
         garbage and go back to the pool.  ValueError means a caller bug (ids out
@@ -215,6 +224,8 @@ class TransferBackend(ABC):
         remote_ids, local_ids = as_block_ids(remote_block_ids), as_block_ids(local_block_ids)
         check_block_ids(remote_ids, local_ids, desc.num_blocks, pool.shape[0])
         payload = self._notification(desc, notif) if notif is not None else b""
+        if expected_checksums is not None and len(expected_checksums) != len(remote_ids):
+            raise ValueError(f"{len(expected_checksums)} checksums for {len(remote_ids)} blocks")
         runs = coalesce_block_runs(remote_ids, local_ids)
         # Nothing read, nothing to protect: a notify-only pull ignores the deadline.
         lease = LeaseClock(lease_deadline_unix if runs else None, notif, desc.peer_id)
@@ -226,6 +237,8 @@ class TransferBackend(ABC):
             if runs:
                 self._read_runs(conn, desc, runs, notif, deadline)
                 lease.check_landed()
+                if expected_checksums is not None:
+                    self._verify(desc, local_ids, expected_checksums)
             if payload:
                 self._notify(conn, desc, payload, deadline)
 
@@ -233,6 +246,21 @@ class TransferBackend(ABC):
         seconds = time.perf_counter() - started
         return TransferStats(self.name, desc.peer_id, len(remote_ids), len(remote_ids) * desc.block_bytes,
                              seconds, len(runs))
+
+    def checksums(self, block_ids: Sequence[int]) -> tuple[int, ...]:
+        """Checksums of this side's blocks (transfer.checksum): an owner hands them
+        off with the lease, a puller passes them to pull() as ``expected_checksums``."""
+        pool, _ = self._require_pool()
+        return block_checksums(pool, block_ids)
+
+    def _verify(self, desc: PeerDescriptor, local_ids: Sequence[int], expected: Sequence[int]) -> None:
+        pool, _ = self._require_pool()
+        bad = first_mismatch(expected, block_checksums(pool, local_ids))
+        if bad is not None:
+            self.num_corrupt_pulls += 1
+            raise TransferCorruptError(
+                f"block {bad} of {len(local_ids)} pulled from {desc.peer_id} differs from what it handed off (its "
+                "checksum): the block changed under the read. Free the local blocks and prefill again")
 
     def release(self, peer: PeerDescriptor | bytes, lease_id: str, timeout_s: float | None = None) -> None:
         """Tells the owner this side will not pull (more) under ``lease_id``, so
@@ -294,6 +322,14 @@ class TransferBackend(ABC):
         try:
             conn = self._connection(desc, deadline)
             transfer(conn)
+        except TransferInDoubtError as e:  # keep the connection: the READ on it must be able to end
+            log.error("kv transfer in doubt: peer=%s backend=%s lease=%s blocks=%d error=%s",
+                      desc.peer_id, self.name, lease.lease_id, num_blocks, e)
+            raise
+        except TransferCorruptError as e:  # the connection is fine: the owner's block changed
+            log.error("kv transfer corrupt: peer=%s backend=%s lease=%s blocks=%d error=%s",
+                      desc.peer_id, self.name, lease.lease_id, num_blocks, e)
+            raise
         except LeaseExpiredError as e:  # the connection is fine: the owner refused, or we did
             log.warning("kv transfer lease expired: peer=%s backend=%s lease=%s blocks=%d error=%s",
                         desc.peer_id, self.name, lease.lease_id, num_blocks, e)

@@ -3,6 +3,8 @@ wrong and what to do next; the serving layer logs them as they are."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 
 class TransferError(RuntimeError):
     """A pull did not complete: the peer died, stalled past the timeout, sent
@@ -40,3 +42,23 @@ class AuthenticationError(TransferError):
     our proof), or a peer descriptor's signature is wrong: a replica started
     with another secret, or an impostor.  Retrying cannot help; check that
     every replica of the cluster is given the same secret."""
+
+
+class TransferCorruptError(TransferError):
+    """The bytes landed, but a block differs from what the owner handed off
+    (its checksum): never use them.  The owner's block changed after the
+    hand-off (its lease was released early and the block reused) or the
+    read was torn; prefill again."""
+
+
+class TransferInDoubtError(TransferError):
+    """The pull failed and its transport could not confirm the transfer
+    stopped (NIXL could not cancel an active READ): bytes may still land in
+    ``local_block_ids``.  Hold those blocks out of reuse -- not freed, not
+    cached -- until ``settled()`` returns True; every other block of the
+    pull goes back as usual."""
+
+    def __init__(self, message: str, local_block_ids: tuple[int, ...], settled: Callable[[], bool]) -> None:
+        super().__init__(message)
+        self.local_block_ids = local_block_ids
+        self.settled = settled

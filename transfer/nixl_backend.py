@@ -44,7 +44,7 @@ import torch
 
 from transfer.base import TransferBackend
 from transfer.deadline import Deadline
-from transfer.errors import BackendUnavailableError, TransferError
+from transfer.errors import BackendUnavailableError, TransferError, TransferInDoubtError
 from transfer.layout import KVLayout
 from transfer.lease_guard import LeaseGuard
 from transfer.nixl_write_puller import WriteMailbox, pull_by_write
@@ -107,6 +107,8 @@ class NixlBackend(TransferBackend):
         self._ticker: threading.Thread | None = None
         self._lease_guard: LeaseGuard | None = None
         self._remote_agents: set[str] = set()  # loaded in NIXL: owners pulled from, pullers written to
+        # READs NIXL could not cancel: (handle, settled, number of local blocks), retried by _settle
+        self._unsettled: list[tuple[Any, threading.Event, int]] = []
         self._writer = NixlWriter(self)
         self._mailbox = WriteMailbox()
         self._max_message_bytes = 0
@@ -147,6 +149,7 @@ class NixlBackend(TransferBackend):
             try:
                 self._collect_notifications()
                 self._writer.service()
+                self._settle()
             except Exception:  # a bug must not stop the owner's progress for good
                 log.exception("kv nixl progress tick failed: peer=%s", self.peer_id)
             now = time.monotonic()
@@ -198,6 +201,7 @@ class NixlBackend(TransferBackend):
     def _raw_notifications(self) -> list[tuple[str, bytes]]:
         self._collect_notifications()
         self._writer.service()  # also serves writes where no ticker runs (progress_interval_s=None)
+        self._settle()
         with self._lock:
             out, self._inbox = self._inbox, []
         return out
@@ -264,7 +268,7 @@ class NixlBackend(TransferBackend):
         local = descriptor_array(runs_to_regions(runs, self._pool.data_ptr(), block_bytes, "local"),
                                   self._device_id)
         remote = descriptor_array(runs_to_regions(runs, desc.pool_addr, block_bytes, "remote"), desc.device_id)
-        handle = None
+        handle, landed = None, False
         try:
             with self._lock:
                 local_descs = self._agent.get_xfer_descs(local, self._mem_type)
@@ -272,6 +276,7 @@ class NixlBackend(TransferBackend):
                 handle = self._agent.initialize_xfer("READ", local_descs, remote_descs, conn)
                 state = self._agent.transfer(handle)
             self._wait(handle, state, deadline)
+            landed = True
         except TransferError:
             raise
         except Exception as e:  # nixlRemoteDisconnectError, nixlNotFoundError, ...
@@ -279,8 +284,46 @@ class NixlBackend(TransferBackend):
                                 "restarted or deregistered its pool: free the local blocks and fetch its "
                                 "current descriptor") from e
         finally:
-            if handle is not None:
-                self._release(handle, deadline.what)
+            if handle is not None and not self._release(handle, deadline.what) and not landed:
+                # NIXL could not cancel the READ: it may still land.  Replaces the error in flight
+                # (kept as the context): the caller must hold the blocks, not free them.
+                raise self._in_doubt(handle, runs, deadline.what)
+
+    def _in_doubt(self, handle: Any, runs: list[BlockRun], what: str) -> TransferInDoubtError:
+        """Keeps ``handle`` to settle later (the ticker retries its release) and
+        names the local blocks it may still write."""
+        settled = threading.Event()
+        local_ids = tuple(r.local_start + i for r in runs for i in range(r.num_blocks))
+        with self._lock:
+            self._unsettled.append((handle, settled, len(local_ids)))
+        return TransferInDoubtError(
+            f"{what} failed and NIXL could not cancel its READ: its {len(local_ids)} local blocks may still be "
+            "written; hold them out of reuse until the transfer settles", local_ids, settled.is_set)
+
+    def _settle(self) -> None:
+        """Retries the release of every READ that could not be cancelled: one that
+        is no longer in progress and releases is settled (its blocks may be reused)."""
+        with self._lock:
+            if not self._unsettled or self._agent is None:
+                return
+            pending = []
+            for handle, settled, num_blocks in self._unsettled:
+                try:
+                    state = self._agent.check_xfer_state(handle)
+                except Exception as e:  # noqa: BLE001 - an ended transfer may report an error; release decides
+                    state = f"ERR ({type(e).__name__})"
+                if state == "PROC" or not self._try_release(handle):
+                    pending.append((handle, settled, num_blocks))
+                    continue
+                settled.set()
+                log.info("nixl transfer settled: %d local blocks may be reused", num_blocks)
+            self._unsettled = pending
+
+    @property
+    def num_unsettled_blocks(self) -> int:
+        """Local blocks a READ that could not be cancelled may still write."""
+        with self._lock:
+            return sum(n for _, _, n in self._unsettled)
 
     def _wait(self, handle: Any, state: str, deadline: Deadline) -> None:
         spin_until = time.perf_counter() + _SPIN_S
@@ -296,16 +339,24 @@ class NixlBackend(TransferBackend):
             raise TransferError(f"{deadline.what} failed: NIXL reported {state}; the peer is likely gone. "
                                 "Free the local blocks and fetch its current descriptor")
 
-    def _release(self, handle: Any, what: str) -> None:
+    def _release(self, handle: Any, what: str) -> bool:
+        """Releases (and so cancels) a transfer; False when NIXL refused, i.e. could not cancel it."""
         with self._lock:
             if self._agent is None:
-                return
-            try:
-                self._agent.release_xfer_handle(handle)
-            except Exception as e:
-                # NIXL could not cancel an active READ: the local blocks may still be written.
-                log.error("nixl could not release the transfer of %s (%s); its blocks must not be "
-                          "reused until the peer is gone", what, e)
+                return True
+            released = self._try_release(handle)
+        if not released:
+            log.error("nixl could not release the transfer of %s; its blocks are held until it settles", what)
+        return released
+
+    def _try_release(self, handle: Any) -> bool:
+        """Under self._lock."""
+        try:
+            self._agent.release_xfer_handle(handle)
+            return True
+        except Exception as e:  # noqa: BLE001 - nixl's errors: an active transfer it cannot cancel
+            log.debug("nixl release_xfer_handle failed: %s", e)
+            return False
 
     def _notify(self, conn: str, desc: PeerDescriptor, notif_payload: bytes, deadline: Deadline) -> None:
         self._send(desc, notif_payload, deadline)
@@ -341,3 +392,6 @@ class NixlBackend(TransferBackend):
                 except Exception as e:
                     log.info("nixl deregister_memory failed at close: %s", e)
             self._agent = None  # the native agent goes with its last reference
+            for _, settled, _ in self._unsettled:
+                settled.set()  # the pool goes with this backend: nothing is reused after it
+            self._unsettled = []

@@ -33,16 +33,17 @@ def _state() -> dict:
 
 
 def format_board(board: list[dict]) -> list[str]:
-    """One line per replica: role, name, engine state, running/waiting, KV used/total and dtype, hits,
+    """One line per replica: role, name, engine state, running/waiting, KV used/total and dtype, leased
+    blocks, blocks held in quarantine (a transfer into them not confirmed stopped), hits,
     and speculative decoding's accepted/drafted tokens ('-' where it is off)."""
     table = plain_table("pool", "replica", "engine", ">run", ">wait", ">kv used/total", ">kv", ">leased",
-                        ">prompt hit/computed", ">spec acc/draft")
+                        ">held", ">prompt hit/computed", ">spec acc/draft")
     for s in board:
         used = s["kv_blocks_total"] - s["kv_blocks_free"]
         engine = "alive" if s.get("engine_alive", True) else "DEAD"
         table.add_row(s["role"], s["name"][-34:], engine, str(s["running"]), str(s["waiting"]),
                       f"{used}/{s['kv_blocks_total']}", s.get("kv_dtype", "?"), str(s["leased_blocks"]),
-                      f"{s['prompt_tokens_cached']}/{s['prompt_tokens_computed']}", _spec(s))
+                      str(s.get("quarantined_blocks", 0)), f"{s['prompt_tokens_cached']}/{s['prompt_tokens_computed']}", _spec(s))
     return table_lines(table)
 
 

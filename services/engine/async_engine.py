@@ -210,6 +210,13 @@ class AsyncEngine:
     async def abort(self, request_id: str) -> bool:
         return await self._call(lambda: self.engine.abort(request_id))
 
+    async def quarantine(self, request_id: str, block_ids: Sequence[int]) -> int | None:
+        """Engine.quarantine: the reservation ends, ``block_ids`` stay held until release_quarantine."""
+        return await self._call(lambda: self.engine.quarantine(request_id, block_ids))
+
+    async def release_quarantine(self, key: int) -> int:
+        return await self._call(lambda: self.engine.release_quarantine(key))
+
     async def release_lease(self, request_id: str) -> bool:
         return await self._call(lambda: self.engine.release_lease(request_id))
 

@@ -103,6 +103,9 @@ class Engine:
         # A reservation waits at most as long as the lease it will pull from.
         self.reservation_ttl_s = config.lease_ttl_s
         self._reservation_expiry: dict[str, float] = {}  # request id -> time.monotonic()
+        # key -> blocks a transfer may still write into (quarantine / release_quarantine)
+        self._quarantine: dict[int, list[int]] = {}
+        self._quarantine_key = 0
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._in_flight: list[Request] | None = None  # this step's requests, once scheduled
         self._step_outputs: list[RequestOutput] = []
@@ -259,6 +262,31 @@ class Engine:
                 self.abort(request_id)
                 self.num_expired_reservations += 1
                 log.warning("reservation expired before its KV came: request_id=%s", request_id)
+
+    def quarantine(self, request_id: str, block_ids: Sequence[int]) -> int | None:
+        """Aborts the reservation of ``request_id`` but holds ``block_ids`` (of its
+        blocks) out of the free list and the prefix cache: a transfer into them
+        failed without being confirmed stopped, so bytes may still land there.
+        Returns the key that release_quarantine takes once the transfer settled;
+        None when nothing is reserved under that id (its blocks were already freed)."""
+        req = self.scheduler.awaiting_kv.get(request_id)
+        if req is None:
+            return None
+        wanted = set(block_ids)
+        held = [b for b in req.block_ids if b in wanted]
+        req.block_ids = [b for b in req.block_ids if b not in wanted]  # the rest go back with the abort
+        self.abort(request_id)
+        self._quarantine_key += 1
+        self._quarantine[self._quarantine_key] = held
+        log.warning("quarantined %d blocks of request %s until its transfer settles", len(held), request_id)
+        return self._quarantine_key
+
+    def release_quarantine(self, key: int) -> int:
+        """The transfer into a quarantine's blocks has settled: they go back. Returns how many."""
+        held = self._quarantine.pop(key, [])
+        if held:
+            self.kv.free(held)
+        return len(held)
 
     # ---- leases (prefill side) --------------------------------------------
     def release_lease(self, request_id: str) -> bool:
@@ -441,6 +469,7 @@ class Engine:
             num_preemptions=s.num_preemptions, num_steps=self.num_steps,
             num_failed_requests=self.num_failed_requests, num_failed_steps=self.num_failed_steps,
             num_expired_reservations=self.num_expired_reservations, num_refused_reads=self.leases.num_refused_reads,
+            quarantined_blocks=sum(len(b) for b in self._quarantine.values()),
             spec_proposed_tokens=spec.num_proposed_tokens if spec else 0,
             spec_accepted_tokens=spec.num_accepted_tokens if spec else 0,
             spec_verify_steps=spec.num_verify_steps if spec else 0,
@@ -448,11 +477,13 @@ class Engine:
 
     def check_integrity(self) -> None:
         """Asserts the pool is consistent and every block reference has an
-        owner: a request (running, waiting or reserved) or the lease table."""
+        owner: a request (running, waiting or reserved), the lease table or a quarantine."""
         self.kv.check_integrity()
         s = self.scheduler
         reqs = list(s.running) + list(s.waiting) + list(s.awaiting_kv.values())
         owners: Counter[int] = Counter(self.leases.held_block_ids())
+        for held in self._quarantine.values():
+            owners.update(held)
         for req in reqs:
             req.check_invariants(self.kv_spec.block_size)
             owners.update(req.block_ids)

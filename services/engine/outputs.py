@@ -92,6 +92,7 @@ class EngineStats:
     num_failed_steps: int = 0           # steps that raised and were recovered from
     num_expired_reservations: int = 0   # reserve_external blocks whose K/V never came within the TTL
     num_refused_reads: int = 0          # lease reads refused (unknown, released or expired lease)
+    quarantined_blocks: int = 0         # held out of reuse: a transfer into them is not confirmed stopped
     # Speculative decoding (spec_decode.py): drafted tokens, those accepted, the
     # request-steps that verified a draft and the tokens those steps emitted.
     spec_proposed_tokens: int = 0

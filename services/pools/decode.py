@@ -5,7 +5,10 @@ in one transfer, tells it to drop the lease, then streams the decode.
 Every path out gives back what it took: the reservation is aborted on any
 exit before the decode finished (after the transfer thread stopped writing
 into it), and a hand-off that was not pulled is released at the prefill
-replica at once.  An expired hand-off is refused, never read."""
+replica at once.  An expired hand-off is refused, never read.  A pulled
+block whose checksum differs from the hand-off's is never committed (the
+pull fails; the gateway recomputes), and the blocks of a pull whose READ
+could not be confirmed stopped stay in quarantine until it settles."""
 
 from __future__ import annotations
 
@@ -26,10 +29,11 @@ from services.pools.prefill import _replica_name
 from observability.stages import DecodeStages
 from services.pools.worker import Worker, WorkerEndpoints, stream_whole_request
 from transfer import TransferError
-from transfer.errors import LeaseExpiredError
+from transfer.errors import LeaseExpiredError, TransferInDoubtError
 
 log = logging.getLogger("pdcluster.decode")
 _RESERVE_RETRY_S = 0.02
+_SETTLE_POLL_S = 0.1  # how often a quarantine asks whether its transfer settled
 # A hand-off with less lease than this left is refused before reserving:
 # the pull could not finish inside it.
 _MIN_LEASE_LEFT_S = 0.5
@@ -76,16 +80,23 @@ class DecodeServer(WorkerEndpoints):
         self._check_lease(req)
         remote = list(pre.block_ids[alloc.num_cached_blocks:])
         local = list(alloc.missing_block_ids)
+        # Checked once the bytes landed: a block that changed since the hand-off is never committed.
+        expected = pre.block_checksums[alloc.num_cached_blocks:] if pre.block_checksums else None
         pull = asyncio.ensure_future(asyncio.to_thread(
             w.transfer.pull, pre.peer, remote, local, req.request_id,
-            lease_deadline_unix=pre.lease_deadline_unix or None))
+            lease_deadline_unix=pre.lease_deadline_unix or None, expected_checksums=expected))
         try:
             stats = await asyncio.shield(pull)
         except asyncio.CancelledError:
             # The transfer thread is still writing into the reserved blocks: they
             # may go back to the pool only once it has stopped.
             await asyncio.wait({pull})
+            if not pull.cancelled() and isinstance(pull.exception(), TransferInDoubtError):
+                await asyncio.shield(self._quarantine(req, pull.exception()))
             raise
+        except TransferInDoubtError as exc:
+            await asyncio.shield(self._quarantine(req, exc))
+            raise BackendKVTransferFailed(f"KV transfer from {pre.worker_name} failed: {exc}") from exc
         except LeaseExpiredError as exc:
             raise BackendLeaseExpired(f"KV transfer from {pre.worker_name} refused: {exc}") from exc
         except (TransferError, OSError) as exc:
@@ -96,6 +107,27 @@ class DecodeServer(WorkerEndpoints):
         w.counters.bytes_pulled += stats.num_bytes
         w.counters.transfer_seconds += stats.seconds
         return len(remote)
+
+    async def _quarantine(self, req: GenerateRequest, exc: TransferInDoubtError) -> None:
+        """The pull's READ may still land: its blocks stay out of reuse (the reservation
+        ends, the rest of its blocks go back) until the transfer settles."""
+        aengine = self.worker.aengine
+        key = await aengine.quarantine(req.request_id, exc.local_block_ids)
+        if key is None:
+            log.error("request %s: no reservation left to hold its %d in-doubt blocks", req.request_id,
+                      len(exc.local_block_ids))
+            return
+
+        async def release_when_settled() -> None:
+            while not exc.settled():
+                await asyncio.sleep(_SETTLE_POLL_S)
+            freed = await aengine.release_quarantine(key)
+            log.info("request %s: the transfer settled; %d quarantined blocks back in the pool", req.request_id,
+                     freed)
+
+        task = asyncio.get_running_loop().create_task(release_when_settled())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[TokenDelta]:
         if req.handoff is None:

@@ -7,6 +7,8 @@ named point.  Per request, so a test hits exactly the replica serving its
 request, whatever the pool sizes.
 
     short_lease            prefill: the hand-off's lease runs out 0.5 s after it is pinned
+    reuse_leased_block     prefill: the hand-off's partial last block changes after its checksum was
+                           taken (as a block released early and reused would): the pull must refuse it
     delay_pull:S           decode: wait S seconds before pulling the blocks
     fail_pull              decode: the pull fails as if the connection broke
     die_before_pull        decode: the replica process exits before pulling
@@ -25,7 +27,7 @@ import os
 
 ENV = "PDCLUSTER_FAULTS"
 HEADER = "x-pdcluster-fault"
-KINDS = frozenset({"short_lease", "delay_pull", "fail_pull", "die_before_pull", "reject_decode", "stall_decode",
+KINDS = frozenset({"short_lease", "reuse_leased_block", "delay_pull", "fail_pull", "die_before_pull", "reject_decode", "stall_decode",
                    "kill_prefill_engine", "kill_decode_engine", "drop_stream", "drop_stream_once"})
 
 

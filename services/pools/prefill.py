@@ -6,6 +6,7 @@ computed after the prompt's, and the token sampled is the next one."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 
@@ -55,6 +56,12 @@ class PrefillServer(WorkerEndpoints):
         except BaseException as exc:
             stages.failed(exc)
             raise
+        block_ids = last.prefill.block_ids if last.prefill else ()
+        # What the decode side checks the pulled blocks against (transfer/checksum.py): off the engine
+        # thread; the leased blocks are not written again.
+        checksums = await asyncio.to_thread(w.transfer.checksums, block_ids) if block_ids else ()
+        if block_ids and faults.has(request.faults, "reuse_leased_block"):
+            await w.aengine.run(lambda e: _overwrite_partial_last_block(e, last.prefill))
         stages.done(last)  # prefill.queue + prefill.compute spans, prefill metrics
         seconds = time.perf_counter() - started
         computed = last.num_prompt_tokens + len(request.prior_output_token_ids) - last.num_cached_tokens
@@ -64,7 +71,7 @@ class PrefillServer(WorkerEndpoints):
         done = last.finish_reason.value if last.prefill is None else None
         return PrefillResponse(
             request_id=request.request_id, first_token_id=last.new_token_ids[0], text=last.text_delta,
-            finish_reason=done, block_ids=last.prefill.block_ids if last.prefill else (),
+            finish_reason=done, block_ids=block_ids, block_checksums=checksums,
             num_tokens=last.num_prompt_tokens, num_cached_tokens=last.num_cached_tokens,
             peer=w.transfer.describe(), worker_name=w.name, prefill_s=seconds,
             lease_deadline_unix=last.prefill.lease_deadline_unix if last.prefill else 0.0,
@@ -81,6 +88,14 @@ class PrefillServer(WorkerEndpoints):
         """Drops a lease (the gateway's path when no pull will happen); its
         ``routing.target_worker`` pins the call to the replica holding it."""
         return await self.worker.aengine.release_lease(release.request_id)
+
+
+def _overwrite_partial_last_block(engine, prefill) -> None:
+    """Fault reuse_leased_block: the hand-off's last block changes after its
+    checksum was taken, as a block released early and reused would.  Only a
+    partial last block (never in the prefix cache, so no other request reads it)."""
+    if prefill.num_tokens % engine.kv_spec.block_size:
+        engine.kv.kv_pool[prefill.block_ids[-1]].zero_()
 
 
 PrefillDeployment = serve.deployment(PrefillServer, name="prefill")

@@ -67,6 +67,33 @@ def test_a_forced_hash_collision_is_not_served_from_the_other_prompts_blocks(smo
     _no_leak(engine)
 
 
+def test_quarantined_blocks_stay_out_of_reuse_until_released(smol_fp32):
+    """(a) A pull in doubt (its READ may still land): the reservation ends, its
+    other blocks go back, the in-doubt ones stay held -- no other request can
+    get them, not even by taking every free block -- until release_quarantine."""
+    tok = smol_fp32.tokenizer
+    engine = make_engine(smol_fp32)
+    engine.generate([tok.encode(document(3))], greedy(2))  # some blocks in the prefix cache
+    prompt = tok.encode(document(3)) + tok.encode(" and then something else entirely, at length." * 4)
+    alloc = engine.reserve_external("r", prompt, greedy(4))
+    assert alloc.num_cached_blocks >= 1 and alloc.missing_block_ids
+    in_doubt = alloc.missing_block_ids
+    free_before = engine.kv.num_free_blocks
+    key = engine.quarantine("r", in_doubt)
+    assert key is not None and engine.stats().quarantined_blocks == len(in_doubt)
+    assert "r" not in engine.awaiting_kv
+    engine.check_integrity()  # the quarantine owns its blocks
+    # The reservation's other blocks came back; the held ones did not.
+    assert engine.kv.num_free_blocks == free_before + len(alloc.block_ids) - len(in_doubt)
+    everything = engine.kv.allocate(engine.kv.num_free_blocks)  # another request takes all it can
+    assert not set(everything) & set(in_doubt)
+    engine.kv.free(everything)
+    assert engine.quarantine("r", in_doubt) is None  # nothing reserved under the id any more
+    assert engine.release_quarantine(key) == len(in_doubt) and engine.stats().quarantined_blocks == 0
+    assert engine.release_quarantine(key) == 0
+    _no_leak(engine)
+
+
 def test_prefill_only_then_external_kv_decode_equals_one_engine(smol_fp32):
     tok = smol_fp32.tokenizer
     prompt = tok.apply_chat_template([{"role": "user", "content": "Tell me about " + document(5)}])

@@ -38,6 +38,22 @@ def test_a_pull_after_the_lease_expired_is_refused_and_recomputed(url, faults_cl
     ok_request(url)
 
 
+def test_a_block_changed_after_the_hand_off_is_refused_and_recomputed(url, faults_cluster):
+    # The prompt's last block is partial here (a full one would not be overwritten by the fault): the
+    # prefill replica zeroes it after taking its checksum, as a block released early and reused would
+    # look to a pull.  The decode side must refuse it (never decode from it or cache it) and the
+    # request is recomputed: the same greedy text.  Before checksums, the zeroed block was decoded from.
+    reference = post(url, BODY)
+    assert reference.json()["usage"]["prompt_tokens"] % faults_cluster.config.block_size, "pick a partial last block"
+    before = _failovers(url, "kv_transfer_failed")
+    r = post(url, BODY, fault="reuse_leased_block")
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == reference.json()["choices"][0]["text"]
+    assert _failovers(url, "kv_transfer_failed") == before + 1
+    wait_no_leaks(faults_cluster)
+    ok_request(url)
+
+
 def test_client_disconnect_right_after_the_first_token(url, faults_cluster):
     body = {"model": MODEL, **BODY, "max_tokens": 200, "stream": True}
     with httpx.Client(timeout=60) as http:

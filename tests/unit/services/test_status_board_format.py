@@ -16,6 +16,11 @@ def test_a_line_per_replica_with_kv_dtype_and_spec_counters():
     assert drafting.split()[-1] == "25/40"
 
 
+def test_blocks_held_in_quarantine_have_their_column():
+    header, row = format_board([ROW | {"quarantined_blocks": 7}])
+    assert "held" in header and row.split()[8] == "7"  # pool replica engine run wait used kv leased held
+
+
 def test_a_replica_hashing_with_another_seed_is_a_warning():
     from services.cli.status import seed_warnings
     from services.config import ClusterConfig
