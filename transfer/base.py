@@ -8,6 +8,7 @@
     (+ lease_id, lease_deadline_unix)               notif=lease_id,
                                                     lease_deadline_unix=...) -> TransferStats
     poll_notifications() <--- lease_id ------  (sent once the bytes have landed in time)
+    (or wait_notifications)
       -> LeaseTable.release(lease_id)          release(descriptor, lease_id): "I will not pull"
 
 How the lease keeps a read from seeing recycled blocks (transfer.lease_guard):
@@ -154,6 +155,7 @@ class TransferBackend(ABC):
         self.num_handshakes = 0
         self.num_rejected_notifications = 0  # dropped: malformed, or (with a secret) a missing or wrong tag
         self.num_corrupt_pulls = 0  # landed, but a block's checksum differed from the owner's hand-off
+        self._arrived = threading.Event()  # set by a backend when a notification came in
         self._pool: torch.Tensor | None = None
         self._layout: KVLayout | None = None
         self._peers: dict[str, _CachedPeer] = {}
@@ -295,10 +297,18 @@ class TransferBackend(ABC):
             out.append(Notification(note.from_peer, note.lease_id))
         return out
 
+    def wait_notifications(self, timeout_s: float) -> list[Notification]:
+        """poll_notifications once one arrived, or after ``timeout_s`` (then often
+        none): a loop that releases leases wakes when there is work, not every few ms."""
+        self._arrived.wait(timeout_s)
+        self._arrived.clear()  # one arriving from here on sets it again: the next wait returns at once
+        return self.poll_notifications()
+
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
+        self._arrived.set()  # a waiter returns now
         with self._peers_lock:
             peers, self._peers = list(self._peers.values()), {}
         for cached in peers:

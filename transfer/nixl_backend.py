@@ -184,6 +184,7 @@ class NixlBackend(TransferBackend):
         if not is_write_message(obj):
             with self._lock:
                 self._inbox.append((peer_id_of_agent(sender), payload))
+            self._arrived.set()
             return
         if obj["op"] == "ping":
             return

@@ -115,9 +115,13 @@ class SocketBackend(TransferBackend):
     def _register(self, kv_pool: torch.Tensor, layout: KVLayout, lease_guard: LeaseGuard | None) -> None:
         self._bytes = PoolBytes(kv_pool, layout.block_bytes, self._max_stage_bytes)
         self._server = BlockServer(self._bytes, layout, self.peer_id, self.epoch,
-                                   lambda sender, payload: self._notifications.append((sender, payload)),
+                                   self._received,
                                    host=self._host, port=self._port, lease_guard=lease_guard,
                                    secret=self._secret, limits=self._limits)
+
+    def _received(self, sender: str, payload: bytes) -> None:
+        self._notifications.append((sender, payload))
+        self._arrived.set()
 
     @property
     def server(self) -> BlockServer | None:

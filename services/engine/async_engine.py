@@ -36,6 +36,7 @@ from services.engine.engine import Engine
 from services.engine.errors import EngineDeadError, EngineError, InvalidRequestError, InvalidRequestReason, RequestFailedError
 from services.engine.outputs import EngineStats, ExternalKVAllocation, RequestOutput
 from services.engine.request import Request
+from services.engine.reservation_line import ReservationLine
 from services.engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -52,6 +53,7 @@ class AsyncEngine:
     def __init__(self, engine: Engine):
         self.engine = engine
         self._commands: deque[tuple[Callable[[], Any], concurrent.futures.Future]] = deque()
+        self._line = ReservationLine()  # reservations waiting for free blocks (engine thread only)
         self._faults: deque[tuple[str, float]] = deque()
         self._wake = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -164,17 +166,40 @@ class AsyncEngine:
 
     async def reserve_external(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                                ttl_s: float | None = None, block_hashes: Sequence[int] = (),
-                               prior_output_token_ids: Sequence[int] = ()) -> ExternalKVAllocation | None:
+                               prior_output_token_ids: Sequence[int] = (), wait_s: float = 0.0
+                               ) -> ExternalKVAllocation | None:
         """Blocks for a prompt (and a resumed request's prior output) whose K/V
         comes from outside (see Engine.reserve_external); freed unless
-        committed within ``ttl_s``."""
+        committed within ``ttl_s``.  When the pool cannot hold it now: None, or
+        with ``wait_s`` it waits in line on the engine thread (reservation_line.py)
+        for up to that long, and None only then."""
         extra = await self._compile_grammar(params)
         # Only a resumed request passes its prior output (engines without resume need not know it).
         if prior_output_token_ids:
             extra["prior_output_token_ids"] = tuple(prior_output_token_ids)
-        return await self._call(lambda: self.engine.reserve_external(request_id, prompt_token_ids, params, ttl_s,
-                                                                     block_hashes, **extra),
-                                undo=self._abort_reservation)
+
+        def attempt() -> ExternalKVAllocation | None:
+            return self.engine.reserve_external(request_id, prompt_token_ids, params, ttl_s, block_hashes, **extra)
+
+        if wait_s <= 0:
+            return await self._call(attempt, undo=self._abort_reservation)
+        return await self._reserve_in_line(attempt, wait_s)
+
+    async def _reserve_in_line(self, attempt: Callable[[], ExternalKVAllocation | None],
+                               wait_s: float) -> ExternalKVAllocation | None:
+        answer: concurrent.futures.Future = concurrent.futures.Future()
+        offered = self._submit(lambda: self._line.offer(attempt, answer, self._abort_reservation))
+        offered.add_done_callback(lambda f: _pass_on_failure(f, answer))
+        waiting = asyncio.wrap_future(answer)
+        try:
+            await asyncio.wait({waiting}, timeout=wait_s)
+        except asyncio.CancelledError:
+            if not answer.cancel() and answer.exception() is None:  # reserved as the caller left
+                self._submit(lambda: self._abort_reservation(answer.result()))
+            raise
+        if answer.cancel():  # still in line at the deadline: it leaves the line
+            return None
+        return answer.result()  # reserved (or failed) in time
 
     async def decode_external(self, request_id: str, first_token_id: int) -> AsyncIterator[RequestOutput]:
         """After the reserved blocks were filled: streams the decode."""
@@ -274,6 +299,7 @@ class AsyncEngine:
             while not self._stop:
                 self._apply_fault()
                 self._apply_commands()
+                self._line.serve()  # reservations waiting for blocks: a step or a command may have freed some
                 if self.engine.has_unfinished():
                     outputs = self.engine.step()  # fails requests, not itself; EngineDeadError if it cannot go on
                     self.stats = self.engine.stats()
@@ -320,6 +346,7 @@ class AsyncEngine:
         self._ended = True
         self._deliver_all([(rid, error) for rid in list(self._streams)])
         self._fail_commands(error)
+        self._line.fail_all(error)
 
     def _fail_commands(self, error: EngineDeadError | None = None) -> None:
         error = error or EngineDeadError("engine loop is gone; restart the replica")
@@ -358,6 +385,16 @@ class AsyncEngine:
         grammars = getattr(self.engine, "grammars", None)
         if grammars is not None:
             grammars.close()   # its compile worker processes
+
+
+def _pass_on_failure(command: concurrent.futures.Future, answer: concurrent.futures.Future) -> None:
+    """A command that failed (the loop ended before it ran) fails the answer it was to give."""
+    if command.cancelled() or command.exception() is None:
+        return
+    try:
+        answer.set_exception(command.exception())
+    except concurrent.futures.InvalidStateError:
+        pass  # answered or given up already
 
 
 def _put_all(batch: list[tuple[asyncio.Queue, Any]]) -> None:

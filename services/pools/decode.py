@@ -32,7 +32,6 @@ from transfer import TransferError
 from transfer.errors import LeaseExpiredError, TransferInDoubtError
 
 log = logging.getLogger("pdcluster.decode")
-_RESERVE_RETRY_S = 0.02
 _SETTLE_POLL_S = 0.1  # how often a quarantine asks whether its transfer settled
 # A hand-off with less lease than this left is refused before reserving:
 # the pull could not finish inside it.
@@ -57,19 +56,19 @@ class DecodeServer(WorkerEndpoints):
 
     async def _reserve(self, req: GenerateRequest):
         """Blocks for the prompt (and a resumed stream's tokens already sent,
-        whose KV the prefill replica computed too); waits briefly when the pool is full."""
-        aengine = self.worker.aengine
-        deadline = asyncio.get_running_loop().time() + self.cfg.transfer_timeout_s
-        while True:
-            with engine_errors_as_backend_errors():
-                alloc = await aengine.reserve_external(req.request_id, req.prompt_token_ids, req.params,
-                                                       block_hashes=self.worker.prompt_hashes(req),
-                                                       prior_output_token_ids=req.prior_output_token_ids)
-            if alloc is not None:
-                return alloc
-            if asyncio.get_running_loop().time() > deadline:
-                raise BackendOverloaded(f"decode replica {self.worker.name} has no free KV blocks; retry shortly")
-            await asyncio.sleep(_RESERVE_RETRY_S)
+        whose KV the prefill replica computed too); when the pool is full the
+        reservation waits in line on the engine thread (reservation_line.py), up
+        to ``transfer_timeout_s`` and never past the hand-off's usable lease."""
+        wait_s = self.cfg.transfer_timeout_s
+        if req.handoff.lease_deadline_unix:
+            wait_s = min(wait_s, req.handoff.lease_deadline_unix - _MIN_LEASE_LEFT_S - time.time())
+        with engine_errors_as_backend_errors():
+            alloc = await self.worker.aengine.reserve_external(
+                req.request_id, req.prompt_token_ids, req.params, block_hashes=self.worker.prompt_hashes(req),
+                prior_output_token_ids=req.prior_output_token_ids, wait_s=max(wait_s, 0.001))
+        if alloc is None:
+            raise BackendOverloaded(f"decode replica {self.worker.name} has no free KV blocks; retry shortly")
+        return alloc
 
     async def _pull(self, req: GenerateRequest, alloc, stages: DecodeStages) -> int:
         w, pre = self.worker, req.handoff

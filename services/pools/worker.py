@@ -7,6 +7,7 @@ No Serve decorators here: prefill.py, decode.py and colocated.py wrap it."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import os
@@ -33,7 +34,7 @@ from services.supervisor import RestartPolicy, Supervisor
 from transfer import KVLayout, create_backend
 
 log = logging.getLogger("pdcluster.worker")
-_NOTIF_POLL_S = 0.005
+_NOTIF_WAIT_S = 1.0  # the notification waiter's longest sleep (it wakes at once on one)
 # A step takes well under a second (chunked prefill bounds it); an engine
 # loop silent for this long is stuck, and Serve should replace the replica.
 _STUCK_LOOP_S = 60.0
@@ -106,17 +107,25 @@ class Worker:
             self.supervisor.start("lease_notifications", self._release_on_notification)
 
     async def _release_on_notification(self) -> None:
-        while True:
-            try:
-                for n in await asyncio.to_thread(self.transfer.poll_notifications):
-                    if await self.aengine.release_lease(n.lease_id):
-                        self.counters.leases_released += 1
-                    else:  # already released (gateway) or expired: the puller vetted its own deadline
-                        self.counters.late_notifications += 1
-                        metrics.count_lease_event("late_notification")
-            except Exception:  # noqa: BLE001 - keep releasing whatever happens
-                log.exception("polling transfer notifications failed")
-            await asyncio.sleep(_NOTIF_POLL_S)
+        """Releases each lease a puller is done with, as its notification arrives
+        (a thread of its own waits on the transfer backend: no poll loop)."""
+        loop = asyncio.get_running_loop()
+        waiter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-notifications")
+        try:
+            while True:
+                try:
+                    arrived = await loop.run_in_executor(waiter, self.transfer.wait_notifications, _NOTIF_WAIT_S)
+                    for n in arrived:
+                        if await self.aengine.release_lease(n.lease_id):
+                            self.counters.leases_released += 1
+                        else:  # already released (gateway) or expired: the puller vetted its own deadline
+                            self.counters.late_notifications += 1
+                            metrics.count_lease_event("late_notification")
+                except Exception:  # noqa: BLE001 - keep releasing whatever happens
+                    log.exception("handling transfer notifications failed")
+                    await asyncio.sleep(_NOTIF_WAIT_S)
+        finally:
+            waiter.shutdown(wait=False)  # its last wait ends within _NOTIF_WAIT_S
 
     # ---- admission -------------------------------------------------------
     @contextlib.contextmanager

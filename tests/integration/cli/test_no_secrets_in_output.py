@@ -3,7 +3,9 @@
 its embedded Redis's generated password) serves a few requests; then its own
 output, `pdcluster status` (table and JSON), the span file, every Ray session
 log and every command line of its process tree hold none of the three, the
-state file is 0600, and the span file holds no prompt text.  SIGTERM stops
+state file is 0600, and the span file holds no prompt text; nor does the
+Ray dashboard's ``/api/serve/applications/`` (Serve's config as shown to
+its visitors).  SIGTERM stops
 it with exit status 0 and nothing of its process tree survives (the
 SIGTERM half of test_up_signals.py: the default disaggregated cluster,
 gateway ingress, ten requests at the first /health 200 all succeed)."""
@@ -98,6 +100,7 @@ def run_and_grep(tmp_path: Path, host: str) -> None:
         assert redis_password and len(redis_password) >= 32, "the embedded Redis has a generated password"
         assert "index redis://:***@127.0.0.1:" in status_table
 
+        serve_apps = serve_applications(up_log.read_text())
         tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
         session_dir = ray_session_dir(tree)
         command_lines = "\n".join(cmdline(p) for p in tree)
@@ -120,6 +123,7 @@ def run_and_grep(tmp_path: Path, host: str) -> None:
     texts = {"pdcluster up output": up_log.read_bytes(), "pdcluster status": status_table.encode(),
              "pdcluster status --json": status_json.encode(), "span file": trace_file.read_bytes(),
              "command lines of the process tree": command_lines.encode(),
+             "the dashboard's /api/serve/applications/": serve_apps,
              **{str(p): p.read_bytes() for p in ray_logs}}
     leaks = [f"{name} in {where}" for where, text in texts.items()
              for name, secret in (("the API key", api_key), ("the cluster secret", cluster_secret),
@@ -129,6 +133,21 @@ def run_and_grep(tmp_path: Path, host: str) -> None:
     spans = trace_file.read_text()
     assert [p for p in [*prompts, "quokka lighthouse", "obsidian tower"] if p in spans] == [], \
         "prompt text in the span file"
+
+
+def serve_applications(up_output: str) -> bytes:
+    """What the Ray dashboard shows of Serve's config (every deployment's
+    arguments and router kwargs), from the URL `pdcluster up` printed; with
+    Ray's token authentication on, asked with the token as its visitors are."""
+    found = re.search(r"Ray dashboard (http://\S+)", up_output)
+    assert found, f"pdcluster up names no dashboard: {up_output[-2000:]}"
+    token_file = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token")
+    token = os.environ.get("RAY_AUTH_TOKEN") or (token_file.read_text().strip() if token_file.exists() else "")
+    headers = {"authorization": f"Bearer {token}"} if token else {}
+    r = httpx.get(found.group(1) + "/api/serve/applications/", headers=headers, timeout=60)
+    assert r.status_code == 200, r.text[:500]
+    assert "request_router" in r.text and "prefill" in r.text, "the page shows the deployments' config"
+    return r.content
 
 
 def up_env(*, api_key: str, cluster_secret: str, trace_file: Path) -> dict[str, str]:

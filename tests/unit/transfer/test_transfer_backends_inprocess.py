@@ -5,6 +5,7 @@ scenarios across real processes live in tests/integration/transfer; what
 the secret keeps out is in test_transfer_auth*.py."""
 
 import random
+import threading
 import time
 
 import pytest
@@ -171,3 +172,15 @@ def wait_for_notifications(owner, count, timeout_s=5.0):
         got += owner.poll_notifications()
         time.sleep(0.002)
     return got
+
+
+def test_wait_notifications_wakes_on_arrival_not_at_its_timeout(pair):
+    # A release notification ends the wait at once (the worker's lease loop sleeps in it).
+    owner, puller, _, _ = pair
+    threading.Timer(0.2, lambda: puller.pull(owner.describe(), [], [], notif="req-9")).start()
+    started = time.monotonic()
+    got = owner.wait_notifications(30.0)
+    while not got and time.monotonic() - started < 30:   # a wake with nothing yet: wait again
+        got = owner.wait_notifications(30.0)
+    assert [n.lease_id for n in got] == ["req-9"] and time.monotonic() - started < 20  # not the 30 s timeout
+    assert owner.wait_notifications(0.01) == []

@@ -66,3 +66,4 @@ def test_checksums_must_match_the_blocks_one_for_one(pair):
     owner, puller, _, _ = pair
     with pytest.raises(ValueError, match="2 checksums for 3 blocks"):
         puller.pull(owner.describe(), [1, 2, 3], [4, 5, 6], expected_checksums=[0, 0])
+
