@@ -97,6 +97,7 @@ from transfer.runs import BlockRun, as_block_ids, check_block_ids, coalesce_bloc
 
 log = logging.getLogger("pdcluster.transfer")
 
+PEER_IDLE_S = 600.0
 _MAX_CHECKED_DESCRIPTORS = 256  # a few per peer and epoch; more only after many restarts
 
 
@@ -118,6 +119,7 @@ class TransferStats:
 class _CachedPeer:
     epoch: int
     conn: Any  # whatever the backend's _connect returned
+    last_used: float = 0.0  # time.monotonic()
 
 
 class TransferBackend(ABC):
@@ -160,6 +162,7 @@ class TransferBackend(ABC):
         self._layout: KVLayout | None = None
         self._peers: dict[str, _CachedPeer] = {}
         self._peer_locks: dict[str, threading.Lock] = {}
+        self.peer_idle_s = PEER_IDLE_S  # a peer unused this long is dropped when another one is added
         self._peers_lock = threading.Lock()
         self._checked_descriptors: dict[bytes, PeerDescriptor] = {}  # encoded -> decoded, signature checked
         self._closed = False
@@ -364,6 +367,7 @@ class TransferBackend(ABC):
         try:
             cached = self._peers.get(desc.peer_id)
             if cached is not None and cached.epoch == desc.epoch:
+                cached.last_used = time.monotonic()
                 return cached.conn
             if cached is not None:
                 log.info("kv transfer peer restarted: peer=%s epoch=%x->%x; re-handshaking",
@@ -371,10 +375,29 @@ class TransferBackend(ABC):
                 self._forget(desc, cached.conn)
             conn = self._handshake(desc, deadline)
             with self._peers_lock:
-                self._peers[desc.peer_id] = _CachedPeer(desc.epoch, conn)
-            return conn
+                self._peers[desc.peer_id] = _CachedPeer(desc.epoch, conn, time.monotonic())
         finally:
             lock.release()
+        self._forget_idle_peers(keep=desc.peer_id)  # a new peer came: those long unused most likely left
+        return conn
+
+    def _forget_idle_peers(self, keep: str) -> None:
+        """Drops what is kept per peer -- its connection (NIXL: its loaded remote
+        agent), its lock -- for peers unused for ``peer_idle_s``: replicas come
+        and go, and a peer that comes back only handshakes again."""
+        now = time.monotonic()
+        with self._peers_lock:
+            idle = [(peer_id, cached) for peer_id, cached in self._peers.items()
+                    if peer_id != keep and now - cached.last_used > self.peer_idle_s]
+            for peer_id, _ in idle:
+                del self._peers[peer_id]
+            for peer_id in [p for p, lock in self._peer_locks.items()
+                            if p != keep and p not in self._peers and not lock.locked()]:
+                del self._peer_locks[peer_id]
+        for peer_id, cached in idle:
+            log.info("kv transfer peer idle for over %.0f s: peer=%s; dropping its connection", self.peer_idle_s,
+                     peer_id)
+            self._disconnect(cached.conn)
 
     def _handshake(self, desc: PeerDescriptor, deadline: Deadline) -> Any:
         if self._closed:

@@ -184,3 +184,29 @@ def test_wait_notifications_wakes_on_arrival_not_at_its_timeout(pair):
         got = owner.wait_notifications(30.0)
     assert [n.lease_id for n in got] == ["req-9"] and time.monotonic() - started < 20  # not the 30 s timeout
     assert owner.wait_notifications(0.01) == []
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_peer_long_unused_is_forgotten_when_another_comes(backend):
+    # Replicas come and go: what a puller keeps per owner (connection, NIXL remote agent, lock)
+    # must not grow with every owner it ever pulled from.
+    owners = [create_backend(backend, peer_id=f"prefill-{i}", secret=SECRET) for i in range(3)]
+    puller = create_backend(backend, peer_id="decode-0", secret=SECRET)
+    try:
+        for i, owner in enumerate(owners):
+            owner.register_pool(make_pool(8, i), LAYOUT)
+        puller.register_pool(make_pool(8, 9), LAYOUT)
+        puller.pull(owners[0].describe(), [1], [1])
+        puller.peer_idle_s = 0.0          # from now on every other peer counts as long unused
+        puller.pull(owners[1].describe(), [1], [2])
+        assert set(puller._peers) == {"prefill-1"} and set(puller._peer_locks) == {"prefill-1"}
+        if backend == "nixl":
+            assert [a for a in puller._remote_agents if a.startswith("prefill-0")] == []
+        puller.peer_idle_s = 600.0
+        puller.pull(owners[0].describe(), [2], [3])   # it came back: a fresh handshake
+        puller.pull(owners[2].describe(), [2], [4])
+        assert set(puller._peers) == {"prefill-0", "prefill-1", "prefill-2"}
+    finally:
+        puller.close()
+        for owner in owners:
+            owner.close()
