@@ -45,8 +45,10 @@ anyone who reaches the port or agent is served as before):
                       whoever can sniff the link (loopback by default) sees KV.
     NIXL (write)      every write request, answer and cancellation carries a tag
                       over both agents' names and its fields; the owner refuses
-                      replays (transfer.replay_window) and requests past their
-                      expiry, and writes only into the pool a signed descriptor names.
+                      replays (transfer.replay_window) and requests whose
+                      time-to-live ran out on its own clock (no clock of the
+                      puller is trusted), and writes only into the pool a signed
+                      descriptor names.
     NIXL              describe() signs the descriptor and pull() checks the
                       signature before loading its agent metadata, so a forged
                       descriptor cannot point a puller at another agent or

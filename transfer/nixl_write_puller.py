@@ -5,8 +5,11 @@ The puller sends one signed request per pull and waits, progressing its own
 UCX worker (which receives the WRITE's bytes over TCP), for the owner's
 "wrote" notification of that seq: ok once every byte landed, or a typed
 refusal.  When its deadline passes it sends a cancellation and raises; the
-owner stops at the request's ``expires`` (set a margin before that deadline)
-either way, so no byte lands after the caller freed its blocks."""
+owner stops either way when the request's ``ttl`` runs out on its own clock,
+counted from its receipt (write_request): the ttl is the remaining wait less
+OWNER_STOP_MARGIN_S, so no byte lands after the caller freed its blocks as
+long as the request reaches the owner's ticker within that margin.  No time of
+day crosses the wire: the hosts' clocks may disagree."""
 
 from __future__ import annotations
 
@@ -19,12 +22,15 @@ from transfer.nixl_host import NixlHost
 from transfer.lease_guard import lease_expired_error
 from transfer.peer import PeerDescriptor
 from transfer.runs import BlockRun
-from transfer.write_request import PING, PING_INTERVAL_S, WriteDone, WriteRequest, sign_cancel, sign_request, verify
+from transfer.write_request import (MAX_TTL_S, PING, PING_INTERVAL_S, WriteDone, WriteRequest, sign_cancel,
+                                    sign_request, verify)
 
 
 _SPIN_S = 200e-6
 _MAX_SLEEP_S = 200e-6  # the worker must keep draining the socket while the WRITE arrives
-OWNER_STOP_MARGIN_S = 0.05  # the owner gives up this long (at most a quarter of the wait) before the puller
+# The owner gives up this long (at most a quarter of the wait) before the puller: it must cover the
+# request's transit and the owner's ticker delay (progress_interval_s), which its ttl does not see.
+OWNER_STOP_MARGIN_S = 0.25
 
 
 class WriteMailbox:
@@ -61,11 +67,10 @@ class WriteMailbox:
 def pull_by_write(backend: NixlHost, desc: PeerDescriptor, runs: list[BlockRun], lease_id: str | None,
                   deadline: Deadline) -> None:
     """Asks ``desc``'s owner to WRITE ``runs`` into this side's pool; returns once they landed."""
+    ttl_s = owner_ttl_s(deadline.socket_timeout_s())  # raises once no wait is left
     mailbox = backend._mailbox
     seq = mailbox.open()
-    wait_s = deadline.remaining_s()
-    expires = time.time() + wait_s - min(OWNER_STOP_MARGIN_S, wait_s / 4)
-    req = sign_request(WriteRequest(seq, lease_id, tuple(runs), expires, backend._own_descriptor()),
+    req = sign_request(WriteRequest(seq, lease_id, tuple(runs), ttl_s, backend._own_descriptor()),
                        backend._secret, backend.agent_name, desc.agent_name)
     try:
         backend._send(desc, req.encode(), deadline)
@@ -84,6 +89,11 @@ def pull_by_write(backend: NixlHost, desc: PeerDescriptor, runs: list[BlockRun],
         raise lease_expired_error(lease_id, desc.peer_id, f"the owner refused: {done.error}")
     raise TransferError(f"{deadline.what} refused by the owner ({done.code}: {done.error}); "
                         "free the local blocks and retry, or prefill again")
+
+
+def owner_ttl_s(wait_s: float) -> float:
+    """The request's time-to-live for a puller that waits ``wait_s`` (> 0) more."""
+    return min(wait_s - min(OWNER_STOP_MARGIN_S, wait_s / 4), MAX_TTL_S)
 
 
 def _await(backend: NixlHost, seq: int, deadline: Deadline, desc: PeerDescriptor) -> tuple[str, WriteDone]:
@@ -108,7 +118,7 @@ def _await(backend: NixlHost, seq: int, deadline: Deadline, desc: PeerDescriptor
 
 
 def _cancel(backend: NixlHost, desc: PeerDescriptor, seq: int) -> None:
-    """Best effort: the owner stops at the request's expiry anyway."""
+    """Best effort: the owner stops when the request's ttl runs out anyway."""
     msg = sign_cancel(seq, backend._secret, backend.agent_name, desc.agent_name)
     try:
         backend._send(desc, msg.encode(), Deadline(1.0, f"cancel of write {seq}"))

@@ -4,20 +4,26 @@ blocks at the puller's authenticated request (messages: transfer.write_request).
 
     puller                                 owner (this; driven by the backend's ticker)
     ------                                 -----
-    send {"op": "write", seq, runs, ...} -> submit(): queued
-                                           service(): tag, replay, expiry, descriptor,
+    send {"op": "write", seq, runs, ttl} -> submit(): queued, stop_at = now + ttl
+                                           service(): tag, replay, stop_at, descriptor,
                                              runs, lease (LeaseGuard.begin_read) checked;
                                              a refusal is answered {"ok": false, code}
                                            WRITE posted, its notification {"ok": true}
     wait for seq's "wrote" <------------   sent by NIXL once the bytes landed
                                            service(): DONE/ERR -> LeaseGuard.end_read;
-                                             past ``expires`` or cancelled -> the WRITE
+                                             past stop_at or cancelled -> the WRITE
                                              is released (UCX cancels it) and end_read
 
 Unlike a READ, the owner's CPU sees every pull here, so a guarded owner
 checks the lease before the first byte and keeps the blocks pinned until the
 WRITE is over, as the socket fallback does.  Every begin_read is ended:
-on completion, failure, expiry, cancellation and close()."""
+on completion, failure, expiry, cancellation and close().
+
+Time is this host's monotonic clock alone: the request carries a time-to-live
+(write_request: ``ttl``), and its stop time is fixed when the request is
+routed to submit(), not when service() gets to it, so a slow ticker or a busy
+queue eats into the ttl instead of extending it.  The puller's clock is never
+read here: the hosts' clocks may disagree by any amount."""
 
 from __future__ import annotations
 
@@ -42,13 +48,20 @@ log = logging.getLogger("pdcluster.transfer")
 MAX_PULLER_AGENTS = 256  # puller agents kept loaded; the least recently written-to one is dropped beyond it
 
 
+@dataclass(frozen=True)
+class _Received:
+    sender: str
+    request: WriteRequest
+    stop_at: float  # this host's time.monotonic() at receipt + the request's ttl_s
+
+
 @dataclass
 class _Write:
     seq: int
     puller_agent: str
     lease_id: str | None
     guarded: bool  # begin_read allowed it: end_read is owed
-    expires_unix: float
+    stop_at: float  # as _Received's
     handle: Any
 
 
@@ -57,7 +70,7 @@ class NixlWriter:
         self._backend = backend
         self._queue_lock = threading.Lock()
         self._service_lock = threading.Lock()
-        self._pending: list[tuple[str, WriteRequest]] = []
+        self._pending: list[_Received] = []
         self._cancelled: set[tuple[str, int]] = set()
         self._inflight: list[_Write] = []
         self._replays = ReplayWindow()
@@ -71,10 +84,12 @@ class NixlWriter:
         return bool(self._pending or self._inflight)
 
     def submit(self, sender: str, msg: WriteRequest | WriteCancel) -> None:
-        """Queues a request or a cancellation (called while routing notifications)."""
+        """Queues a request, its stop time counted from now, or a cancellation
+        (called while routing notifications)."""
+        received_at = time.monotonic()
         with self._queue_lock:
             if isinstance(msg, WriteRequest):
-                self._pending.append((sender, msg))
+                self._pending.append(_Received(sender, msg, received_at + msg.ttl_s))
             elif len(self._cancelled) < 4096:
                 self._cancelled.add((sender, msg.seq))
 
@@ -91,8 +106,8 @@ class NixlWriter:
     def _service(self) -> None:
         with self._queue_lock:
             pending, self._pending = self._pending, []
-        for sender, req in pending:
-            self._start(sender, req)
+        for received in pending:
+            self._start(received)
         with self._queue_lock:
             cancelled, self._cancelled = self._cancelled, set()
         still = []
@@ -110,8 +125,9 @@ class NixlWriter:
 
     # ---- one request ------------------------------------------------------
 
-    def _start(self, sender: str, req: WriteRequest) -> None:
+    def _start(self, received: _Received) -> None:
         b = self._backend
+        sender, req = received.sender, received.request
         if b._pool is None:
             b._reject_notification("dropping a write request: this side serves no pool: from=%r", sender[:140])
             return
@@ -133,24 +149,25 @@ class NixlWriter:
             return
         if not self._load_puller(desc):
             return  # its agent cannot be reached: nobody to answer, it times out
-        refusal = self._refusal(desc, req)
+        refusal = self._refusal(desc, received)
         if refusal is not None:
             self._reply(sender, WriteDone(req.seq, False, *refusal))
             return
-        self._post(desc, req)
+        self._post(desc, req, received.stop_at)
 
-    def _refusal(self, desc: PeerDescriptor, req: WriteRequest) -> tuple[str, str] | None:
+    def _refusal(self, desc: PeerDescriptor, received: _Received) -> tuple[str, str] | None:
         """(code, error) when the request cannot be served, else None."""
         b = self._backend
         assert b._pool is not None and b._layout is not None
-        if time.time() >= req.expires_unix:
-            return "expired", "the request reached the owner after the puller stopped waiting"
+        if time.monotonic() >= received.stop_at:
+            return "expired", (f"the owner got to the request {received.request.ttl_s:.3f} s or more after "
+                               "receiving it: its time-to-live, the puller's wait less a margin, ran out")
         diffs = layout_differences(b._layout, desc.layout)
         if diffs:
             return "refused", f"KV layout mismatch with {b.peer_id}: {', '.join(d[0] for d in diffs)} differ"
-        return _runs_error(req.runs, b._pool.shape[0], desc.num_blocks, b.peer_id)
+        return _runs_error(received.request.runs, b._pool.shape[0], desc.num_blocks, b.peer_id)
 
-    def _post(self, desc: PeerDescriptor, req: WriteRequest) -> None:
+    def _post(self, desc: PeerDescriptor, req: WriteRequest, stop_at: float) -> None:
         b = self._backend
         guard = b._lease_guard
         if guard is not None:
@@ -167,7 +184,7 @@ class NixlWriter:
                 self._reply(desc.agent_name, WriteDone(req.seq, False, "lease_expired",
                                                        f"lease {req.lease_id!r} on {b.peer_id}: {reason}"))
                 return
-        write = _Write(req.seq, desc.agent_name, req.lease_id, guard is not None, req.expires_unix, None)
+        write = _Write(req.seq, desc.agent_name, req.lease_id, guard is not None, stop_at, None)
         try:
             write.handle = self._initialize(desc, req)
         except Exception as e:  # nixl's errors: the puller's agent went away, bad regions
@@ -211,7 +228,7 @@ class NixlWriter:
             self.num_written += 1
             self._finish(write, release=True)
             return True
-        if state == "PROC" and not cancelled and time.time() < write.expires_unix:
+        if state == "PROC" and not cancelled and time.monotonic() < write.stop_at:
             return False
         why = "cancelled by the puller" if cancelled else "expired" if state == "PROC" else f"failed: NIXL {state}"
         log.warning("kv nixl owner abandoned a write: puller=%s seq=%d lease=%s reason=%s",

@@ -8,8 +8,9 @@ Requests of one puller may arrive slightly out of order (several threads
 pull at once), so a seq below the highest is accepted once if it is inside
 the window.  At most ``max_pullers`` agents are remembered (least recently
 seen dropped): a dropped puller's old requests would pass this check again,
-but they have expired by then (write_request: ``expires``), and a guarded
-owner's lease was released or ended."""
+and their ttl counts from their new receipt (write_request: ``ttl``), so
+only the tag (bound to both incarnations) and, on a guarded owner (the
+serving layer's), the lease released or ended by then refuse them."""
 
 from __future__ import annotations
 

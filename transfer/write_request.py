@@ -1,7 +1,7 @@
 """The messages of a pull the owner serves as a WRITE (transfer.nixl_writer),
 carried as NIXL notifications between the two agents:
 
-    puller -> owner   {"op": "write", "seq", "lease", "runs", "expires", "puller", "tag"}
+    puller -> owner   {"op": "write", "seq", "lease", "runs", "ttl", "puller", "tag"}
     owner  -> puller  the WRITE into the puller's blocks, its NIXL notification
                       {"op": "wrote", "seq", "ok": true, "tag"} sent once the bytes landed
                     | {"op": "wrote", "seq", "ok": false, "code", "error", "tag"}  nothing written
@@ -11,18 +11,31 @@ carried as NIXL notifications between the two agents:
 
 ``runs`` are [owner block, puller block, count] triples; ``puller`` is the
 puller's own signed PeerDescriptor (where its pool lies, its agent metadata);
-``expires`` is the puller's time.time() after which it no longer waits: the
-owner starts nothing after it and cancels what runs past it, so no byte lands
-in blocks the puller has freed (clocks of the two hosts are assumed to agree
-within OWNER_FREE_GRACE_S, as the lease already assumes).
+``ttl`` is a time-to-live, not a time of day: the seconds the owner may spend
+on the request, counted on the owner's own monotonic clock from the moment it
+received it (transfer.nixl_writer).  The owner starts nothing after that and
+cancels what runs past it; the puller sets it to its remaining wait less a
+margin that covers the request's transit and the owner's routing delay
+(transfer.nixl_write_puller), so no byte lands in blocks the puller has freed.
+No clock of one host is ever compared with the other's: a skew between them
+changes nothing here.
+
+    puller  sent                                             gives up, frees its blocks
+            |<------------------- remaining wait ------------------>|
+    owner   |<- delay ->|<------------- ttl ------------->| stops   |
+                     receipt           (ttl = remaining wait - margin)
+    the owner stops first while the delay (transit + routing) < the margin
 
 With a cluster secret every message carries an HMAC tag (transfer.auth) over
 all its fields and both agents' names (which hold their epochs): a message is
 valid only between these two incarnations, and ``seq`` (increasing per puller)
-lets the owner refuse a replayed request (transfer.replay_window)."""
+lets the owner refuse a replayed request (transfer.replay_window).  A replay
+would get a fresh ttl at its new receipt: the replay window and, on a guarded
+owner, the lease refuse it, not a clock."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +46,7 @@ from transfer.runs import BlockRun
 from transfer.wire import MAX_DESCRIPTOR_BYTES, pack, unpack
 
 MAX_ERROR_CHARS = 500
+MAX_TTL_S = 600.0  # a request's longest time-to-live: far above any pull's timeout
 PING = pack({"op": "ping"})
 PING_INTERVAL_S = 0.1
 _RUN_BYTES = 1 + 3 * 9  # a msgpack [owner, puller, count] triple of uint64s, at most
@@ -49,18 +63,26 @@ class WriteRequest:
     seq: int
     lease_id: str | None
     runs: tuple[BlockRun, ...]  # remote_start = owner's block, local_start = puller's block
-    expires_unix: float
+    ttl_s: float  # seconds the owner may spend on it, from its own receipt (see the module)
     puller: bytes  # the puller's encoded, signed PeerDescriptor
     tag: bytes | None = None
 
+    def __post_init__(self) -> None:
+        if not valid_ttl(self.ttl_s):
+            raise ValueError(f"ttl_s must be a finite float in (0, {MAX_TTL_S:g}], got {self.ttl_s!r}")
+
     def fields(self) -> list[Any]:
         return [self.seq, self.lease_id, [[r.remote_start, r.local_start, r.num_blocks] for r in self.runs],
-                self.expires_unix, self.puller]
+                self.ttl_s, self.puller]
 
     def encode(self) -> bytes:
-        seq, lease, runs, expires, puller = self.fields()
-        return pack({"op": "write", "seq": seq, "lease": lease, "runs": runs, "expires": expires,
+        seq, lease, runs, ttl, puller = self.fields()
+        return pack({"op": "write", "seq": seq, "lease": lease, "runs": runs, "ttl": ttl,
                      "puller": puller, "tag": self.tag})
+
+
+def valid_ttl(ttl_s: Any) -> bool:
+    return type(ttl_s) is float and math.isfinite(ttl_s) and 0.0 < ttl_s <= MAX_TTL_S
 
 
 @dataclass(frozen=True)
@@ -93,7 +115,7 @@ Message = WriteRequest | WriteDone | WriteCancel
 
 def sign_request(req: WriteRequest, secret: ClusterSecret | None, puller_agent: str, owner_agent: str) -> WriteRequest:
     tag = None if secret is None else secret.mac(WRITE_REQUEST, puller_agent, owner_agent, *req.fields())
-    return WriteRequest(req.seq, req.lease_id, req.runs, req.expires_unix, req.puller, tag)
+    return WriteRequest(req.seq, req.lease_id, req.runs, req.ttl_s, req.puller, tag)
 
 
 def sign_done(done: WriteDone, secret: ClusterSecret | None, owner_agent: str, puller_agent: str) -> WriteDone:
@@ -134,11 +156,11 @@ def decode(obj: dict[str, Any], sender: str) -> Message:
             ok, code, error = obj["ok"], obj.get("code", ""), obj.get("error", "")
             _need(type(ok) is bool and isinstance(code, str) and isinstance(error, str), "status")
             return WriteDone(seq, ok, code[:40], error[:MAX_ERROR_CHARS], tag)
-        lease, expires, puller = obj["lease"], obj["expires"], obj["puller"]
+        lease, ttl, puller = obj["lease"], obj["ttl"], obj["puller"]
         _need(lease is None or (isinstance(lease, str) and 0 < len(lease) <= MAX_LEASE_ID_CHARS), "lease")
-        _need(isinstance(expires, float), "expires")
+        _need(valid_ttl(ttl), "ttl")
         _need(isinstance(puller, bytes) and len(puller) <= MAX_DESCRIPTOR_BYTES, "puller")
-        return WriteRequest(seq, lease, _runs(obj["runs"]), expires, puller, tag)
+        return WriteRequest(seq, lease, _runs(obj["runs"]), ttl, puller, tag)
     except (KeyError, TypeError, ValueError) as e:
         raise TransferError(f"malformed write-path message from {sender!r:.140}: {e}") from None
 

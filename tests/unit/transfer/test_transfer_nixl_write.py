@@ -2,9 +2,8 @@
 puller's signed request.  The pure parts (mode rule, replay window, message
 codec) exactly; then real NIXL agents in one process: the owner checks the
 lease on every pull and ends every read it began, and refuses forged,
-replayed, expired and out-of-range requests without writing a byte."""
-
-import time
+replayed and out-of-range requests without writing a byte (expired ones, and
+clock skew: test_transfer_nixl_write_skew)."""
 
 import pytest
 from transfer_lease_fakes import guarded_owner_and_puller, lease_ids_notified, same_bytes, wait_until
@@ -13,13 +12,13 @@ from transfer_raw_client import SECRET
 from transfer import LeaseExpiredError, TransferError
 from transfer.auth import ClusterSecret
 from transfer.deadline import Deadline
-from transfer.nixl_write_puller import _await
+from transfer.nixl_write_puller import _await, owner_ttl_s
 from transfer.peer import PeerDescriptor
 from transfer.pull_mode import choose_pull_mode
 from transfer.replay_window import ReplayWindow
 from transfer.runs import BlockRun
 from transfer.wire import unpack
-from transfer.write_request import WriteDone, WriteRequest, decode, sign_done, sign_request, verify
+from transfer.write_request import MAX_TTL_S, WriteDone, WriteRequest, decode, sign_done, sign_request, verify
 
 
 @pytest.mark.parametrize("setting, env, mode", [
@@ -51,7 +50,7 @@ def test_the_replay_window_accepts_each_seq_once_and_nothing_too_old():
 
 def test_messages_round_trip_and_tags_bind_both_agents():
     secret = ClusterSecret(SECRET)
-    req = sign_request(WriteRequest(7, "lease-1", (BlockRun(3, 0, 2), BlockRun(9, 5, 1)), 123.5, b"desc"),
+    req = sign_request(WriteRequest(7, "lease-1", (BlockRun(3, 0, 2), BlockRun(9, 5, 1)), 2.5, b"desc"),
                        secret, "decode-0#1", "prefill-0#2")
     back = decode(unpack(req.encode(), 1 << 16, "test"), "decode-0#1")
     assert back == req and verify(back, secret, "decode-0#1", "prefill-0#2")
@@ -62,12 +61,35 @@ def test_messages_round_trip_and_tags_bind_both_agents():
     assert verify(decode(unpack(done.encode(), 4096, "test"), "x"), secret, "prefill-0#2", "decode-0#1")
 
 
+BAD_TTLS = [1, 0.0, -1.0, float("nan"), float("inf"), MAX_TTL_S + 1.0, None]
+
+
 @pytest.mark.parametrize("bad", [{"seq": 0}, {"seq": "1"}, {"runs": []}, {"runs": [[0, 0, 0]]},
-                                 {"runs": [[-1, 0, 1]]}, {"expires": 1}, {"lease": ""}, {"puller": "x"}])
+                                 {"runs": [[-1, 0, 1]]}, {"lease": ""}, {"puller": "x"},
+                                 *({"ttl": ttl} for ttl in BAD_TTLS)])
 def test_malformed_requests_are_typed_errors(bad):
-    obj = {"op": "write", "seq": 1, "lease": None, "runs": [[0, 0, 1]], "expires": 1.0, "puller": b"d", **bad}
+    obj = {"op": "write", "seq": 1, "lease": None, "runs": [[0, 0, 1]], "ttl": 1.0, "puller": b"d", **bad}
     with pytest.raises(TransferError, match="malformed write-path message from 'decode-0'"):
         decode(obj, "decode-0")
+
+
+def test_a_request_carrying_a_time_of_day_is_a_typed_error():
+    """The format before issue 33 (``expires``, the puller's time.time()) is refused, not misread as a ttl."""
+    obj = {"op": "write", "seq": 1, "lease": None, "runs": [[0, 0, 1]], "expires": 1.0e9, "puller": b"d"}
+    with pytest.raises(TransferError, match="malformed write-path message"):
+        decode(obj, "decode-0")
+
+
+@pytest.mark.parametrize("ttl_s", BAD_TTLS)
+def test_a_request_is_built_only_with_a_bounded_positive_ttl(ttl_s):
+    with pytest.raises(ValueError, match="ttl_s must be a finite float"):
+        WriteRequest(1, None, (BlockRun(0, 0, 1),), ttl_s, b"d")
+
+
+def test_the_owner_gets_the_puller_wait_less_a_margin_of_at_most_a_quarter():
+    assert owner_ttl_s(10.0) == 9.75  # the margin, OWNER_STOP_MARGIN_S
+    assert owner_ttl_s(0.4) == pytest.approx(0.3)  # a quarter of a short wait
+    assert owner_ttl_s(5000.0) == MAX_TTL_S  # stops early rather than being refused
 
 
 @pytest.fixture
@@ -110,12 +132,12 @@ def test_a_guarded_owner_refuses_a_write_naming_no_lease(guarded):
     assert not isinstance(e.value, LeaseExpiredError)
 
 
-def signed_request(puller, owner, runs, expires_in_s=2.0, secret=SECRET, lease=None):
+def signed_request(puller, owner, runs, ttl_s=2.0, secret=SECRET, lease=None):
     """A hand-made request (runs unchecked by the puller) to ``owner``, and its seq."""
     desc = PeerDescriptor.decode(owner.describe())
     puller._ensure_remote_agent(desc)
     seq = puller._mailbox.open()
-    req = sign_request(WriteRequest(seq, lease, tuple(runs), time.time() + expires_in_s, puller._own_descriptor()),
+    req = sign_request(WriteRequest(seq, lease, tuple(runs), ttl_s, puller._own_descriptor()),
                        ClusterSecret(secret), puller.agent_name, desc.agent_name)
     return req.encode(), seq
 
@@ -141,15 +163,13 @@ def test_runs_outside_either_pool_are_refused_before_a_byte_moves(guarded):
     assert same_bytes(puller_pool, before) and leases.calls == [] and owner._writer.num_written == 0
 
 
-def test_forged_replayed_and_expired_requests_write_nothing(guarded):
+def test_forged_and_replayed_requests_write_nothing(guarded):
     leases, owner, puller, owner_pool, puller_pool = guarded
     leases.lend("req-1", range(64))
     before = puller_pool.clone()
     forged = signed_request(puller, owner, [BlockRun(1, 0, 1)], secret=b"not-this-cluster-secret!", lease="req-1")
     assert send_request(puller, owner, *forged) is None  # dropped unanswered: a forger learns nothing
     assert wait_until(lambda: owner.num_rejected_notifications == 1)
-    late = signed_request(puller, owner, [BlockRun(1, 0, 1)], expires_in_s=-0.1, lease="req-1")
-    assert send_request(puller, owner, *late).code == "expired"
     assert same_bytes(puller_pool, before) and leases.calls == []
     good = signed_request(puller, owner, [BlockRun(2, 1, 1)], lease="req-1")
     assert send_request(puller, owner, *good).ok
