@@ -9,15 +9,20 @@ owner stops either way when the request's ``ttl`` runs out on its own clock,
 counted from its receipt (write_request): the ttl is the remaining wait less
 OWNER_STOP_MARGIN_S, so no byte lands after the caller freed its blocks as
 long as the request reaches the owner's ticker within that margin.  No time of
-day crosses the wire: the hosts' clocks may disagree."""
+day crosses the wire: the hosts' clocks may disagree.  And should a request be
+slower than that margin, a pull that timed out before the owner answered
+raises TransferInDoubtError: its blocks are held (the decode replica's
+quarantine) until the owner's late answer to that seq says it stopped."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
+from collections.abc import Callable
 
 from transfer.deadline import Deadline
-from transfer.errors import TransferError
+from transfer.errors import TransferError, TransferInDoubtError
 from transfer.nixl_host import NixlHost
 from transfer.lease_guard import lease_expired_error
 from transfer.peer import PeerDescriptor
@@ -26,11 +31,13 @@ from transfer.write_request import (MAX_TTL_S, PING, PING_INTERVAL_S, WriteDone,
                                     sign_request, verify)
 
 
+log = logging.getLogger("pdcluster.transfer")
 _SPIN_S = 200e-6
 _MAX_SLEEP_S = 200e-6  # the worker must keep draining the socket while the WRITE arrives
 # The owner gives up this long (at most a quarter of the wait) before the puller: it must cover the
 # request's transit and the owner's ticker delay (progress_interval_s), which its ttl does not see.
 OWNER_STOP_MARGIN_S = 0.25
+_ANSWER_GRACE_S = 30.0  # past the request's ttl, a missing answer no longer holds the puller's blocks
 
 
 class WriteMailbox:
@@ -42,6 +49,9 @@ class WriteMailbox:
         self._next_seq = 0
         self._waiting: set[int] = set()
         self._answers: dict[int, tuple[str, WriteDone]] = {}
+        # Pulls that gave up without an answer: seq -> time.monotonic() after which it counts as
+        # settled anyway (the owner stops on its own; an answer lost in transit must not hold blocks for ever).
+        self._doubtful: dict[int, float] = {}
 
     def open(self) -> int:
         with self._lock:
@@ -51,8 +61,28 @@ class WriteMailbox:
 
     def deliver(self, sender: str, done: WriteDone) -> None:
         with self._lock:
-            if done.seq in self._waiting:  # else a late answer to a pull that gave up
+            if done.seq in self._waiting:
                 self._answers[done.seq] = (sender, done)
+            else:  # a late answer to a pull that gave up: the owner is done with it
+                self._doubtful.pop(done.seq, None)
+
+    def doubt(self, seq: int, settle_by_s: float) -> Callable[[], bool]:
+        """``seq``'s puller gave up with no answer: whether the owner has finished
+        with it (its answer came, or ``settle_by_s`` passed) is the returned check."""
+        with self._lock:
+            if seq not in self._answers:  # an answer that came just now settles it
+                self._doubtful[seq] = time.monotonic() + settle_by_s
+        return lambda: self._settled(seq)
+
+    def _settled(self, seq: int) -> bool:
+        with self._lock:
+            until = self._doubtful.get(seq)
+            if until is not None and time.monotonic() >= until:
+                del self._doubtful[seq]
+                log.warning("kv nixl write seq=%d: no answer from the owner %.0f s after the puller gave up; "
+                            "its blocks go back", seq, _ANSWER_GRACE_S)
+                until = None
+            return until is None
 
     def take(self, seq: int) -> tuple[str, WriteDone] | None:
         with self._lock:
@@ -72,11 +102,21 @@ def pull_by_write(backend: NixlHost, desc: PeerDescriptor, runs: list[BlockRun],
     seq = mailbox.open()
     req = sign_request(WriteRequest(seq, lease_id, tuple(runs), ttl_s, backend._own_descriptor()),
                        backend._secret, backend.agent_name, desc.agent_name)
+    sent = False
     try:
         backend._send(desc, req.encode(), deadline)
+        sent = True
         sender, done = _await(backend, seq, deadline, desc)
-    except BaseException:
+    except BaseException as exc:
         _cancel(backend, desc, seq)
+        if sent and deadline.expired():
+            # The owner may still be writing (its ttl counts from when it received the request): the
+            # blocks are held until its answer to this seq says it stopped.
+            local_ids = tuple(r.local_start + i for r in runs for i in range(r.num_blocks))
+            raise TransferInDoubtError(
+                f"{deadline.what} timed out before the owner answered: it may still write the {len(local_ids)} "
+                "local blocks; hold them until it answers", local_ids,
+                mailbox.doubt(seq, ttl_s + _ANSWER_GRACE_S)) from exc
         raise
     finally:
         mailbox.close(seq)

@@ -106,10 +106,9 @@ class NixlWriter:
     def _service(self) -> None:
         with self._queue_lock:
             pending, self._pending = self._pending, []
-        for received in pending:
-            self._start(received)
-        with self._queue_lock:
             cancelled, self._cancelled = self._cancelled, set()
+        for received in pending:  # a cancellation that came with its request stops it before it starts
+            self._start(received, (received.sender, received.request.seq) in cancelled)
         still = []
         for write in self._inflight:
             if not self._progress(write, (write.puller_agent, write.seq) in cancelled):
@@ -125,7 +124,7 @@ class NixlWriter:
 
     # ---- one request ------------------------------------------------------
 
-    def _start(self, received: _Received) -> None:
+    def _start(self, received: _Received, cancelled: bool = False) -> None:
         b = self._backend
         sender, req = received.sender, received.request
         if b._pool is None:
@@ -149,7 +148,8 @@ class NixlWriter:
             return
         if not self._load_puller(desc):
             return  # its agent cannot be reached: nobody to answer, it times out
-        refusal = self._refusal(desc, received)
+        refusal = ("expired", "cancelled by the puller before it started") if cancelled else \
+            self._refusal(desc, received)
         if refusal is not None:
             self._reply(sender, WriteDone(req.seq, False, *refusal))
             return

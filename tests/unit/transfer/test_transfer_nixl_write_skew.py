@@ -17,10 +17,7 @@ from transfer_lease_fakes import guarded_owner_and_puller, same_bytes, wait_unti
 
 import transfer.nixl_write_puller as write_puller
 import transfer.nixl_writer as nixl_writer
-from transfer import TransferError
-from transfer.deadline import Deadline
-from transfer.nixl_write_puller import _await
-from transfer.peer import PeerDescriptor
+from transfer.errors import TransferInDoubtError
 
 SKEWS_S = [-30.0, -2.0, 2.0, 30.0]  # the owner's clock behind the puller's (< 0) or ahead of it
 GIVE_UP_S = 1.0  # the held pull's timeout: it always runs out, nothing answers it
@@ -88,17 +85,36 @@ def test_an_owner_that_gets_to_a_request_after_the_puller_gave_up_writes_nothing
     leases.lend("req-1", [5, 6])
     sentinel = puller_pool.clone()
     monkeypatch.setattr(write_puller, "_cancel", lambda *args: None)  # the cancellation is lost (best effort)
+    refused = owner._writer.num_refused
     with service_held(owner):
-        with pytest.raises(TransferError, match="timed out"):
+        with pytest.raises(TransferInDoubtError, match="timed out before the owner answered") as e:
             puller.pull(owner.describe(), [5, 6], [0, 1], notif="req-1", timeout_s=GIVE_UP_S)
-        # the puller gave up and may reuse blocks 0 and 1; its request sits received on the owner
-        assert wait_until(lambda: len(owner._writer._pending) == 1)
+        # the puller gave up; blocks 0 and 1 are held (not reused) until the owner answers
+        assert e.value.local_block_ids == (0, 1) and not e.value.settled()
+        assert wait_until(lambda: len(owner._writer._pending) == 1)  # its request sits received on the owner
         clock.advanced_s = GIVE_UP_S  # the owner's own clock saw the puller's whole wait pass
-        seq = puller._mailbox._next_seq
-        puller._mailbox._waiting.add(seq)  # to hear the owner's late answer, which nobody waits for
-    desc = PeerDescriptor.decode(owner.describe())
-    _, answer = _await(puller, seq, Deadline(5.0, "the owner's late answer"), desc)
-    assert (answer.ok, answer.code) == (False, "expired")
+    assert wait_until(e.value.settled)  # the owner's late answer came: it stopped
+    assert owner._writer.num_refused == refused + 1  # answered "expired", never written
     assert same_bytes(puller_pool, sentinel)
     assert owner._writer.num_written == 1  # the connecting pull's, none since
     assert [c[:2] for c in leases.calls] == [("begin", "req-0"), ("end", "req-0")]  # no read of req-1 begun
+
+
+def test_a_cancellation_that_came_with_its_request_stops_it_before_it_starts(guarded, monkeypatch):
+    # The owner's clock runs slow here (its ttl has not run out when it gets to the request), so only
+    # the puller's cancellation, routed in the same tick as the request, keeps the write from starting.
+    leases, owner, puller, _, puller_pool = guarded
+    clock = skew_owner_clock(monkeypatch, 0.0)
+    leases.lend("req-0", [9])
+    puller.pull(owner.describe(), [9], [9], notif="req-0")
+    assert wait_until(lambda: len(leases.calls) == 2)
+    leases.lend("req-1", [5, 6])
+    sentinel = puller_pool.clone()
+    with service_held(owner):
+        with pytest.raises(TransferInDoubtError) as e:
+            puller.pull(owner.describe(), [5, 6], [0, 1], notif="req-1", timeout_s=GIVE_UP_S)
+        assert wait_until(lambda: len(owner._writer._pending) == 1 and len(owner._writer._cancelled) == 1)
+        clock.advanced_s = -60.0  # the request's ttl has not run out on the owner's clock
+    assert wait_until(e.value.settled)
+    assert same_bytes(puller_pool, sentinel) and owner._writer.num_written == 1
+    assert [c[:2] for c in leases.calls] == [("begin", "req-0"), ("end", "req-0")]
