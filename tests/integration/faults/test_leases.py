@@ -65,6 +65,22 @@ def test_client_disconnect_right_after_the_first_token(url, faults_cluster):
     wait_no_leaks(faults_cluster)
 
 
+def test_client_disconnect_while_the_decode_replica_pulls_leaves_the_release_to_it(url, faults_cluster):
+    # The decode call is on its replica, about to pull (delay_pull): the gateway must not release the
+    # lease under it (a one-sided READ could then read reused blocks); the decode replica releases once
+    # its pull was cancelled.  Nothing leaks, and within seconds, not at the 120 s TTL.
+    body = {"model": MODEL, **BODY, "max_tokens": 200, "stream": True}
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", url + "/v1/completions", json=body,
+                         headers={"x-pdcluster-fault": "delay_pull:3"}) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    break  # the first token (from the prefill replica); the pull waits 3 s: leave now
+    wait_no_leaks(faults_cluster, timeout_s=10.0)
+    ok_request(url)
+
+
 @pytest.mark.parametrize("fault, status, code", [("reject_decode", 200, None),  # offered again: a seat
                                                  ("fail_pull", 200, None)])  # recomputed on the decode side
 def test_decode_refusal_and_pull_failure_release_the_lease(url, faults_cluster, fault, status, code):
