@@ -68,12 +68,42 @@ def _env_keys() -> list[SecretStr]:
     return [_checked_key(p, f"{API_KEY_ENV} entry {n}") for n, p in enumerate(parts, 1) if p]
 
 
+DEFAULT_TENANT = "default"
+
+
 def _unique(items: list) -> tuple:
     return tuple(dict.fromkeys(items))
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class TenantSettings(_Strict):
+    """A tenant: the clients holding one of its API keys (or, with
+    ``tenant_header: true``, naming it in ``x-pdcluster-tenant``), and its
+    rate limits (services/openai/rate_limits.py; none: not limited).  Its
+    keys are API keys of the cluster too."""
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    api_keys: tuple[SecretStr, ...] = Field((), exclude=True, repr=False)
+    api_key_digests: tuple[str, ...] = Field((), repr=False)
+    requests_per_s: float | None = Field(None, gt=0, description="requests per second, on average")
+    tokens_per_s: float | None = Field(None, gt=0, description="prompt + max_tokens x n, per second, on average")
+    burst_s: float = Field(1.0, gt=0, le=3600, description="the buckets hold this many seconds of the rates")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _digest_keys(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        name = data.get("name", "?")
+        keys = [_checked_key(k, f"tenant {name!r} api_keys[{n}]") for n, k in enumerate(data.get("api_keys") or ())]
+        digests = list(data.get("api_key_digests") or ())
+        for n, digest in enumerate(digests):
+            if not is_api_key_digest(digest):
+                raise ValueError(f"tenant {name!r} api_key_digests[{n}] is not `sha256:<64 lowercase hex digits>`")
+        return {**data, "api_keys": tuple(keys),
+                "api_key_digests": _unique(digests + [api_key_digest(k.get_secret_value()) for k in keys])}
 
 
 class PoolConfig(_Strict):
@@ -295,6 +325,10 @@ class ClusterConfig(_Strict):
         (), repr=False, description="sha256:<hex> of each accepted key: filled from the three sources above, "
                                     "or given directly to keep the keys themselves out of config files")
     insecure_no_auth: bool = Field(False, description="serve a non-loopback host without API keys anyway")
+    tenants: tuple[TenantSettings, ...] = Field((), description="named groups of API keys, each with its own "
+                                                                 "rate limits; a key of no tenant is tenant 'default'")
+    tenant_header: bool = Field(False, description="trust the client's x-pdcluster-tenant header (only behind a "
+                                                   "gateway that sets it): it names the tenant")
     topology: TopologySettings = TopologySettings()
 
     @model_validator(mode="before")
@@ -317,8 +351,16 @@ class ClusterConfig(_Strict):
             if not is_api_key_digest(digest):
                 raise ValueError(f"api_key_digests[{n}] is not `sha256:<64 lowercase hex digits>` (the hex is what "
                                  "`printf %s \"$KEY\" | sha256sum` prints), or list the key itself under api_keys")
-        return {**data, "api_keys": tuple(SecretStr(k) for k in keys),
-                "api_key_digests": _unique(digests + [api_key_digest(k) for k in keys])}
+        tenants = tuple(t if isinstance(t, TenantSettings) else TenantSettings.model_validate(t)
+                        for t in data.get("tenants") or ())
+        names = [t.name for t in tenants]
+        if len(set(names)) != len(names) or DEFAULT_TENANT in names:
+            raise ValueError(f"tenant names must be unique and not {DEFAULT_TENANT!r} (the tenant of other keys)")
+        tenant_digests = [d for t in tenants for d in t.api_key_digests]
+        if len(set(tenant_digests)) != len(tenant_digests):
+            raise ValueError("an API key belongs to two tenants: give each key to one tenant")
+        return {**data, "api_keys": tuple(SecretStr(k) for k in keys), "tenants": tenants,
+                "api_key_digests": _unique(digests + [api_key_digest(k) for k in keys] + tenant_digests)}
 
     @model_validator(mode="after")
     def _check(self) -> "ClusterConfig":

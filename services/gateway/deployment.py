@@ -26,6 +26,7 @@ from services.model_meta import model_hash_seed, read_model_config
 from services.openai.gateway_metrics import GatewayMetrics
 from services.openai.slo import Slo
 from services.openai.replica_board import StatusBoardReader
+from services.openai.rate_limits import TenantLimit, TenantRateLimits
 from services.openai.routes import configure_app, create_app
 from services.openai.settings import OpenAISettings
 from services.replica_loopback import bind_replica_grpc_to_loopback
@@ -49,7 +50,8 @@ class _AttachHost:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         target = scope.get("app")
         if _HOST and target is not None and getattr(target.state, "backend", None) is None:
-            configure_app(target, _HOST["backend"], _HOST["tokenizer"], _HOST["settings"], _HOST["metrics"])
+            configure_app(target, _HOST["backend"], _HOST["tokenizer"], _HOST["settings"], _HOST["metrics"],
+                          _HOST["rate_limits"])
         await self.asgi(scope, receive, send)
 
 
@@ -101,7 +103,9 @@ class Gateway:
         settings = OpenAISettings(
             served_model_names=(cfg.served_model_name,), block_hash_seed=hash_seed,
             block_size=cfg.block_size, max_body_bytes=cfg.max_body_bytes,
-            api_key_digests=cfg.api_key_digests)  # validating cfg refused an exposed host without keys
+            api_key_digests=cfg.api_key_digests,  # validating cfg refused an exposed host without keys
+            tenant_of_digest={d: t.name for t in cfg.tenants for d in t.api_key_digests},
+            trust_tenant_header=cfg.tenant_header, tenant_names=tuple(t.name for t in cfg.tenants))
         adm = cfg.admission
         # The board: /metrics reads every replica's KV numbers from it, the seed check their seeds.
         self.board = StatusBoardReader(cfg.index_url, cfg.cluster_name)
@@ -123,7 +127,9 @@ class Gateway:
                                          block_size=cfg.block_size,
                                          slo=Slo(adm.ttft_slo_s, adm.tpot_slo_s),
                                          prefix_caching=cfg.enable_prefix_caching)
-        _HOST.update(backend=backend, tokenizer=tokenizer, settings=settings, metrics=gateway_metrics)
+        _HOST.update(backend=backend, tokenizer=tokenizer, settings=settings, metrics=gateway_metrics,
+                     rate_limits=TenantRateLimits(TenantLimit(t.name, t.requests_per_s, t.tokens_per_s, t.burst_s)
+                                                  for t in cfg.tenants))
         self.http: GatewayHTTPServer | None = None
         self.supervisor = Supervisor("gateway")
         if cfg.ingress == "gateway":

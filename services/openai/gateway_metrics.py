@@ -4,6 +4,7 @@ prometheus_client's global one), so two apps in a process never mix numbers.
 
     name                                     kind       labels                  recorded
     pdcluster_http_responses_total           counter    endpoint, status_class  every answer (ResponseCounter)
+    pdcluster_tenant_requests_total          counter    tenant, outcome         admitted / rate_limited
     pdcluster_ttft_seconds                   histogram                          first token out to the client
     pdcluster_tpot_seconds                   histogram                          at the finish reason: mean gap
     pdcluster_e2e_seconds                    histogram                            after the first token, and
@@ -116,6 +117,9 @@ class GatewayMetrics:
                                      "and TPOT SLOs (goodput = met / all)", ("outcome",), registry=r)
         for outcome in ("met", "missed"):
             self._slo_requests.labels(outcome)
+        self._tenant_requests = Counter("pdcluster_tenant_requests", "Requests by tenant and outcome (admitted: "
+                                        "past its rate limits; rate_limited: a 429)", ("tenant", "outcome"),
+                                        registry=r)
         self._statuses: list[dict] | None = None
         r.register(_ScrapeCollector(self))
         self._warned: set[str] = set()
@@ -126,6 +130,12 @@ class GatewayMetrics:
             self._responses.labels(endpoint, metrics.status_class(status)).inc()
         except Exception as exc:  # noqa: BLE001 - metrics must never fail a request
             self._warn_once("pdcluster_http_responses", exc)
+
+    def count_tenant(self, tenant: str, outcome: str) -> None:
+        try:
+            self._tenant_requests.labels(tenant, outcome).inc()
+        except Exception as exc:  # noqa: BLE001 - metrics must never fail a request
+            self._warn_once("pdcluster_tenant_requests", exc)
 
     def observe_stream(self, chunks: AsyncIterator[Any], num_prompt_tokens: int = 0) -> AsyncIterator[Any]:
         """Wraps a TokenDelta stream (closing it closes ``chunks``): TTFT and

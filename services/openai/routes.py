@@ -36,7 +36,9 @@ from observability.stages import observe_gateway_stream
 from router.routing_header import RoutingHeader
 from services.backend import Backend
 from services.engine.tokenizer import Tokenizer
+from services.openai.rate_limits import TenantRateLimits
 from services.openai.auth import ApiKeyMiddleware
+from services.openai.tenant_limits import check_request_rate, check_token_rate
 from services.openai.choices import generate_choices
 from services.openai.echo import echo_of, prompt_only, scoring_request
 from services.openai.errors import install_error_handlers
@@ -97,9 +99,11 @@ def install_openai_api(app: FastAPI, *, request_id_header: bool = True) -> None:
 
 
 def configure_app(app: FastAPI, backend: Backend, tokenizer: Tokenizer, settings: OpenAISettings,
-                  metrics: GatewayMetrics | None = None) -> None:
-    """``metrics`` None: a registry of the app's own, with no status board or admission numbers."""
+                  metrics: GatewayMetrics | None = None, rate_limits: TenantRateLimits | None = None) -> None:
+    """``metrics`` None: a registry of the app's own, with no status board or admission numbers.
+    ``rate_limits``: the tenants' (none: no tenant is rate limited)."""
     app.state.backend, app.state.tokenizer, app.state.openai_settings = backend, tokenizer, settings
+    app.state.rate_limits = rate_limits
     app.state.gateway_metrics = metrics if metrics is not None else GatewayMetrics(
         model_name=settings.served_model_names[0], block_size=settings.block_size)
 
@@ -154,6 +158,7 @@ async def create_chat_completion(request: Request) -> Response:
 async def _generate(request: Request, kind: type[CompletionRequest] | type[ChatCompletionRequest]) -> Response:
     host = host_of(request)
     settings = host.settings
+    tenant = check_request_rate(request, host)   # a tenant over its requests/s: 429 before any work
     req: AnyRequest = await read_request(request, kind, settings.max_body_bytes)
     req, wants_prompt_only = scoring_request(req)   # echo with max_tokens 0
     check_limits(req)
@@ -175,6 +180,7 @@ async def _generate(request: Request, kind: type[CompletionRequest] | type[ChatC
     max_tokens = fit_max_tokens(req, requested, max_tokens_param, len(prompt.token_ids),
                                 host.backend.max_model_len, default)
     params = with_max_tokens(params, req, max_tokens, max_tokens_param)
+    check_token_rate(request, host, tenant, len(prompt.token_ids) + max_tokens * req.n)
     if guided is not None:
         params = dataclasses.replace(params, guided=guided)
 

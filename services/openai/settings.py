@@ -3,6 +3,7 @@ model it serves.  Set as ``app.state.openai_settings``."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from services.config import is_api_key_digest
@@ -23,6 +24,9 @@ class OpenAISettings:
     default_chat_max_tokens: int | None = None    # None: whatever context the prompt leaves
     owned_by: str = "pdcluster"
     api_key_digests: tuple[str, ...] = field(default=(), repr=False)
+    tenant_of_digest: Mapping[str, str] = field(default_factory=dict, repr=False)  # key digest -> tenant name
+    trust_tenant_header: bool = False  # x-pdcluster-tenant names the tenant (behind a gateway that sets it)
+    tenant_names: tuple[str, ...] = ()  # the configured tenants (metrics label only these by name)
 
     def __post_init__(self) -> None:
         names = self.served_model_names
