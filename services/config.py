@@ -90,6 +90,8 @@ class TenantSettings(_Strict):
     requests_per_s: float | None = Field(None, gt=0, description="requests per second, on average")
     tokens_per_s: float | None = Field(None, gt=0, description="prompt + max_tokens x n, per second, on average")
     burst_s: float = Field(1.0, gt=0, le=3600, description="the buckets hold this many seconds of the rates")
+    min_priority: int | None = Field(None, description="the most urgent `priority` its requests may ask (lower "
+                                                       "is more urgent); a more urgent one is raised to it")
 
     @model_validator(mode="before")
     @classmethod

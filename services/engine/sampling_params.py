@@ -62,6 +62,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # vLLM: 1 = off; > 1 discourages tokens of the prompt or output
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) by id; a mapping is accepted
     min_tokens: int = 0              # vLLM: EOS and stop_token_ids are masked until this many are out
+    priority: int = 0                # vLLM: lower is scheduled first (and preempted last); ties in arrival order
     # Log-probabilities (logprobs.py): None = off; k = the chosen token's and the k likeliest alternatives'.
     logprobs: int | None = None          # of each sampled token
     prompt_logprobs: int | None = None   # of each prompt token after the first (echo; skips the prefix cache)
@@ -89,6 +90,8 @@ class SamplingParams:
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise InvalidRequestError(f"min_tokens must be an integer from 0 to max_tokens ({self.max_tokens}), "
                                       f"got {self.min_tokens!r}: lower it, or raise max_tokens")
+        if not _is_int(self.priority) or abs(self.priority) > 2**31:
+            raise InvalidRequestError(f"priority must be an integer of at most 2**31 in size, got {self.priority!r}")
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(self, name)
             if k is not None and (not _is_int(k) or not 0 <= k <= MAX_LOGPROBS):

@@ -28,6 +28,11 @@ prior output's K/V computed with the prompt's by a prefill replica::
     add ------------------------> waiting --admit--> running --finish--> (gone)
     reserve_external --> awaiting_kv --commit_external--^
 
+Both queues are ordered by the request's ``params.priority`` (vLLM's: lower
+first), arrival order within one priority: the more urgent are admitted and
+scheduled first, and preemption takes the least urgent (the newest of them),
+never a more urgent request for a less urgent one.
+
 The scheduler never runs the model; ``update()`` applies the step's result.
 """
 
@@ -134,7 +139,7 @@ class Scheduler:
         does a preempted request's (output_history.py)."""
         req.output_token_ids.extend(prior_output_token_ids)
         req.status = RequestStatus.WAITING
-        self.waiting.append(req)
+        _insert_by_priority(self.waiting, req)
 
     def reserve_external(self, req: Request) -> int | None:
         """Admits ``req`` to wait for its K/V from outside: blocks for all its
@@ -170,7 +175,7 @@ class Scheduler:
         self.commit_computed_blocks(req)
         req.output_token_ids.append(first_token_id)
         req.status = RequestStatus.RUNNING
-        self.running.append(req)
+        _insert_by_priority(self.running, req)
         return req
 
     def _dequeue(self, req: Request) -> None:
@@ -253,7 +258,7 @@ class Scheduler:
         req.num_cached_tokens = 0
         req.num_preemptions += 1
         req.status = RequestStatus.WAITING
-        self.waiting.appendleft(req)
+        _insert_by_priority(self.waiting, req, first_of_its_priority=True)  # it ran before the others
         self.num_preemptions += 1
         self._admission_paused = True
 
@@ -290,7 +295,7 @@ class Scheduler:
             req.block_ids = list(match.block_ids) + self.kv.allocate(need)
             req.num_computed_tokens = req.num_cached_tokens = cached
             req.status = RequestStatus.RUNNING
-            self.running.append(req)
+            _insert_by_priority(self.running, req)
             self.num_prompt_tokens_cached += cached
             out.add(ScheduledRequest(req, num_new))
             budget -= num_new
@@ -351,3 +356,24 @@ class Scheduler:
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         return blocks
+
+
+def _insert_by_priority(queue: deque[Request] | list[Request], req: Request,
+                        first_of_its_priority: bool = False) -> None:
+    """Keeps ``queue`` ordered by ``params.priority`` (lower first), arrival order within
+    one priority: ``req`` goes after the others of its priority (or, preempted, before
+    them).  With one priority, as every request has by default, this is append (or appendleft)."""
+    p = req.params.priority
+    n = len(queue)
+    if not first_of_its_priority:
+        if not n or queue[-1].params.priority <= p:
+            queue.append(req)
+            return
+        i = n
+        while i > 0 and queue[i - 1].params.priority > p:
+            i -= 1
+    else:
+        i = 0
+        while i < n and queue[i].params.priority < p:
+            i += 1
+    queue.insert(i, req)

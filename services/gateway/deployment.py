@@ -105,7 +105,8 @@ class Gateway:
             block_size=cfg.block_size, max_body_bytes=cfg.max_body_bytes,
             api_key_digests=cfg.api_key_digests,  # validating cfg refused an exposed host without keys
             tenant_of_digest={d: t.name for t in cfg.tenants for d in t.api_key_digests},
-            trust_tenant_header=cfg.tenant_header, tenant_names=tuple(t.name for t in cfg.tenants))
+            trust_tenant_header=cfg.tenant_header, tenant_names=tuple(t.name for t in cfg.tenants),
+            tenant_min_priority={t.name: t.min_priority for t in cfg.tenants if t.min_priority is not None})
         adm = cfg.admission
         # The board: /metrics reads every replica's KV numbers from it, the seed check their seeds.
         self.board = StatusBoardReader(cfg.index_url, cfg.cluster_name)

@@ -65,6 +65,8 @@ class Range:
         return out
 
 
+MAX_PRIORITY = 1_000_000  # vLLM's priority field is any int; ours is bounded so it stays a small key
+
 RANGES: dict[str, Range] = {
     "temperature": Range(0, 2, note="0 = greedy"),
     "top_p": Range(0, 1, low_open=True),
@@ -80,6 +82,7 @@ RANGES: dict[str, Range] = {
     "logprobs": Range(0, MAX_LOGPROBS),       # completions' count (chat's is a bool: true is 1, in range)
     "top_logprobs": Range(0, MAX_LOGPROBS),
     "seed": Range(INT64_MIN, INT64_MAX, note="a signed 64-bit integer"),
+    "priority": Range(-MAX_PRIORITY, MAX_PRIORITY, note="lower is more urgent; 0 by default"),
 }
 
 STOP_STRING_SCHEMA = {"type": "string", "minLength": 1, "maxLength": MAX_STOP_STRING_CHARS}

@@ -71,6 +71,7 @@ class _SamplingFields(_Strict):
     stop_token_ids: StopTokenIds = None
     repetition_penalty: float | None = _bounded("repetition_penalty", None)  # None: 1, off
     min_tokens: int = _bounded("min_tokens", 0)
+    priority: int = _bounded("priority", 0)   # lower is scheduled first; capped by the tenant's min_priority
     # vLLM's structured-output extensions (at most one, and not with response_format; structured.py)
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
@@ -214,6 +215,7 @@ def to_sampling_params(req: AnyRequest, max_tokens: int, max_tokens_param: str =
                               "stop_token_ids": tuple(req.stop_token_ids or ()),
                               "presence_penalty": req.presence_penalty, "frequency_penalty": req.frequency_penalty,
                               "logit_bias": logit_bias_by_id(req.logit_bias), "min_tokens": min_tokens,
+                              "priority": req.priority,
                               **_logprob_kwargs(req)}
     if req.temperature is not None:
         kwargs["temperature"] = req.temperature

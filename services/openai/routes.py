@@ -38,7 +38,7 @@ from services.backend import Backend
 from services.engine.tokenizer import Tokenizer
 from services.openai.rate_limits import TenantRateLimits
 from services.openai.auth import ApiKeyMiddleware
-from services.openai.tenant_limits import check_request_rate, check_token_rate
+from services.openai.tenant_limits import capped_priority, check_request_rate, check_token_rate
 from services.openai.choices import generate_choices
 from services.openai.echo import echo_of, prompt_only, scoring_request
 from services.openai.errors import install_error_handlers
@@ -181,6 +181,7 @@ async def _generate(request: Request, kind: type[CompletionRequest] | type[ChatC
                                 host.backend.max_model_len, default)
     params = with_max_tokens(params, req, max_tokens, max_tokens_param)
     check_token_rate(request, host, tenant, len(prompt.token_ids) + max_tokens * req.n)
+    params = capped_priority(params, tenant, host)
     if guided is not None:
         params = dataclasses.replace(params, guided=guided)
 
@@ -188,7 +189,8 @@ async def _generate(request: Request, kind: type[CompletionRequest] | type[ChatC
     # A client's own id may repeat; the backend's id must not.
     engine_id = f"{request_id}-{secrets.token_hex(4)}" if request.state.request_id_from_client else request_id
     tracing.set_attrs({tracing.REQUEST_ID: request_id, tracing.ENGINE_ID: engine_id, "request.model": model,
-                         "request.stream": bool(req.stream), "request.max_tokens": max_tokens})
+                         "request.stream": bool(req.stream), "request.max_tokens": max_tokens,
+                         "request.priority": params.priority})
     routing = RoutingHeader(prompt.block_hashes, len(prompt.token_ids), settings.block_size, max_tokens)
     chunks = generate_choices(host.backend.generate, GenerateRequest(
         engine_id, prompt.token_ids, params, routing, tracing.inject(),

@@ -27,6 +27,7 @@ class OpenAISettings:
     tenant_of_digest: Mapping[str, str] = field(default_factory=dict, repr=False)  # key digest -> tenant name
     trust_tenant_header: bool = False  # x-pdcluster-tenant names the tenant (behind a gateway that sets it)
     tenant_names: tuple[str, ...] = ()  # the configured tenants (metrics label only these by name)
+    tenant_min_priority: Mapping[str, int] = field(default_factory=dict)  # tenant -> most urgent priority allowed
 
     def __post_init__(self) -> None:
         names = self.served_model_names

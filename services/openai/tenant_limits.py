@@ -7,10 +7,13 @@ series)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from starlette.requests import Request
 
 from observability import tracing
 from services.config import DEFAULT_TENANT
+from services.engine.sampling_params import SamplingParams
 from services.openai.rate_limits import RateRefusal, TenantRateLimits
 from services.openai.errors import OpenAIError
 from services.openai.host import Host
@@ -39,6 +42,14 @@ def check_token_rate(request: Request, host: Host, tenant: str, tokens: int) -> 
     if limits:
         _refuse_if(limits.admit_tokens(tenant, tokens), host)
     host.metrics.count_tenant(tenant_label(tenant, host), "admitted")
+
+
+def capped_priority(params: SamplingParams, tenant: str, host: Host) -> SamplingParams:
+    """``params`` with its priority no more urgent than the tenant may ask (its min_priority)."""
+    floor = host.settings.tenant_min_priority.get(tenant)
+    if floor is None or params.priority >= floor:
+        return params
+    return dataclasses.replace(params, priority=floor)
 
 
 def _refuse_if(refusal: RateRefusal | None, host: Host) -> None:

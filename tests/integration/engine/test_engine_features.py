@@ -4,6 +4,7 @@ the async front, on the real model."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 
@@ -91,6 +92,29 @@ def test_quarantined_blocks_stay_out_of_reuse_until_released(smol_fp32):
     assert engine.quarantine("r", in_doubt) is None  # nothing reserved under the id any more
     assert engine.release_quarantine(key) == len(in_doubt) and engine.stats().quarantined_blocks == 0
     assert engine.release_quarantine(key) == 0
+    _no_leak(engine)
+
+
+def test_the_more_urgent_request_runs_first_and_its_output_is_unchanged(smol_fp32):
+    """priority (vLLM's, lower first) on the real engine with one seat: the urgent
+    request, added after the batch one, finishes first; each output equals its own
+    run alone (priority orders the work, it changes no token)."""
+    tok = smol_fp32.tokenizer
+    batch, urgent = tok.encode("Write a long story about a lighthouse."), tok.encode("The capital of France is")
+    low = dataclasses.replace(greedy(6, ignore_eos=True), priority=5)
+    high = dataclasses.replace(greedy(6, ignore_eos=True), priority=-5)
+    engine = make_engine(smol_fp32, max_num_seqs=1)
+    engine.add_request("batch", batch, low)
+    engine.add_request("urgent", urgent, high)
+    finished, tokens = [], {"batch": [], "urgent": []}
+    while engine.has_unfinished():
+        for o in engine.step():
+            tokens[o.request_id] += o.new_token_ids
+            if o.finished:
+                finished.append(o.request_id)
+    assert finished == ["urgent", "batch"]
+    alone = make_engine(smol_fp32).generate([batch, urgent], greedy(6, ignore_eos=True))
+    assert [tokens["batch"], tokens["urgent"]] == [o.new_token_ids for o in alone]
     _no_leak(engine)
 
 

@@ -89,3 +89,18 @@ def test_tenant_config_folds_keys_into_digests_and_refuses_ambiguity():
         ClusterConfig(tenants=[{"name": "default"}])
     with pytest.raises(ValueError):
         ClusterConfig(tenants=[{"name": "bad name"}])
+
+
+async def test_a_tenant_cannot_ask_more_urgent_than_its_min_priority(backend: FakeBackend, tokenizer):
+    app = make_app(backend, tokenizer, api_key_digests=(api_key_digest(ALICE), api_key_digest(BOB)),
+                   tenant_of_digest={api_key_digest(ALICE): "alice", api_key_digest(BOB): "bob"},
+                   tenant_names=("alice", "bob"), tenant_min_priority={"alice": 0})
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway") as c:
+        for key in (ALICE, BOB):
+            r = await c.post("/v1/completions", json={**BODY, "priority": -10},
+                             headers={"authorization": f"Bearer {key}"})
+            assert r.status_code == 200
+        bad = await c.post("/v1/completions", json={**BODY, "priority": 10**9},
+                           headers={"authorization": f"Bearer {BOB}"})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "priority"
+    assert [r.params.priority for r in backend.requests] == [0, -10]   # alice raised to 0; bob as asked
