@@ -51,7 +51,7 @@ from transfer.nixl_write_puller import WriteMailbox, pull_by_write
 from transfer.nixl_writer import NixlWriter
 from transfer.peer import PeerDescriptor, peer_id_of_agent
 from transfer.pull_mode import choose_pull_mode
-from transfer.runs import BlockRun, descriptor_array, runs_to_regions
+from transfer.runs import BlockRun, descriptor_array, local_ids_of, runs_to_regions
 from transfer.wire import unpack
 from transfer.write_request import WriteDone, decode, is_write_message, max_message_bytes
 
@@ -294,7 +294,7 @@ class NixlBackend(TransferBackend):
         """Keeps ``handle`` to settle later (the ticker retries its release) and
         names the local blocks it may still write."""
         settled = threading.Event()
-        local_ids = tuple(r.local_start + i for r in runs for i in range(r.num_blocks))
+        local_ids = local_ids_of(runs)
         with self._lock:
             self._unsettled.append((handle, settled, len(local_ids)))
         return TransferInDoubtError(

@@ -26,7 +26,7 @@ from transfer.errors import TransferError, TransferInDoubtError
 from transfer.nixl_host import NixlHost
 from transfer.lease_guard import lease_expired_error
 from transfer.peer import PeerDescriptor
-from transfer.runs import BlockRun
+from transfer.runs import BlockRun, local_ids_of
 from transfer.write_request import (MAX_TTL_S, PING, PING_INTERVAL_S, WriteDone, WriteRequest, sign_cancel,
                                     sign_request, verify)
 
@@ -112,7 +112,7 @@ def pull_by_write(backend: NixlHost, desc: PeerDescriptor, runs: list[BlockRun],
         if sent and deadline.expired():
             # The owner may still be writing (its ttl counts from when it received the request): the
             # blocks are held until its answer to this seq says it stopped.
-            local_ids = tuple(r.local_start + i for r in runs for i in range(r.num_blocks))
+            local_ids = local_ids_of(runs)
             raise TransferInDoubtError(
                 f"{deadline.what} timed out before the owner answered: it may still write the {len(local_ids)} "
                 "local blocks; hold them until it answers", local_ids,

@@ -39,7 +39,7 @@ from transfer.nixl_host import NixlHost
 from transfer.layout import layout_differences
 from transfer.peer import PeerDescriptor
 from transfer.replay_window import ReplayWindow
-from transfer.runs import BlockRun, descriptor_array, runs_to_regions
+from transfer.runs import BlockRun, descriptor_array, remote_ids_of, runs_to_regions
 from transfer.write_request import WriteCancel, WriteDone, WriteRequest, sign_done, verify
 
 
@@ -176,7 +176,7 @@ class NixlWriter:
                                                        f"{b.peer_id} serves pulls only under a lease: pass the "
                                                        "hand-off's lease id as pull(..., notif=lease_id)"))
                 return
-            block_ids = [r.remote_start + i for r in req.runs for i in range(r.num_blocks)]
+            block_ids = list(remote_ids_of(req.runs))
             reason = guard.begin_read(req.lease_id, block_ids)
             if reason is not None:
                 log.info("kv nixl owner refused a write: lease=%s blocks=%d reason=%s", req.lease_id,

@@ -37,6 +37,16 @@ def as_block_ids(block_ids: Iterable[int]) -> list[int]:
     return [operator.index(b) for b in block_ids]
 
 
+def local_ids_of(runs: Iterable[BlockRun]) -> tuple[int, ...]:
+    """The puller's block ids the runs cover, in order."""
+    return tuple(r.local_start + i for r in runs for i in range(r.num_blocks))
+
+
+def remote_ids_of(runs: Iterable[BlockRun]) -> tuple[int, ...]:
+    """The owner's block ids the runs cover, in order."""
+    return tuple(r.remote_start + i for r in runs for i in range(r.num_blocks))
+
+
 def coalesce_block_runs(remote_block_ids: Sequence[int], local_block_ids: Sequence[int]) -> list[BlockRun]:
     """Groups pairs (remote_block_ids[i], local_block_ids[i]) into maximal runs
     that are consecutive on both sides, keeping the given order."""

@@ -18,6 +18,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 
+_MAX_RETRY_AFTER_S = 86_400.0
+
+
 @dataclass
 class TokenBucket:
     rate: float        # units per second
@@ -57,7 +60,8 @@ class RateRefusal:
 
     @property
     def retry_after_header(self) -> str:
-        return str(max(1, math.ceil(self.retry_after_s)))
+        """Whole seconds, at least 1; at most a day (a tiny configured rate gives a huge or infinite wait)."""
+        return str(max(1, math.ceil(min(self.retry_after_s, _MAX_RETRY_AFTER_S))))
 
 
 class TenantRateLimits:

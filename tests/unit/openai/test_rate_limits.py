@@ -55,3 +55,16 @@ def test_tenants_are_limited_apart_and_the_refusal_names_the_limit():
 def test_no_limit_configured_is_falsy_and_refuses_nothing():
     limits = TenantRateLimits([TenantLimit("a")])
     assert not limits and limits.admit_request("a") is None and limits.admit_tokens("a", 10**9) is None
+
+
+@pytest.mark.parametrize("rate", [5e-324, 1e-300, 1e308])
+def test_extreme_rates_never_break_the_answer(rate):
+    # A denormal rate makes the wait infinite, a huge one the bucket infinite: the 429's
+    # Retry-After stays a whole number of seconds between 1 and a day, or nothing is refused.
+    limits = TenantRateLimits([TenantLimit("t", requests_per_s=rate, tokens_per_s=rate)], Clock())
+    answers = [limits.admit_request("t"), limits.admit_request("t"), limits.admit_tokens("t", 10**6),
+               limits.admit_tokens("t", 10**6)]
+    for refused in answers:
+        if refused is not None:
+            assert 1 <= int(refused.retry_after_header) <= 86_400
+    assert (answers[1] is None) == (rate > 1)
