@@ -132,9 +132,11 @@ class LocalCluster:
             serve.run(build_app(self.config), name=APP_NAME, route_prefix="/", blocking=False)
         except RuntimeError as exc:  # Serve names the deployment; its replica's error says why
             raise RuntimeError(f"{exc}\n{deployment_errors(serve.status(), APP_NAME)}") from exc
+        # Written before the wait: the gateway may answer (/health 200, requests) before this
+        # process's own probe returns, and `pdcluster status` must work from then on.
+        self._write_state(url)
         self._wait_ready(progress)
         self.ready_s = time.perf_counter() - t0
-        self._write_state(url)
         return self
 
     def _redis_host(self) -> str:
