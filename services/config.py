@@ -13,6 +13,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 from services.engine.config import EngineConfig, SchedulerConfig, SpeculativeConfig
+from services.engine.sampling_params import DEFAULT_TENANT  # noqa: F401 - re-exported
 from services.speed.model import PrefillModel, StepModel
 from services.topology import TopologySettings, internal_exposure_problem, is_loopback  # noqa: F401 - re-exported
 
@@ -68,7 +69,6 @@ def _env_keys() -> list[SecretStr]:
     return [_checked_key(p, f"{API_KEY_ENV} entry {n}") for n, p in enumerate(parts, 1) if p]
 
 
-DEFAULT_TENANT = "default"
 
 
 def _unique(items: list) -> tuple:
@@ -92,6 +92,12 @@ class TenantSettings(_Strict):
     burst_s: float = Field(1.0, gt=0, le=3600, description="the buckets hold this many seconds of the rates")
     min_priority: int | None = Field(None, description="the most urgent `priority` its requests may ask (lower "
                                                        "is more urgent); a more urgent one is raised to it")
+    weight: float = Field(1.0, gt=0, le=1000, description="its share against other tenants of one priority, in "
+                                                          "prompt tokens and decode seats (the default tenant: 1)")
+    kv_guaranteed: float = Field(0.0, ge=0, le=1, description="the share of each replica's KV blocks its cached "
+                                                              "prefixes keep whatever other tenants send")
+    kv_max: float = Field(1.0, gt=0, le=1, description="past this share of a replica's KV blocks, its own cached "
+                                                       "blocks are evicted first")
 
     @model_validator(mode="before")
     @classmethod
@@ -358,6 +364,12 @@ class ClusterConfig(_Strict):
         names = [t.name for t in tenants]
         if len(set(names)) != len(names) or DEFAULT_TENANT in names:
             raise ValueError(f"tenant names must be unique and not {DEFAULT_TENANT!r} (the tenant of other keys)")
+        if sum(t.kv_guaranteed for t in tenants) > 1:
+            raise ValueError("the tenants' kv_guaranteed shares add up to more than 1: lower them")
+        for t in tenants:
+            if t.kv_guaranteed > t.kv_max:
+                raise ValueError(f"tenant {t.name!r}: kv_guaranteed ({t.kv_guaranteed}) is over its kv_max "
+                                 f"({t.kv_max}): lower it or raise kv_max")
         tenant_digests = [d for t in tenants for d in t.api_key_digests]
         if len(set(tenant_digests)) != len(tenant_digests):
             raise ValueError("an API key belongs to two tenants: give each key to one tenant")
@@ -423,6 +435,8 @@ class ClusterConfig(_Strict):
             grammar_compile_timeout_s=self.grammar_compile_timeout_s,
             # Prefill replicas never decode past the first token: nothing to draft.
             speculative=SpeculativeConfig() if pool is self.prefill else self.speculative.engine(),
+            kv_quotas=tuple((t.name, t.kv_guaranteed, t.kv_max) for t in self.tenants
+                            if t.kv_guaranteed > 0 or t.kv_max < 1),
             scheduler=self._scheduler_config(pool))
 
     def _scheduler_config(self, pool: PoolConfig) -> SchedulerConfig:
@@ -433,4 +447,5 @@ class ClusterConfig(_Strict):
             batched = min(batched, s.max_num_seqs + s.decode_step_prefill_tokens)
             chunk = min(chunk, s.decode_step_prefill_tokens)
         return SchedulerConfig(max_num_seqs=s.max_num_seqs, max_num_batched_tokens=batched, prefill_chunk_size=chunk,
-                               kv_watermark_high=s.kv_watermark_high, kv_watermark_low=s.kv_watermark_low)
+                               kv_watermark_high=s.kv_watermark_high, kv_watermark_low=s.kv_watermark_low,
+                               tenant_weights=tuple((t.name, t.weight) for t in self.tenants if t.weight != 1))

@@ -35,16 +35,26 @@ def _state() -> dict:
 def format_board(board: list[dict]) -> list[str]:
     """One line per replica: role, name, engine state, running/waiting, KV used/total and dtype, leased
     blocks, blocks held in quarantine (a transfer into them not confirmed stopped), hits,
-    and speculative decoding's accepted/drafted tokens ('-' where it is off)."""
+    speculative decoding's accepted/drafted tokens ('-' where it is off), and the KV blocks
+    each tenant holds (in use or cached; the three largest)."""
     table = plain_table("pool", "replica", "engine", ">run", ">wait", ">kv used/total", ">kv", ">leased",
-                        ">held", ">prompt hit/computed", ">spec acc/draft")
+                        ">held", ">prompt hit/computed", ">spec acc/draft", "tenants kv")
     for s in board:
         used = s["kv_blocks_total"] - s["kv_blocks_free"]
         engine = "alive" if s.get("engine_alive", True) else "DEAD"
         table.add_row(s["role"], s["name"][-34:], engine, str(s["running"]), str(s["waiting"]),
                       f"{used}/{s['kv_blocks_total']}", s.get("kv_dtype", "?"), str(s["leased_blocks"]),
-                      str(s.get("quarantined_blocks", 0)), f"{s['prompt_tokens_cached']}/{s['prompt_tokens_computed']}", _spec(s))
+                      str(s.get("quarantined_blocks", 0)), f"{s['prompt_tokens_cached']}/{s['prompt_tokens_computed']}",
+                      _spec(s), _tenants(s))
     return table_lines(table)
+
+
+def _tenants(s: dict) -> str:
+    charged = s.get("tenant_kv_blocks")
+    if not isinstance(charged, dict) or not charged:
+        return "-"
+    ranked = sorted(((str(t), n) for t, n in charged.items() if isinstance(n, int)), key=lambda x: (-x[1], x[0]))
+    return " ".join(f"{t[:16]}:{n}" for t, n in ranked[:3]) + (" ..." if len(ranked) > 3 else "")
 
 
 def _spec(s: dict) -> str:

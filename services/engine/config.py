@@ -13,6 +13,7 @@ class SchedulerConfig:
     prefill_chunk_size: int = 512       # prompt tokens of one request per step
     kv_watermark_high: float = 0.97     # stop admitting above this KV usage ...
     kv_watermark_low: float = 0.90      # ... until usage falls below this
+    tenant_weights: tuple[tuple[str, float], ...] = ()  # (tenant, weight): fair shares (fair_queue.py); absent: 1
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -25,6 +26,9 @@ class SchedulerConfig:
             raise ValueError(
                 f"need 0 < kv_watermark_low ({self.kv_watermark_low}) <= kv_watermark_high "
                 f"({self.kv_watermark_high}) <= 1")
+        for tenant, weight in self.tenant_weights:
+            if not weight > 0:
+                raise ValueError(f"tenant {tenant!r}: weight must be > 0, got {weight!r}")
 
 
 SPECULATIVE_METHODS = ("none", "ngram", "draft")
@@ -97,6 +101,8 @@ class EngineConfig:
     grammar_compile_timeout_s: float = 10.0
     scheduler: SchedulerConfig = SchedulerConfig()
     speculative: SpeculativeConfig = SpeculativeConfig()
+    # (tenant, guaranteed share, maximum share) of the KV blocks (kv_quota.py); none: plain LRU
+    kv_quotas: tuple[tuple[str, float, float], ...] = ()
 
     def __post_init__(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
@@ -111,6 +117,11 @@ class EngineConfig:
             raise ValueError(f"lease_ttl_s must be > 0, got {self.lease_ttl_s}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+        for tenant, guaranteed, maximum in self.kv_quotas:
+            if not 0 <= guaranteed <= maximum <= 1:
+                raise ValueError(f"tenant {tenant!r}: need 0 <= kv_guaranteed ({guaranteed}) <= kv_max ({maximum}) <= 1")
+        if sum(g for _, g, _ in self.kv_quotas) > 1:
+            raise ValueError("the tenants' kv_guaranteed shares add up to more than 1: lower them")
         if self.grammar_compile_workers < 1:
             raise ValueError(f"grammar_compile_workers must be >= 1, got {self.grammar_compile_workers}")
         if not 0 < self.grammar_compile_timeout_s < float("inf"):

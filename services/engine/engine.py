@@ -32,6 +32,7 @@ from services.engine.detokenizer import IncrementalDetokenizer
 from services.engine.errors import EngineDeadError, InvalidRequestError, RequestTooLongError, UnknownRequestError
 from services.engine.grammar import GrammarCache
 from services.engine.kv_cache import KVCache, KVCacheSpec, KVEventCallback
+from services.engine.kv_quota import KVQuota, largest_charges
 from services.engine.lease import LeaseTable
 from services.engine.model.k_smoothing import calibration_token_ids, k_smoothing_shift
 from services.engine.model.loader import LoadedModel, block_hash_seed, load_model
@@ -87,7 +88,8 @@ class Engine:
         if is_quantized(self.kv_spec.dtype) and self.loaded.model.k_shift is None:  # computed once per load
             self.loaded.model.k_shift = k_smoothing_shift(self.loaded.model, calibration_token_ids(self.tokenizer))
         self.hash_seed = block_hash_seed(self.loaded.weights_id, self.kv_spec.dtype, config.block_size)
-        self.kv = KVCache(self.kv_spec, config.device, on_kv_event, config.enable_prefix_caching)
+        self.kv = KVCache(self.kv_spec, config.device, on_kv_event, config.enable_prefix_caching,
+                          KVQuota.of_shares(config.kv_quotas, self.kv_spec.num_blocks))
         self.speculator = self._speculator() if config.speculative.enabled else None
         self.scheduler = Scheduler(config.scheduler, self.kv, self.hash_seed, self.speculator)
         self.requests: dict[str, Request] = {}
@@ -470,6 +472,7 @@ class Engine:
             num_failed_requests=self.num_failed_requests, num_failed_steps=self.num_failed_steps,
             num_expired_reservations=self.num_expired_reservations, num_refused_reads=self.leases.num_refused_reads,
             quarantined_blocks=sum(len(b) for b in self._quarantine.values()),
+            tenant_kv_blocks=largest_charges(self.kv.charged),
             spec_proposed_tokens=spec.num_proposed_tokens if spec else 0,
             spec_accepted_tokens=spec.num_accepted_tokens if spec else 0,
             spec_verify_steps=spec.num_verify_steps if spec else 0,

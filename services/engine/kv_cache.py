@@ -28,6 +28,10 @@ Allocation takes free blocks first, then evicts the least recently released
 evictable block (its hash leaves the cache: an ``evicted`` event).  Blocks
 released by one request go to the evictable list tail-first, so a
 sequence's last blocks (least likely shared) are evicted before its first.
+
+Each block in use or cached is charged to the tenant that allocated it
+(``charged``); with per-tenant quotas (kv_quota.py), eviction keeps a
+tenant's guaranteed share and takes a tenant over its maximum's own first.
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ from dataclasses import dataclass
 import torch
 
 from kernels.kv_quant import row_width
+from services.engine.kv_quota import KVQuota, pick_victims
+from services.engine.sampling_params import DEFAULT_TENANT
 
 KVEventCallback = Callable[[str, list[int]], None]  # ("stored" | "evicted", block hashes)
 
@@ -86,7 +92,8 @@ class PrefixMatch:
 
 class KVCache:
     def __init__(self, spec: KVCacheSpec, device: str | torch.device = "cpu",
-                 on_event: KVEventCallback | None = None, enable_prefix_caching: bool = True):
+                 on_event: KVEventCallback | None = None, enable_prefix_caching: bool = True,
+                 quota: KVQuota | None = None):
         self.spec = spec
         self.kv_pool = torch.zeros(spec.shape, dtype=spec.dtype, device=device)
         self.enable_prefix_caching = enable_prefix_caching
@@ -98,6 +105,10 @@ class KVCache:
         self._cached: dict[int, int] = {}  # block hash -> block id
         self._free: deque[int] = deque(range(spec.num_blocks))
         self._evictable: OrderedDict[int, None] = OrderedDict()  # oldest first
+        self.quota = quota if quota is not None and quota.active else None
+        self._owner: list[str | None] = [None] * spec.num_blocks  # the tenant a block is charged to
+        self.charged: dict[str, int] = {}  # tenant -> blocks in use or cached
+        self.num_guaranteed_evictions = 0  # every evictable block was within a guarantee: one was taken anyway
 
     # ---- sizes -------------------------------------------------------
     @property
@@ -181,26 +192,48 @@ class KVCache:
     def can_allocate(self, n: int) -> bool:
         return n <= self.num_free_blocks
 
-    def allocate(self, n: int) -> list[int] | None:
-        """``n`` fresh blocks (ref 1), or None (and no change) if not enough."""
+    def allocate(self, n: int, tenant: str = DEFAULT_TENANT) -> list[int] | None:
+        """``n`` fresh blocks (ref 1) charged to ``tenant``, or None (and no change) if not enough."""
         if n > self.num_free_blocks:
             return None
-        out, evicted = [], []
-        for _ in range(n):
-            if self._free:
-                b = self._free.popleft()
-            else:
-                b, _ = self._evictable.popitem(last=False)
-                h = self._hash_of[b]
-                del self._cached[h]
-                self._hash_of[b] = None
-                self._tokens_of[b] = None
-                evicted.append(h)
+        out = [self._free.popleft() for _ in range(min(n, len(self._free)))]
+        evict = n - len(out)
+        if evict and self.quota is not None:
+            lru = [(b, self._owner[b]) for b in self._evictable]
+            victims = pick_victims(lru, evict, self.charged, self.quota, tenant, requester_new=len(out))
+            self.num_guaranteed_evictions += victims.num_guaranteed
+            for b in victims.block_ids:
+                del self._evictable[b]
+            out += victims.block_ids
+        else:
+            out += [self._evictable.popitem(last=False)[0] for _ in range(evict)]
+        evicted = [self._forget(b) for b in out[n - evict:]]
+        for b in out:
             self._ref[b] = 1
-            out.append(b)
+            self._charge(b, tenant)
         if evicted and self.on_event:
             self.on_event("evicted", evicted)
         return out
+
+    def _forget(self, b: int) -> int:
+        """Takes block ``b``'s entry out of the prefix cache; returns its hash."""
+        h = self._hash_of[b]
+        del self._cached[h]
+        self._hash_of[b] = None
+        self._tokens_of[b] = None
+        return h
+
+    def _charge(self, b: int, tenant: str | None) -> None:
+        old = self._owner[b]
+        if old is not None:
+            left = self.charged[old] - 1
+            if left:
+                self.charged[old] = left
+            else:
+                del self.charged[old]
+        self._owner[b] = tenant
+        if tenant is not None:
+            self.charged[tenant] = self.charged.get(tenant, 0) + 1
 
     def free(self, block_ids: Sequence[int]) -> None:
         """Drops one reference on each block, last block first."""
@@ -212,15 +245,15 @@ class KVCache:
                 if self._hash_of[b] is not None:
                     self._evictable[b] = None
                 else:
+                    self._charge(b, None)
                     self._free.append(b)
 
     def reset_prefix_cache(self) -> int:
         """Forgets every unreferenced cached block; returns how many."""
         dropped = [self._hash_of[b] for b in self._evictable]
         for b in list(self._evictable):
-            del self._cached[self._hash_of[b]]
-            self._hash_of[b] = None
-            self._tokens_of[b] = None
+            self._forget(b)
+            self._charge(b, None)
             self._free.append(b)
         self._evictable.clear()
         if dropped and self.on_event:
@@ -249,3 +282,10 @@ class KVCache:
             else:
                 assert self._tokens_of[b] is None, f"uncached block {b} still holds tokens"
         assert len(self._cached) == sum(h is not None for h in self._hash_of)
+        owners: dict[str, int] = {}
+        for b in range(n):
+            owner = self._owner[b]
+            assert (owner is None) == (b in free), f"block {b}: charged to {owner!r} but free, or uncharged in use"
+            if owner is not None:
+                owners[owner] = owners.get(owner, 0) + 1
+        assert owners == self.charged, f"tenant charges {self.charged} != the blocks' owners {owners}"

@@ -93,6 +93,7 @@ class EngineStats:
     num_expired_reservations: int = 0   # reserve_external blocks whose K/V never came within the TTL
     num_refused_reads: int = 0          # lease reads refused (unknown, released or expired lease)
     quarantined_blocks: int = 0         # held out of reuse: a transfer into them is not confirmed stopped
+    tenant_kv_blocks: dict[str, int] = field(default_factory=dict)  # blocks in use or cached, per tenant (top 16)
     # Speculative decoding (spec_decode.py): drafted tokens, those accepted, the
     # request-steps that verified a draft and the tokens those steps emitted.
     spec_proposed_tokens: int = 0

@@ -50,6 +50,7 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    fair_tag: float = 0.0  # start tag among its tenant's and the others' (fair_queue.py), set when queued
     first_scheduled_s: float | None = None
     first_token_s: float | None = None
     # With params.prompt_logprobs: entry j scores prompt token j+1 (logprobs.py), filled chunk by chunk.

@@ -9,6 +9,7 @@ and ``min_tokens`` do to the logits is written in penalties.py."""
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -35,6 +36,8 @@ MAX_LOGIT_BIAS_ENTRIES = 300
 REPETITION_PENALTY_RANGE = (1e-30, 1e30)
 # OpenAI's cap on alternatives per token (top_logprobs, and completions' logprobs).
 MAX_LOGPROBS = 20
+DEFAULT_TENANT = "default"  # a request of no configured tenant (services/config.py)
+_TENANT_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
 def _is_int(x: object) -> bool:
@@ -63,6 +66,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) by id; a mapping is accepted
     min_tokens: int = 0              # vLLM: EOS and stop_token_ids are masked until this many are out
     priority: int = 0                # vLLM: lower is scheduled first (and preempted last); ties in arrival order
+    tenant: str = DEFAULT_TENANT     # whose request: fair shares within a priority (fair_queue.py), KV quotas
     # Log-probabilities (logprobs.py): None = off; k = the chosen token's and the k likeliest alternatives'.
     logprobs: int | None = None          # of each sampled token
     prompt_logprobs: int | None = None   # of each prompt token after the first (echo; skips the prefix cache)
@@ -92,6 +96,8 @@ class SamplingParams:
                                       f"got {self.min_tokens!r}: lower it, or raise max_tokens")
         if not _is_int(self.priority) or abs(self.priority) > 2**31:
             raise InvalidRequestError(f"priority must be an integer of at most 2**31 in size, got {self.priority!r}")
+        if not isinstance(self.tenant, str) or not _TENANT_NAME.fullmatch(self.tenant):
+            raise InvalidRequestError(f"tenant must be 1 to 64 of A-Z a-z 0-9 _ . -, got {self.tenant!r}")
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(self, name)
             if k is not None and (not _is_int(k) or not 0 <= k <= MAX_LOGPROBS):

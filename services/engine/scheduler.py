@@ -29,9 +29,12 @@ prior output's K/V computed with the prompt's by a prefill replica::
     reserve_external --> awaiting_kv --commit_external--^
 
 Both queues are ordered by the request's ``params.priority`` (vLLM's: lower
-first), arrival order within one priority: the more urgent are admitted and
-scheduled first, and preemption takes the least urgent (the newest of them),
-never a more urgent request for a less urgent one.
+first), then by its tenant's fair share (fair_queue.py: start-time fair
+queueing on the tokens each brings; arrival order when there is one tenant):
+the more urgent are admitted and scheduled first, a tenant's flood queues
+behind the others' requests of its priority, not in front of them, and
+preemption takes the least urgent (the last of them), never a more urgent
+request for a less urgent one.
 
 The scheduler never runs the model; ``update()`` applies the step's result.
 """
@@ -45,6 +48,7 @@ from dataclasses import dataclass, field
 
 from prefix_store.hashing import hash_prompt_blocks
 from services.engine.config import SchedulerConfig
+from services.engine.fair_queue import FairClock
 from services.engine.kv_cache import KVCache
 from services.engine.request import FinishReason, Request, RequestStatus
 from services.engine.spec_decode import Speculator
@@ -108,6 +112,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.awaiting_kv: dict[str, Request] = {}  # reserved blocks, prompt K/V coming from outside
         self._admission_paused = False
+        self.fair = FairClock(dict(config.tenant_weights))
         self.num_preemptions = 0
         self.num_prompt_tokens_computed = 0
         self.num_prompt_tokens_cached = 0
@@ -139,6 +144,7 @@ class Scheduler:
         does a preempted request's (output_history.py)."""
         req.output_token_ids.extend(prior_output_token_ids)
         req.status = RequestStatus.WAITING
+        req.fair_tag = self.fair.tag(req.params.tenant, req.num_tokens)
         _insert_by_priority(self.waiting, req)
 
     def reserve_external(self, req: Request) -> int | None:
@@ -157,8 +163,10 @@ class Scheduler:
         if need > self.kv.num_free_blocks - match.num_evictable:
             return None
         self.kv.acquire(match.block_ids)
-        req.block_ids = list(match.block_ids) + self.kv.allocate(need)
+        req.block_ids = list(match.block_ids) + self.kv.allocate(need, req.params.tenant)
         req.num_cached_tokens = match.num_blocks * self.block_size
+        req.fair_tag = self.fair.tag(req.params.tenant, req.num_tokens)
+        self.fair.taken(req.fair_tag)
         req.status = RequestStatus.WAITING_FOR_KV
         self.awaiting_kv[req.request_id] = req
         return match.num_blocks
@@ -232,7 +240,7 @@ class Scheduler:
             if victim is req:
                 return False
         if need > 0:
-            req.block_ids.extend(self.kv.allocate(need))
+            req.block_ids.extend(self.kv.allocate(need, req.params.tenant))
         return True
 
     def _draft(self, entry: ScheduledRequest, budget: int) -> None:
@@ -246,7 +254,7 @@ class Scheduler:
             # Leave a block for each running request: a draft must not cause a preemption.
             if not self.kv.can_allocate(need + len(self.running)):
                 return
-            req.block_ids.extend(self.kv.allocate(need))
+            req.block_ids.extend(self.kv.allocate(need, req.params.tenant))
         entry.spec_token_ids = draft
         entry.num_new_tokens += len(draft)
 
@@ -291,8 +299,9 @@ class Scheduler:
                 self._admission_paused = True
                 return
             self.waiting.popleft()
+            self.fair.taken(req.fair_tag)
             self.kv.acquire(match.block_ids)
-            req.block_ids = list(match.block_ids) + self.kv.allocate(need)
+            req.block_ids = list(match.block_ids) + self.kv.allocate(need, req.params.tenant)
             req.num_computed_tokens = req.num_cached_tokens = cached
             req.status = RequestStatus.RUNNING
             _insert_by_priority(self.running, req)
@@ -358,19 +367,24 @@ class Scheduler:
         return blocks
 
 
+def _order(req: Request) -> tuple[int, float]:
+    return req.params.priority, req.fair_tag
+
+
 def _insert_by_priority(queue: deque[Request] | list[Request], req: Request,
                         first_of_its_priority: bool = False) -> None:
-    """Keeps ``queue`` ordered by ``params.priority`` (lower first), arrival order within
-    one priority: ``req`` goes after the others of its priority (or, preempted, before
-    them).  With one priority, as every request has by default, this is append (or appendleft)."""
-    p = req.params.priority
+    """Keeps ``queue`` ordered by ``params.priority`` (lower first), then fair tag (arrival
+    order for one tenant): ``req`` goes after the others of its (priority, tag) or, preempted,
+    before every other of its priority.  With one priority and one tenant, as by default,
+    this is append (or appendleft)."""
+    p, key = req.params.priority, _order(req)
     n = len(queue)
     if not first_of_its_priority:
-        if not n or queue[-1].params.priority <= p:
+        if not n or _order(queue[-1]) <= key:
             queue.append(req)
             return
         i = n
-        while i > 0 and queue[i - 1].params.priority > p:
+        while i > 0 and _order(queue[i - 1]) > key:
             i -= 1
     else:
         i = 0

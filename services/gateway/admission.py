@@ -4,8 +4,11 @@ rule), and a 429 only where that rule predicts the SLO would break.
 The gateway sees every request of the cluster (one gateway replica), so its
 own counters are exact and current, unlike stats polled from the replicas:
 
-    per place (prefill pool, decode pool)   prompt tokens and requests admitted, no first token yet
-    decode_streams                          requests admitted and not finished (each holds a decode seat)
+    per place (prefill pool, decode pool)   prompt tokens and requests admitted, no first token yet,
+                                            per (priority, tenant): a request waits behind its fair
+                                            share of the others' (fair_share.py)
+    decode_streams                          requests admitted and not finished (each holds a decode seat),
+                                            per tenant: the last seats go to tenants below their share
     decode busy                             decode-side prefill seconds placed in the last window
     calibration                             (modelled, measured) TTFT of each place's recent first tokens
 
@@ -25,6 +28,8 @@ from dataclasses import replace
 from observability import metrics
 from services.backend import BackendOverloaded, for_client
 from services.config import AutoscaleSpeed
+from services.engine.sampling_params import DEFAULT_TENANT
+from services.gateway.fair_share import Class, may_take_seat, seat_reserve, tokens_ahead
 from services.gateway.placement import DECODE, PREFILL, PlaceLoad, Placement, Rules, Snapshot, place
 from services.speed.calibration import Calibration
 
@@ -40,11 +45,25 @@ class PlaceQueue:
     def __init__(self):
         self.queued_tokens = 0
         self.queued_requests = 0
+        self.by_class: dict[Class, int] = {}  # queued prompt tokens per (priority, tenant)
         self.calibration = Calibration()
 
-    def load(self, live_replicas: int) -> PlaceLoad:
-        return PlaceLoad(live_replicas, self.queued_tokens, self.queued_requests, self.calibration.predict,
+    def load(self, live_replicas: int, who: Class | None = None, prompt_tokens: int = 0,
+             weights: dict[str, float] | None = None) -> PlaceLoad:
+        """The place as a request of class ``who`` sees it: the queued work it waits behind."""
+        ahead = self.queued_tokens if who is None else tokens_ahead(self.by_class, who[1], who[0], prompt_tokens,
+                                                                   weights or {})
+        return PlaceLoad(live_replicas, ahead, self.queued_requests if ahead else 0, self.calibration.predict,
                          self.calibration.margin_s)
+
+    def add(self, who: Class, tokens: int, sign: int) -> None:
+        self.queued_tokens += sign * tokens
+        self.queued_requests += sign
+        left = self.by_class.get(who, 0) + sign * tokens
+        if left or sign > 0:
+            self.by_class[who] = left
+        else:
+            self.by_class.pop(who, None)
 
 
 class Ticket:
@@ -52,8 +71,8 @@ class Ticket:
     ``close()`` when it ends (either order; both idempotent).  ``pool`` is
     where its prompt is prefilled: "prefill" or "decode"."""
 
-    def __init__(self, admission: Admission, placement: Placement, tokens: int):
-        self._admission, self.placement, self.tokens = admission, placement, tokens
+    def __init__(self, admission: Admission, placement: Placement, tokens: int, who: Class = (0, DEFAULT_TENANT)):
+        self._admission, self.placement, self.tokens, self.who = admission, placement, tokens, who
         self.pool = placement.pool
         self._admitted_at = time.monotonic()
         self._queued, self._open = True, True
@@ -70,18 +89,22 @@ class Ticket:
             self._admission._dequeue(self, None)
         if self._open:
             self._open = False
-            self._admission.in_flight -= 1
+            self._admission._end_stream(self.who[1])
 
 
 class Admission:
     def __init__(self, ttft_slo_s: float, max_in_flight: int, shed: bool = True, headroom: float = 0.8,
-                 rules: Rules | None = None, decode_seats_per_replica: int = 1 << 30):
+                 rules: Rules | None = None, decode_seats_per_replica: int = 1 << 30,
+                 tenant_weights: dict[str, float] | None = None):
         if not 0 < headroom <= 1:
             raise ValueError(f"headroom must be in (0, 1], got {headroom}")
         self.rules = replace(rules or DEFAULT_RULES, ttft_slo_s=ttft_slo_s, headroom=headroom, shed=shed)
         self.ttft_slo_s, self.max_in_flight, self.shed, self.headroom = ttft_slo_s, max_in_flight, shed, headroom
         self.decode_seats_per_replica = decode_seats_per_replica
         self.in_flight = 0
+        self.tenant_weights = dict(tenant_weights or {})
+        self.streams_of: dict[str, int] = {}  # decode seats each tenant holds
+        self.num_seat_shares = 0  # refused one of the last seats: the tenant held its share
         self.places = {PREFILL: PlaceQueue(), DECODE: PlaceQueue()}
         self._decode_busy: deque[tuple[float, float]] = deque()  # (when placed, seconds of decode time)
         self.num_shed = 0
@@ -94,19 +117,23 @@ class Admission:
     def num_measured(self) -> int:
         return sum(q.calibration.num_samples for q in self.places.values())
 
-    def snapshot(self, prefill_live: int | None, decode_live: int | None, now: float) -> Snapshot:
-        """``*_live``: live replicas (None: unknown -- no Redis -- counted as one; prefill 0: no prefill pool)."""
+    def snapshot(self, prefill_live: int | None, decode_live: int | None, now: float, who: Class | None = None,
+                 prompt_tokens: int = 0) -> Snapshot:
+        """``*_live``: live replicas (None: unknown -- no Redis -- counted as one; prefill 0: no prefill pool);
+        ``who``: the class of the request it is for (None: the whole queues)."""
         decode = max(decode_live if decode_live is not None else 1, 1)
         prefill_live = 1 if prefill_live is None else prefill_live
-        prefill = self.places[PREFILL].load(prefill_live) if prefill_live > 0 else None
+        w = self.tenant_weights
+        prefill = self.places[PREFILL].load(prefill_live, who, prompt_tokens, w) if prefill_live > 0 else None
         while self._decode_busy and self._decode_busy[0][0] < now - self.rules.window_s:
             self._decode_busy.popleft()
-        return Snapshot(prefill=prefill, decode=self.places[DECODE].load(decode),
+        return Snapshot(prefill=prefill, decode=self.places[DECODE].load(decode, who, prompt_tokens, w),
                         decode_streams=self.in_flight, decode_seats=self.decode_seats_per_replica * decode,
                         decode_busy_s=sum(s for _, s in self._decode_busy),
                         calibrated=self.num_measured >= MIN_SAMPLES)
 
-    def place(self, prompt_tokens: int, prefill_live: int | None, decode_live: int | None) -> Ticket:
+    def place(self, prompt_tokens: int, prefill_live: int | None, decode_live: int | None,
+              tenant: str = DEFAULT_TENANT, priority: int = 0) -> Ticket:
         """A ticket naming where the prompt is prefilled, or BackendOverloaded (429 with Retry-After)."""
         if self.in_flight >= self.max_in_flight:
             self.num_over_capacity += 1
@@ -115,7 +142,17 @@ class Admission:
                                                f"(admission.max_in_flight = {self.max_in_flight}); retry shortly",
                                                retry_after_s=1.0))
         now = time.monotonic()
-        choice = place(prompt_tokens, self.snapshot(prefill_live, decode_live, now), self.rules)
+        who = (priority, tenant)
+        snap = self.snapshot(prefill_live, decode_live, now, who, prompt_tokens)
+        if not may_take_seat(self.streams_of, tenant, snap.decode_seats, self.tenant_weights):
+            if snap.decode_streams < snap.decode_seats:
+                self.num_seat_shares += 1
+                metrics.count_admission_rejection("seat_share")
+                raise for_client(BackendOverloaded(
+                    f"tenant {tenant!r} holds {self.streams_of.get(tenant, 0)} of {snap.decode_seats} decode seats, "
+                    f"its fair share or more; the last {seat_reserve(snap.decode_seats)} are kept for other tenants' "
+                    "requests; retry shortly or add decode replicas", retry_after_s=1.0))
+        choice = place(prompt_tokens, snap, self.rules)
         if choice.pool is None:
             self.num_shed += 1
             metrics.count_admission_rejection("slo")
@@ -124,27 +161,34 @@ class Admission:
                                                "replicas", retry_after_s=choice.retry_after_s))
         if choice.pool == DECODE:
             self._decode_busy.append((now, choice.local_prefill_s))
-        return self._enqueue(choice, prompt_tokens, now)
+        return self._enqueue(choice, prompt_tokens, who)
 
-    def _enqueue(self, choice: Placement, prompt_tokens: int, now: float) -> Ticket:
-        q = self.places[choice.pool]
-        q.queued_tokens += prompt_tokens
-        q.queued_requests += 1
+    def _enqueue(self, choice: Placement, prompt_tokens: int, who: Class) -> Ticket:
+        self.places[choice.pool].add(who, prompt_tokens, +1)
         self.in_flight += 1
+        self.streams_of[who[1]] = self.streams_of.get(who[1], 0) + 1
         self.num_admitted += 1
         self.placed[choice.pool] += 1
         self.admitted_prompt_tokens += prompt_tokens
-        return Ticket(self, choice, prompt_tokens)
+        return Ticket(self, choice, prompt_tokens, who)
+
+    def _end_stream(self, tenant: str) -> None:
+        self.in_flight -= 1
+        left = self.streams_of.get(tenant, 0) - 1
+        if left > 0:
+            self.streams_of[tenant] = left
+        else:
+            self.streams_of.pop(tenant, None)
 
     def _dequeue(self, ticket: Ticket, measured_s: float | None) -> None:
         q = self.places[ticket.pool]
-        q.queued_tokens -= ticket.tokens
-        q.queued_requests -= 1
+        q.add(ticket.who, ticket.tokens, -1)
         if measured_s is not None:
             q.calibration.observe(ticket.placement.modelled_ttft_s, measured_s)
 
     def view(self) -> dict:
         return {"in_flight": self.in_flight, "shed": self.num_shed, "over_capacity": self.num_over_capacity,
+                "seat_share": self.num_seat_shares, "streams_by_tenant": dict(self.streams_of),
                 "admitted": self.num_admitted, "admitted_prompt_tokens": self.admitted_prompt_tokens,
                 "placed": dict(self.placed), 
                 "pools": {p: {"queued_tokens": q.queued_tokens, "queued_requests": q.queued_requests,

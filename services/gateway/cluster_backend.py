@@ -133,12 +133,12 @@ class ClusterBackend(Backend):
 
     async def _admit(self, req: GenerateRequest) -> Ticket:
         """Where the prompt is prefilled (admission's placement), or 429."""
-        num_tokens = len(req.prompt_token_ids)
+        num_tokens, who = len(req.prompt_token_ids), {"tenant": req.params.tenant, "priority": req.params.priority}
         if self.mode == "colocated":
-            return self.admission.place(num_tokens, 0, await self._live_count("colocated"))
+            return self.admission.place(num_tokens, 0, await self._live_count("colocated"), **who)
         if prefill_locally(num_tokens, self.local_prefill_max_tokens):  # the operator's fixed rule, if set
-            return self.admission.place(num_tokens, 0, await self._live_count("decode"))
-        return self.admission.place(num_tokens, await self._prefill_live(), await self._live_count("decode"))
+            return self.admission.place(num_tokens, 0, await self._live_count("decode"), **who)
+        return self.admission.place(num_tokens, await self._prefill_live(), await self._live_count("decode"), **who)
 
     async def _prefill_live(self) -> int | None:
         """Live prefill replicas; 0 when the pool is scaled to zero or has none alive; None when unknown."""

@@ -85,7 +85,8 @@ def admission_for(cfg: ClusterConfig) -> Admission:
                                       else sched.max_num_batched_tokens),
                   max_local_prefill_s=adm.max_local_prefill_s, shed=adm.shed)
     return Admission(adm.ttft_slo_s, adm.max_in_flight, adm.shed, adm.ttft_headroom, rules=rules,
-                     decode_seats_per_replica=sched.max_num_seqs + serving.max_queue)
+                     decode_seats_per_replica=sched.max_num_seqs + serving.max_queue,
+                     tenant_weights={t.name: t.weight for t in cfg.tenants})
 
 
 @serve.ingress(app)

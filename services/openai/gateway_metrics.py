@@ -4,7 +4,13 @@ prometheus_client's global one), so two apps in a process never mix numbers.
 
     name                                     kind       labels                  recorded
     pdcluster_http_responses_total           counter    endpoint, status_class  every answer (ResponseCounter)
-    pdcluster_tenant_requests_total          counter    tenant, outcome         admitted / rate_limited
+    pdcluster_tenant_requests_total          counter    tenant, outcome         admitted / rate_limited / shed
+                                                                                  (admission's 429: its SLO or its
+                                                                                  share of the decode seats)
+    pdcluster_tenant_ttft_seconds            histogram  tenant                  first token out, per tenant
+    pdcluster_tenant_tokens_total            counter    tenant, kind            prompt / generation tokens
+    pdcluster_tenant_kv_blocks               gauge      pool, replica, tenant   KV blocks in use or cached, per
+                                                                                  tenant (the board; 16 largest)
     pdcluster_ttft_seconds                   histogram                          first token out to the client
     pdcluster_tpot_seconds                   histogram                          at the finish reason: mean gap
     pdcluster_e2e_seconds                    histogram                            after the first token, and
@@ -55,6 +61,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from observability import metrics
 from observability.vllm_families import GatewayTally, vllm_families
+from services.backend import BackendOverloaded
 from services.openai.slo import Slo
 
 log = logging.getLogger("pdcluster.metrics")
@@ -120,6 +127,10 @@ class GatewayMetrics:
         self._tenant_requests = Counter("pdcluster_tenant_requests", "Requests by tenant and outcome (admitted: "
                                         "past its rate limits; rate_limited: a 429)", ("tenant", "outcome"),
                                         registry=r)
+        self._tenant_ttft = Histogram("pdcluster_tenant_ttft_seconds", "Time to first token by tenant, as the "
+                                      "client sees it", ("tenant",), buckets=metrics.TTFT_BOUNDARIES, registry=r)
+        self._tenant_tokens = Counter("pdcluster_tenant_tokens", "Prompt and generation tokens by tenant",
+                                      ("tenant", "kind"), registry=r)
         self._statuses: list[dict] | None = None
         r.register(_ScrapeCollector(self))
         self._warned: set[str] = set()
@@ -137,13 +148,16 @@ class GatewayMetrics:
         except Exception as exc:  # noqa: BLE001 - metrics must never fail a request
             self._warn_once("pdcluster_tenant_requests", exc)
 
-    def observe_stream(self, chunks: AsyncIterator[Any], num_prompt_tokens: int = 0) -> AsyncIterator[Any]:
+    def observe_stream(self, chunks: AsyncIterator[Any], num_prompt_tokens: int = 0,
+                       tenant: str | None = None) -> AsyncIterator[Any]:
         """Wraps a TokenDelta stream (closing it closes ``chunks``): TTFT and
         prompt tokens at the first token, inter-token gaps per chunk, TPOT,
-        E2E and the SLO outcome at the finish reason, tokens at the end."""
-        return self._observed(chunks, num_prompt_tokens)
+        E2E and the SLO outcome at the finish reason, tokens at the end;
+        with ``tenant`` (a bounded label), its TTFT, tokens and admission 429s too."""
+        return self._observed(chunks, num_prompt_tokens, tenant)
 
-    async def _observed(self, chunks: AsyncIterator[Any], num_prompt_tokens: int) -> AsyncIterator[Any]:
+    async def _observed(self, chunks: AsyncIterator[Any], num_prompt_tokens: int,
+                        tenant: str | None) -> AsyncIterator[Any]:
         timer = metrics.RequestTimer("gateway")   # its arithmetic only: finish() is observe_gateway_stream's
         finished, cached = False, 0
         tally = self.tally
@@ -156,6 +170,11 @@ class GatewayMetrics:
                     self._record("pdcluster_ttft_seconds", self._ttft.observe, timer.ttft_s)
                     tally.ttft.observe(timer.ttft_s)
                     tally.prompt_tokens += num_prompt_tokens or chunk.num_prompt_tokens
+                    if tenant is not None:
+                        self._record("pdcluster_tenant_ttft_seconds", self._tenant_ttft.labels(tenant).observe,
+                                     timer.ttft_s)
+                        self._record("pdcluster_tenant_tokens", self._tenant_tokens.labels(tenant, "prompt").inc,
+                                     num_prompt_tokens or chunk.num_prompt_tokens)
                 elif chunk.token_ids and last_s is not None:
                     tally.inter_token.observe(timer.last_token_s - last_s)
                 if chunk.finish_reason is not None and not finished:
@@ -168,11 +187,18 @@ class GatewayMetrics:
                     if self.slo is not None:
                         self._slo_requests.labels(self.slo.outcome(timer.ttft_s, timer.tpot_s)).inc()
                 yield chunk
+        except BackendOverloaded:
+            if tenant is not None and timer.first_token_s is None:
+                self.count_tenant(tenant, "shed")
+            raise
         finally:
             tally.cached_prompt_tokens += cached if timer.num_tokens else 0
             if timer.num_tokens:
                 tally.generation_tokens += timer.num_tokens
                 self._record("pdcluster_generation_tokens", self._generation_tokens.inc, timer.num_tokens)
+                if tenant is not None:
+                    self._record("pdcluster_tenant_tokens", self._tenant_tokens.labels(tenant, "generation").inc,
+                                 timer.num_tokens)
             aclose = getattr(chunks, "aclose", None)
             if aclose is not None:
                 await aclose()   # closing the inner stream is what aborts the request
@@ -261,13 +287,20 @@ def _number(value: Any) -> bool:
 def _board_families(statuses: Iterable[dict]) -> list[Metric]:
     families = [(GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(name, doc, labels=_REPLICA_LABELS)
                 for name, kind, doc, _ in _BOARD_METRICS]
+    tenants = GaugeMetricFamily("pdcluster_tenant_kv_blocks", "KV blocks in use or cached, charged to each tenant "
+                                "(a replica's 16 largest, the rest as other)", labels=(*_REPLICA_LABELS, "tenant"))
     for s in statuses:
         if not all(k in s for k in _BOARD_FIELDS) or not all(_number(s[k]) for k in _BOARD_FIELDS[2:]):
             continue
         labels = (str(s["role"]), str(s["name"]))
         for family, (_, _, _, value) in zip(families, _BOARD_METRICS):
             family.add_metric(labels, value(s))
-    return families
+        charged = s.get("tenant_kv_blocks")
+        if isinstance(charged, dict):
+            for tenant, n in list(charged.items())[:17]:
+                if _number(n):
+                    tenants.add_metric((*labels, str(tenant)[:64]), n)
+    return families + [tenants]
 
 
 class EndpointLabels:

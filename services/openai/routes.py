@@ -38,7 +38,7 @@ from services.backend import Backend
 from services.engine.tokenizer import Tokenizer
 from services.openai.rate_limits import TenantRateLimits
 from services.openai.auth import ApiKeyMiddleware
-from services.openai.tenant_limits import capped_priority, check_request_rate, check_token_rate
+from services.openai.tenant_limits import check_request_rate, check_token_rate, tenant_label, tenant_params
 from services.openai.choices import generate_choices
 from services.openai.echo import echo_of, prompt_only, scoring_request
 from services.openai.errors import install_error_handlers
@@ -181,7 +181,7 @@ async def _generate(request: Request, kind: type[CompletionRequest] | type[ChatC
                                 host.backend.max_model_len, default)
     params = with_max_tokens(params, req, max_tokens, max_tokens_param)
     check_token_rate(request, host, tenant, len(prompt.token_ids) + max_tokens * req.n)
-    params = capped_priority(params, tenant, host)
+    params = tenant_params(params, tenant, host)
     if guided is not None:
         params = dataclasses.replace(params, guided=guided)
 
@@ -198,7 +198,8 @@ async def _generate(request: Request, kind: type[CompletionRequest] | type[ChatC
     if wants_prompt_only:
         chunks = prompt_only(chunks)
     chunks = observe_gateway_stream(chunks, len(prompt.token_ids))  # TTFT/TPOT/E2E, finish reason on the root
-    chunks = host.metrics.observe_stream(chunks, len(prompt.token_ids))  # the same, for the gateway's /metrics
+    chunks = host.metrics.observe_stream(chunks, len(prompt.token_ids),  # the same, for the gateway's /metrics
+                                         tenant_label(tenant, host))
     tally = Tally(prompt_tokens=len(prompt.token_ids), n=req.n)
     logprobs = None if params.logprobs is None else LogprobRenderer(host.tokenizer, params.logprobs)
     include_usage = req.stream and req.stream_options is not None and req.stream_options.include_usage

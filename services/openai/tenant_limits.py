@@ -44,12 +44,14 @@ def check_token_rate(request: Request, host: Host, tenant: str, tokens: int) -> 
     host.metrics.count_tenant(tenant_label(tenant, host), "admitted")
 
 
-def capped_priority(params: SamplingParams, tenant: str, host: Host) -> SamplingParams:
-    """``params`` with its priority no more urgent than the tenant may ask (its min_priority)."""
+def tenant_params(params: SamplingParams, tenant: str, host: Host) -> SamplingParams:
+    """``params`` naming its tenant (the replicas' fair shares and KV quotas), with its
+    priority no more urgent than the tenant may ask (its min_priority)."""
     floor = host.settings.tenant_min_priority.get(tenant)
-    if floor is None or params.priority >= floor:
+    priority = params.priority if floor is None else max(params.priority, floor)
+    if priority == params.priority and tenant == params.tenant:
         return params
-    return dataclasses.replace(params, priority=floor)
+    return dataclasses.replace(params, priority=priority, tenant=tenant)
 
 
 def _refuse_if(refusal: RateRefusal | None, host: Host) -> None:

@@ -184,7 +184,7 @@ class Worker:
             "kv_blocks_total": s.kv_blocks_total, "kv_blocks_free": s.kv_blocks_free,
             "kv_dtype": kv_dtype_label(self.engine.kv_spec.dtype), "hash_seed": self.engine.hash_seed,
             "kv_blocks_cached": s.kv_blocks_cached, "leased_blocks": s.leased_blocks,
-            "quarantined_blocks": s.quarantined_blocks,
+            "quarantined_blocks": s.quarantined_blocks, "tenant_kv_blocks": s.tenant_kv_blocks,
             "prompt_tokens_computed": s.prompt_tokens_computed, "prompt_tokens_cached": s.prompt_tokens_cached,
             "preemptions": s.num_preemptions, "in_flight": self.in_flight,
             "spec_proposed_tokens": s.spec_proposed_tokens, "spec_accepted_tokens": s.spec_accepted_tokens,

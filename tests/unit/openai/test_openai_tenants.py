@@ -104,3 +104,21 @@ async def test_a_tenant_cannot_ask_more_urgent_than_its_min_priority(backend: Fa
                            headers={"authorization": f"Bearer {BOB}"})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "priority"
     assert [r.params.priority for r in backend.requests] == [0, -10]   # alice raised to 0; bob as asked
+
+
+async def test_each_request_names_its_tenant_and_admission_429s_count_per_tenant(backend: FakeBackend, tokenizer):
+    from services.backend import BackendOverloaded, for_client
+
+    app = app_with_tenants(backend, tokenizer, Clock())
+    auth = {"authorization": f"Bearer {PLAIN}"}
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway") as c:
+        assert [(await post(c, key)).status_code for key in (ALICE, BOB)] == [200, 200]
+        backend.script.raise_before = for_client(BackendOverloaded("predicted TTFT over the SLO", retry_after_s=3))
+        refused = await post(c, ALICE)
+        metrics = (await c.get("/metrics", headers=auth)).text
+    assert refused.status_code == 429 and refused.headers["retry-after"] == "3"
+    assert [r.params.tenant for r in backend.requests] == ["alice", "bob", "alice"]
+    assert 'pdcluster_tenant_requests_total{outcome="shed",tenant="alice"} 1.0' in metrics
+    assert 'pdcluster_tenant_ttft_seconds_count{tenant="bob"} 1.0' in metrics
+    assert 'pdcluster_tenant_tokens_total{kind="prompt",tenant="alice"}' in metrics
+    assert 'pdcluster_tenant_tokens_total{kind="generation",tenant="bob"} 2.0' in metrics

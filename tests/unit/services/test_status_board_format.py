@@ -12,8 +12,8 @@ ROW = {"role": "decode", "name": "pdcluster#decode#abc", "running": 2, "waiting"
 def test_a_line_per_replica_with_kv_dtype_and_spec_counters():
     header, plain, drafting = format_board([ROW, ROW | {"spec_proposed_tokens": 40, "spec_accepted_tokens": 25}])
     assert "spec acc/draft" in header and "kv used/total" in header
-    assert plain.split()[-1] == "-" and "int8" in plain and "10/100" in plain
-    assert drafting.split()[-1] == "25/40"
+    assert plain.split()[-2] == "-" and "int8" in plain and "10/100" in plain
+    assert drafting.split()[-2] == "25/40"
 
 
 def test_blocks_held_in_quarantine_have_their_column():
@@ -33,3 +33,9 @@ def test_a_replica_hashing_with_another_seed_is_a_warning():
     [warning] = seed_warnings(state, board)
     assert warning.startswith("warning: replica d2") and f"{seed:#018x}" in warning
     assert seed_warnings({"config": {"no_such_field": 1}}, board) == []
+
+
+def test_the_tenants_holding_kv_have_their_column():
+    header, row, none = format_board([ROW | {"tenant_kv_blocks": {"b": 4, "a": 9, "c": 1, "d": 1}}, ROW])
+    assert "tenants kv" in header
+    assert row.endswith("a:9 b:4 c:1 ...") and none.split()[-1] == "-"
