@@ -3,7 +3,12 @@ one key in the config and one in PDCLUSTER_API_KEY (the gateway replica gets
 the config's as digests in its deployment args, the env's by inheritance).
 Without a right key every /v1 request is a 401 OpenAI body; with either key
 the official openai client works unchanged, streaming too; /health stays
-open; the state file holds digests, never a key."""
+open; the state file holds digests, never a key.
+
+Its config also names three tenants (issue 38) for the KV quota test: gold
+keeps 20% of the replica's KV blocks whatever the others send, plain has no
+guarantee, and flood fills the pool.  A small pool (32 MiB, 89 blocks of 16
+tokens) so that the flood outgrows it in a few prompts."""
 
 from __future__ import annotations
 
@@ -22,6 +27,9 @@ pytestmark = pytest.mark.integration
 CONFIG_KEY = "sk-cluster-config-0123456789abcdef"
 ENV_KEY = "sk-cluster-env-fedcba9876543210"
 WRONG = "sk-cluster-wrong-000000000000000"
+GOLD, PLAIN, FLOOD = "sk-tenant-gold-0123456789abcd", "sk-tenant-plain-0123456789abc", "sk-tenant-flood-0123456789abc"
+TENANTS = [{"name": "gold", "api_keys": [GOLD], "kv_guaranteed": 0.2}, {"name": "plain", "api_keys": [PLAIN]},
+           {"name": "flood", "api_keys": [FLOOD]}]
 MESSAGES = [{"role": "user", "content": "Say hello."}]
 
 
@@ -36,8 +44,9 @@ def authed_cluster():
     os.environ[API_KEY_ENV] = ENV_KEY  # before Ray starts: its workers inherit it
     c = None
     try:
-        config = ClusterConfig(port=free_service_port(), mode="colocated", colocated=small_pool(num_replicas=1),
-                               api_keys=[CONFIG_KEY])
+        config = ClusterConfig(port=free_service_port(), mode="colocated",
+                               colocated=small_pool(num_replicas=1, kv_cache_mib=32), api_keys=[CONFIG_KEY],
+                               tenants=TENANTS)
         c = LocalCluster(config, num_cpus=4, dashboard=False)
         c.start(progress=_progress)
         yield c
@@ -96,5 +105,35 @@ def test_the_state_file_holds_digests_never_keys(authed_cluster):
 
     text = STATE_FILE.read_text()
     assert CONFIG_KEY not in text and ENV_KEY not in text
-    assert set(authed_cluster.config.api_key_digests) == {api_key_digest(CONFIG_KEY), api_key_digest(ENV_KEY)}
+    for key in (GOLD, PLAIN, FLOOD):
+        assert key not in text
+    assert set(authed_cluster.config.api_key_digests) == {api_key_digest(k)
+                                                          for k in (CONFIG_KEY, ENV_KEY, GOLD, PLAIN, FLOOD)}
     assert api_key_digest(CONFIG_KEY) in text
+
+
+def _completion(base_url: str, key: str, words: str) -> dict:
+    r = httpx.post(f"{base_url}/v1/completions", headers={"authorization": f"Bearer {key}"}, timeout=120,
+                   json={"model": MODEL, "prompt": words, "max_tokens": 1, "temperature": 0})
+    assert r.status_code == 200, r.text
+    return r.json()["usage"]
+
+
+def _cached(usage: dict) -> int:
+    return (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+
+
+def test_a_tenant_with_a_kv_guarantee_keeps_its_prefix_while_another_fills_the_pool(base_url):
+    """gold and plain each cache a ~200-token prompt; flood then sends about twice the pool in distinct
+    prompts; gold's prompt is still cached (its 20%), plain's -- no guarantee, and released before the
+    flood -- was evicted: the flood did fill the pool."""
+    gold_prompt = " ".join(f"gold{i}" for i in range(70))
+    plain_prompt = " ".join(f"plain{i}" for i in range(70))
+    first = [_completion(base_url, key, p) for key, p in ((GOLD, gold_prompt), (PLAIN, plain_prompt))]
+    assert all(128 <= u["prompt_tokens"] <= 272 for u in first), first  # within gold's 17 guaranteed blocks
+    flooded = sum(_completion(base_url, FLOOD, " ".join(f"flood{n}x{i}" for i in range(150)))["prompt_tokens"]
+                  for n in range(8))
+    assert flooded > 2 * 89 * 16 * 0.9
+    gold, plain = _completion(base_url, GOLD, gold_prompt), _completion(base_url, PLAIN, plain_prompt)
+    assert _cached(gold) >= (first[0]["prompt_tokens"] // 16 - 1) * 16, gold
+    assert _cached(plain) == 0, plain
