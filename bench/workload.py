@@ -157,6 +157,7 @@ class RequestOptions(_Strict):
     # know it may stop early; bench then counts the tokens actually returned.
     ignore_eos: bool = True
     timeout_s: float = Field(600.0, gt=0)
+    priority: int | None = None  # vLLM's extension (lower is more urgent); None: not sent
 
 
 class Sweep(_Strict):

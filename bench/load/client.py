@@ -62,6 +62,8 @@ def request_body(options: RequestOptions, model: str, prompt: Prompt, max_tokens
     }
     if options.ignore_eos:
         body["ignore_eos"] = True
+    if options.priority is not None:
+        body["priority"] = options.priority
     if options.endpoint == "chat":
         messages = [{"role": "system", "content": prompt.system}] if prompt.system else []
         body["messages"] = messages + [{"role": "user", "content": prompt.user}]

@@ -141,10 +141,13 @@ async def run_workload(
     *,
     show_progress: bool = True,
     label: str | None = None,
+    api_key: str | None = None,
 ) -> RunResult:
-    """Run ``workload`` against ``base_url`` and return every request's record."""
+    """Run ``workload`` against ``base_url`` and return every request's record
+    (``api_key``: sent as a bearer token; it names the tenant on a cluster with tenants)."""
     connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=connector) as session:
+    headers = {"authorization": f"Bearer {api_key}"} if api_key else None
+    async with aiohttp.ClientSession(connector=connector, headers=headers) as session:
         model = workload.model or await resolve_model(session, base_url)
         builder = PromptBuilder(workload, tokenizer)
         queue: asyncio.Queue = asyncio.Queue(maxsize=_QUEUE_AHEAD)

@@ -62,6 +62,7 @@ class OurServer:
     log: Path
     name: str = "pdcluster"
     launch_to_ready_s: float = 0.0
+    ready_path: str = "/v1/models"   # /health where the config sets API keys
     _proc: subprocess.Popen | None = field(default=None, repr=False)
 
     @property
@@ -74,7 +75,7 @@ class OurServer:
             self._proc = subprocess.Popen(
                 [sys.executable, "-m", "services.cli.main", "up", "--config", str(self.config), "--port", str(self.port)],
                 cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        wait_ready(self.url + "/v1/models", self._proc, timeout_s)
+        wait_ready(self.url + self.ready_path, self._proc, timeout_s)
         self.launch_to_ready_s = time.monotonic() - t0
 
     def rss_bytes(self) -> int:
@@ -99,6 +100,7 @@ class PeerServer:
     port: int
     name: str = "vLLM"
     launch_to_ready_s: float = 0.0
+    serve_args: tuple[str, ...] = ()   # more `vllm serve` flags
 
     @property
     def url(self) -> str:
@@ -113,7 +115,8 @@ class PeerServer:
 
     def start(self, timeout_s: float = 600) -> None:
         t0 = time.monotonic()
-        subprocess.run(["bash", str(self.script), "serve"], check=True, env=self._env, timeout=timeout_s)
+        subprocess.run(["bash", str(self.script), "serve", *self.serve_args], check=True, env=self._env,
+                       timeout=timeout_s)
         wait_ready(self.url + "/v1/models", None, 30)
         self.launch_to_ready_s = time.monotonic() - t0
 

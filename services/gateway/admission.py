@@ -29,11 +29,13 @@ from observability import metrics
 from services.backend import BackendOverloaded, for_client
 from services.config import AutoscaleSpeed
 from services.engine.sampling_params import DEFAULT_TENANT
-from services.gateway.fair_share import Class, may_take_seat, seat_reserve, tokens_ahead
+from services.gateway.fair_share import Class, may_take_seat, tokens_ahead
 from services.gateway.placement import DECODE, PREFILL, PlaceLoad, Placement, Rules, Snapshot, place
-from services.speed.calibration import Calibration
+from services.speed.calibration import Calibration, RatioCalibration
 
 MIN_SAMPLES = 4  # first tokens measured (any place) before a prediction may refuse
+ACTIVE_S = 30.0  # a tenant that sent a request this recently shares the decode seats
+MIN_TPOT_TOKENS = 8  # a stream's TPOT calibrates the decode step model from this many tokens on
 
 # Until the gateway is built from a config: the config's default speed model.
 DEFAULT_RULES = Rules(*AutoscaleSpeed().models())
@@ -76,12 +78,19 @@ class Ticket:
         self.pool = placement.pool
         self._admitted_at = time.monotonic()
         self._queued, self._open = True, True
+        self._streams_at_start = admission.in_flight + 1  # the decode batch it joins (itself included)
+        self._first_s = self._last_s = 0.0
+        self._num_tokens = 0
 
-    def first_token(self) -> None:
+    def first_token(self, num_tokens: int = 1) -> None:
+        """A chunk of ``num_tokens`` came out (the first one: its first token)."""
+        now = time.monotonic()
         if self._queued:
             self._queued = False
-            measured = time.monotonic() - self._admitted_at
-            self._admission._dequeue(self, measured)
+            self._first_s = now
+            self._admission._dequeue(self, now - self._admitted_at)
+        self._num_tokens += num_tokens
+        self._last_s = now
 
     def close(self) -> None:
         if self._queued:
@@ -90,6 +99,9 @@ class Ticket:
         if self._open:
             self._open = False
             self._admission._end_stream(self.who[1])
+            if self._num_tokens > MIN_TPOT_TOKENS:
+                tpot = (self._last_s - self._first_s) / (self._num_tokens - 1)
+                self._admission._observe_tpot((self._streams_at_start + self._admission.in_flight + 1) / 2, tpot)
 
 
 class Admission:
@@ -105,6 +117,9 @@ class Admission:
         self.tenant_weights = dict(tenant_weights or {})
         self.streams_of: dict[str, int] = {}  # decode seats each tenant holds
         self.num_seat_shares = 0  # refused one of the last seats: the tenant held its share
+        self._last_seen: dict[str, float] = {}  # tenant -> when it last asked (ACTIVE_S)
+        self.tpot = RatioCalibration()  # measured TPOT over the step model's, at the streams it ran beside
+        self._decode_live = 1
         self.places = {PREFILL: PlaceQueue(), DECODE: PlaceQueue()}
         self._decode_busy: deque[tuple[float, float]] = deque()  # (when placed, seconds of decode time)
         self.num_shed = 0
@@ -144,14 +159,18 @@ class Admission:
         now = time.monotonic()
         who = (priority, tenant)
         snap = self.snapshot(prefill_live, decode_live, now, who, prompt_tokens)
-        if not may_take_seat(self.streams_of, tenant, snap.decode_seats, self.tenant_weights):
+        self._decode_live = max(decode_live or 1, 1)
+        slo_seats = self.slo_seats(self._decode_live, snap.decode_seats)
+        if not may_take_seat(self.streams_of, tenant, snap.decode_seats, self.tenant_weights, slo_seats,
+                             self._active(tenant, now)):
             if snap.decode_streams < snap.decode_seats:
                 self.num_seat_shares += 1
                 metrics.count_admission_rejection("seat_share")
                 raise for_client(BackendOverloaded(
-                    f"tenant {tenant!r} holds {self.streams_of.get(tenant, 0)} of {snap.decode_seats} decode seats, "
-                    f"its fair share or more; the last {seat_reserve(snap.decode_seats)} are kept for other tenants' "
-                    "requests; retry shortly or add decode replicas", retry_after_s=1.0))
+                    f"tenant {tenant!r} holds {self.streams_of.get(tenant, 0)} of the {slo_seats} decode streams "
+                    f"the decode pool runs within the {self.rules.tpot_slo_s:g} s TPOT SLO (x {self.headroom:g}), "
+                    "its fair share or more while other tenants are sending; retry shortly or add decode replicas",
+                    retry_after_s=1.0))
         choice = place(prompt_tokens, snap, self.rules)
         if choice.pool is None:
             self.num_shed += 1
@@ -172,6 +191,23 @@ class Admission:
         self.admitted_prompt_tokens += prompt_tokens
         return Ticket(self, choice, prompt_tokens, who)
 
+    def _active(self, tenant: str, now: float) -> list[str]:
+        """The tenants that asked within ACTIVE_S (``tenant`` marked as asking now)."""
+        self._last_seen[tenant] = now
+        if len(self._last_seen) > 256:
+            self._last_seen = {t: s for t, s in self._last_seen.items() if s > now - ACTIVE_S}
+        return [t for t, s in self._last_seen.items() if s > now - ACTIVE_S]
+
+    def slo_seats(self, decode_replicas: int, seats: int) -> int:
+        """Streams the decode pool runs with every step within TPOT SLO x headroom (the step model,
+        scaled by the TPOTs measured here), at least one per replica, at most ``seats``."""
+        bound = self.rules.tpot_slo_s * self.headroom
+        per_replica = self.rules.step.max_batch_within(bound / self.tpot.factor)
+        return min(max(per_replica, 1) * decode_replicas, seats)
+
+    def _observe_tpot(self, streams: float, tpot_s: float) -> None:
+        self.tpot.observe(self.rules.step.step_s(streams / self._decode_live), tpot_s)
+
     def _end_stream(self, tenant: str) -> None:
         self.in_flight -= 1
         left = self.streams_of.get(tenant, 0) - 1
@@ -189,6 +225,7 @@ class Admission:
     def view(self) -> dict:
         return {"in_flight": self.in_flight, "shed": self.num_shed, "over_capacity": self.num_over_capacity,
                 "seat_share": self.num_seat_shares, "streams_by_tenant": dict(self.streams_of),
+                "tpot_factor": round(self.tpot.factor, 3), "tpot_samples": self.tpot.num_samples,
                 "admitted": self.num_admitted, "admitted_prompt_tokens": self.admitted_prompt_tokens,
                 "placed": dict(self.placed), 
                 "pools": {p: {"queued_tokens": q.queued_tokens, "queued_requests": q.queued_requests,

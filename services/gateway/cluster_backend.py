@@ -157,7 +157,7 @@ class ClusterBackend(Backend):
                                 first_token_s)
         try:
             async for chunk in chunks:
-                ticket.first_token()
+                ticket.first_token(len(chunk.token_ids))
                 yield chunk
         finally:
             ticket.close()

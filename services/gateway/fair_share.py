@@ -14,15 +14,23 @@ served while t's queue and this prompt are served (weights w)::
 A flood by one tenant lengthens its own predicted TTFT, so admission refuses
 the flood's excess (its SLO would break) and not the others' requests.
 
-Decode seats (each stream holds one from admission to its end): while more
-than ``reserve`` seats are free anyone takes one; the last ``reserve`` go only
-to a tenant below its weighted share of the seats among the tenants holding
-streams, so one tenant's flood cannot take the seat another's next request
-needs.  With one tenant the share is every seat: nothing changes."""
+Decode seats (each stream holds one from admission to its end).  ``slo``
+of them is what the decode pool runs within the TPOT SLO (the step model,
+calibrated); past it every stream's TPOT suffers.  The tenants that sent a
+request lately (``active``) share ``slo`` by weight::
+
+    share[t] = slo x w_t / sum(w_u for u active)
+    keep     = one seat for each other active tenant below its share (its next request)
+    t takes a seat  while taken < slo - keep,  or while it holds fewer than share[t]
+
+so one tenant's flood takes what the others leave and no more: it can
+neither take the seat another's next request needs nor slow the others'
+streams past their SLO.  A tenant alone takes every seat (served late rather
+than refused)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 Class = tuple[int, str]  # (priority, tenant)
 
@@ -40,19 +48,22 @@ def tokens_ahead(queued: Mapping[Class, int], tenant: str, priority: int, prompt
     return int(ahead)
 
 
-def seat_reserve(seats: int) -> int:
-    """Seats kept back from tenants at or over their share: an eighth, at least one."""
-    return max(1, seats // 8)
-
-
-def may_take_seat(streams: Mapping[str, int], tenant: str, seats: int, weights: Mapping[str, float]) -> bool:
-    """Whether ``tenant`` may take a decode seat now (``streams``: seats each tenant holds)."""
+def may_take_seat(streams: Mapping[str, int], tenant: str, seats: int, weights: Mapping[str, float],
+                  slo: int | None = None, active: Collection[str] = ()) -> bool:
+    """Whether ``tenant`` may take a decode seat now (``streams``: seats each tenant holds;
+    ``slo``: streams within the TPOT SLO, default every seat; ``active``: tenants that sent
+    a request lately, besides those holding streams)."""
     taken = sum(streams.values())
     if taken >= seats:
         return False
-    if seats - taken > seat_reserve(seats):
+    others = ({u for u, n in streams.items() if n > 0} | set(active)) - {tenant}
+    if not others:
         return True
-    holders = {u for u, n in streams.items() if n > 0} | {tenant}
-    total_weight = sum(weights.get(u, 1.0) for u in holders)
-    share = seats * weights.get(tenant, 1.0) / total_weight
-    return streams.get(tenant, 0) < share
+    slo = seats if slo is None else min(max(slo, 1), seats)
+    total_weight = weights.get(tenant, 1.0) + sum(weights.get(u, 1.0) for u in others)
+
+    def share(u: str) -> float:
+        return slo * weights.get(u, 1.0) / total_weight
+
+    keep = sum(1 for u in others if streams.get(u, 0) < share(u))
+    return taken < slo - keep or streams.get(tenant, 0) < share(tenant)

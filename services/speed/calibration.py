@@ -86,3 +86,26 @@ class Calibration:
 
     def predict(self, modelled_s: float) -> float:
         return self.line(modelled_s)
+
+
+class RatioCalibration:
+    """Measured over modelled, the median of the last WINDOW samples: for a
+    model whose shape is right and whose scale is the machine's (the decode
+    step: a line in the batch size, slower or faster here than the profile)."""
+
+    def __init__(self, window: int = WINDOW):
+        self._ratios: deque[float] = deque(maxlen=window)
+        self.factor = 1.0
+
+    @property
+    def num_samples(self) -> int:
+        return len(self._ratios)
+
+    def observe(self, modelled_s: float, measured_s: float) -> None:
+        if modelled_s > 0 and measured_s >= 0:
+            self._ratios.append(measured_s / modelled_s)
+            ordered = sorted(self._ratios)
+            self.factor = min(max(ordered[len(ordered) // 2], MIN_SLOPE), MAX_SLOPE)
+
+    def predict(self, modelled_s: float) -> float:
+        return modelled_s * self.factor

@@ -8,7 +8,7 @@ import pytest
 
 from services.backend import BackendOverloaded
 from services.gateway.admission import MIN_SAMPLES, Admission
-from services.gateway.fair_share import may_take_seat, seat_reserve, tokens_ahead
+from services.gateway.fair_share import may_take_seat, tokens_ahead
 from services.gateway.placement import PREFILL, Rules
 from services.speed.model import PrefillModel, StepModel
 
@@ -31,22 +31,28 @@ def test_tokens_ahead_table(queued, tenant, priority, prompt, weights, ahead):
     assert tokens_ahead(queued, tenant, priority, prompt, weights) == ahead
 
 
-@pytest.mark.parametrize("streams, tenant, seats, weights, ok", [
-    ({}, "A", 16, {}, True),
-    ({"A": 15}, "A", 16, {}, True),          # one tenant: its share is every seat
-    ({"A": 16}, "A", 16, {}, False),         # none left
-    ({"A": 14}, "A", 16, {}, True),
-    ({"A": 14}, "B", 16, {}, True),          # B below its share takes one of the last
-    ({"A": 13, "B": 1}, "A", 16, {}, False), # A over half, 2 left (the reserve): refused
-    ({"A": 8, "B": 1}, "A", 16, {}, True),   # 7 free: more than the reserve
-    ({"A": 10, "B": 4}, "A", 16, {"A": 4.0}, True),  # A's share at weight 4 is 12.8 seats
+@pytest.mark.parametrize("streams, tenant, seats, slo, active, ok", [
+    ({}, "A", 16, 8, (), True),
+    ({"A": 15}, "A", 16, 8, (), True),            # alone: every seat, past the SLO's 8 (late, not refused)
+    ({"A": 16}, "A", 16, 8, (), False),           # none left
+    ({"A": 5}, "A", 16, 8, ("B",), True),          # B active, below its share: 8 - 1 kept = 7 for anyone
+    ({"A": 7}, "A", 16, 8, ("B",), False),         # ... the 8th is B's; A holds 7 >= its share 4
+    ({"A": 7}, "B", 16, 8, ("A",), True),          # B takes it
+    ({"A": 7, "B": 1}, "B", 16, 8, (), True),       # B below its share 4 even past the SLO's 8
+    ({"A": 3, "B": 5}, "A", 16, 8, (), True),       # A below its share, B over: A takes the 9th
+    ({"A": 6, "B": 1, "C": 0}, "A", 16, 8, ("C",), False),  # C kept one, B one: A (over 8/3) waits
+    ({"A": 6, "B": 1}, "A", 16, 12, ("C",), True),  # a larger SLO budget: 12 - 2 kept > 7 taken
 ])
-def test_seat_table(streams, tenant, seats, weights, ok):
-    assert may_take_seat(streams, tenant, seats, weights) is ok
+def test_seat_table(streams, tenant, seats, slo, active, ok):
+    assert may_take_seat(streams, tenant, seats, {}, slo, active) is ok
 
 
-def test_the_reserve_is_an_eighth_and_at_least_one():
-    assert (seat_reserve(1), seat_reserve(16), seat_reserve(200)) == (1, 2, 25)
+def test_weights_set_the_shares():
+    # A at weight 3 of 4: share 6 of 8 (B active, below its share: one kept)
+    assert may_take_seat({"A": 5}, "A", 16, {"A": 3.0}, 8, ("B",)) is True
+    assert may_take_seat({"A": 7}, "A", 16, {"A": 3.0}, 8, ("B",)) is False
+    assert may_take_seat({"A": 6, "B": 1}, "B", 16, {"A": 3.0}, 8, ()) is True    # B's share: 2 of 8
+    assert may_take_seat({"A": 6, "B": 2}, "B", 16, {"A": 3.0}, 8, ()) is False
 
 
 RULES = Rules(prefill=PrefillModel(0.02, 0.001), step=StepModel(0.02, 0.002), max_local_prefill_s=0.0)
@@ -82,13 +88,24 @@ def test_one_tenant_sees_the_whole_queue_as_before():
     assert adm.snapshot(1, 1, 0.0, who=(0, "default"), prompt_tokens=10).prefill.queued_tokens == 1500
 
 
-def test_the_last_seats_go_to_a_tenant_below_its_share():
-    adm = Admission(ttft_slo_s=2.0, max_in_flight=1000, shed=False, rules=RULES, decode_seats_per_replica=16)
+def test_a_flood_is_kept_within_the_tpot_budget_while_another_tenant_is_active():
+    """The step model gives 8 streams within the 0.1 s TPOT x 0.8 (10 ms + 8.75 ms each: 8); A floods
+    while B holds one: A stops at 6 (one more seat kept for B's next request), which B then takes."""
+    rules = Rules(prefill=PrefillModel(0.02, 0.001), step=StepModel(0.01, 0.00875), max_local_prefill_s=0.0)
+    adm = Admission(ttft_slo_s=2.0, max_in_flight=1000, shed=False, rules=rules, decode_seats_per_replica=64)
+    assert adm.slo_seats(1, 64) == 8
     b = [adm.place(10, prefill_live=1, decode_live=1, tenant="B")]
     flood = []
     with pytest.raises(BackendOverloaded, match="fair share"):
-        for _ in range(16):
+        for _ in range(64):
             flood.append(adm.place(10, prefill_live=1, decode_live=1, tenant="A"))
-    assert len(flood) == 16 - 1 - seat_reserve(16)
-    b += [adm.place(10, prefill_live=1, decode_live=1, tenant="B") for _ in range(seat_reserve(16))]
-    assert adm.in_flight == 16 and adm.num_seat_shares == 1
+    assert len(flood) == 8 - 1 - 1
+    b.append(adm.place(10, prefill_live=1, decode_live=1, tenant="B"))  # below its share of 4
+    assert adm.in_flight == 8 and adm.num_seat_shares == 1
+    for t in flood + b:
+        t.close()
+    solo = []
+    with pytest.raises(BackendOverloaded, match="fair share"):
+        for _ in range(20):  # A and B asked within 30 s: one seat kept for each
+            solo.append(adm.place(10, prefill_live=1, decode_live=1, tenant="solo"))
+    assert len(solo) == 8 - 2
