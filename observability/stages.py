@@ -27,15 +27,19 @@ def _scheduled_s(out: Any) -> float | None:
 
 
 class _Stages:
-    def __init__(self, carrier: Mapping[str, str], replica: str, block_size: int):
+    """``tags``: attributes every stage span carries (the request's tenant and priority)."""
+
+    def __init__(self, carrier: Mapping[str, str], replica: str, block_size: int,
+                 tags: Mapping[str, Any] | None = None):
         self.carrier, self.replica, self.block_size = carrier, replica, block_size
+        self.tags = dict(tags or {})
         self.entered_s = time.monotonic()
         self._offset_ns = t.mono_offset_ns()  # one per request: touching stages share exact boundaries
 
     def _record(self, name: str, start_s: float, end_s: float, attrs: Mapping[str, Any] | None = None,
                 error: BaseException | None = None) -> None:
         t.record_span(name, t.mono_to_ns(start_s, self._offset_ns), t.mono_to_ns(end_s, self._offset_ns),
-                      self.carrier, {t.REPLICA: self.replica, **(attrs or {})}, error=error)
+                      self.carrier, {t.REPLICA: self.replica, **self.tags, **(attrs or {})}, error=error)
 
 
 class PrefillStages(_Stages):
@@ -66,8 +70,9 @@ class DecodeStages(_Stages):
     stats, n)`` after the pull; ``stages.on_output(out)`` per engine output;
     ``stages.finish(error)`` in ``finally``."""
 
-    def __init__(self, carrier: Mapping[str, str], replica: str, block_size: int, backend: str):
-        super().__init__(carrier, replica, block_size)
+    def __init__(self, carrier: Mapping[str, str], replica: str, block_size: int, backend: str,
+                 tags: Mapping[str, Any] | None = None):
+        super().__init__(carrier, replica, block_size, tags)
         self.backend = backend
         self.reserved_s: float | None = None
         self.pulled_s: float | None = None

@@ -57,6 +57,10 @@ class GenerateRequest:
     def block_hashes(self) -> tuple[int, ...]:
         return self.routing.block_hashes
 
+    def span_tags(self) -> dict[str, str | int]:
+        """What every stage span of this request carries besides its replica: its tenant and class."""
+        return {"request.tenant": self.params.tenant, "request.priority": self.params.priority}
+
 
 @dataclass(frozen=True)
 class TokenDelta:

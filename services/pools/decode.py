@@ -133,7 +133,8 @@ class DecodeServer(WorkerEndpoints):
             raise BackendInvalidRequest(f"decode of {req.request_id} without a prefill hand-off: a whole request "
                                         "goes to generate_colocated")
         w = self.worker
-        stages = DecodeStages(req.trace_context, w.name, self.cfg.block_size, w.transfer.name)
+        stages = DecodeStages(req.trace_context, w.name, self.cfg.block_size, w.transfer.name,
+                              req.span_tags())
         error: BaseException | None = None
         pulled = None  # blocks pulled; set once the pull's notification released the lease
         try:

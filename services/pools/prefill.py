@@ -38,7 +38,7 @@ class PrefillServer(WorkerEndpoints):
     async def prefill(self, request: GenerateRequest) -> PrefillResponse:
         w = self.worker
         started = time.perf_counter()
-        stages = PrefillStages(request.trace_context, w.name, self.cfg.block_size)
+        stages = PrefillStages(request.trace_context, w.name, self.cfg.block_size, request.span_tags())
         if faults.has(request.faults, "kill_prefill_engine"):
             w.aengine.inject_fault("kill")
         try:

@@ -89,9 +89,10 @@ class Calibration:
 
 
 class RatioCalibration:
-    """Measured over modelled, the median of the last WINDOW samples: for a
-    model whose shape is right and whose scale is the machine's (the decode
-    step: a line in the batch size, slower or faster here than the profile)."""
+    """Measured over modelled, the upper quartile of the last WINDOW samples:
+    for a model whose shape is right and whose scale is the machine's (the
+    decode step: a line in the batch size, slower or faster here than the
+    profile).  The upper quartile, not the median: the SLO is every stream's."""
 
     def __init__(self, window: int = WINDOW):
         self._ratios: deque[float] = deque(maxlen=window)
@@ -105,7 +106,7 @@ class RatioCalibration:
         if modelled_s > 0 and measured_s >= 0:
             self._ratios.append(measured_s / modelled_s)
             ordered = sorted(self._ratios)
-            self.factor = min(max(ordered[len(ordered) // 2], MIN_SLOPE), MAX_SLOPE)
+            self.factor = min(max(ordered[(3 * len(ordered)) // 4], MIN_SLOPE), MAX_SLOPE)
 
     def predict(self, modelled_s: float) -> float:
         return modelled_s * self.factor

@@ -107,3 +107,18 @@ def test_gateway_stream_times_tokens_and_closes_the_backend(span_file: Path, obs
     assert root["attributes"] == {"prompt.tokens": 20, "prompt.cached_tokens": 16, "output.tokens": 3,
                                   "finish_reason": "stop"}
     assert [name for name, _ in observed] == ["observe_ttft", "observe_tpot", "observe_e2e"]
+
+
+def test_every_stage_span_carries_the_requests_tenant_and_class(span_file: Path, observed: list) -> None:
+    from services.engine.sampling_params import SamplingParams
+    from services.messages import GenerateRequest
+    from router.routing_header import RoutingHeader
+
+    tracing.setup_tracing("pdcluster-prefill", jsonl_path=span_file)
+    req = GenerateRequest("r1", [1, 2], SamplingParams(tenant="gold", priority=-3), RoutingHeader((), 2, 16, 1))
+    stages = PrefillStages({}, "prefill-1", 16, req.span_tags())
+    stages.done(_out([7], time.monotonic(), FinishReason.PREFILLED))
+    spans = finished_spans(span_file)
+    for name in ("prefill.queue", "prefill.compute"):
+        assert spans[name]["attributes"]["request.tenant"] == "gold"
+        assert spans[name]["attributes"]["request.priority"] == -3
