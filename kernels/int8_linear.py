@@ -117,15 +117,16 @@ def native_takes(x: torch.Tensor) -> bool:
 
 
 def linear_native(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None,
-                  mode: str = WEIGHT_MODE, fp32_out: bool = False) -> torch.Tensor:
-    """``x`` [..., K] bf16 on the CPU times a packed int8 weight; bf16 out (fp32 when ``fp32_out``)."""
+                  mode: str = WEIGHT_MODE, fp32_out: bool = False, lib=None) -> torch.Tensor:
+    """``x`` [..., K] bf16 on the CPU times a packed int8 weight; bf16 out (fp32 when ``fp32_out``).
+    ``lib``: another loaded build of the kernels (tests run every variant); default the process's own."""
     tiles, rows, tile, _ = packed.shape
     n, k = tiles * tile, (rows - 2) * 4
     x2 = x.reshape(-1, k).contiguous()
     y = torch.empty(x2.shape[0], n, dtype=torch.float32 if fp32_out else x.dtype)
     b = None if bias is None else bias.to(torch.bfloat16).contiguous()
     p = cpu_native._p
-    cpu_native.library().pd_linear_int8(p(x2), p(packed), p(b), None if fp32_out else p(y),
+    (lib or cpu_native.library()).pd_linear_int8(p(x2), p(packed), p(b), None if fp32_out else p(y),
                                         p(y) if fp32_out else None, x2.shape[0], n, k, _MODES[mode],
                                         cpu_native.num_threads())
     return y.view(*x.shape[:-1], n)
