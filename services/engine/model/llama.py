@@ -36,7 +36,7 @@ class DecoderLayer(nn.Module):
         Hadamard rotation after RoPE (kernels/kv_rotation.py; the model does
         for 8-bit pools), which leaves the output unchanged up to rounding."""
         cfg = self.cfg
-        qkv = ops.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
+        qkv = _project(x, self.qkv_proj)
         q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
         q = q.reshape(-1, cfg.num_heads, cfg.head_dim)
         k = k.reshape(-1, cfg.num_kv_heads, cfg.head_dim)
@@ -58,10 +58,22 @@ class DecoderLayer(nn.Module):
                 q[d:], kv_pool, self.index, batch.prefill_block_tables,
                 batch.prefill_query_start_loc, batch.prefill_context_lens, self.scale, chunk))
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
-        return ops.linear(out.reshape(-1, cfg.q_size), self.o_proj.weight)
+        return _project(out.reshape(-1, cfg.q_size), self.o_proj)
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.linear(ops.silu_mul(ops.linear(x, self.gate_up_proj.weight)), self.down_proj.weight)
+        return _project(ops.silu_mul(_project(x, self.gate_up_proj)), self.down_proj)
+
+    def projections(self) -> tuple[nn.Linear, ...]:
+        return self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj
+
+
+# The projections' names in a quantized weights file (services/engine/model/weight_quant.py)
+PROJECTION_NAMES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+def _project(x: torch.Tensor, proj: nn.Linear) -> torch.Tensor:
+    """One projection; an int8 one carries its per-channel scales as ``w_scale``."""
+    return ops.linear(x, proj.weight, proj.bias, getattr(proj, "w_scale", None))
 
 
 class LlamaModel(nn.Module):
@@ -94,14 +106,35 @@ class LlamaModel(nn.Module):
 
     lm_head_packed: torch.Tensor | None = None
 
+    weight_scheme: str | None = None  # None: the model dtype's weights; else e.g. "int8" (weight_quant.py)
+
+    @torch.no_grad()
+    def quantize_projections(self, quantized: dict[str, tuple[torch.Tensor, torch.Tensor]], scheme: str) -> None:
+        """Swaps every decoder projection for its int8 codes and per-channel scales
+        (``quantized["layers.{i}.{name}"] = (wq [N, K] int8, scale [N] fp32)``, PROJECTION_NAMES);
+        embeddings, norms and the LM head keep the model dtype."""
+        for i, layer in enumerate(self.layers):
+            for name, proj in zip(PROJECTION_NAMES, layer.projections()):
+                wq, scale = quantized[f"layers.{i}.{name}"]
+                if tuple(wq.shape) != tuple(proj.weight.shape):
+                    raise ValueError(f"quantized layers.{i}.{name} is {tuple(wq.shape)}, "
+                                     f"the model's is {tuple(proj.weight.shape)}: stale quantized weights")
+                proj.weight = nn.Parameter(wq.to(proj.weight.device), requires_grad=False)
+                proj.register_buffer("w_scale", scale.to(proj.weight.device, torch.float32))
+        self.weight_scheme = scheme
+
     @torch.no_grad()
     def pack_weights(self) -> None:
         """Re-lays the projection weights out for this device's fastest
         ``ops.linear`` (idempotent; a no-op where nothing faster exists).
         The tied lm_head gets its own packed copy: the embedding needs rows."""
         for layer in self.layers:
-            for proj in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
-                proj.weight = nn.Parameter(ops.pack_linear_weight(proj.weight), requires_grad=False)
+            for proj in layer.projections():
+                if proj.weight.dtype == torch.int8:
+                    packed = ops.pack_int8_linear_weight(proj.weight, proj.w_scale)
+                else:
+                    packed = ops.pack_linear_weight(proj.weight)
+                proj.weight = nn.Parameter(packed, requires_grad=False)
         if self.lm_head is not None:
             self.lm_head.weight = nn.Parameter(ops.pack_linear_weight(self.lm_head.weight), requires_grad=False)
         elif self.lm_head_packed is None:
