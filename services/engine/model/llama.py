@@ -116,9 +116,9 @@ class LlamaModel(nn.Module):
         for i, layer in enumerate(self.layers):
             for name, proj in zip(PROJECTION_NAMES, layer.projections()):
                 wq, scale = quantized[f"layers.{i}.{name}"]
-                if tuple(wq.shape) != tuple(proj.weight.shape):
-                    raise ValueError(f"quantized layers.{i}.{name} is {tuple(wq.shape)}, "
-                                     f"the model's is {tuple(proj.weight.shape)}: stale quantized weights")
+                if tuple(wq.shape) != (proj.out_features, proj.in_features):
+                    raise ValueError(f"quantized layers.{i}.{name} is {tuple(wq.shape)}, the model's is "
+                                     f"{(proj.out_features, proj.in_features)}: stale quantized weights")
                 proj.weight = nn.Parameter(wq.to(proj.weight.device), requires_grad=False)
                 proj.register_buffer("w_scale", scale.to(proj.weight.device, torch.float32))
         self.weight_scheme = scheme
