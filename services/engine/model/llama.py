@@ -109,18 +109,22 @@ class LlamaModel(nn.Module):
     weight_scheme: str | None = None  # None: the model dtype's weights; else e.g. "int8" (weight_quant.py)
 
     @torch.no_grad()
-    def quantize_projections(self, quantized: dict[str, tuple[torch.Tensor, torch.Tensor]], scheme: str) -> None:
-        """Swaps every decoder projection for its int8 codes and per-channel scales
-        (``quantized["layers.{i}.{name}"] = (wq [N, K] int8, scale [N] fp32)``, PROJECTION_NAMES);
-        embeddings, norms and the LM head keep the model dtype."""
+    def quantize_projections(self, quantized: dict[str, torch.Tensor], scheme: str) -> None:
+        """Swaps every decoder projection for its int8 codes and per-channel scales, and the norms
+        (and qkv bias) for their smoothed values (the tensors services/engine/model/weight_quant.py
+        draws); embeddings and the LM head keep the model dtype."""
         for i, layer in enumerate(self.layers):
             for name, proj in zip(PROJECTION_NAMES, layer.projections()):
-                wq, scale = quantized[f"layers.{i}.{name}"]
+                wq, scale = quantized[f"layers.{i}.{name}.wq"], quantized[f"layers.{i}.{name}.scale"]
                 if tuple(wq.shape) != (proj.out_features, proj.in_features):
                     raise ValueError(f"quantized layers.{i}.{name} is {tuple(wq.shape)}, the model's is "
                                      f"{(proj.out_features, proj.in_features)}: stale quantized weights")
                 proj.weight = nn.Parameter(wq.to(proj.weight.device), requires_grad=False)
                 proj.register_buffer("w_scale", scale.to(proj.weight.device, torch.float32))
+            layer.input_layernorm.copy_(quantized[f"layers.{i}.input_layernorm"])
+            layer.post_attention_layernorm.copy_(quantized[f"layers.{i}.post_attention_layernorm"])
+            if layer.qkv_proj.bias is not None:
+                layer.qkv_proj.bias.copy_(quantized[f"layers.{i}.qkv_bias"])
         self.weight_scheme = scheme
 
     @torch.no_grad()

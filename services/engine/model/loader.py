@@ -69,10 +69,12 @@ def load_model(model: str | None = None, dtype: str | torch.dtype = "bfloat16",
     net = net.to_empty(device=device)
     net.reset_rope()  # fp32 caches, rebuilt after to_empty and the cast
     net.load_hf_state(state)
-    if weight_dtype != "auto":
-        from services.engine.model.weight_quant import quantized_projections
-        net.quantize_projections(quantized_projections(path, state, cfg, weight_dtype), weight_dtype)
     net.eval().requires_grad_(False)
     tokenizer = Tokenizer.from_path(path, cfg)
+    if weight_dtype != "auto":
+        from services.engine.model.k_smoothing import calibration_token_ids
+        from services.engine.model.weight_quant import quantized_weights
+        net.quantize_projections(quantized_weights(path, state, net, calibration_token_ids(tokenizer), weight_dtype),
+                                 weight_dtype)
     return LoadedModel(cfg, net, tokenizer, path, path.stem if path.is_file() else path.name, weights_id(path),
                        weight_dtype)

@@ -43,11 +43,13 @@ def test_the_seed_carries_the_weight_scheme():
 
 
 def _hf_state(model) -> dict[str, torch.Tensor]:
-    """tiny_model's projections under the HF names quantize_state reads (plain [N, K] weights)."""
+    """tiny_model's layers under the HF names quantize_state reads (plain [N, K] weights)."""
     from kernels.ops import unpack_linear_weight
 
     cfg, state = model.cfg, {}
     for i, layer in enumerate(model.layers):
+        state[f"model.layers.{i}.input_layernorm.weight"] = layer.input_layernorm.float()
+        state[f"model.layers.{i}.post_attention_layernorm.weight"] = layer.post_attention_layernorm.float()
         w = {n: unpack_linear_weight(p.weight).float() for n, p in zip(PROJECTION_NAMES, layer.projections())}
         q, k, v = w["qkv_proj"].split([cfg.q_size, cfg.kv_size, cfg.kv_size])
         gate, up = w["gate_up_proj"].split(cfg.intermediate_size)
@@ -58,19 +60,49 @@ def _hf_state(model) -> dict[str, torch.Tensor]:
     return state
 
 
-def tiny_int8_model():
+def tiny_int8_model(smoothed: bool = True):
+    from services.engine.model.weight_smoothing import input_maxima
+
     model = tiny_model()
-    flat = quantize_state(_hf_state(model), model.cfg)
-    model.quantize_projections({k[:-3]: (flat[k], flat[k[:-3] + ".scale"]) for k in flat if k.endswith(".wq")},
-                               "int8")
+    maxima = input_maxima(model, [(7 * p + 3) % 320 for p in range(40)]) if smoothed else None
+    model.quantize_projections(quantize_state(_hf_state(model), model.cfg, maxima), "int8")
     model.pack_weights()
     return model
 
 
-def test_tiny_model_int8_logits_are_close_to_bf16():
+def test_smoothing_leaves_each_layer_the_same_function():
+    """x / s through the norm (or v, or up), W * s in the projection: the float product is unchanged."""
+    from services.engine.model.weight_smoothing import smooth_layer
+
+    torch.manual_seed(1)
+    h, inter, heads, kvh, d = 16, 24, 4, 2, 4
+    w = {"qkv_proj": torch.randn((heads + 2 * kvh) * d, h), "o_proj": torch.randn(h, heads * d),
+         "gate_up_proj": torch.randn(2 * inter, h), "down_proj": torch.randn(h, inter),
+         "input_layernorm": torch.rand(h) + 0.5, "post_attention_layernorm": torch.rand(h) + 0.5,
+         "qkv_bias": torch.randn((heads + 2 * kvh) * d)}
+    maxima = {"qkv_proj": torch.rand(h) * 10, "o_proj": torch.rand(heads * d) * 10,
+              "gate_up_proj": torch.rand(h) * 10, "down_proj": torch.rand(inter) * 10}
+    s = smooth_layer(w, maxima, heads, kvh, d)
+    x = torch.randn(5, h)
+    ln = lambda t, g: t * g  # noqa: E731  (the norm's scaling part; the rest is the same on both sides)
+    qkv_w = ln(x, w["input_layernorm"]) @ w["qkv_proj"].T + w["qkv_bias"]
+    qkv_s = ln(x, s["input_layernorm"]) @ s["qkv_proj"].T + s["qkv_bias"]
+    assert torch.allclose(qkv_s[:, :-kvh * d], qkv_w[:, :-kvh * d], rtol=1e-4, atol=1e-4)  # q, k unchanged
+    assert not torch.allclose(qkv_s[:, -kvh * d:], qkv_w[:, -kvh * d:])  # v carries o's division
+    v_w, v_s = qkv_w[:, -kvh * d:].view(5, kvh, 1, d), qkv_s[:, -kvh * d:].view(5, kvh, 1, d)
+    attn = lambda v: v.expand(5, kvh, heads // kvh, d).reshape(5, heads * d)  # noqa: E731  (P = identity)
+    assert torch.allclose(attn(v_s) @ s["o_proj"].T, attn(v_w) @ w["o_proj"].T, rtol=1e-4, atol=1e-4)
+    gu_w, gu_s = ln(x, w["post_attention_layernorm"]) @ w["gate_up_proj"].T, ln(x, s["post_attention_layernorm"]) @ s["gate_up_proj"].T
+    assert torch.allclose(gu_s[:, :inter], gu_w[:, :inter], rtol=1e-4, atol=1e-4)  # gate untouched
+    act = lambda gu: torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]  # noqa: E731
+    assert torch.allclose(act(gu_s) @ s["down_proj"].T, act(gu_w) @ w["down_proj"].T, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("smoothed", [False, True])
+def test_tiny_model_int8_logits_are_close_to_bf16(smoothed):
     pool = lambda: torch.zeros(10, 3, 2, BS, 2, 32, dtype=torch.bfloat16)  # noqa: E731
     want = prefill_then_decode(tiny_model(), pool())
-    got = prefill_then_decode(tiny_int8_model(), pool())
+    got = prefill_then_decode(tiny_int8_model(smoothed), pool())
     err = (got - want).abs().max() / want.abs().max()
     assert err < 0.05, err
     assert (got.argmax(-1) == want.argmax(-1)).all()
@@ -111,23 +143,25 @@ def test_quantized_weights_are_made_once_beside_the_converted_copy(tmp_path, mon
     made = []
     real = weight_quant.quantize_state
 
-    def counting(state, cfg):
+    def counting(*args):
         made.append(1)
-        return real(state, cfg)
+        return real(*args)
 
     monkeypatch.setattr(weight_quant, "quantize_state", counting)
-    from services.engine.model.loader import _load_tensors
-    from services.model_meta import read_model_config
+    from services.engine.model.k_smoothing import calibration_token_ids
+    from services.engine.model.loader import _load_tensors, load_model
 
-    cfg, state = read_model_config(path), _load_tensors(path)
-    first = weight_quant.quantized_projections(path, state, cfg, "int8")
-    again = weight_quant.quantized_projections(path, state, cfg, "int8")
-    assert len(made) <= 1 and (conv / "weights-int8-perchannel-sym-v1.safetensors").is_file()
-    wq, scale = first["layers.0.qkv_proj"]
+    loaded = load_model(None, "bfloat16")
+    state, ids = _load_tensors(path), calibration_token_ids(loaded.tokenizer)
+    first = weight_quant.quantized_weights(path, state, loaded.model, ids, "int8")
+    again = weight_quant.quantized_weights(path, state, loaded.model, ids, "int8")
+    assert len(made) <= 1 and (conv / "weights-int8-perchannel-sym-smooth0.5-v1.safetensors").is_file()
+    wq, scale = first["layers.0.qkv_proj.wq"], first["layers.0.qkv_proj.scale"]
     assert wq.dtype == torch.int8 and wq.shape == (960, 576) and scale.shape == (960,)
-    assert torch.equal(again["layers.29.down_proj"][0], first["layers.29.down_proj"][0])
+    assert first["layers.0.input_layernorm"].shape == (576,)
+    assert torch.equal(again["layers.29.down_proj.wq"], first["layers.29.down_proj.wq"])
     with pytest.raises(ValueError, match="weight scheme"):
-        weight_quant.quantized_projections(path, state, cfg, "int4")
+        weight_quant.quantized_weights(path, state, loaded.model, ids, "int4")
 
 
 def test_the_default_model_in_int8_answers_as_bf16_does():
