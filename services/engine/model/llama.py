@@ -100,11 +100,16 @@ class LlamaModel(nn.Module):
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
+        if self.lm_head_int8 is not None:
+            return self.lm_head_int8
         if self.lm_head_packed is not None:
             return self.lm_head_packed
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     lm_head_packed: torch.Tensor | None = None
+    # weight_dtype int8: the LM head's own int8 copy (codes [vocab, hidden] or packed) and its scales
+    lm_head_int8: torch.Tensor | None = None
+    lm_head_scale: torch.Tensor | None = None
 
     weight_scheme: str | None = None  # None: the model dtype's weights; else e.g. "int8" (weight_quant.py)
 
@@ -125,6 +130,11 @@ class LlamaModel(nn.Module):
             layer.post_attention_layernorm.copy_(quantized[f"layers.{i}.post_attention_layernorm"])
             if layer.qkv_proj.bias is not None:
                 layer.qkv_proj.bias.copy_(quantized[f"layers.{i}.qkv_bias"])
+        if "lm_head.wq" in quantized:  # the head's own copy; a tied embedding keeps its bf16 rows
+            device = self.embed_tokens.weight.device
+            self.lm_head_int8 = quantized["lm_head.wq"].to(device)
+            self.lm_head_scale = quantized["lm_head.scale"].to(device, torch.float32)
+            self.norm.copy_(quantized["norm"])
         self.weight_scheme = scheme
 
     @torch.no_grad()
@@ -139,7 +149,10 @@ class LlamaModel(nn.Module):
                 else:
                     packed = ops.pack_linear_weight(proj.weight)
                 proj.weight = nn.Parameter(packed, requires_grad=False)
-        if self.lm_head is not None:
+        if self.lm_head_int8 is not None:
+            if self.lm_head_int8.dim() == 2:
+                self.lm_head_int8 = ops.pack_int8_linear_weight(self.lm_head_int8, self.lm_head_scale)
+        elif self.lm_head is not None:
             self.lm_head.weight = nn.Parameter(ops.pack_linear_weight(self.lm_head.weight), requires_grad=False)
         elif self.lm_head_packed is None:
             packed = ops.pack_linear_weight(self.embed_tokens.weight)
@@ -202,7 +215,7 @@ class LlamaModel(nn.Module):
         residual = residual.index_select(0, batch.logits_indices)
         x = x.index_select(0, batch.logits_indices)
         x, _ = ops.fused_add_rmsnorm(x, residual, self.norm, eps)
-        return ops.linear(x, self.lm_head_weight).float()
+        return ops.linear(x, self.lm_head_weight, None, self.lm_head_scale).float()
 
     def load_hf_state(self, state: dict[str, torch.Tensor]) -> None:
         """Loads weights named as in Hugging Face checkpoints, fusing q/k/v and

@@ -3,14 +3,17 @@ per-output-channel symmetric int8 codes and fp32 scales
 (kernels/int8_linear.quantize_weight), after activation smoothing
 (services/engine/model/weight_smoothing.py: the per-token int8 activations
 lose little), quantized from the checkpoint's own values (fp32 for a GGUF's
-converted copy).  Embeddings and the LM head stay in the model dtype (the
-head is the last step before sampling, and the tied embedding is the same
-matrix); the norms stay too, holding the smoothing's division.
+converted copy).  The LM head too, in its own int8 copy (measured: bf16 it
+was a fifth of a batch-1 step's bytes; bench.micro.weight_quant reports the
+quality); the embedding rows and the norms stay in the model dtype, the
+norms holding the smoothing's division.
 
     layers.{i}.{proj}.wq      int8 [N, K]    proj in PROJECTION_NAMES, fused as the model holds them
     layers.{i}.{proj}.scale   fp32 [N]
     layers.{i}.input_layernorm, layers.{i}.post_attention_layernorm   fp32 [hidden], smoothed
     layers.{i}.qkv_bias       fp32 [N]       models with attention bias only, smoothed
+    lm_head.wq, lm_head.scale the LM head's own int8 copy (the tied embedding keeps its bf16 rows)
+    norm                      fp32 [hidden], the final norm, smoothed
 
 For a GGUF the tensors are made once and kept beside the converted copy
 (services/model_cache.py ``derived_file``), named by the scheme's id
@@ -27,7 +30,7 @@ import torch
 from kernels.int8_linear import quantize_weight
 from services.engine.model.config import ModelConfig
 from services.engine.model.llama import PROJECTION_NAMES, LlamaModel
-from services.engine.model.weight_smoothing import input_maxima, smooth_layer
+from services.engine.model.weight_smoothing import factors, input_maxima, smooth_layer
 from services.model_meta import WEIGHT_SCHEMES, is_gguf
 
 # How each fused projection is made of checkpoint tensors (HF names under model.layers.{i}.)
@@ -59,6 +62,13 @@ def quantize_state(state: dict[str, torch.Tensor], cfg: ModelConfig,
             wq, scale = quantize_weight(w.pop(name))
             out[f"layers.{i}.{name}.wq"], out[f"layers.{i}.{name}.scale"] = wq.contiguous(), scale.contiguous()
         out.update({f"layers.{i}.{k}": v.contiguous() for k, v in w.items()})
+    head = state.get("lm_head.weight", state["model.embed_tokens.weight"]).float()
+    norm = state["model.norm.weight"].float()
+    if maxima is not None:
+        s = factors(maxima[cfg.num_layers]["lm_head"], head)
+        head, norm = (head.double() * s).float(), (norm.double() / s).float()
+    out["lm_head.wq"], out["lm_head.scale"] = (t.contiguous() for t in quantize_weight(head))
+    out["norm"] = norm.contiguous()
     return out
 
 

@@ -11,6 +11,7 @@ and evens the channels out.  The division folds into whatever made x:
 
     qkv      input_layernorm weight / s               (the norm's output is x)
     gate_up  post_attention_layernorm weight / s
+    lm_head  the final norm's weight / s              (the head's own int8 copy; a tied embedding is untouched)
     down     up_proj rows / s  (x = silu(gate) * up)
     o        v_proj rows (and bias) / s  (x = P V): one s per (kv head, dim),
              shared by the query heads of a group
@@ -37,7 +38,8 @@ MIN_FACTOR = 1e-5
 
 @torch.no_grad()
 def input_maxima(model: LlamaModel, token_ids: Sequence[int]) -> list[dict[str, torch.Tensor]]:
-    """Per layer, per projection (PROJECTION_NAMES): max |x| over the tokens of each input channel, float64."""
+    """Per layer, per projection (PROJECTION_NAMES): max |x| over the tokens of each input channel, float64;
+    then one more entry, ``{"lm_head": ...}``: the final norm's output (the LM head's input)."""
     cfg, t = model.cfg, len(token_ids)
     ids = torch.tensor(token_ids, dtype=torch.int64, device=model.embed_tokens.weight.device)
     x = model.embed_tokens.weight.index_select(0, ids).to(torch.bfloat16).double()
@@ -67,6 +69,7 @@ def input_maxima(model: LlamaModel, token_ids: Sequence[int]) -> list[dict[str, 
         found["down_proj"] = amax(act)
         x = x + F.linear(act, _w(layer.down_proj.weight))
         maxima.append(found)
+    maxima.append({"lm_head": amax(_rms_norm(x, _w(model.norm), cfg.rms_norm_eps))})
     return maxima
 
 
