@@ -46,7 +46,8 @@ def _hf_state(model) -> dict[str, torch.Tensor]:
     """tiny_model's layers under the HF names quantize_state reads (plain [N, K] weights)."""
     from kernels.ops import unpack_linear_weight
 
-    cfg, state = model.cfg, {}
+    cfg = model.cfg
+    state = {"model.embed_tokens.weight": model.embed_tokens.weight.float(), "model.norm.weight": model.norm.float()}
     for i, layer in enumerate(model.layers):
         state[f"model.layers.{i}.input_layernorm.weight"] = layer.input_layernorm.float()
         state[f"model.layers.{i}.post_attention_layernorm.weight"] = layer.post_attention_layernorm.float()
@@ -113,7 +114,7 @@ def test_tiny_model_int8_logits_are_close_to_bf16(smoothed):
 def test_the_native_stack_runs_int8_bit_for_bit_as_the_per_op_path(chunks):
     model = tiny_int8_model()
     assert model.native_stack is not None and model.native_stack.weight_kind == cpu_native.WEIGHT_KINDS["int8"]
-    assert int8_linear.is_packed_int8(model.layers[0].qkv_proj.weight)
+    assert int8_linear.is_packed_int8(model.layers[0].qkv_proj.weight) and int8_linear.is_packed_int8(model.lm_head_int8)
     pool = lambda: torch.zeros(10, 3, 2, BS, 2, 32, dtype=torch.bfloat16)  # noqa: E731
     fused = prefill_then_decode(model, pool(), chunks)
     model.native_stack = None
@@ -155,7 +156,8 @@ def test_quantized_weights_are_made_once_beside_the_converted_copy(tmp_path, mon
     state, ids = _load_tensors(path), calibration_token_ids(loaded.tokenizer)
     first = weight_quant.quantized_weights(path, state, loaded.model, ids, "int8")
     again = weight_quant.quantized_weights(path, state, loaded.model, ids, "int8")
-    assert len(made) <= 1 and (conv / "weights-int8-perchannel-sym-smooth0.5-v1.safetensors").is_file()
+    assert len(made) <= 1 and (conv / "weights-int8-w8a8-smooth0.5-head-v2.safetensors").is_file()
+    assert first["lm_head.wq"].shape == (49152, 576) and first["norm"].shape == (576,)
     wq, scale = first["layers.0.qkv_proj.wq"], first["layers.0.qkv_proj.scale"]
     assert wq.dtype == torch.int8 and wq.shape == (960, 576) and scale.shape == (960,)
     assert first["layers.0.input_layernorm"].shape == (576,)
@@ -175,6 +177,7 @@ def test_the_default_model_in_int8_answers_as_bf16_does():
         prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": "Explain photosynthesis briefly."}])
         answers[weight_dtype] = engine.generate([prompt], SamplingParams(max_tokens=6, temperature=0))[0].new_token_ids
     assert engine.loaded.model.layers[0].qkv_proj.weight.dtype == torch.int8
-    assert engine.loaded.model.embed_tokens.weight.dtype == torch.bfloat16  # embeddings and LM head stay bf16
+    assert engine.loaded.model.embed_tokens.weight.dtype == torch.bfloat16  # the embedding rows stay bf16
+    assert engine.loaded.model.lm_head_int8.dtype == torch.int8  # the head has its own int8 copy
     assert engine.hash_seed == model_hash_seed(engine.loaded.path, "bfloat16", "auto", 16, "int8")
     assert answers["int8"] == answers["auto"]
