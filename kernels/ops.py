@@ -37,6 +37,7 @@ from kernels.activation import silu_mul_ref
 from kernels.block_copy import gather_blocks_ref, scatter_blocks_ref
 from kernels.cpu_native import DecoderStack
 from kernels.kv_quant import is_quantized
+from kernels.int8_linear import quantize_weight
 from kernels.kv_rotation import rotate_heads, rotates
 from kernels.kv_write import write_kv_ref
 from kernels.paged_decode_attention import paged_decode_attention_ref
@@ -47,7 +48,7 @@ from kernels.rope import apply_rope_ref, rope_cos_sin
 __all__ = [
     "write_kv", "paged_decode_attention", "prefill_attention", "gather_blocks",
     "scatter_blocks", "rmsnorm", "fused_add_rmsnorm", "apply_rope", "linear", "linear_path", "pack_linear_weight",
-    "unpack_linear_weight", "pack_int8_linear_weight", "silu_mul", "triton_available", "rotate_heads", "rotates",
+    "unpack_linear_weight", "pack_int8_linear_weight", "quantize_weight", "silu_mul", "triton_available", "rotate_heads", "rotates",
     "ChunkKV", "DecoderStack", "decoder_stack", "decoder_stack_takes", "set_native_threads", "native_variant", "rope_cos_sin",
 ]
 

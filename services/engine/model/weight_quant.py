@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.int8_linear import quantize_weight
+from kernels.ops import quantize_weight
 from services.engine.model.config import ModelConfig
 from services.engine.model.llama import PROJECTION_NAMES, LlamaModel
 from services.engine.model.weight_smoothing import factors, input_maxima, smooth_layer
