@@ -181,3 +181,17 @@ def test_the_default_model_in_int8_answers_as_bf16_does():
     assert engine.loaded.model.lm_head_int8.dtype == torch.int8  # the head has its own int8 copy
     assert engine.hash_seed == model_hash_seed(engine.loaded.path, "bfloat16", "auto", 16, "int8")
     assert answers["int8"] == answers["auto"]
+
+
+def test_pdcluster_up_takes_weight_dtype():
+    import argparse
+
+    from services.cli import up
+
+    parser = argparse.ArgumentParser()
+    up.register(parser.add_subparsers())
+    args = parser.parse_args(["up", "--weight-dtype", "int8"])
+    assert up.load_config(args).weight_dtype == "int8"
+    assert up.load_config(parser.parse_args(["up"])).weight_dtype == "auto"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["up", "--weight-dtype", "int4"])
