@@ -59,7 +59,7 @@ def load_config(args: argparse.Namespace) -> ClusterConfig:
     from services.config import ClusterConfig
 
     overrides = {k: v for k, v in (("mode", args.mode), ("host", args.host), ("port", args.port),
-                                   ("weight_dtype", args.weight_dtype)) if v is not None}
+                                   ("weight_dtype", getattr(args, "weight_dtype", None))) if v is not None}
     if args.insecure_no_auth:
         overrides["insecure_no_auth"] = True
     try:
