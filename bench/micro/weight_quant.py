@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import os
 import random
 import statistics
 import sys
@@ -225,7 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# int8 weights (per-channel int8 projections and LM head after activation smoothing, per-token int8 "
           f"activations; embedding rows and norms bf16) vs bf16, {args.threads} threads, native build "
           f"{ops.native_variant()}")
-    print("# reproduce: python -m bench.micro.weight_quant"
+    forced = os.environ.get("PDCLUSTER_CPU_KERNELS")
+    print("# reproduce: " + (f"PDCLUSTER_CPU_KERNELS={forced} " if forced else "") + "python -m bench.micro.weight_quant"
           + (f" --threads {args.threads}" if args.threads != 2 else "") + (" --kernels" if args.kernels else "")
           + (" --quick" if args.quick else ""))
     engines = {}
