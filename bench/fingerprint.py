@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from functools import lru_cache
 
-FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
+FLAGS = ("avx2", "avx_vnni", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
 
 
 @dataclass(frozen=True)

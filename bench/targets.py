@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-OPS = {">=": lambda m, g: m >= g, "<=": lambda m, g: m <= g, "==": lambda m, g: m == g}
+OPS = {">=": lambda m, g: m >= g, "<=": lambda m, g: m <= g, "<": lambda m, g: m < g, "==": lambda m, g: m == g}
 
 
 def target_line(name: str, measured: float, op: str, goal: float, fmt: str = ".2f") -> str:

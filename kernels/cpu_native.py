@@ -93,11 +93,14 @@ class Variant:
         return [*COMMON_FLAGS, *self.isa_flags]
 
 
-_AVX512_BF16 = (("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-mf16c"),
-                ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"))
+# VNNI rides with AVX-512 BF16 (every CPU with one has the other: Cooper Lake, Sapphire Rapids, Zen 4):
+# the int8 linears' products (csrc/int8_linear.h); likewise AMX-int8 with AMX-bf16
+_AVX512_BF16 = (("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-mfma", "-mf16c"),
+                ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni"))
 VARIANTS = (  # best first
-    Variant("amx_bf16", CSRC / "cpu_kernels.c", (*_AVX512_BF16[0], "-mamx-tile", "-mamx-bf16", "-DPD_AMX"),
-            (*_AVX512_BF16[1], "amx_tile", "amx_bf16")),
+    Variant("amx_bf16", CSRC / "cpu_kernels.c", (*_AVX512_BF16[0], "-mamx-tile", "-mamx-bf16", "-mamx-int8",
+                                                      "-DPD_AMX"),
+            (*_AVX512_BF16[1], "amx_tile", "amx_bf16", "amx_int8")),
     Variant("avx512_bf16", CSRC / "cpu_kernels.c", *_AVX512_BF16),
     Variant("avx2", CSRC / "cpu_kernels_avx2.c", ("-mavx2", "-mfma", "-mf16c"), ("avx2", "fma", "f16c")),
 )
@@ -117,7 +120,8 @@ class LayerStep(ctypes.Structure):
                 *((n, _ptr) for n in ("prefill_tables", "prefill_starts", "prefill_lens")),
                 ("scale", _f32), ("eps", _f32), ("nthreads", _int),
                 *((n, _ptr) for n in ("normed", "qkv", "attn", "proj", "gate_up", "act")),
-                ("kv_kind", _i64), ("k_shift", _ptr), ("prefill_fresh", _ptr), ("k_rotate", _i64)]
+                ("kv_kind", _i64), ("k_shift", _ptr), ("prefill_fresh", _ptr), ("k_rotate", _i64),
+                ("weight_kind", _i64)]
 
 
 _SIGNATURES = {
@@ -133,6 +137,8 @@ _SIGNATURES = {
     "pd_rope_bf16": [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr],
     "pd_write_kv_bf16": [_ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _i64],
     "pd_hadamard_rows_bf16": [_ptr, _i64, _i64, _i64, _i64],
+    # int8 weights (csrc/int8_linear.h; kernels/int8_linear.py)
+    "pd_linear_int8": [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int, _int],
     # 8-bit KV pools (csrc/kv8_kernels.h): the bf16 signatures plus the pool's kind (and the write's K shift,
     # and prefill's chunk K/V: kernels/prefill_attention.py ChunkKV)
     "pd_write_kv_q8": [_ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _int, _ptr],
@@ -144,6 +150,10 @@ _SIGNATURES = {
 
 # Only in the amx_bf16 build (csrc/amx_linear.h): whether the tiles run here, and which linears take them.
 _AMX_SIGNATURES = {"pd_amx_ready": [], "pd_linear_uses_amx": [_i64, _i64, _i64]}
+
+# How a DecoderStack's projections are packed (PD_WEIGHTS_* in csrc/portable_kernels.h): bf16 by
+# pack_weight, int8 by kernels/int8_linear.pack_int8_weight and run W8A8 or weight-only.
+WEIGHT_KINDS = {"bf16": 0, "int8": 1, "int8_weight_only": 2}
 
 # The KV pool formats the native kernels read and write (PD_KV_* in csrc/kv8_kernels.h).
 KV_KINDS = {torch.bfloat16: 0, torch.int8: 1, torch.float8_e4m3fn: 2}
@@ -243,6 +253,7 @@ def _loaded() -> tuple[ctypes.CDLL, Variant] | None:
         for name, argtypes in _SIGNATURES.items():
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = argtypes, None
+        lib.pd_linear_int8_path.argtypes, lib.pd_linear_int8_path.restype = [_i64, _i64, _i64, _int], ctypes.c_int
         for name, argtypes in _AMX_SIGNATURES.items() if candidate.name == "amx_bf16" else ():
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = argtypes, ctypes.c_int
@@ -460,8 +471,10 @@ class DecoderStack:
     step, not once per layer) over scratch buffers allocated per forward."""
 
     def __init__(self, layers: list[LayerWeights], hidden: int, inter: int, heads: int, kv_heads: int,
-                 head_dim: int, eps: float):
+                 head_dim: int, eps: float, weight_kind: int = 0):
+        """``weight_kind``: WEIGHT_KINDS' value for how every projection is packed."""
         self.layers = (LayerWeights * len(layers))(*layers)
+        self.weight_kind = weight_kind
         self.hidden, self.inter = hidden, inter
         self.heads, self.kv_heads, self.head_dim, self.eps = heads, kv_heads, head_dim, eps
 
@@ -498,7 +511,7 @@ class DecoderStack:
             batch.num_decode_tokens, dec_tables.shape[1], _p(dec_tables), _p(dec_lens),
             pre_lens.shape[0], pre_tables.shape[1], _p(pre_tables), _p(pre_starts), _p(pre_lens),
             d ** -0.5, self.eps, num_threads(), *(_p(b) for b in bufs.values()), KV_KINDS[kv_pool.dtype],
-            _p(shift), _p(pre_fresh), int(rotate_qk))
+            _p(shift), _p(pre_fresh), int(rotate_qk), self.weight_kind)
         library().pd_decoder_stack_bf16(self.layers, len(self.layers), ctypes.byref(step), _p(kv_pool), _p(hidden),
                                         _p(outs[0]), _p(outs[1]))
         return outs[(len(self.layers) - 1) % 2], hidden

@@ -32,11 +32,12 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_native
+from kernels import cpu_native, int8_linear
 from kernels.activation import silu_mul_ref
 from kernels.block_copy import gather_blocks_ref, scatter_blocks_ref
 from kernels.cpu_native import DecoderStack
 from kernels.kv_quant import is_quantized
+from kernels.int8_linear import quantize_weight
 from kernels.kv_rotation import rotate_heads, rotates
 from kernels.kv_write import write_kv_ref
 from kernels.paged_decode_attention import paged_decode_attention_ref
@@ -47,7 +48,7 @@ from kernels.rope import apply_rope_ref, rope_cos_sin
 __all__ = [
     "write_kv", "paged_decode_attention", "prefill_attention", "gather_blocks",
     "scatter_blocks", "rmsnorm", "fused_add_rmsnorm", "apply_rope", "linear", "linear_path", "pack_linear_weight",
-    "unpack_linear_weight", "silu_mul", "triton_available", "rotate_heads", "rotates",
+    "unpack_linear_weight", "pack_int8_linear_weight", "quantize_weight", "silu_mul", "triton_available", "rotate_heads", "rotates",
     "ChunkKV", "DecoderStack", "decoder_stack", "decoder_stack_takes", "set_native_threads", "native_variant", "rope_cos_sin",
 ]
 
@@ -112,11 +113,39 @@ def linear_path(m: int, n: int, k: int) -> str:
     return cpu_native.linear_path(m, n, k, variant, variant == "amx_bf16" and cpu_native.amx_ready())
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear``; ``weight`` as given or as returned by :func:`pack_linear_weight`."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           w_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear``; ``weight`` as given or as returned by :func:`pack_linear_weight`, or int8
+    (``weight_dtype: int8``: kernels/int8_linear.py): [N, K] codes with ``w_scale`` [N], or as
+    :func:`pack_int8_linear_weight` packed them (their scales inside)."""
+    if weight.dtype == torch.int8:
+        return _int8_linear(x, weight, bias, w_scale)
     if weight.dim() == 4:
         return cpu_native.linear(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def _int8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 w_scale: torch.Tensor | None) -> torch.Tensor:
+    if int8_linear.is_packed_int8(weight):
+        if int8_linear.native_takes(x):
+            return int8_linear.linear_native(x, weight, bias)
+        weight, w_scale = int8_linear.unpack_int8_weight(weight)
+    if w_scale is None:
+        raise ValueError("an int8 [N, K] weight needs its w_scale [N]")
+    if _on_cuda(x):
+        return _triton("int8_linear", "int8_linear_triton")(x, weight, w_scale, bias)
+    if int8_linear.WEIGHT_MODE == "weight_only":
+        return int8_linear.weight_only_linear_ref(x, weight, w_scale, bias)
+    return int8_linear.int8_linear_ref(x, weight, w_scale, bias)
+
+
+def pack_int8_linear_weight(wq: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """int8 codes [N, K] in the layout :func:`linear` runs fastest on here: packed with their
+    scales for the native CPU kernels when they take it, else unchanged (keep ``w_scale`` then)."""
+    if wq.is_cpu and cpu_native.available() and int8_linear.packable(wq):
+        return int8_linear.pack_int8_weight(wq, w_scale)
+    return wq
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -228,13 +257,23 @@ def decoder_stack(layers: Sequence[LayerTensors], hidden_size: int, intermediate
     per step, not once per layer) when every projection was packed for the
     native kernels and the shapes suit them; None elsewhere: run the layers
     op by op.  The tensors must outlive the stack."""
-    packed = all(w.dim() == 4 for (_, w_qkv, _, w_o, _, w_gate_up, w_down) in layers
-                 for w in (w_qkv, w_o, w_gate_up, w_down))
+    projections = [w for (_, w_qkv, _, w_o, _, w_gate_up, w_down) in layers for w in (w_qkv, w_o, w_gate_up, w_down)]
+    kind = _weight_kind(projections)
     norms = [t for (ln1, _, _, _, ln2, _, _) in layers for t in (ln1, ln2)]
-    if not (packed and cpu_native.handles(*norms) and head_dim % 32 == 0 and num_heads % num_kv_heads == 0):
+    if kind is None or not (cpu_native.handles(*norms) and head_dim % 32 == 0 and num_heads % num_kv_heads == 0):
         return None
     return DecoderStack([cpu_native.layer_weights(*layer) for layer in layers],
-                        hidden_size, intermediate_size, num_heads, num_kv_heads, head_dim, eps)
+                        hidden_size, intermediate_size, num_heads, num_kv_heads, head_dim, eps, kind)
+
+
+def _weight_kind(projections: list[torch.Tensor]) -> int | None:
+    """The stack's ``weight_kind`` when every projection is packed one way (bf16, or int8 run in
+    int8_linear.WEIGHT_MODE), else None."""
+    if all(w.dim() == 4 and w.dtype == torch.bfloat16 for w in projections):
+        return cpu_native.WEIGHT_KINDS["bf16"]
+    if all(int8_linear.is_packed_int8(w) for w in projections):
+        return cpu_native.WEIGHT_KINDS["int8" if int8_linear.WEIGHT_MODE == "w8a8" else "int8_weight_only"]
+    return None
 
 
 def decoder_stack_takes(kv_pool: torch.Tensor) -> bool:

@@ -287,6 +287,9 @@ class ClusterConfig(_Strict):
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
     kv_cache_dtype: Literal["auto", "bf16", "int8", "fp8_e4m3"] = Field(
         "auto", description="KV pool dtype; auto: the model's dtype. 8-bit halves KV memory and transfer bytes")
+    weight_dtype: Literal["auto", "int8"] = Field(
+        "auto", description="decoder projections' weights: auto (the model dtype) or int8 (per-channel int8 "
+        "weights and per-token int8 activations: half the bytes each decode step reads; needs dtype bfloat16)")
     block_size: int = 16
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
@@ -427,7 +430,8 @@ class ClusterConfig(_Strict):
     def engine_config(self, pool: PoolConfig) -> EngineConfig:
         s = self.scheduler
         return EngineConfig(
-            model=self.model, dtype=self.dtype, kv_cache_dtype=self.kv_cache_dtype, block_size=self.block_size,
+            model=self.model, dtype=self.dtype, kv_cache_dtype=self.kv_cache_dtype, weight_dtype=self.weight_dtype,
+            block_size=self.block_size,
             kv_cache_bytes=pool.kv_cache_mib * 2**20, max_model_len=self.max_model_len,
             enable_prefix_caching=self.enable_prefix_caching, lease_ttl_s=self.lease_ttl_s,
             num_threads=pool.num_threads,

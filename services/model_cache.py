@@ -7,6 +7,8 @@ arrays field by field: tens of seconds) and the dequantization::
         model_config.json    our ModelConfig, read from the GGUF metadata once
         model.safetensors    every tensor dequantized to fp32, Hugging Face names, q/k rows unpermuted
         tokenizer/           the tokenizer as transformers saves it (tokenizer.json, chat template)
+        weights-<scheme>.safetensors   the same weights in another scheme (int8 projections:
+                             services/engine/model/weight_quant.py), made once on first use (derived_file)
 
     key         <file stem>-<blake2b(file name, size, mtime, FORMAT_VERSION)>
     cache root  $PDCLUSTER_MODEL_CACHE, else ~/.cache/pdcluster/models
@@ -29,6 +31,7 @@ import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
@@ -140,3 +143,22 @@ def tokenizer_dir(gguf_path: Path) -> Path:
 
 def tensors_file(gguf_path: Path) -> Path:
     return converted(gguf_path) / TENSORS_FILE
+
+
+def derived_file(gguf_path: Path, name: str, make: Callable[[Path], None]) -> Path:
+    """``<converted dir>/<name>``, made once by ``make(tmp_path)`` (which writes the file at
+    ``tmp_path``) under the conversion's lock and renamed into place, so a file there is complete."""
+    final = converted(gguf_path) / name
+    if final.is_file():
+        return final
+    with open(cache_root() / f"{final.parent.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if final.is_file():
+            return final
+        tmp = final.with_name(f"{name}.tmp-{os.getpid()}")
+        try:
+            make(tmp)
+            os.replace(tmp, final)
+        finally:
+            tmp.unlink(missing_ok=True)
+    return final

@@ -10,8 +10,8 @@ here and adds the tensors.
 The seed ties the router's, the index's and every engine's block hashes
 together, so the gateway and each replica must compute the same one::
 
-    block_hash_seed = model_fingerprint(weights_id, "torch.<kv pool dtype>[+K_SMOOTHING_ID+K_ROTATION_ID]",
-                                        block_size)
+    block_hash_seed = model_fingerprint(weights_id, "torch.<kv pool dtype>[+K_SMOOTHING_ID+K_ROTATION_ID]"
+                                        "[+weights:WEIGHT_SCHEMES[weight_dtype]]", block_size)
 
     weights_id       digest of the weights files' names and sizes
     kv pool dtype    kv_cache_dtype, or the model's dtype for "auto"
@@ -20,6 +20,9 @@ together, so the gateway and each replica must compute the same one::
                      blocks shifted two ways never share a hash
     K_ROTATION_ID    8-bit pools only: how q and K are rotated before K is
                      quantized (kernels/kv_rotation.py), likewise
+    WEIGHT_SCHEMES   weight_dtype other than auto only: how the weights were
+                     quantized (services/engine/model/weight_quant.py), so KV
+                     computed under int8 weights never mixes with bf16's
 
 The dtype is spelled as torch prints it (``torch.bfloat16``): the engine
 hashed ``str(torch_dtype)`` before this module existed, and a seed must not
@@ -48,6 +51,10 @@ K_SMOOTHING_ID = "k-smoothing-v1"
 # 8-bit pools' K rotation (kernels/kv_rotation.py): bump whenever the rotation changes
 K_ROTATION_ID = "k-hadamard-v1"
 _SMOOTHED_POOL_DTYPES = ("int8", "float8_e4m3fn")
+# weight_dtype -> the id of its quantization scheme (auto: the checkpoint in the model dtype, no id);
+# bump the version whenever the quantization changes
+WEIGHT_SCHEMES = {"int8": "int8-w8a8-smooth0.5-head-v2"}
+WEIGHT_DTYPES = ("auto", *WEIGHT_SCHEMES)
 
 
 # ---- shape -----------------------------------------------------------------
@@ -121,21 +128,30 @@ def kv_pool_dtype_name(kv_cache_dtype: str, model_dtype: str) -> str:
     return _KV_POOL_DTYPES[kv_cache_dtype]
 
 
-def block_hash_seed(weights: str, kv_dtype: object, block_size: int) -> int:
+def check_weight_dtype(weight_dtype: str) -> str:
+    if weight_dtype not in WEIGHT_DTYPES:
+        raise ValueError(f"weight_dtype must be one of {', '.join(WEIGHT_DTYPES)}, got {weight_dtype!r}")
+    return weight_dtype
+
+
+def block_hash_seed(weights: str, kv_dtype: object, block_size: int, weight_dtype: str = "auto") -> int:
     """The seed of every block-hash chain for these weights, KV pool dtype
-    (a torch dtype, or its name) and block size: engine, gateway and index
-    must agree on it.  8-bit pools hold K rotated and shifted (K rotation,
-    K smoothing), whose ids join the dtype; plain pools' seeds are as before
-    either existed."""
+    (a torch dtype, or its name), block size and weight scheme: engine,
+    gateway and index must agree on it.  8-bit pools hold K rotated and
+    shifted (K rotation, K smoothing), whose ids join the dtype; quantized
+    weights add their scheme's id; plain pools of unquantized weights hash
+    as before either existed."""
     name = str(kv_dtype).removeprefix("torch.")
     label = (f"torch.{name}+{K_SMOOTHING_ID}+{K_ROTATION_ID}" if name in _SMOOTHED_POOL_DTYPES
              else f"torch.{name}")
+    if check_weight_dtype(weight_dtype) != "auto":
+        label += f"+weights:{WEIGHT_SCHEMES[weight_dtype]}"
     return model_fingerprint(weights, label, block_size)
 
 
-def model_hash_seed(path: Path, dtype: str, kv_cache_dtype: str, block_size: int) -> int:
+def model_hash_seed(path: Path, dtype: str, kv_cache_dtype: str, block_size: int, weight_dtype: str = "auto") -> int:
     """``block_hash_seed`` of the model at ``path`` served with these config values."""
-    return block_hash_seed(weights_id(path), kv_pool_dtype_name(kv_cache_dtype, dtype), block_size)
+    return block_hash_seed(weights_id(path), kv_pool_dtype_name(kv_cache_dtype, dtype), block_size, weight_dtype)
 
 
 def seed_mismatches(expected_seed: int, statuses: Iterable[dict]) -> list[str]:

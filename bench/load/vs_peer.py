@@ -11,9 +11,12 @@ ignore EOS, prompts of real tokens from the same seed for both):
 
 plus launch-to-ready seconds and resident memory (RSS summed over each
 server's process tree, after its runs).  Needs ``vllm-cpu.sh setup`` once
-(done here when missing: ~4 GB).
+(done here when missing: ~4 GB).  An extra column races our cluster with
+``weight_dtype: int8`` (``--int8-config``, deploy/race_int8.yaml; issue 35)
+against the same vLLM (bf16) runs; ``--no-int8`` leaves it out.  The targets
+stay bf16's.
 
-    python -m bench.load.vs_peer [--rounds 2] [--config deploy/race.yaml]
+    python -m bench.load.vs_peer [--rounds 2] [--config deploy/race.yaml] [--int8-config deploy/race_int8.yaml]
 """
 
 from __future__ import annotations
@@ -93,25 +96,46 @@ def target(name: str, measured: float, op: str, goal: float) -> str:
     return f"target {name}: {measured:.2f} (goal {op} {goal}) {'met' if ok else 'missed'}"
 
 
+def print_int8_rows(i: Measured, v: Measured) -> None:
+    """The weight_dtype int8 column: our int8 cluster against the same vLLM (bf16) runs."""
+    print(f"\n{'weight_dtype int8':34} | {'ours int8':>10} | {'vLLM':>10} | {'int8/vLLM':>9}")
+    rows = [("(a) 256/128 c16 output tok/s", med(i.tok_s["a"]), med(v.tok_s["a"])),
+            ("(b) TPOT p50 ms", 1e3 * med(i.tpot_p50_b), 1e3 * med(v.tpot_p50_b)),
+            ("(c) 1024/32 c8 output tok/s", med(i.tok_s["c"]), med(v.tok_s["c"])),
+            ("(c) TTFT p50 ms", 1e3 * med(i.ttft_p50_c), 1e3 * med(v.ttft_p50_c)),
+            ("resident memory GiB (process tree RSS)", med(i.rss_gib), med(v.rss_gib))]
+    for label, ours_v, theirs in rows:
+        print(f"{label:34} | {ours_v:10.1f} | {theirs:10.1f} | {ours_v / theirs:8.2f}x")
+    print(f"# int8 request errors: {i.errors}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=2, help="alternations ours/vLLM (>= 2 for the record)")
     ap.add_argument("--config", default=str(REPO / "deploy" / "race.yaml"), help="our cluster's config")
     ap.add_argument("--peer-script", default=str(REPO.parent / "shared" / "peer" / "vllm-cpu.sh"))
+    ap.add_argument("--int8-config", default=str(REPO / "deploy" / "race_int8.yaml"),
+                    help="our cluster with weight_dtype int8: the extra column")
+    ap.add_argument("--no-int8", action="store_true", help="race bf16 only")
     args = ap.parse_args(argv)
     print_fingerprint()
     print(f"# pdcluster ({Path(args.config).name}) vs vLLM-CPU 0.32 (vllm-cpu.sh), SmolLM2-135M-Instruct bf16, "
           f"same 2 cores, one server at a time, {args.rounds} alternations")
-    print(f"# reproduce: python -m bench.load.vs_peer --rounds {args.rounds} --config {args.config}")
+    print(f"# reproduce: python -m bench.load.vs_peer --rounds {args.rounds} --config {args.config}"
+          + (" --no-int8" if args.no_int8 else f" --int8-config {args.int8_config}"))
     ours = OurServer(Path(args.config), free_service_port(), REPO / "runs" / "vs_peer_ours.log")
     ours.log.parent.mkdir(parents=True, exist_ok=True)
+    ours_int8 = None if args.no_int8 else OurServer(Path(args.int8_config), free_service_port(),
+                                                     REPO / "runs" / "vs_peer_ours_int8.log", name="pdcluster int8")
     peer = PeerServer(Path(args.peer_script), free_service_port())
     peer.setup()
     tokenizer = load_tokenizer(None)
-    results = {"ours": Measured(), "vllm": Measured()}
+    results = {"ours": Measured(), "vllm": Measured(), "int8": Measured()}
     for r in range(args.rounds):
         print(f"... round {r + 1}/{args.rounds}", file=sys.stderr, flush=True)
         run_round(ours, tokenizer, results["ours"])
+        if ours_int8 is not None:
+            run_round(ours_int8, tokenizer, results["int8"])
         run_round(peer, tokenizer, results["vllm"])
     o, v = results["ours"], results["vllm"]
 
@@ -128,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     for key in WORKLOADS:
         print(f"# {key} per round, tok/s: ours {[round(x) for x in o.tok_s[key]]}, vLLM {[round(x) for x in v.tok_s[key]]}")
     print(f"# request errors: ours {o.errors}, vLLM {v.errors}")
+    if ours_int8 is not None:
+        print_int8_rows(results["int8"], v)
     if o.errors or v.errors:
         print("# WARNING: failed requests are left out of tok/s, so a figure above counts only what was served; "
               "see runs/vs_peer_ours.log and the peer's log for why")

@@ -66,7 +66,10 @@ def settings_from_config(args: argparse.Namespace) -> list[str]:
 
         cfg = ClusterConfig.from_yaml(args.config)
         weight = _CONFIG_DTYPES[cfg.dtype]
-        found = {"model": cfg.model, "weight_dtype": weight, "block_size": cfg.block_size,
+        # weight_dtype int8 quantizes the decoder projections (services/engine/model/weight_quant.py); the
+        # embeddings stay in the model dtype, so 1 byte a parameter slightly understates a small model's bytes
+        found = {"model": cfg.model, "weight_dtype": "int8" if cfg.weight_dtype == "int8" else weight,
+                 "block_size": cfg.block_size,
                  "kv_dtype": weight if cfg.kv_cache_dtype == "auto" else _CONFIG_DTYPES[cfg.kv_cache_dtype]}
         # speculation's k: only when the acceptance question is asked (--spec-accept/--spec-cost)
         if cfg.speculative.method != "none" and (args.spec_accept is not None or args.spec_cost is not None):

@@ -7,6 +7,7 @@
 #define PD_PORTABLE_KERNELS_H
 
 #include "kv8_kernels.h"
+#include "int8_linear.h"
 
 /* W[N, K] -> wp[N / 32][K / 2][32][2] (the layout drawn above pd_linear_packed_bf16) */
 void pd_pack_weight_bf16(const bf16 *w, bf16 *wp, int64_t N, int64_t K) {
@@ -93,7 +94,7 @@ void pd_write_kv_bf16(bf16 *kv, const bf16 *k, const bf16 *v, int64_t row_stride
  *     normed = rmsnorm(residual += attn @ Wo)
  *     out = (silu(normed @ Wgate) * (normed @ Wup)) @ Wdown
  *
- * Weights packed by pd_pack_weight_bf16; buffers are the caller's scratch. */
+ * Weights packed by pd_pack_weight_bf16, or as int8 (int8_linear.h, s->weight_kind); buffers are the caller's scratch. */
 typedef struct {
     const bf16 *ln1, *w_qkv, *b_qkv, *w_o, *ln2, *w_gate_up, *w_down;
 } pd_layer_weights;
@@ -114,13 +115,26 @@ typedef struct {
     const int32_t *prefill_fresh;  /* NULL, or [n_prefill_seqs]: 1 = a prompt chunk, attends to its own K/V as
                                     * computed over an 8-bit pool (kv8_kernels.h), 0 = reads the pool */
     int64_t k_rotate;  /* 1: an 8-bit pool's q and K turn by pd_hadamard_rows_bf16 after RoPE (k_shift is then H b) */
+    int64_t weight_kind;  /* PD_WEIGHTS_*: how the projections are packed (int8: int8_linear.h) */
 } pd_layer_step;
+
+enum { PD_WEIGHTS_BF16 = 0, PD_WEIGHTS_INT8 = 1, PD_WEIGHTS_INT8_WEIGHT_ONLY = 2 };
+
+/* One projection of the stack, in the step's weight format. */
+static void layer_linear(const pd_layer_step *s, const bf16 *x, const bf16 *w, const bf16 *bias, bf16 *y,
+                         int64_t N, int64_t K) {
+    if (s->weight_kind == PD_WEIGHTS_BF16)
+        pd_linear_packed_bf16(x, w, bias, y, s->T, N, K, s->nthreads);
+    else
+        pd_linear_int8(x, (const int8_t *)w, bias, y, NULL, s->T, N, K,
+                       s->weight_kind == PD_WEIGHTS_INT8 ? PD_I8_W8A8 : PD_I8_WEIGHT_ONLY, s->nthreads);
+}
 
 static void decoder_layer(const pd_layer_weights *w, const pd_layer_step *s, bf16 *kv, int64_t layer,
                            const bf16 *prev, bf16 *residual, bf16 *out) {
     const int64_t T = s->T, qs = s->H * s->D, kvs = s->KVH * s->D, width = qs + 2 * kvs;
     pd_add_rmsnorm_bf16(prev, residual, w->ln1, s->normed, T, s->hidden, s->eps, s->nthreads);
-    pd_linear_packed_bf16(s->normed, w->w_qkv, w->b_qkv, s->qkv, T, width, s->hidden, s->nthreads);
+    layer_linear(s, s->normed, w->w_qkv, w->b_qkv, s->qkv, width, s->hidden);
     pd_rope_bf16(s->qkv, width, T, s->H, s->D, s->positions, s->cos, s->sin);
     pd_rope_bf16(s->qkv + qs, width, T, s->KVH, s->D, s->positions, s->cos, s->sin);
     const int q8 = (int)s->kv_kind;
@@ -152,11 +166,11 @@ static void decoder_layer(const pd_layer_weights *w, const pd_layer_step *s, bf1
                                   s->prefill_tables, s->prefill_starts, s->prefill_lens, s->n_prefill_seqs, s->H,
                                   s->KVH, s->D, s->prefill_max_blocks, s->block_size, s->num_layers, layer,
                                   s->scale, s->nthreads);
-    pd_linear_packed_bf16(s->attn, w->w_o, NULL, s->proj, T, s->hidden, qs, s->nthreads);
+    layer_linear(s, s->attn, w->w_o, NULL, s->proj, s->hidden, qs);
     pd_add_rmsnorm_bf16(s->proj, residual, w->ln2, s->normed, T, s->hidden, s->eps, s->nthreads);
-    pd_linear_packed_bf16(s->normed, w->w_gate_up, NULL, s->gate_up, T, 2 * s->inter, s->hidden, s->nthreads);
+    layer_linear(s, s->normed, w->w_gate_up, NULL, s->gate_up, 2 * s->inter, s->hidden);
     pd_silu_mul_bf16(s->gate_up, s->act, T, s->inter, s->nthreads);
-    pd_linear_packed_bf16(s->act, w->w_down, NULL, out, T, s->hidden, s->inter, s->nthreads);
+    layer_linear(s, s->act, w->w_down, NULL, out, s->hidden, s->inter);
 }
 
 /* The whole stack in one call, so the engine thread releases Python's GIL

@@ -114,7 +114,7 @@ def seed_warnings(state: dict, board: list[dict]) -> list[str]:
 
     try:
         cfg = ClusterConfig.model_validate(state["config"])
-        seed = model_hash_seed(resolve_model_path(cfg.model), cfg.dtype, cfg.kv_cache_dtype, cfg.block_size)
+        seed = model_hash_seed(resolve_model_path(cfg.model), cfg.dtype, cfg.kv_cache_dtype, cfg.block_size, cfg.weight_dtype)
     except (KeyError, ValueError, OSError):  # an older state file, or the model moved: nothing to compare
         return []
     return [f"warning: {line}" for line in seed_mismatches(seed, board)]

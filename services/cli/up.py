@@ -34,6 +34,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", help="address the gateway listens on (default 127.0.0.1); any non-loopback "
                                   "address needs an API key (PDCLUSTER_API_KEY, api_keys, api_key_file)")
     p.add_argument("--port", type=int)
+    p.add_argument("--weight-dtype", choices=["auto", "int8"],
+                   help="decoder projections in int8 (per-channel weights, per-token int8 activations) or as "
+                        "the model dtype (auto, the default); overrides the config's weight_dtype")
     p.add_argument("--insecure-no-auth", action="store_true",
                    help="serve a non-loopback --host without any API key (anyone who reaches it may use it)")
     p.add_argument("--num-cpus", type=int, default=8, help="logical CPUs Ray schedules replicas on")
@@ -55,7 +58,8 @@ def load_config(args: argparse.Namespace) -> ClusterConfig:
 
     from services.config import ClusterConfig
 
-    overrides = {k: v for k, v in (("mode", args.mode), ("host", args.host), ("port", args.port)) if v is not None}
+    overrides = {k: v for k, v in (("mode", args.mode), ("host", args.host), ("port", args.port),
+                                   ("weight_dtype", getattr(args, "weight_dtype", None))) if v is not None}
     if args.insecure_no_auth:
         overrides["insecure_no_auth"] = True
     try:

@@ -81,6 +81,7 @@ class EngineConfig:
     model: str | None = None            # None -> the bundled SmolLM2-135M-Instruct GGUF
     dtype: str = "bfloat16"
     kv_cache_dtype: str = "auto"        # auto (the model's dtype) | bf16 | int8 | fp8_e4m3 (kernels/kv_quant.py)
+    weight_dtype: str = "auto"          # auto (the model's dtype) | int8 (decoder projections: model/weight_quant.py)
     device: str = "cpu"
     block_size: int = 16
     kv_cache_bytes: int = 512 * 2**20   # memory for the KV pool
@@ -109,6 +110,11 @@ class EngineConfig:
             raise ValueError(f"block_size must be a power of two up to 128, got {self.block_size}")
         if self.kv_cache_dtype not in ("auto", "bf16", "int8", "fp8_e4m3"):
             raise ValueError(f"kv_cache_dtype must be auto, bf16, int8 or fp8_e4m3, got {self.kv_cache_dtype!r}")
+        if self.weight_dtype not in ("auto", "int8"):
+            raise ValueError(f"weight_dtype must be auto or int8, got {self.weight_dtype!r}")
+        if self.weight_dtype != "auto" and self.dtype not in ("bfloat16", "bf16"):
+            raise ValueError(f"weight_dtype {self.weight_dtype} runs with dtype bfloat16, got {self.dtype!r}: "
+                             f"set dtype: bfloat16, or weight_dtype: auto")
         if self.kv_cache_bytes < 1:
             raise ValueError(f"kv_cache_bytes must be > 0, got {self.kv_cache_bytes}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

@@ -74,7 +74,10 @@ class Engine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.config = config
-        self.loaded = loaded or load_model(config.model, config.dtype, config.device)
+        self.loaded = loaded or load_model(config.model, config.dtype, config.device, config.weight_dtype)
+        if self.loaded.weight_dtype != config.weight_dtype:
+            raise ValueError(f"the model was loaded with weight_dtype {self.loaded.weight_dtype}, the engine is "
+                             f"configured for {config.weight_dtype}: load it with the engine's weight_dtype")
         self.loaded.model.pack_weights()
         # The native kernels run on their own work pool; torch's OpenMP team
         # would spin beside it, so torch ops inside a native step get one thread.
@@ -87,7 +90,8 @@ class Engine:
         self.kv_spec = kv_spec_for(config, self.loaded)
         if is_quantized(self.kv_spec.dtype) and self.loaded.model.k_shift is None:  # computed once per load
             self.loaded.model.k_shift = k_smoothing_shift(self.loaded.model, calibration_token_ids(self.tokenizer))
-        self.hash_seed = block_hash_seed(self.loaded.weights_id, self.kv_spec.dtype, config.block_size)
+        self.hash_seed = block_hash_seed(self.loaded.weights_id, self.kv_spec.dtype, config.block_size,
+                                         config.weight_dtype)
         self.kv = KVCache(self.kv_spec, config.device, on_kv_event, config.enable_prefix_caching,
                           KVQuota.of_shares(config.kv_quotas, self.kv_spec.num_blocks))
         self.speculator = self._speculator() if config.speculative.enabled else None

@@ -100,7 +100,7 @@ class Gateway:
         mc = read_model_config(path)
         max_len = min(cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         tokenizer = Tokenizer.from_path(path, mc)
-        hash_seed = model_hash_seed(path, cfg.dtype, cfg.kv_cache_dtype, cfg.block_size)
+        hash_seed = model_hash_seed(path, cfg.dtype, cfg.kv_cache_dtype, cfg.block_size, cfg.weight_dtype)
         settings = OpenAISettings(
             served_model_names=(cfg.served_model_name,), block_hash_seed=hash_seed,
             block_size=cfg.block_size, max_body_bytes=cfg.max_body_bytes,

@@ -36,7 +36,7 @@ class DecoderLayer(nn.Module):
         Hadamard rotation after RoPE (kernels/kv_rotation.py; the model does
         for 8-bit pools), which leaves the output unchanged up to rounding."""
         cfg = self.cfg
-        qkv = ops.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
+        qkv = _project(x, self.qkv_proj)
         q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
         q = q.reshape(-1, cfg.num_heads, cfg.head_dim)
         k = k.reshape(-1, cfg.num_kv_heads, cfg.head_dim)
@@ -58,10 +58,22 @@ class DecoderLayer(nn.Module):
                 q[d:], kv_pool, self.index, batch.prefill_block_tables,
                 batch.prefill_query_start_loc, batch.prefill_context_lens, self.scale, chunk))
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
-        return ops.linear(out.reshape(-1, cfg.q_size), self.o_proj.weight)
+        return _project(out.reshape(-1, cfg.q_size), self.o_proj)
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.linear(ops.silu_mul(ops.linear(x, self.gate_up_proj.weight)), self.down_proj.weight)
+        return _project(ops.silu_mul(_project(x, self.gate_up_proj)), self.down_proj)
+
+    def projections(self) -> tuple[nn.Linear, ...]:
+        return self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj
+
+
+# The projections' names in a quantized weights file (services/engine/model/weight_quant.py)
+PROJECTION_NAMES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+def _project(x: torch.Tensor, proj: nn.Linear) -> torch.Tensor:
+    """One projection; an int8 one carries its per-channel scales as ``w_scale``."""
+    return ops.linear(x, proj.weight, proj.bias, getattr(proj, "w_scale", None))
 
 
 class LlamaModel(nn.Module):
@@ -88,11 +100,42 @@ class LlamaModel(nn.Module):
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
+        if self.lm_head_int8 is not None:
+            return self.lm_head_int8
         if self.lm_head_packed is not None:
             return self.lm_head_packed
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     lm_head_packed: torch.Tensor | None = None
+    # weight_dtype int8: the LM head's own int8 copy (codes [vocab, hidden] or packed) and its scales
+    lm_head_int8: torch.Tensor | None = None
+    lm_head_scale: torch.Tensor | None = None
+
+    weight_scheme: str | None = None  # None: the model dtype's weights; else e.g. "int8" (weight_quant.py)
+
+    @torch.no_grad()
+    def quantize_projections(self, quantized: dict[str, torch.Tensor], scheme: str) -> None:
+        """Swaps every decoder projection for its int8 codes and per-channel scales, and the norms
+        (and qkv bias) for their smoothed values (the tensors services/engine/model/weight_quant.py
+        draws); embeddings and the LM head keep the model dtype."""
+        for i, layer in enumerate(self.layers):
+            for name, proj in zip(PROJECTION_NAMES, layer.projections()):
+                wq, scale = quantized[f"layers.{i}.{name}.wq"], quantized[f"layers.{i}.{name}.scale"]
+                if tuple(wq.shape) != (proj.out_features, proj.in_features):
+                    raise ValueError(f"quantized layers.{i}.{name} is {tuple(wq.shape)}, the model's is "
+                                     f"{(proj.out_features, proj.in_features)}: stale quantized weights")
+                proj.weight = nn.Parameter(wq.to(proj.weight.device), requires_grad=False)
+                proj.register_buffer("w_scale", scale.to(proj.weight.device, torch.float32))
+            layer.input_layernorm.copy_(quantized[f"layers.{i}.input_layernorm"])
+            layer.post_attention_layernorm.copy_(quantized[f"layers.{i}.post_attention_layernorm"])
+            if layer.qkv_proj.bias is not None:
+                layer.qkv_proj.bias.copy_(quantized[f"layers.{i}.qkv_bias"])
+        if "lm_head.wq" in quantized:  # the head's own copy; a tied embedding keeps its bf16 rows
+            device = self.embed_tokens.weight.device
+            self.lm_head_int8 = quantized["lm_head.wq"].to(device)
+            self.lm_head_scale = quantized["lm_head.scale"].to(device, torch.float32)
+            self.norm.copy_(quantized["norm"])
+        self.weight_scheme = scheme
 
     @torch.no_grad()
     def pack_weights(self) -> None:
@@ -100,9 +143,16 @@ class LlamaModel(nn.Module):
         ``ops.linear`` (idempotent; a no-op where nothing faster exists).
         The tied lm_head gets its own packed copy: the embedding needs rows."""
         for layer in self.layers:
-            for proj in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
-                proj.weight = nn.Parameter(ops.pack_linear_weight(proj.weight), requires_grad=False)
-        if self.lm_head is not None:
+            for proj in layer.projections():
+                if proj.weight.dtype == torch.int8:
+                    packed = ops.pack_int8_linear_weight(proj.weight, proj.w_scale)
+                else:
+                    packed = ops.pack_linear_weight(proj.weight)
+                proj.weight = nn.Parameter(packed, requires_grad=False)
+        if self.lm_head_int8 is not None:
+            if self.lm_head_int8.dim() == 2:
+                self.lm_head_int8 = ops.pack_int8_linear_weight(self.lm_head_int8, self.lm_head_scale)
+        elif self.lm_head is not None:
             self.lm_head.weight = nn.Parameter(ops.pack_linear_weight(self.lm_head.weight), requires_grad=False)
         elif self.lm_head_packed is None:
             packed = ops.pack_linear_weight(self.embed_tokens.weight)
@@ -165,7 +215,7 @@ class LlamaModel(nn.Module):
         residual = residual.index_select(0, batch.logits_indices)
         x = x.index_select(0, batch.logits_indices)
         x, _ = ops.fused_add_rmsnorm(x, residual, self.norm, eps)
-        return ops.linear(x, self.lm_head_weight).float()
+        return ops.linear(x, self.lm_head_weight, None, self.lm_head_scale).float()
 
     def load_hf_state(self, state: dict[str, torch.Tensor]) -> None:
         """Loads weights named as in Hugging Face checkpoints, fusing q/k/v and

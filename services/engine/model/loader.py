@@ -12,8 +12,8 @@ from services.engine.model.config import ModelConfig
 from services.engine.model.default import resolve_model_path
 from services.engine.model.llama import LlamaModel
 from services.engine.tokenizer import Tokenizer
-from services.model_meta import (block_hash_seed, is_gguf, model_dtype_name, read_model_config, safetensors_files,
-                                 weights_id)
+from services.model_meta import (block_hash_seed, check_weight_dtype, is_gguf, model_dtype_name, read_model_config,
+                                 safetensors_files, weights_id)
 
 __all__ = ["LoadedModel", "block_hash_seed", "load_model", "parse_dtype", "weights_id"]
 
@@ -26,6 +26,7 @@ class LoadedModel:
     path: Path
     name: str
     weights_id: str  # identifies the weights (services/model_meta.weights_id)
+    weight_dtype: str = "auto"  # "auto" (the model dtype) or a quantized scheme ("int8": weight_quant.py)
 
 
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -50,9 +51,15 @@ def _load_tensors(path: Path) -> dict[str, torch.Tensor]:
 
 
 def load_model(model: str | None = None, dtype: str | torch.dtype = "bfloat16",
-               device: str = "cpu") -> LoadedModel:
+               device: str = "cpu", weight_dtype: str = "auto") -> LoadedModel:
+    """``weight_dtype`` "int8": the decoder projections in int8 (services/engine/model/weight_quant.py);
+    needs a bf16 model (the int8 kernels take bf16 activations)."""
     path = resolve_model_path(model)
     torch_dtype = parse_dtype(dtype)
+    check_weight_dtype(weight_dtype)
+    if weight_dtype != "auto" and torch_dtype is not torch.bfloat16:
+        raise ValueError(f"weight_dtype {weight_dtype} runs with dtype bfloat16 (got {torch_dtype}): "
+                         f"set dtype: bfloat16, or weight_dtype: auto")
     if not (is_gguf(path) or path.is_dir()):
         raise ValueError(f"{path}: expected a .gguf file or a directory with config.json and *.safetensors")
     cfg = read_model_config(path)
@@ -64,4 +71,10 @@ def load_model(model: str | None = None, dtype: str | torch.dtype = "bfloat16",
     net.load_hf_state(state)
     net.eval().requires_grad_(False)
     tokenizer = Tokenizer.from_path(path, cfg)
-    return LoadedModel(cfg, net, tokenizer, path, path.stem if path.is_file() else path.name, weights_id(path))
+    if weight_dtype != "auto":
+        from services.engine.model.k_smoothing import calibration_token_ids
+        from services.engine.model.weight_quant import quantized_weights
+        net.quantize_projections(quantized_weights(path, state, net, calibration_token_ids(tokenizer), weight_dtype),
+                                 weight_dtype)
+    return LoadedModel(cfg, net, tokenizer, path, path.stem if path.is_file() else path.name, weights_id(path),
+                       weight_dtype)

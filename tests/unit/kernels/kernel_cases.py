@@ -28,6 +28,7 @@ ELEMENTWISE_TOL = {torch.float32: (1e-6, 1e-6), torch.float16: (1e-3, 1e-3), tor
 TRITON_MODULES = (
     "kernels.triton_common", "kernels.triton_kv8", "kernels.triton_paged_decode_attention", "kernels.triton_prefill_attention",
     "kernels.triton_kv_write", "kernels.triton_block_copy", "kernels.triton_rmsnorm", "kernels.triton_rope",
+    "kernels.triton_int8_linear",
 )
 
 

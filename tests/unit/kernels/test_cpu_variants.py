@@ -7,9 +7,9 @@ import pytest
 
 from kernels import cpu_native
 
-AVX512_BF16 = {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_bf16"}
+AVX512_BF16 = {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni"}
 AVX2_ONLY = {"avx", "avx2", "fma", "f16c"}
-AMX = AVX512_BF16 | {"amx_tile", "amx_bf16"}
+AMX = AVX512_BF16 | {"amx_tile", "amx_bf16", "amx_int8"}
 
 
 @pytest.mark.parametrize("flags,env,expected", [
