@@ -41,6 +41,8 @@ import torch
 from kernels.kv_quant import row_width
 
 KVEventCallback = Callable[[str, list[int]], None]  # ("stored" | "evicted", block hashes)
+# (block id, its hash, its tokens): called before an evicted block is reused (kv_tiers.py keeps its bytes)
+EvictCallback = Callable[[int, int, tuple[int, ...]], None]
 
 
 @dataclass(frozen=True)
@@ -98,6 +100,7 @@ class KVCache:
         self._cached: dict[int, int] = {}  # block hash -> block id
         self._free: deque[int] = deque(range(spec.num_blocks))
         self._evictable: OrderedDict[int, None] = OrderedDict()  # oldest first
+        self.on_evict: EvictCallback | None = None  # the tiers under the pool, when there are any
 
     # ---- sizes -------------------------------------------------------
     @property
@@ -192,6 +195,8 @@ class KVCache:
             else:
                 b, _ = self._evictable.popitem(last=False)
                 h = self._hash_of[b]
+                if self.on_evict is not None:
+                    self.on_evict(b, h, self._tokens_of[b])
                 del self._cached[h]
                 self._hash_of[b] = None
                 self._tokens_of[b] = None

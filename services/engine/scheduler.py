@@ -45,7 +45,8 @@ from dataclasses import dataclass, field
 
 from prefix_store.hashing import hash_prompt_blocks
 from services.engine.config import SchedulerConfig
-from services.engine.kv_cache import KVCache
+from services.engine.kv_cache import KVCache, PrefixMatch
+from services.engine.kv_tiers import KVTiers
 from services.engine.request import FinishReason, Request, RequestStatus
 from services.engine.spec_decode import Speculator
 
@@ -98,8 +99,9 @@ def _cdiv(a: int, b: int) -> int:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCache, hash_seed: int,
-                 speculator: Speculator | None = None):
+                 speculator: Speculator | None = None, tiers: KVTiers | None = None):
         self.config = config
+        self.tiers = tiers
         self.speculator = speculator
         self.kv = kv
         self.block_size = kv.spec.block_size
@@ -107,6 +109,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.awaiting_kv: dict[str, Request] = {}  # reserved blocks, prompt K/V coming from outside
+        self.loading: dict[str, Request] = {}  # parked while a tier loads their next blocks (kv_tiers.py)
+        self._tier_loaded: set[str] = set()  # parked once since their last admission: never twice in a row
         self._admission_paused = False
         self.num_preemptions = 0
         self.num_prompt_tokens_computed = 0
@@ -179,7 +183,10 @@ class Scheduler:
         return req
 
     def _dequeue(self, req: Request) -> None:
-        if self.awaiting_kv.get(req.request_id) is req:
+        self._tier_loaded.discard(req.request_id)
+        if self.loading.get(req.request_id) is req:
+            del self.loading[req.request_id]
+        elif self.awaiting_kv.get(req.request_id) is req:
             del self.awaiting_kv[req.request_id]
         elif req in self.running:
             self.running.remove(req)
@@ -193,10 +200,12 @@ class Scheduler:
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running) + len(self.loading)
 
     # ---- one step ----------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        if self.tiers is not None:
+            self._unpark()
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         i = 0
@@ -279,6 +288,8 @@ class Scheduler:
             if req.params.prompt_logprobs is not None and not req.output_token_ids:
                 hashes = []  # prompt logprobs need every position's logits: a cached block has none
             match = self.kv.match_prefix(hashes, req.all_token_ids)
+            if self.tiers is not None and self._park(req, hashes, match):
+                continue
             cached = match.num_blocks * bs
             num_new = min(req.num_tokens - cached, budget)
             if cached + num_new < req.num_prompt_tokens:
@@ -291,6 +302,7 @@ class Scheduler:
                 self._admission_paused = True
                 return
             self.waiting.popleft()
+            self._tier_loaded.discard(req.request_id)
             self.kv.acquire(match.block_ids)
             req.block_ids = list(match.block_ids) + self.kv.allocate(need)
             req.num_computed_tokens = req.num_cached_tokens = cached
@@ -299,6 +311,37 @@ class Scheduler:
             self.num_prompt_tokens_cached += cached
             out.add(ScheduledRequest(req, num_new))
             budget -= num_new
+
+    # ---- tiers under the pool (kv_tiers.py) ----------------------------
+    def _park(self, req: Request, hashes: list[int], match: PrefixMatch) -> bool:
+        """Parks the head of ``waiting`` if a tier holds its next blocks:
+        fresh blocks are filled off this thread while it waits in ``loading``
+        (the load holds its device hit too, so neither is evicted meanwhile)::
+
+            prompt blocks  [ device hit | tier hit ......... | rest ]
+                             acquired     fresh, loading      computed once admitted
+        """
+        if req.request_id in self._tier_loaded:
+            return False
+        sources = self.tiers.lookup(hashes, req.all_token_ids, match.num_blocks)
+        sources = sources[:max(0, self.kv.num_free_blocks - match.num_evictable)]
+        if not sources:
+            return False
+        self.kv.acquire(match.block_ids)
+        fresh = self.kv.allocate(len(sources))
+        self.tiers.start_load(req.request_id, list(match.block_ids) + fresh, fresh, hashes, req.all_token_ids,
+                              match.num_blocks, sources)
+        self.waiting.popleft()
+        self.loading[req.request_id] = req
+        self._tier_loaded.add(req.request_id)
+        return True
+
+    def _unpark(self) -> None:
+        """Requests whose loads landed go back to the head of the queue (their blocks are cached now)."""
+        for request_id in self.tiers.poll():
+            req = self.loading.pop(request_id, None)
+            if req is not None:  # None: aborted while it loaded
+                _insert_by_priority(self.waiting, req, first_of_its_priority=True)
 
     # ---- after the forward ---------------------------------------------
     def update(self, out: SchedulerOutput, sampled: dict[str, int],
