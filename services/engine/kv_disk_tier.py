@@ -101,14 +101,19 @@ class DiskTier:
                              "raise kv_tiers.disk_bytes, or leave kv_tiers.disk_dir unset")
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
-        for stale in (*self.dir.glob("*" + SUFFIX), *self.dir.glob("*.tmp")):
-            stale.unlink(missing_ok=True)
-        self.max_blocks = max_blocks
         self._index: OrderedDict[int, tuple[int, ...]] = OrderedDict()  # hash -> tokens, oldest first
+        self.clear()
+        self.max_blocks = max_blocks
 
     @property
     def num_blocks(self) -> int:
         return len(self._index)
+
+    def clear(self) -> None:
+        """Removes every record (and half-written one) in the directory; the index empties."""
+        for stale in (*self.dir.glob("*" + SUFFIX), *self.dir.glob("*.tmp")):
+            stale.unlink(missing_ok=True)
+        self._index = OrderedDict()
 
     def path(self, block_hash: int) -> Path:
         return self.dir / f"{block_hash:016x}{SUFFIX}"

@@ -101,6 +101,23 @@ class TierStats:
         return (self.loaded_host_blocks + self.loaded_disk_blocks) * self.block_bytes
 
 
+def tier_status(stats: TierStats | None) -> dict | None:
+    """What `pdcluster status` shows per replica: blocks, bytes and hit rate per tier."""
+    if stats is None:
+        return None
+    bb = stats.block_bytes
+    return {
+        "host": {"blocks": stats.host_blocks, "capacity_blocks": stats.host_capacity_blocks,
+                 "bytes": stats.host_blocks * bb, "loaded_blocks": stats.loaded_host_blocks},
+        "disk": {"blocks": stats.disk_blocks, "capacity_blocks": stats.disk_capacity_blocks,
+                 "bytes": stats.disk_blocks * bb, "loaded_blocks": stats.loaded_disk_blocks,
+                 "write_failures": stats.disk_write_failures},
+        "hit_rate": stats.lookup_hits / stats.lookups if stats.lookups else None,
+        "bytes_loaded": stats.bytes_loaded, "load_failures": stats.load_failures,
+        "dropped_blocks": stats.spill_drops + stats.host_full_drops,
+    }
+
+
 def default_sizes(config: KVTierConfig, pool_bytes: int) -> tuple[int, int]:
     """(host bytes, disk bytes) when the config leaves them unset: the host
     tier takes min(8 x the device pool, 1/4 of available memory), the disk
@@ -316,8 +333,11 @@ class KVTiers:
             self._landed = self.poll()
 
     def close(self) -> None:
+        """Stops the workers and removes the disk tier's records (only this process could trust them)."""
         self._writer.shutdown(wait=True)
         self._loader.shutdown(wait=True)
+        if self.disk is not None:
+            self.disk.clear()
 
     def check_integrity(self) -> None:
         self.host.check_integrity()

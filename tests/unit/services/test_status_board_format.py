@@ -33,3 +33,10 @@ def test_a_replica_hashing_with_another_seed_is_a_warning():
     [warning] = seed_warnings(state, board)
     assert warning.startswith("warning: replica d2") and f"{seed:#018x}" in warning
     assert seed_warnings({"config": {"no_such_field": 1}}, board) == []
+
+
+def test_kv_tiers_show_their_blocks_and_hit_rate():
+    tiers = {"host": {"blocks": 12}, "disk": {"blocks": 40}, "hit_rate": 0.625}
+    header, without, with_tiers = format_board([ROW, ROW | {"kv_tiers": tiers}])
+    assert "tiers host/disk:hit" in header
+    assert without.split()[-2] == "-" and with_tiers.split()[-2] == "12/40:62%"
