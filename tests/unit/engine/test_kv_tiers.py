@@ -80,14 +80,16 @@ def test_disk_tier_bounds_its_blocks_and_starts_empty(tmp_path):
     assert 1 in disk and 3 in disk and disk.num_blocks == 2
 
 
-def _pool(num_blocks: int) -> KVCache:
-    spec = KVCacheSpec(num_blocks, BS, num_layers=2, num_kv_heads=1, head_dim=4, dtype=torch.bfloat16)
+def _pool(num_blocks: int, dtype: torch.dtype = torch.bfloat16) -> KVCache:
+    spec = KVCacheSpec(num_blocks, BS, num_layers=2, num_kv_heads=1, head_dim=4, dtype=dtype)
     return KVCache(spec)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int8], ids=["bf16", "int8"])
 @pytest.mark.parametrize("disk", [False, True], ids=["host", "disk"])
-def test_evicted_blocks_come_back_through_a_parked_request_with_their_bytes(tmp_path, disk):
-    kv = _pool(4)
+def test_evicted_blocks_come_back_through_a_parked_request_with_their_bytes(tmp_path, disk, dtype):
+    """An 8-bit pool's blocks (values and their scales) travel as the pool holds them."""
+    kv = _pool(4, dtype)
     config = KVTierConfig(enabled=True, host_bytes=(1 if disk else 8) * kv.spec.block_bytes,
                           disk_dir=str(tmp_path) if disk else None)
     tiers = KVTiers(config, kv, SEED)
