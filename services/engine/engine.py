@@ -262,8 +262,11 @@ class Engine:
 
     def expire_stale(self, now: float | None = None) -> None:
         """The periodic pass (every step, and every idle wake of the async
-        loop): leases past their grace, and reservations past their TTL."""
+        loop): leases past their grace, reservations past their TTL, and
+        tier loads that landed (an aborted request's blocks go back even while idle)."""
         self.leases.expire(now)
+        if self.tiers is not None:
+            self.scheduler.land_tier_loads()
         if self._reservation_expiry:
             now = time.monotonic() if now is None else now
             for request_id in [rid for rid, at in self._reservation_expiry.items() if at <= now]:

@@ -11,7 +11,10 @@ prompt with that prefix loads it back instead of recomputing it::
 
 The scheduler parks a request whose next blocks a tier holds (``lookup``,
 then ``start_load``): the load holds a reference on its device hit and on
-the fresh blocks it fills, on a worker thread, while steps go on.  ``poll``
+the fresh blocks it fills, on a worker thread, while steps go on.  Blocks
+all in host memory are copied at once instead (on a CPU a host block comes
+back by one memory copy, microseconds, where parking costs the request a
+step): the request is admitted in the same step.  ``poll``
 (engine thread, each step) lands finished loads: each block verified --
 its hash recomputed from the parent hash and the token ids it covers, the
 ids equal to the request's, a disk record's seed and crc32 -- is committed
@@ -51,7 +54,7 @@ HOST, DISK = "host", "disk"
 # Host slots beyond the tier's capacity for blocks on their way to disk: a
 # burst of evictions (one admission's allocation) spills up to this many
 # before a write has to land; past it the oldest host block is dropped.
-WRITE_BACK_BLOCKS = 64
+WRITE_BACK_BLOCKS = 256
 
 
 @dataclass(frozen=True)
@@ -64,6 +67,16 @@ class TierSource:
 class LoadResult:
     num_verified: int         # leading blocks filled and verified
     failure: str | None = None
+
+
+@dataclass(frozen=True)
+class LandedLoad:
+    """A finished load: ``keep`` (device hit + the verified blocks, now cached,
+    one reference each) passes to the request; ``drop`` (blocks past the first
+    that failed) goes back to the pool."""
+    request_id: str
+    keep: list[int]
+    drop: list[int]
 
 
 @dataclass
@@ -152,7 +165,7 @@ class KVTiers:
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="kv-tier-load")
         self._writing: dict[int, tuple[int, tuple[int, ...], Future]] = {}  # hash -> (slot, tokens, write)
         self._loads: dict[int, TierLoad] = {}
-        self._landed: list[str] = []  # landed by drain(), handed out by the next poll()
+        self._landed: list[LandedLoad] = []  # landed by drain(), handed out by the next poll()
         self._next_load = 0
         self.stats = TierStats(host_capacity_blocks=self.host.capacity, block_bytes=self.block_bytes,
                                disk_capacity_blocks=self.disk.max_blocks if self.disk else 0)
@@ -229,9 +242,13 @@ class KVTiers:
         return out
 
     def start_load(self, request_id: str, held: list[int], fresh: list[int], block_hashes: Sequence[int],
-                   token_ids: Sequence[int], start: int, sources: list[TierSource]) -> None:
-        """Fills ``fresh`` (blocks ``start``... of the prompt) from ``sources``
-        on the loader thread; the load owns one reference on each of ``held``."""
+                   token_ids: Sequence[int], start: int, sources: list[TierSource]) -> LandedLoad | None:
+        """Fills ``fresh`` (blocks ``start``... of the prompt) from ``sources``;
+        the load owns one reference on each of ``held`` until it lands.  Blocks
+        all in host memory are copied here and now (a memory copy per block,
+        as eviction made; waiting a step for them would cost more than the
+        copy): returns the landed load.  Any block on disk: the loader thread
+        reads them all while steps go on, and ``poll`` lands them: None."""
         bs, n = self.block_size, len(fresh)
         hashes = list(block_hashes[start:start + n])
         tokens = list(token_ids[start * bs:(start + n) * bs])
@@ -243,13 +260,18 @@ class KVTiers:
             self.host.touch(h)
             if self.disk is not None:
                 self.disk.touch(h)
+        if all(src.tier == HOST for src in sources):
+            fut: Future = Future()
+            fut.set_result(self._fill(fresh, hashes, tokens, parent, sources))
+            return self._land(TierLoad(request_id, held, fresh, hashes, tokens, sources, fut), fut.result())
         fut = self._loader.submit(self._fill, fresh, hashes, tokens, parent, sources)
         self._next_load += 1
         self._loads[self._next_load] = TierLoad(request_id, held, fresh, hashes, tokens, sources, fut)
+        return None
 
     def _fill(self, fresh: list[int], hashes: list[int], tokens: list[int], parent: int | None,
               sources: list[TierSource]) -> LoadResult:
-        """Worker thread: copies each block in, verifying it first; stops at the first that fails."""
+        """Copies each block in, verifying it first; stops at the first that fails (the loader thread's work)."""
         bs = self.block_size
         for i, (b, h, src) in enumerate(zip(fresh, hashes, sources)):
             want = tuple(tokens[i * bs:(i + 1) * bs])
@@ -268,17 +290,16 @@ class KVTiers:
             parent = h
         return LoadResult(len(fresh))
 
-    def poll(self) -> list[str]:
-        """Lands finished writes and loads; returns the ids of requests whose loads landed."""
+    def poll(self) -> list[LandedLoad]:
+        """Lands finished writes and loads; the caller takes each landed load's blocks."""
         self._land_writes()
         landed, self._landed = self._landed, []
         for key in [k for k, ld in self._loads.items() if ld.future.done()]:
             ld = self._loads.pop(key)
-            landed.append(ld.request_id)
-            self._land(ld, ld.future.result())
+            landed.append(self._land(ld, ld.future.result()))
         return landed
 
-    def _land(self, ld: TierLoad, res: LoadResult) -> None:
+    def _land(self, ld: TierLoad, res: LoadResult) -> LandedLoad:
         for s in ld.sources:
             if s.slot is not None:
                 self.host.unpin(s.slot)
@@ -294,7 +315,8 @@ class KVTiers:
                         "error=%s", ld.request_id, res.failure)
             self._forget(ld.hashes[k], ld.sources[k].tier)
         self.kv.commit(ld.fresh[:k], ld.hashes[:k], ld.token_ids)
-        self.kv.free(ld.held)
+        num_hit = len(ld.held) - len(ld.fresh)
+        return LandedLoad(ld.request_id, ld.held[:num_hit + k], ld.held[num_hit + k:])
 
     def _forget(self, block_hash: int, tier: str) -> None:
         """Drops a block that failed verification from the tier that served it."""
@@ -318,7 +340,9 @@ class KVTiers:
             wait([ld.future for ld in self._loads.values()], timeout=timeout_s, return_when="FIRST_COMPLETED")
 
     def held_block_ids(self) -> list[int]:
-        return [b for ld in self._loads.values() for b in ld.held]
+        """Blocks the tiers hold a reference on: loads in flight, and landed ones not yet handed out."""
+        return [b for ld in self._loads.values() for b in ld.held] + \
+            [b for ld in self._landed for b in ld.keep + ld.drop]
 
     def snapshot(self) -> TierStats:
         s = self.stats
@@ -327,7 +351,7 @@ class KVTiers:
         return dataclasses.replace(s)
 
     def drain(self) -> None:
-        """Waits for every write and load, and lands them (tests, shutdown)."""
+        """Waits for every write and load, and lands them (tests); the next ``poll`` hands the loads out."""
         while self._loads or self._writing:
             wait([f for *_, f in self._writing.values()] + [ld.future for ld in self._loads.values()])
             self._landed = self.poll()

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from prefix_store.hashing import hash_prompt_blocks
 from services.engine.config import SchedulerConfig
 from services.engine.kv_cache import KVCache, PrefixMatch
-from services.engine.kv_tiers import KVTiers
+from services.engine.kv_tiers import KVTiers, LandedLoad
 from services.engine.request import FinishReason, Request, RequestStatus
 from services.engine.spec_decode import Speculator
 
@@ -205,7 +205,7 @@ class Scheduler:
     # ---- one step ----------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         if self.tiers is not None:
-            self._unpark()
+            self.land_tier_loads()
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         i = 0
@@ -235,6 +235,8 @@ class Scheduler:
         running requests as needed.  False if ``req`` itself got preempted."""
         need = _cdiv(req.num_computed_tokens + num_new, self.block_size) - len(req.block_ids)
         while need > 0 and not self.kv.can_allocate(need):
+            if self.tiers is not None and self._release_holds():
+                continue
             victim = self.running.pop()
             self._preempt(victim)
             out.preempted.append(victim)
@@ -304,6 +306,7 @@ class Scheduler:
             self.waiting.popleft()
             self._tier_loaded.discard(req.request_id)
             self.kv.acquire(match.block_ids)
+            self.free_blocks(req)  # what a tier load held for it: the match has them now
             req.block_ids = list(match.block_ids) + self.kv.allocate(need)
             req.num_computed_tokens = req.num_cached_tokens = cached
             req.status = RequestStatus.RUNNING
@@ -314,34 +317,59 @@ class Scheduler:
 
     # ---- tiers under the pool (kv_tiers.py) ----------------------------
     def _park(self, req: Request, hashes: list[int], match: PrefixMatch) -> bool:
-        """Parks the head of ``waiting`` if a tier holds its next blocks:
-        fresh blocks are filled off this thread while it waits in ``loading``
-        (the load holds its device hit too, so neither is evicted meanwhile)::
+        """Loads the next blocks of the head of ``waiting`` from a tier, if one
+        holds them and the pool has room for them below the high watermark;
+        True when it did (then admission looks at the queue again).  Host
+        blocks land at once; disk blocks are filled off this thread while the
+        request waits in ``loading``.  The load holds the device hit too, and
+        once landed the request holds both in ``waiting`` (so nothing evicts
+        them before its admission, ``_admit``; ``_grow`` takes them back if a
+        running request needs the room)::
 
             prompt blocks  [ device hit | tier hit ......... | rest ]
                              acquired     fresh, loading      computed once admitted
         """
         if req.request_id in self._tier_loaded:
             return False
-        sources = self.tiers.lookup(hashes, req.all_token_ids, match.num_blocks)
-        sources = sources[:max(0, self.kv.num_free_blocks - match.num_evictable)]
+        room = self.kv.num_free_blocks - match.num_evictable
+        room -= int((1 - self.config.kv_watermark_high) * self.kv.num_total_blocks)
+        sources = self.tiers.lookup(hashes, req.all_token_ids, match.num_blocks)[:max(0, room)]
         if not sources:
             return False
         self.kv.acquire(match.block_ids)
         fresh = self.kv.allocate(len(sources))
-        self.tiers.start_load(req.request_id, list(match.block_ids) + fresh, fresh, hashes, req.all_token_ids,
-                              match.num_blocks, sources)
-        self.waiting.popleft()
-        self.loading[req.request_id] = req
         self._tier_loaded.add(req.request_id)
+        landed = self.tiers.start_load(req.request_id, list(match.block_ids) + fresh, fresh, hashes,
+                                       req.all_token_ids, match.num_blocks, sources)
+        if landed is not None:
+            self._hold(req, landed)
+        else:
+            self.waiting.popleft()
+            self.loading[req.request_id] = req
         return True
 
-    def _unpark(self) -> None:
-        """Requests whose loads landed go back to the head of the queue (their blocks are cached now)."""
-        for request_id in self.tiers.poll():
-            req = self.loading.pop(request_id, None)
-            if req is not None:  # None: aborted while it loaded
-                _insert_by_priority(self.waiting, req, first_of_its_priority=True)
+    def land_tier_loads(self) -> None:
+        """Requests whose loads landed go back to the head of the queue, holding their blocks."""
+        for landed in self.tiers.poll():
+            req = self.loading.pop(landed.request_id, None)
+            if req is None:  # aborted while it loaded
+                self.kv.free(landed.keep + landed.drop)
+                continue
+            self._hold(req, landed)
+            _insert_by_priority(self.waiting, req, first_of_its_priority=True)
+
+    def _hold(self, req: Request, landed: LandedLoad) -> None:
+        self.kv.free(landed.drop)
+        req.block_ids = landed.keep
+
+    def _release_holds(self) -> bool:
+        """Gives back the blocks one waiting request holds from a tier load (the
+        newest such); they stay cached.  False when no waiting request holds any."""
+        for req in reversed(self.waiting):
+            if req.block_ids:
+                self.free_blocks(req)
+                return True
+        return False
 
     # ---- after the forward ---------------------------------------------
     def update(self, out: SchedulerOutput, sampled: dict[str, int],

@@ -147,6 +147,8 @@ def test_an_abort_while_blocks_load_leaks_nothing(smol_fp32, prompts, tmp_path):
         assert engine.abort("a-again")
         assert not engine.has_unfinished()
         engine.tiers.drain()
+        engine.check_integrity()  # landed, not yet handed back: still the tiers' own
+        engine.expire_stale()  # what the idle engine loop runs
         engine.check_integrity()
         assert engine.kv.num_free_blocks == engine.kv.num_total_blocks and not engine.tiers.held_block_ids()
     finally:
