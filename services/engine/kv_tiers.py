@@ -19,9 +19,11 @@ step): the request is admitted in the same step.  ``poll``
 its hash recomputed from the parent hash and the token ids it covers, the
 ids equal to the request's, a disk record's seed and crc32 -- is committed
 to the prefix cache; the first that fails stops the prefix there (counted;
-the rest is recomputed).  Then the load's references go and the request
-returns to the head of the waiting queue, where admission finds the blocks
-on the device.  Writes run on their own worker; a write that fails (a full
+the rest is recomputed).  The load's references on its hit and verified
+blocks pass to the request, which returns to the head of the waiting
+queue holding them (nothing evicts them before admission finds them on
+the device; the scheduler takes them back if a running request needs the
+room).  Writes run on their own worker; a write that fails (a full
 or failing disk) drops the block, counted: it will be recomputed.
 
 Only the engine thread calls this class.  The block-hash seed (model,
@@ -36,8 +38,7 @@ import os
 import shutil
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -47,6 +48,7 @@ from services.engine.config import KVTierConfig
 from services.engine.kv_cache import KVCache
 from services.engine.kv_disk_tier import CorruptBlockError, DiskTier, read_record, record_bytes, write_record
 from services.engine.kv_host_tier import HostTier
+from services.engine.kv_tier_stats import TierStats
 
 log = logging.getLogger(__name__)
 TierEventCallback = Callable[[str, str, list[int]], None]  # ("stored" | "evicted", "host" | "disk", hashes)
@@ -88,47 +90,6 @@ class TierLoad:
     token_ids: list[int]      # the tokens the fresh blocks cover
     sources: list[TierSource]
     future: Future
-
-
-@dataclass
-class TierStats:
-    host_blocks: int = 0
-    host_capacity_blocks: int = 0
-    disk_blocks: int = 0
-    disk_capacity_blocks: int = 0
-    block_bytes: int = 0
-    offloaded_blocks: int = 0       # device -> host
-    spilled_blocks: int = 0         # host -> disk, written
-    loaded_host_blocks: int = 0     # host -> device, verified
-    loaded_disk_blocks: int = 0     # disk -> device, verified
-    load_failures: int = 0          # a block that failed verification or could not be read: recomputed
-    disk_write_failures: int = 0    # full or failing disk: the block is dropped
-    spill_drops: int = 0            # the disk writer is WRITE_BACK_BLOCKS behind: the oldest host block is dropped
-    host_full_drops: int = 0        # every spare host slot pinned by I/O: the evicted block is dropped
-    lookups: int = 0                # admissions that asked the tiers
-    lookup_hits: int = 0            # ... and found at least one block there
-    loads_in_flight: int = 0
-
-    @property
-    def bytes_loaded(self) -> int:
-        return (self.loaded_host_blocks + self.loaded_disk_blocks) * self.block_bytes
-
-
-def tier_status(stats: TierStats | None) -> dict | None:
-    """What `pdcluster status` shows per replica: blocks, bytes and hit rate per tier."""
-    if stats is None:
-        return None
-    bb = stats.block_bytes
-    return {
-        "host": {"blocks": stats.host_blocks, "capacity_blocks": stats.host_capacity_blocks,
-                 "bytes": stats.host_blocks * bb, "loaded_blocks": stats.loaded_host_blocks},
-        "disk": {"blocks": stats.disk_blocks, "capacity_blocks": stats.disk_capacity_blocks,
-                 "bytes": stats.disk_blocks * bb, "loaded_blocks": stats.loaded_disk_blocks,
-                 "write_failures": stats.disk_write_failures},
-        "hit_rate": stats.lookup_hits / stats.lookups if stats.lookups else None,
-        "bytes_loaded": stats.bytes_loaded, "load_failures": stats.load_failures,
-        "dropped_blocks": stats.spill_drops + stats.host_full_drops,
-    }
 
 
 def default_sizes(config: KVTierConfig, pool_bytes: int) -> tuple[int, int]:
@@ -348,7 +309,7 @@ class KVTiers:
         s = self.stats
         s.host_blocks, s.loads_in_flight = self.host.num_blocks, len(self._loads)
         s.disk_blocks = self.disk.num_blocks if self.disk else 0
-        return dataclasses.replace(s)
+        return replace(s)
 
     def drain(self) -> None:
         """Waits for every write and load, and lands them (tests); the next ``poll`` hands the loads out."""

@@ -9,7 +9,7 @@ from services.engine.logprobs import TokenLogprob
 from services.engine.request import FinishReason
 
 if TYPE_CHECKING:
-    from services.engine.kv_tiers import TierStats
+    from services.engine.kv_tier_stats import TierStats
 
 
 @dataclass(frozen=True)

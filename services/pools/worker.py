@@ -27,7 +27,7 @@ from services.cluster_secret import cluster_secret
 from services.config import ClusterConfig, PoolConfig
 from services.engine.async_engine import AsyncEngine
 from services.engine.engine import Engine
-from services.engine.kv_tiers import tier_status
+from services.engine.kv_tier_stats import tier_status
 from services.replica_loopback import bind_replica_grpc_to_loopback
 from services.messages import GenerateRequest, TokenDelta
 from services.pools.status_board import publish_forever
