@@ -120,3 +120,26 @@ def test_evicted_blocks_come_back_into_the_prefix_cache_with_their_bytes(tmp_pat
     assert (s.loaded_disk_blocks if disk else s.loaded_host_blocks) >= 1 and s.load_failures == 0
     assert s.loaded_host_blocks + s.loaded_disk_blocks == 3
     tiers.close()
+
+
+def test_a_running_request_that_needs_room_takes_back_what_a_waiting_request_holds(tmp_path):
+    """A landed load's blocks wait with their request (nothing evicts them before
+    its admission), but never at a running request's expense: it takes them back
+    (they stay cached) before it would preempt anyone."""
+    kv = _pool(4)
+    tiers = KVTiers(KVTierConfig(enabled=True, host_bytes=8 * kv.spec.block_bytes), kv, SEED)
+    kv.on_evict = tiers.on_evict
+    sched = Scheduler(SchedulerConfig(), kv, SEED, tiers=tiers)
+    running = Request("run", list(range(1, 8)), SamplingParams(max_tokens=8, ignore_eos=True))
+    sched.add(running)
+    sched.update(sched.schedule(), {"run": 9})  # 7 prompt tokens
+    sched.update(sched.schedule(), {"run": 9})  # + 1 decoded: 8 tokens, two full blocks
+    holder = Request("hold", list(range(50, 59)), SamplingParams(max_tokens=1))
+    holder.block_ids = kv.allocate(2)  # as a landed tier load hands them over
+    sched.waiting.append(holder)
+    assert kv.num_free_blocks == 0
+    out = sched.schedule()  # its next decode needs a third block
+    assert [s.request for s in out.decodes] == [running] and not out.preempted
+    assert holder.block_ids == [] and len(running.block_ids) == 3
+    kv.check_integrity()
+    tiers.close()
