@@ -15,12 +15,16 @@ The targets are judged on ``disk`` (most hits come from disk there).  Also
 printed: what one block costs to bring back from each tier, beside what its
 tokens cost to recompute (the off run's prefill seconds per token).
 
-Not measured here (their target lines say ``nan ... missed``): the cluster
-configurations (1 prefill + 1 decode, 2 colocated) through the gateway,
-vLLM-CPU with prefix caching on the same workload, and peer prefix fetch
-(not built yet).
+With ``--cluster 1p1d`` (1 prefill + 1 decode) or ``--cluster colocated``
+(2 replicas) the same sessions go through the gateway of a local cluster
+instead, tiers off vs on (bench/load/prefix_tiers_cluster.py), each
+replica's KV pool a quarter of the working set.
 
-    python -m bench.load.prefix_tiers [--sessions 64 --turns 6 --repeats 1]
+Not measured here (their target lines say ``nan ... missed``): vLLM-CPU
+with prefix caching on the same workload, and peer prefix fetch (not built
+yet).
+
+    python -m bench.load.prefix_tiers [--sessions 64 --turns 6 --repeats 1] [--cluster 1p1d]
 """
 
 from __future__ import annotations
@@ -160,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=1, help="times each mode runs, alternating")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--cluster", choices=("1p1d", "colocated"), default=None,
+                    help="through the gateway of a local cluster of this shape (tiers off vs on)")
     args = ap.parse_args(argv)
     print_fingerprint()
     w = ChatWorkload(sessions=args.sessions, turns=args.turns, session_rate_rps=args.rate, think_s=args.think)
@@ -174,11 +180,17 @@ def main(argv: list[str] | None = None) -> int:
           f"tokens per user turn, {w.output_tokens} out, sessions start at {w.session_rate_rps}/s (Poisson), "
           f"think {w.think_s} s; working set {ws_tokens} tokens = {ws_tokens / (pool_blocks * 16):.1f}x the pool "
           f"({pool_blocks} blocks of 16, {pool_blocks * block_bytes / 2**20:.0f} MiB bf16)")
+    reproduce = (f"# reproduce: python -m bench.load.prefix_tiers --sessions {w.sessions} --turns {w.turns} "
+                 f"--rate {w.session_rate_rps} --think {w.think_s} --pool-fraction {args.pool_fraction} "
+                 f"--repeats {args.repeats}")
+    if args.cluster:
+        print(f"# compares: a local cluster ({args.cluster}, 1 thread per replica, bf16) through its gateway, "
+              "tiers off vs on (host tier = the pool, disk tier for the rest), alternating")
+        print(reproduce + f" --cluster {args.cluster}")
+        return run_clusters(args, w, frame, loaded.tokenizer, pool_blocks * block_bytes)
     print("# compares: one replica's engine (bf16, native kernels, "
           f"{args.threads} thread), tiers off vs on, alternating: {', '.join(args.modes.split(','))}")
-    print(f"# reproduce: python -m bench.load.prefix_tiers --sessions {w.sessions} --turns {w.turns} "
-          f"--rate {w.session_rate_rps} --think {w.think_s} --pool-fraction {args.pool_fraction} "
-          f"--repeats {args.repeats} --threads {args.threads}")
+    print(reproduce + f" --threads {args.threads}")
     results: dict[str, list[RunResult]] = {m: [] for m in args.modes.split(",")}
     with tempfile.TemporaryDirectory(prefix="prefix-tiers-", dir=Path("runs").resolve()
                                      if Path("runs").is_dir() else None) as tmp:
@@ -194,6 +206,25 @@ def main(argv: list[str] | None = None) -> int:
                 results[mode].append(r)
                 print_row(r)
     return report(results, host_us, disk_us)
+
+
+def run_clusters(args, w: ChatWorkload, frame: ChatFrame, tokenizer, pool_bytes: int) -> int:
+    from bench.load.prefix_tiers_cluster import run_cluster
+
+    kv_mib = max(1, -(-pool_bytes // 2**20))  # whole MiB, rounded up: the longest request must fit
+    results: dict[str, list[RunResult]] = {"off": [], "disk": []}
+    with tempfile.TemporaryDirectory(prefix="prefix-tiers-", dir=Path("runs").resolve()
+                                     if Path("runs").is_dir() else None) as tmp:
+        for rep in range(args.repeats):
+            for mode in results:
+                ttfts, computed, tiers = run_cluster(args.cluster, mode != "off", w, frame, tokenizer, kv_mib,
+                                                     Path(tmp) / f"{mode}-{rep}")
+                r = RunResult(mode, prompt_tokens_computed=computed, ttft_s=ttfts)
+                results[mode].append(r)
+                print(f"{args.cluster} tiers {'off' if mode == 'off' else 'on '}: prompt tokens computed "
+                      f"{computed}; TTFT p50 {r.ttft_p50_s:.3f} s, p90 {np.percentile(ttfts, 90):.3f} s; "
+                      f"replica tiers {tiers}", flush=True)
+    return report(results, float("nan"), float("nan"))
 
 
 def print_row(r: RunResult) -> None:
@@ -216,9 +247,10 @@ def report(results: dict[str, list[RunResult]], host_us: float, disk_us: float) 
     nan = float("nan")
     per_token_us = total("off", "prefill_busy_s") / max(1, total("off", "prompt_tokens_computed")) * 1e6 \
         if "off" in results else nan
-    print(f"# one block (16 tokens) back from host memory: {host_us:.0f} us, from disk (read + crc + copy): "
-          f"{disk_us:.0f} us; recomputing it: {16 * per_token_us:.0f} us (off run: prefill step seconds / "
-          "prompt tokens computed)")
+    if not np.isnan(host_us):
+        print(f"# one block (16 tokens) back from host memory: {host_us:.0f} us, from disk (read + crc + copy): "
+              f"{disk_us:.0f} us; recomputing it: {16 * per_token_us:.0f} us (off run: prefill step seconds / "
+              "prompt tokens computed)")
     for on in ("host", "disk"):
         if on in results and "off" in results:
             print(f"# {on}: prefill tokens computed {total(on, 'prompt_tokens_computed') / total('off', 'prompt_tokens_computed'):.2f}x off, "
@@ -226,8 +258,8 @@ def report(results: dict[str, list[RunResult]], host_us: float, disk_us: float) 
     ok = "off" in results and "disk" in results
     prefill_ratio = total("disk", "prompt_tokens_computed") / total("off", "prompt_tokens_computed") if ok else nan
     ttft_ratio = p50("disk") / p50("off") if ok else nan
-    print("# targets judged on 'disk' (host tier = the pool, disk tier for the rest); vLLM-CPU and peer fetch "
-          "were not measured by this script (nan)")
+    print("# targets judged on tiers on with a disk tier ('disk': host tier = the pool, disk tier for the rest); "
+          "vLLM-CPU and peer fetch were not measured by this script (nan)")
     print_target("prefill_tokens_tiers_on_vs_off", prefill_ratio, "<=", GOAL_PREFILL_RATIO)
     print_target("ttft_p50_tiers_on_vs_off", ttft_ratio, "<=", GOAL_TTFT_RATIO)
     print_target("ttft_p50_tiers_on_vs_vllm", nan, "<=", GOAL_VLLM_RATIO)

@@ -21,8 +21,8 @@ class TierStats:
     disk_write_failures: int = 0    # full or failing disk: the block is dropped
     spill_drops: int = 0            # the disk writer is WRITE_BACK_BLOCKS behind: the oldest host block is dropped
     host_full_drops: int = 0        # every spare host slot pinned by I/O: the evicted block is dropped
-    lookups: int = 0                # admissions that asked the tiers
-    lookup_hits: int = 0            # ... and found at least one block there
+    admissions: int = 0             # requests admitted (scheduler.py)
+    admissions_from_tiers: int = 0  # ... with blocks loaded from a tier
     loads_in_flight: int = 0
 
     @property
@@ -41,7 +41,7 @@ def tier_status(stats: TierStats | None) -> dict | None:
         "disk": {"blocks": stats.disk_blocks, "capacity_blocks": stats.disk_capacity_blocks,
                  "bytes": stats.disk_blocks * bb, "loaded_blocks": stats.loaded_disk_blocks,
                  "write_failures": stats.disk_write_failures},
-        "hit_rate": stats.lookup_hits / stats.lookups if stats.lookups else None,
+        "hit_rate": stats.admissions_from_tiers / stats.admissions if stats.admissions else None,
         "bytes_loaded": stats.bytes_loaded, "load_failures": stats.load_failures,
         "dropped_blocks": stats.spill_drops + stats.host_full_drops,
     }

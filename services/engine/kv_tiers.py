@@ -185,7 +185,6 @@ class KVTiers:
     def lookup(self, block_hashes: Sequence[int], token_ids: Sequence[int], start: int) -> list[TierSource]:
         """Where blocks ``start``, ``start + 1``, ... of a prompt sit in the
         tiers, up to the first one no tier holds with these very tokens."""
-        self.stats.lookups += 1
         out: list[TierSource] = []
         bs = self.block_size
         for i in range(start, len(block_hashes)):
@@ -199,7 +198,6 @@ class KVTiers:
                 out.append(TierSource(DISK))
             else:
                 break
-        self.stats.lookup_hits += bool(out)
         return out
 
     def start_load(self, request_id: str, held: list[int], fresh: list[int], block_hashes: Sequence[int],
@@ -289,6 +287,10 @@ class KVTiers:
                 self._writer.submit(self.disk.path(block_hash).unlink, missing_ok=True)
         if gone:
             self._emit("evicted", tier, [block_hash])
+
+    def count_admission(self, loaded_from_tiers: bool) -> None:
+        self.stats.admissions += 1
+        self.stats.admissions_from_tiers += loaded_from_tiers
 
     # ---- views -----------------------------------------------------------------
     @property

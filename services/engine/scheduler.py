@@ -304,6 +304,8 @@ class Scheduler:
                 self._admission_paused = True
                 return
             self.waiting.popleft()
+            if self.tiers is not None:
+                self.tiers.count_admission(req.request_id in self._tier_loaded)
             self._tier_loaded.discard(req.request_id)
             self.kv.acquire(match.block_ids)
             self.free_blocks(req)  # what a tier load held for it: the match has them now

@@ -119,6 +119,7 @@ def test_evicted_blocks_come_back_into_the_prefix_cache_with_their_bytes(tmp_pat
     s = tiers.snapshot()
     assert (s.loaded_disk_blocks if disk else s.loaded_host_blocks) >= 1 and s.load_failures == 0
     assert s.loaded_host_blocks + s.loaded_disk_blocks == 3
+    assert s.admissions == s.admissions_from_tiers == 1
     tiers.close()
 
 
@@ -143,3 +144,10 @@ def test_a_running_request_that_needs_room_takes_back_what_a_waiting_request_hol
     assert holder.block_ids == [] and len(running.block_ids) == 3
     kv.check_integrity()
     tiers.close()
+
+
+def test_the_hit_rate_is_the_share_of_admissions_the_tiers_served():
+    from services.engine.kv_tier_stats import TierStats, tier_status
+    view = tier_status(TierStats(admissions=8, admissions_from_tiers=2, host_blocks=3, block_bytes=10))
+    assert view["hit_rate"] == 0.25 and view["host"]["bytes"] == 30
+    assert tier_status(TierStats())["hit_rate"] is None and tier_status(None) is None
