@@ -6,6 +6,8 @@ and `pdcluster status`'s board shows the loads."""
 
 from __future__ import annotations
 
+import time
+
 import redis
 
 from prefix_store.redis_server import free_service_port
@@ -40,8 +42,7 @@ def test_a_prefix_evicted_from_the_pool_comes_back_from_the_tiers(tmp_path):
         assert again.choices[0].text == first.choices[0].text
         assert again.usage.prompt_tokens_details.cached_tokens >= 128, again.usage
 
-        [board] = read_board(cluster.config.index_url, config.cluster_name)
-        tiers = board["kv_tiers"]
+        tiers = _tiers_once_published(cluster.config.index_url, config.cluster_name)
         assert tiers["host"]["loaded_blocks"] + tiers["disk"]["loaded_blocks"] >= 8, tiers
         assert tiers["disk"]["blocks"] > 0 and tiers["load_failures"] == 0, tiers
 
@@ -52,3 +53,16 @@ def test_a_prefix_evicted_from_the_pool_comes_back_from_the_tiers(tmp_path):
     finally:
         cluster.stop()
     assert not list(tmp_path.glob("*/*.kvb"))  # the replica's disk tier went with it
+
+
+def _tiers_once_published(url: str, cluster: str, wait_s: float = 30.0) -> dict:
+    """The replica's tier view once its status board has caught up with the
+    last request (it publishes every half second; reading at once may see the
+    status from before it)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        [board] = read_board(url, cluster)
+        tiers = board["kv_tiers"]
+        if tiers["host"]["loaded_blocks"] + tiers["disk"]["loaded_blocks"] or time.monotonic() > deadline:
+            return tiers
+        time.sleep(0.5)
