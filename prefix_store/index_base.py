@@ -9,7 +9,9 @@ behavioural suite against all of them):
   of the same name retires the old one at once (its entries never count
   again); a heartbeat from an *older* epoch is refused (``SUPERSEDED``).
 * ``lookup(block_hashes)`` returns, for every live worker holding block 0,
-  how many *leading* blocks it holds.  It never raises: when the backing
+  how many *leading* blocks it holds, in any tier (device pool, host memory
+  or disk: events.py), and of those how many sit only in a lower tier
+  (``tier_blocks``: they cost a load, not a recompute).  It never raises: when the backing
   store is down or slow it returns an empty, ``degraded`` result within its
   timeout, so the router falls back to load-only routing.
 * Write operations raise ``IndexUnavailable`` so the publisher can buffer
@@ -26,8 +28,20 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from prefix_store.events import EventBatch
+from prefix_store.events import DEVICE, EventBatch
 from prefix_store.worker_id import WorkerId
+
+
+def tier_member(worker_key: str, tier: str) -> str:
+    """The index member that says ``worker_key`` holds a block in ``tier``:
+    the key itself for the device pool, ``key#tier`` for a lower tier."""
+    return worker_key if tier == DEVICE else f"{worker_key}#{tier}"
+
+
+def split_member(member: str) -> tuple[str, str]:
+    """(worker key, tier) of an index member (the inverse of ``tier_member``)."""
+    cut = member.find("#", member.find("@"))
+    return (member, DEVICE) if cut < 0 else (member[:cut], member[cut + 1:])
 
 
 class IndexUnavailable(RuntimeError):
@@ -49,6 +63,12 @@ class LookupResult:
     num_blocks: int
     degraded: bool = False       # True: the index could not answer; treat as no matches
     error: str = ""
+    # worker name -> {"host": n, "disk": m}: leading blocks it holds only in a lower tier (none: absent)
+    tier_blocks: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    def device_blocks(self, name: str) -> int:
+        """Leading blocks ``name`` holds in its device pool or could load from a tier, less the tier ones."""
+        return self.matched_blocks.get(name, 0) - sum(self.tier_blocks.get(name, {}).values())
 
     @classmethod
     def unavailable(cls, num_blocks: int, error: str) -> "LookupResult":

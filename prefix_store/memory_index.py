@@ -2,8 +2,8 @@
 
 For single-process use (engine-only runs) and unit tests.  State:
 
-    holders[block_hash] -> {worker key}        who holds each block
-    blocks[worker key]  -> {block_hash}        for cleanup
+    holders[block_hash] -> {member}            who holds each block, where (index_base.tier_member)
+    blocks[worker key]  -> {(hash, member)}    for cleanup
     live[name]          -> (epoch, deadline)   liveness, by heartbeat
 
 A worker key counts only while ``live[name]`` holds its epoch and the
@@ -15,8 +15,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
-from prefix_store.events import EventBatch
-from prefix_store.index_base import HeartbeatStatus, IndexCounters, LookupResult, PrefixIndex, PurgeReport
+from prefix_store.events import DEVICE, LOWER_TIERS, EventBatch
+from prefix_store.index_base import (
+    HeartbeatStatus, IndexCounters, LookupResult, PrefixIndex, PurgeReport, split_member, tier_member,
+)
 from prefix_store.worker_id import WorkerId
 
 
@@ -24,7 +26,7 @@ class InMemoryPrefixIndex(PrefixIndex):
     def __init__(self, *, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self._holders: dict[int, set[str]] = {}
-        self._blocks: dict[str, set[int]] = {}
+        self._blocks: dict[str, set[tuple[int, str]]] = {}
         self._live: dict[str, tuple[int, float]] = {}
         self._info: dict[str, dict] = {}
         self.counters = IndexCounters()
@@ -36,7 +38,7 @@ class InMemoryPrefixIndex(PrefixIndex):
         return entry[0]
 
     def _is_live(self, worker_key: str) -> bool:
-        worker = WorkerId.parse(worker_key)
+        worker = WorkerId.parse(split_member(worker_key)[0])
         return self._live_epoch(worker.name) == worker.epoch
 
     async def register(self, worker: WorkerId, ttl_s: float, info: dict | None = None) -> HeartbeatStatus:
@@ -63,17 +65,23 @@ class InMemoryPrefixIndex(PrefixIndex):
     async def publish(self, worker: WorkerId, batch: EventBatch) -> None:
         self.counters.publishes += 1
         mine = self._blocks.setdefault(worker.key, set())
-        for h, kind in batch.last_kind.items():
+        events = [(h, DEVICE, kind) for h, kind in batch.last_kind.items()]
+        events += [(h, tier, kind) for (h, tier), kind in batch.tier_kind.items()]
+        for h, tier, kind in events:
+            member = tier_member(worker.key, tier)
             if kind == "stored":
-                self._holders.setdefault(h, set()).add(worker.key)
-                mine.add(h)
+                self._holders.setdefault(h, set()).add(member)
+                mine.add((h, member))
             else:
-                holders = self._holders.get(h)
-                if holders is not None:
-                    holders.discard(worker.key)
-                    if not holders:
-                        del self._holders[h]
-                mine.discard(h)
+                self._drop(h, member)
+                mine.discard((h, member))
+
+    def _drop(self, h: int, member: str) -> None:
+        holders = self._holders.get(h)
+        if holders is not None:
+            holders.discard(member)
+            if not holders:
+                del self._holders[h]
 
     async def clear_worker(self, worker: WorkerId) -> int:
         removed = self._remove_entries(worker.key)
@@ -82,12 +90,8 @@ class InMemoryPrefixIndex(PrefixIndex):
 
     def _remove_entries(self, worker_key: str) -> int:
         mine = self._blocks.pop(worker_key, set())
-        for h in mine:
-            holders = self._holders.get(h)
-            if holders is not None:
-                holders.discard(worker_key)
-                if not holders:
-                    del self._holders[h]
+        for h, member in mine:
+            self._drop(h, member)
         self.counters.purged_blocks += len(mine)
         return len(mine)
 
@@ -96,18 +100,26 @@ class InMemoryPrefixIndex(PrefixIndex):
         n = len(block_hashes)
         if n == 0:
             return LookupResult({}, 0)
-        active = {k for k in self._holders.get(int(block_hashes[0]), ()) if self._is_live(k)}
+        first = self._holders.get(int(block_hashes[0]), ())
+        active = {split_member(m)[0] for m in first if self._is_live(m)}
         matched: dict[str, int] = {}
-        for i in range(1, n):
+        lower: dict[str, dict[str, int]] = {k: {} for k in active}
+        for i in range(n):
             if not active:
                 break
             holders = self._holders.get(int(block_hashes[i]), set())
-            for k in [k for k in active if k not in holders]:
-                matched[k] = i
-                active.discard(k)
+            for k in list(active):
+                tier = next((t for t in (DEVICE, *LOWER_TIERS) if tier_member(k, t) in holders), None)
+                if tier is None:
+                    matched[k] = i
+                    active.discard(k)
+                elif tier != DEVICE:
+                    lower[k][tier] = lower[k].get(tier, 0) + 1
         for k in active:
             matched[k] = n
-        return LookupResult({WorkerId.parse(k).name: m for k, m in matched.items()}, n)
+        name = lambda k: WorkerId.parse(k).name  # noqa: E731
+        return LookupResult({name(k): m for k, m in matched.items()}, n,
+                            tier_blocks={name(k): t for k, t in lower.items() if t})
 
     async def live_workers(self) -> list[WorkerId]:
         now = self._clock()

@@ -1,6 +1,7 @@
 """Worker side of the prefix index: turn the engine's KV events into index writes.
 
     engine KV cache --on_event(kind, hashes)--> publisher --batched--> index
+    engine KV tiers --on_tier_event(kind, tier, hashes)--^
 
 * ``on_event`` is the engine hook: synchronous, thread-safe, never blocks on
   or raises because of the index.  It updates the worker's own view of what
@@ -24,7 +25,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from prefix_store.events import EventBatch, check_kind
+from prefix_store.events import DEVICE, LOWER_TIERS, EventBatch, check_kind, check_tier
 from prefix_store.index_base import HeartbeatStatus, IndexUnavailable, PrefixIndex
 from prefix_store.worker_id import WorkerId
 
@@ -61,6 +62,7 @@ class KVEventPublisher:
         self.counters = PublisherCounters()
         self._lock = threading.Lock()
         self._held: set[int] = set()
+        self._held_tiers: dict[str, set[int]] = {t: set() for t in LOWER_TIERS}  # host / disk
         self._pending = EventBatch()
         self._needs_resync = True          # the first contact publishes the full set
         self._registered = False
@@ -71,17 +73,23 @@ class KVEventPublisher:
 
     # -- engine hook (any thread) ------------------------------------------
     def on_event(self, kind: str, block_hashes: Iterable[int]) -> None:
+        self.on_tier_event(kind, DEVICE, block_hashes)
+
+    def on_tier_event(self, kind: str, tier: str, block_hashes: Iterable[int]) -> None:
+        """A block stored in or evicted from one tier (device, host or disk)."""
         check_kind(kind)
+        check_tier(tier)
         hashes = [int(h) for h in block_hashes]
+        held = self._held if tier == DEVICE else self._held_tiers[tier]
         with self._lock:
             self.counters.events_received += len(hashes)
             if kind == "stored":
-                self._held.update(hashes)
+                held.update(hashes)
             else:
-                self._held.difference_update(hashes)
+                held.difference_update(hashes)
             if self._needs_resync:
                 return  # the re-sync will publish _held as a whole
-            self._pending.add(kind, hashes)
+            self._pending.add(kind, hashes, tier)
             if len(self._pending) > self.max_pending_blocks:
                 self.counters.events_dropped += len(self._pending)
                 self._pending = EventBatch()
@@ -91,6 +99,10 @@ class KVEventPublisher:
     def held_blocks(self) -> frozenset[int]:
         with self._lock:
             return frozenset(self._held)
+
+    def held_in(self, tier: str) -> frozenset[int]:
+        with self._lock:
+            return frozenset(self._held if tier == DEVICE else self._held_tiers[tier])
 
     @property
     def in_sync(self) -> bool:
@@ -185,19 +197,19 @@ class KVEventPublisher:
             self.counters.flush_failures += 1
             with self._lock:  # put it back *before* anything that arrived meanwhile
                 newer, self._pending = self._pending, batch
-                for h, kind in newer.last_kind.items():
-                    self._pending.add(kind, [h])
+                self._pending.merge(newer)
             raise
         self.counters.events_published += len(batch)
 
     async def _resync(self) -> None:
         with self._lock:
-            snapshot = list(self._held)
+            snapshot = EventBatch.of(stored=self._held,
+                                     tiers={t: {"stored": held} for t, held in self._held_tiers.items()})
             self._pending = EventBatch()
             self._needs_resync = False
         try:
             await self.index.clear_worker(self.worker)
-            await self.index.publish(self.worker, EventBatch.of(stored=snapshot))
+            await self.index.publish(self.worker, snapshot)
         except IndexUnavailable:
             with self._lock:
                 self._needs_resync = True

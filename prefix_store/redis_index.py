@@ -26,9 +26,9 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
-from prefix_store.events import EventBatch
+from prefix_store.events import DEVICE, TIERS, EventBatch
 from prefix_store.index_base import (
-    HeartbeatStatus, IndexCounters, IndexUnavailable, LookupResult, PrefixIndex, PurgeReport,
+    HeartbeatStatus, IndexCounters, IndexUnavailable, LookupResult, PrefixIndex, PurgeReport, tier_member,
 )
 from prefix_store.redis_layout import (
     DEREGISTER_LUA, HEARTBEAT_LUA, LOOKUP_LUA, PURGE_LUA, RedisKeys, hex16, packed_hex, parse_lookup_reply,
@@ -153,13 +153,16 @@ class RedisPrefixIndex(PrefixIndex):
 
     async def _publish(self, worker: WorkerId, batch: EventBatch) -> None:
         r, k, wkey = self._redis(), self.keys, worker.key
-        stored, evicted = batch.stored, batch.evicted
         commands: list[tuple[str, str, list]] = []
-        commands += [("sadd", k.block(h), [wkey]) for h in stored]
-        commands += [("srem", k.block(h), [wkey]) for h in evicted]
-        for op, hashes in (("sadd", stored), ("srem", evicted)):
-            for i in range(0, len(hashes), PIPELINE_CHUNK):
-                commands.append((op, k.worker_blocks(worker), [hex16(h) for h in hashes[i:i + PIPELINE_CHUNK]]))
+        for tier in TIERS:
+            member, suffix = tier_member(wkey, tier), "" if tier == DEVICE else f"#{tier}"
+            stored, evicted = batch.stored_in(tier), batch.evicted_from(tier)
+            commands += [("sadd", k.block(h), [member]) for h in stored]
+            commands += [("srem", k.block(h), [member]) for h in evicted]
+            for op, hashes in (("sadd", stored), ("srem", evicted)):
+                for i in range(0, len(hashes), PIPELINE_CHUNK):
+                    commands.append((op, k.worker_blocks(worker),
+                                     [hex16(h) + suffix for h in hashes[i:i + PIPELINE_CHUNK]]))
         commands.append(("sadd", k.workers, [wkey]))
         for i in range(0, len(commands), PIPELINE_CHUNK):
             pipe = r.pipeline(transaction=False)
@@ -186,7 +189,8 @@ class RedisPrefixIndex(PrefixIndex):
         except _STORE_ERRORS as err:
             self.counters.lookup_failures += 1
             return LookupResult.unavailable(n, self._note_failure("lookup", err))
-        return LookupResult(parse_lookup_reply(reply), n)
+        matched, tiers = parse_lookup_reply(reply)
+        return LookupResult(matched, n, tier_blocks=tiers)
 
     # -- cleanup ------------------------------------------------------------
     async def clear_worker(self, worker: WorkerId) -> int:

@@ -3,8 +3,9 @@
 All keys of one (cluster, model) share the hash tag ``{cluster/model}``, so a
 Lua call touches one slot even on Redis Cluster:
 
-    pdc:{c/m}:b:<hash hex16>     SET   worker keys ("name@epoch") holding the block
-    pdc:{c/m}:w:<name@epoch>     SET   that worker's block hashes (hex16), for cleanup
+    pdc:{c/m}:b:<hash hex16>     SET   members holding the block: "name@epoch" in its device pool,
+                                       "name@epoch#host" / "#disk" in a lower tier (index_base.tier_member)
+    pdc:{c/m}:w:<name@epoch>     SET   that worker's block hashes (hex16, "hex16#host", ...), for cleanup
     pdc:{c/m}:hb:<name>          STR   live epoch of <name>, expires after the TTL
     pdc:{c/m}:workers            SET   worker keys registered, live or with entries left
     pdc:{c/m}:info:<name@epoch>  STR   msgpack {name, epoch, ttl_s, ...} for operators
@@ -77,8 +78,11 @@ def packed_hex(block_hashes: Sequence[int]) -> str:
 # prefix, ARGV[2]: heartbeat key prefix, ARGV[3]: the prompt's hashes as
 # 16-hex-digit words (packed_hex) -- one argument instead of one per block
 # keeps the client's encoding cost flat.  All keys share one hash-tag slot.
-# Returns a flat list name1, len1, name2, len2, ... for live workers holding
-# block 0.  One round trip; cost ~ blocks x candidate workers SISMEMBERs.
+# A block counts for a worker held in any tier: its device pool first, then
+# host, then disk.  Returns a flat list name1, len1, host1, disk1, ... for
+# live workers holding block 0 (host/disk: leading blocks held only there).
+# One round trip; cost ~ blocks x candidate workers SISMEMBERs (up to three
+# for a block that is not on the device).
 LOOKUP_LUA = """
 local block_prefix, hb_prefix, hexes = ARGV[1], ARGV[2], ARGV[3]
 local live_epoch = {}
@@ -93,28 +97,41 @@ local function is_live(wkey)
   end
   return epoch == string.sub(wkey, at + 1), name
 end
+local function worker_of(member)
+  local at = string.find(member, '@', 1, true) or 1
+  local cut = string.find(member, '#', at, true)
+  if cut then return string.sub(member, 1, cut - 1) end
+  return member
+end
 local function block_key(i)
   return block_prefix .. string.sub(hexes, (i - 1) * 16 + 1, i * 16)
 end
 local n = string.len(hexes) / 16
-local active, names, left = {}, {}, 0
-for _, wkey in ipairs(redis.call('SMEMBERS', KEYS[1])) do
-  local ok, name = is_live(wkey)
-  if ok then active[wkey] = true; names[wkey] = name; left = left + 1 end
+local active, names, host, disk, left = {}, {}, {}, {}, 0
+for _, member in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+  local wkey = worker_of(member)
+  if not active[wkey] then
+    local ok, name = is_live(wkey)
+    if ok then active[wkey] = true; names[wkey] = name; host[wkey] = 0; disk[wkey] = 0; left = left + 1 end
+  end
 end
 local out = {}
-local i = 2
+local function done(wkey, len)
+  out[#out + 1] = names[wkey]; out[#out + 1] = len; out[#out + 1] = host[wkey]; out[#out + 1] = disk[wkey]
+end
+local i = 1
 while left > 0 and i <= n do
   local key = block_key(i)
   for wkey in pairs(active) do
     if redis.call('SISMEMBER', key, wkey) == 0 then
-      active[wkey] = nil; left = left - 1
-      out[#out + 1] = names[wkey]; out[#out + 1] = i - 1
+      if redis.call('SISMEMBER', key, wkey .. '#host') == 1 then host[wkey] = host[wkey] + 1
+      elseif redis.call('SISMEMBER', key, wkey .. '#disk') == 1 then disk[wkey] = disk[wkey] + 1
+      else active[wkey] = nil; left = left - 1; done(wkey, i - 1) end
     end
   end
   i = i + 1
 end
-for wkey in pairs(active) do out[#out + 1] = names[wkey]; out[#out + 1] = n end
+for wkey in pairs(active) do done(wkey, n) end
 return out
 """
 
@@ -143,7 +160,9 @@ PURGE_LUA = """
 local live = redis.call('GET', KEYS[4]) == ARGV[4]
 if ARGV[5] == '1' and live then return {0, -1} end
 local hs = redis.call('SPOP', KEYS[1], tonumber(ARGV[3]))
-for _, h in ipairs(hs) do redis.call('SREM', ARGV[2] .. h, ARGV[1]) end
+for _, h in ipairs(hs) do
+  redis.call('SREM', ARGV[2] .. string.sub(h, 1, 16), ARGV[1] .. string.sub(h, 17))  -- "hex16#tier": key#tier
+end
 local left = redis.call('SCARD', KEYS[1])
 if left == 0 and not live then
   redis.call('SREM', KEYS[2], ARGV[1])
@@ -159,9 +178,14 @@ return 0
 """
 
 
-def parse_lookup_reply(reply: list) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for i in range(0, len(reply), 2):
+def parse_lookup_reply(reply: list) -> tuple[dict[str, int], dict[str, dict[str, int]]]:
+    """(leading blocks per worker name, {name: {"host": n, "disk": m}} for those with lower-tier blocks)."""
+    matched: dict[str, int] = {}
+    tiers: dict[str, dict[str, int]] = {}
+    for i in range(0, len(reply), 4):
         name = reply[i].decode() if isinstance(reply[i], bytes) else str(reply[i])
-        out[name] = int(reply[i + 1])
-    return out
+        matched[name] = int(reply[i + 1])
+        lower = {t: int(n) for t, n in (("host", reply[i + 2]), ("disk", reply[i + 3])) if int(n)}
+        if lower:
+            tiers[name] = lower
+    return matched, tiers

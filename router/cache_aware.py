@@ -4,7 +4,7 @@ The whole rule:
 
     drain_s(i) = queued_prefill_tokens(i) / prefill_tokens_per_s(i)
     ttft_s(i)  = (queued_prefill_tokens(i) + prompt_tokens - cached_tokens(i))
-                 / prefill_tokens_per_s(i)
+                 / prefill_tokens_per_s(i)  +  tier_load_s(i)
     cost_s(i)  = ttft_s(i) + recompute_weight * (max_j cached_tokens(j) - cached_tokens(i))
                                               / prefill_tokens_per_s(i)
 
@@ -13,7 +13,9 @@ The whole rule:
     choose  argmin over eligible i of
             (cost_s(i), -cached_tokens(i), running_requests(i), affinity_rank(prefix, i))
 
-* ``ttft_s`` is DESIGN.md's estimate.  ``cost_s`` adds a charge for
+* ``ttft_s`` is DESIGN.md's estimate.  ``cached_tokens`` counts blocks in
+  every tier of the replica (device pool, host memory, disk); those in a
+  lower tier add their load time (``tier_load_s``), not a recompute.  ``cost_s`` adds a charge for
   recomputing tokens another replica already caches: that work delays every
   request queued behind it and pushes other prefixes out of the cache, which
   the per-request TTFT does not see.  ``recompute_weight = 0`` is the plain

@@ -32,7 +32,9 @@ from router.inflight import InFlightTracker
 from router.policy import RoutingPolicy, make_policy
 from router.replica_stats import WORKER_NAME_KEY, ReplicaStats
 from router.routing_header import RoutingHeader, routing_header_of
-from router.snapshot import ReplicaLoad, RequestShape, RoutingDecision, RoutingSnapshot
+from router.snapshot import (
+    DEFAULT_BLOCK_LOAD_S, ReplicaLoad, RequestShape, RoutingDecision, RoutingSnapshot, tier_load_s,
+)
 
 log = logging.getLogger(__name__)
 DEFAULT_POLICY = {"prefill": "cache_aware", "decode": "decode_by_kv"}
@@ -53,11 +55,12 @@ class PrefixAwareRequestRouter(RequestRouter):
         index_url: str | None = None, cluster: str = "local", model: str = "default",
         lookup_timeout_s: float = 0.05, default_prefill_tokens_per_s: float = 2000.0,
         default_free_kv_blocks: int = 0, inflight_ttl_s: float = 600.0,
-        index: PrefixIndex | None = None, **_: Any,
+        index: PrefixIndex | None = None, block_load_s: dict[str, float] | None = None, **_: Any,
     ) -> None:
         """``index_url``: ``redis://host:port``, or a reference to it (services/index_url_ref.py;
         None: route by load only).  ``index``:
-        an index object instead of a URL, for in-process use and tests."""
+        an index object instead of a URL, for in-process use and tests.  ``block_load_s``:
+        seconds to load one block from a replica's ``host`` / ``disk`` tier (router/snapshot.py)."""
         if pool not in DEFAULT_POLICY:
             raise ValueError(f"router pool {pool!r} is unknown: use 'prefill' or 'decode'")
         self.pool = pool
@@ -68,6 +71,7 @@ class PrefixAwareRequestRouter(RequestRouter):
         self._index: PrefixIndex | None = index
         self.default_prefill_tokens_per_s = default_prefill_tokens_per_s
         self.default_free_kv_blocks = default_free_kv_blocks
+        self.block_load_s = {**DEFAULT_BLOCK_LOAD_S, **(block_load_s or {})}
         self.inflight = InFlightTracker(ttl_s=inflight_ttl_s)
         self.counters = RouterCounters()
         self.last_decision: RoutingDecision | None = None
@@ -174,7 +178,7 @@ class PrefixAwareRequestRouter(RequestRouter):
 
     def _snapshot(self, by_id: dict[str, RunningReplica], header: RoutingHeader | None,
                   lookup: LookupResult | None, request_id: str = "") -> RoutingSnapshot:
-        loads, matched = [], {}
+        loads, matched, load_s = [], {}, {}
         for rid, replica in by_id.items():
             stats = ReplicaStats.from_routing_stats(replica.routing_stats)
             tokens, count = self.inflight.load(rid)
@@ -186,15 +190,18 @@ class PrefixAwareRequestRouter(RequestRouter):
                                 else self.default_free_kv_blocks),
                 prefill_tokens_per_s=stats.prefill_tokens_per_s or self.default_prefill_tokens_per_s))
             if lookup is not None and header is not None:
-                blocks = lookup.matched_blocks.get(self.worker_name(replica), 0)
+                name = self.worker_name(replica)
+                blocks = lookup.matched_blocks.get(name, 0)
                 if blocks:
                     matched[rid] = blocks * header.block_size
+                if name in lookup.tier_blocks:
+                    load_s[rid] = tier_load_s(lookup.tier_blocks[name], self.block_load_s)
         # No prefix to keep together: spread ties by request instead of piling on one replica.
         affinity_key = header.affinity_key if header is not None and header.block_hashes \
             else zlib.crc32(request_id.encode())
         request = (RequestShape(0, affinity_key=affinity_key) if header is None else RequestShape(
             header.num_prompt_tokens, matched, num_output_tokens=header.max_new_tokens,
-            block_size=header.block_size, affinity_key=affinity_key))
+            block_size=header.block_size, affinity_key=affinity_key, tier_load_s=load_s))
         return RoutingSnapshot(tuple(loads), request)
 
 

@@ -39,6 +39,9 @@ class RequestShape:
     num_output_tokens: int = 0          # decode: tokens it may still generate
     block_size: int = 16
     affinity_key: int = 0               # e.g. first block hash: stable tie-break per prefix
+    # replica id -> seconds to load the part of its cached prefix that sits in a
+    # host or disk tier (services/engine/kv_tiers.py): cached, but not free
+    tier_load_s: Mapping[str, float] = field(default_factory=dict)
 
     def cached_tokens(self, replica_id: str) -> int:
         return max(0, min(self.matched_tokens.get(replica_id, 0), self.num_prompt_tokens))
@@ -66,9 +69,21 @@ class RoutingDecision:
 
 
 def estimated_ttft_s(replica: ReplicaLoad, request: RequestShape) -> float:
-    """(queued prefill tokens + uncached prompt tokens) / prefill rate."""
+    """(queued prefill tokens + uncached prompt tokens) / prefill rate, plus the
+    time to load the cached blocks that sit in a host or disk tier."""
     return (replica.queued_prefill_tokens + request.uncached_tokens(replica.replica_id)) \
-        / replica.prefill_tokens_per_s
+        / replica.prefill_tokens_per_s + request.tier_load_s.get(replica.replica_id, 0.0)
+
+
+# Seconds to bring one block back from a lower tier, when the router is not told
+# better: a host block is one memory copy, a disk block a read of the same bytes
+# (bench/load/prefix_tiers.py measures both beside the prefill time they save).
+DEFAULT_BLOCK_LOAD_S = {"host": 0.0002, "disk": 0.002}
+
+
+def tier_load_s(tier_blocks: Mapping[str, int], block_load_s: Mapping[str, float] = DEFAULT_BLOCK_LOAD_S) -> float:
+    """Seconds to load ``{"host": n, "disk": m}`` blocks back into a device pool."""
+    return sum(n * block_load_s.get(tier, DEFAULT_BLOCK_LOAD_S.get(tier, 0.0)) for tier, n in tier_blocks.items())
 
 
 def affinity_rank(affinity_key: int, replica_id: str) -> int:

@@ -12,7 +12,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
-from services.engine.config import EngineConfig, SchedulerConfig, SpeculativeConfig
+from services.engine.config import EngineConfig, KVTierConfig, SchedulerConfig, SpeculativeConfig
 from services.engine.sampling_params import DEFAULT_TENANT  # noqa: F401 - re-exported
 from services.speed.model import PrefillModel, StepModel
 from services.topology import TopologySettings, internal_exposure_problem, is_loopback  # noqa: F401 - re-exported
@@ -142,6 +142,23 @@ class SpeculativeSettings(_Strict):
         return SpeculativeConfig(method=self.method, num_tokens=self.num_tokens, ngram_min=self.ngram_min,
                                  ngram_max=self.ngram_max, min_acceptance=self.min_acceptance,
                                  draft_model=self.draft_model, draft_num_layers=self.draft_num_layers)
+
+
+class KVTierSettings(_Strict):
+    """Host-memory and disk tiers under each replica's KV pool (services/engine/kv_tiers.py)."""
+    enabled: bool = Field(False, description="evicted prefix blocks go to host memory, then disk, and load back "
+                                             "on a prefix match instead of being recomputed")
+    host_mib: int | None = Field(None, ge=1, description="host tier per replica; None: min(8 x its KV pool, "
+                                                         "1/4 of the memory available at start)")
+    disk: bool = Field(True, description="a disk tier under the host tier")
+    disk_mib: int | None = Field(None, ge=1, description="disk tier per replica; None: 1/5 of the free space")
+    dir: str = Field("runs/kv-tiers", description="each replica's disk tier is a directory of its own under this")
+
+    def engine(self, replica: str) -> KVTierConfig:
+        safe = re.sub(r"[^A-Za-z0-9._-]", "-", replica)
+        return KVTierConfig(enabled=self.enabled, host_bytes=self.host_mib and self.host_mib * 2**20,
+                            disk_dir=str(Path(self.dir) / safe) if self.disk else None,
+                            disk_bytes=self.disk_mib * 2**20 if self.disk and self.disk_mib else None)
 
 
 class SchedulerSettings(_Strict):
@@ -298,6 +315,7 @@ class ClusterConfig(_Strict):
     colocated: PoolConfig = PoolConfig(num_replicas=2)
     scheduler: SchedulerSettings = SchedulerSettings()
     speculative: SpeculativeSettings = SpeculativeSettings()
+    kv_tiers: KVTierSettings = KVTierSettings()
     router: RouterSettings = RouterSettings()
     admission: AdmissionSettings = AdmissionSettings()
     index_url: str | None = Field(None, description="redis://host:port; None: REDIS_URL or an embedded Redis")
@@ -427,8 +445,8 @@ class ClusterConfig(_Strict):
             return r.resume_local_max_tokens
         return r.local_prefill_max_tokens or self.scheduler.prefill_chunk_size
 
-    def engine_config(self, pool: PoolConfig) -> EngineConfig:
-        s = self.scheduler
+    def engine_config(self, pool: PoolConfig, replica: str = "engine") -> EngineConfig:
+        """``replica``: names the replica's own disk-tier directory."""
         return EngineConfig(
             model=self.model, dtype=self.dtype, kv_cache_dtype=self.kv_cache_dtype, weight_dtype=self.weight_dtype,
             block_size=self.block_size,
@@ -441,7 +459,7 @@ class ClusterConfig(_Strict):
             speculative=SpeculativeConfig() if pool is self.prefill else self.speculative.engine(),
             kv_quotas=tuple((t.name, t.kv_guaranteed, t.kv_max) for t in self.tenants
                             if t.kv_guaranteed > 0 or t.kv_max < 1),
-            scheduler=self._scheduler_config(pool))
+            scheduler=self._scheduler_config(pool), kv_tiers=self.kv_tiers.engine(replica))
 
     def _scheduler_config(self, pool: PoolConfig) -> SchedulerConfig:
         """A decode replica's steps take at most ``decode_step_prefill_tokens`` of prompt beside its decodes."""

@@ -35,17 +35,18 @@ def _state() -> dict:
 def format_board(board: list[dict]) -> list[str]:
     """One line per replica: role, name, engine state, running/waiting, KV used/total and dtype, leased
     blocks, blocks held in quarantine (a transfer into them not confirmed stopped), hits,
-    speculative decoding's accepted/drafted tokens ('-' where it is off), and the KV blocks
-    each tenant holds (in use or cached; the three largest)."""
+    speculative decoding's accepted/drafted tokens ('-' where it is off), blocks in the host/disk
+    tiers and the share of admissions they served ('-' without tiers), and the KV blocks each
+    tenant holds (in use or cached; the three largest)."""
     table = plain_table("pool", "replica", "engine", ">run", ">wait", ">kv used/total", ">kv", ">leased",
-                        ">held", ">prompt hit/computed", ">spec acc/draft", "tenants kv")
+                        ">held", ">prompt hit/computed", ">tiers host/disk:hit", ">spec acc/draft", "tenants kv")
     for s in board:
         used = s["kv_blocks_total"] - s["kv_blocks_free"]
         engine = "alive" if s.get("engine_alive", True) else "DEAD"
         table.add_row(s["role"], s["name"][-34:], engine, str(s["running"]), str(s["waiting"]),
                       f"{used}/{s['kv_blocks_total']}", s.get("kv_dtype", "?"), str(s["leased_blocks"]),
                       str(s.get("quarantined_blocks", 0)), f"{s['prompt_tokens_cached']}/{s['prompt_tokens_computed']}",
-                      _spec(s), _tenants(s))
+                      _tiers(s), _spec(s), _tenants(s))
     return table_lines(table)
 
 
@@ -55,6 +56,14 @@ def _tenants(s: dict) -> str:
         return "-"
     ranked = sorted(((str(t), n) for t, n in charged.items() if isinstance(n, int)), key=lambda x: (-x[1], x[0]))
     return " ".join(f"{t[:16]}:{n}" for t, n in ranked[:3]) + (" ..." if len(ranked) > 3 else "")
+
+
+def _tiers(s: dict) -> str:
+    t = s.get("kv_tiers")
+    if not t:
+        return "-"
+    hit = "-" if t["hit_rate"] is None else f"{t['hit_rate']:.0%}"
+    return f"{t['host']['blocks']}/{t['disk']['blocks']}:{hit}"
 
 
 def _spec(s: dict) -> str:

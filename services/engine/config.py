@@ -77,6 +77,28 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True)
+class KVTierConfig:
+    """Tiers under the device pool (kv_tiers.py): evicted full blocks go to
+    host memory, then to disk, and come back on a prefix match instead of
+    being recomputed.  Off by default in the engine; the pools turn it on
+    with a directory per replica under the run dir."""
+    enabled: bool = False
+    host_bytes: int | None = None       # None: min(8 x the device pool, 1/4 of available memory)
+    disk_dir: str | None = None         # None: no disk tier
+    disk_bytes: int | None = None       # None: 1/5 of the free space where disk_dir lives
+
+    def __post_init__(self) -> None:
+        if self.host_bytes is not None and self.host_bytes < 1:
+            raise ValueError(f"kv_tiers.host_bytes must be > 0 (the disk tier is written from the host tier), "
+                             f"got {self.host_bytes}: raise it, or set kv_tiers.enabled false")
+        if self.disk_bytes is not None and self.disk_bytes < 1:
+            raise ValueError(f"kv_tiers.disk_bytes must be > 0, got {self.disk_bytes}: raise it, "
+                             "or leave kv_tiers.disk_dir unset for no disk tier")
+        if self.disk_bytes is not None and self.disk_dir is None:
+            raise ValueError("kv_tiers.disk_bytes is set but kv_tiers.disk_dir is not: name the directory")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: str | None = None            # None -> the bundled SmolLM2-135M-Instruct GGUF
     dtype: str = "bfloat16"
@@ -104,6 +126,7 @@ class EngineConfig:
     speculative: SpeculativeConfig = SpeculativeConfig()
     # (tenant, guaranteed share, maximum share) of the KV blocks (kv_quota.py); none: plain LRU
     kv_quotas: tuple[tuple[str, float, float], ...] = ()
+    kv_tiers: KVTierConfig = KVTierConfig()
 
     def __post_init__(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
@@ -128,6 +151,9 @@ class EngineConfig:
                 raise ValueError(f"tenant {tenant!r}: need 0 <= kv_guaranteed ({guaranteed}) <= kv_max ({maximum}) <= 1")
         if sum(g for _, g, _ in self.kv_quotas) > 1:
             raise ValueError("the tenants' kv_guaranteed shares add up to more than 1: lower them")
+        if self.kv_tiers.enabled and self.device != "cpu":
+            raise ValueError(f"kv_tiers run on a CPU pool only for now (device is {self.device!r}): "
+                             "set kv_tiers.enabled false")
         if self.grammar_compile_workers < 1:
             raise ValueError(f"grammar_compile_workers must be >= 1, got {self.grammar_compile_workers}")
         if not 0 < self.grammar_compile_timeout_s < float("inf"):

@@ -33,6 +33,7 @@ from services.engine.errors import EngineDeadError, InvalidRequestError, Request
 from services.engine.grammar import GrammarCache
 from services.engine.kv_cache import KVCache, KVCacheSpec, KVEventCallback
 from services.engine.kv_quota import KVQuota, largest_charges
+from services.engine.kv_tiers import KVTiers, TierEventCallback
 from services.engine.lease import LeaseTable
 from services.engine.model.k_smoothing import calibration_token_ids, k_smoothing_shift
 from services.engine.model.loader import LoadedModel, block_hash_seed, load_model
@@ -50,6 +51,9 @@ log = logging.getLogger(__name__)
 # Steps that raise, in a row, before the engine gives up: one bad request
 # fails one step; a fault that outlives the requests it failed is not theirs.
 MAX_CONSECUTIVE_FAILED_STEPS = 3
+# An engine whose only unfinished requests wait for tier loads waits this long for one to land
+# instead of spinning (it never waits while there is a batch to run).
+_TIER_LOAD_WAIT_S = 0.005
 
 
 def kv_spec_for(config: EngineConfig, loaded: LoadedModel) -> KVCacheSpec:
@@ -70,7 +74,7 @@ def replays_output(config: EngineConfig, model: torch.nn.Module) -> bool:
 
 class Engine:
     def __init__(self, config: EngineConfig = EngineConfig(), loaded: LoadedModel | None = None,
-                 on_kv_event: KVEventCallback | None = None):
+                 on_kv_event: KVEventCallback | None = None, on_tier_event: TierEventCallback | None = None):
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.config = config
@@ -94,8 +98,12 @@ class Engine:
                                          config.weight_dtype)
         self.kv = KVCache(self.kv_spec, config.device, on_kv_event, config.enable_prefix_caching,
                           KVQuota.of_shares(config.kv_quotas, self.kv_spec.num_blocks))
+        self.tiers = None  # host and disk tiers under the pool (kv_tiers.py)
+        if config.kv_tiers.enabled and config.enable_prefix_caching:
+            self.tiers = KVTiers(config.kv_tiers, self.kv, self.hash_seed, on_tier_event)
+            self.kv.on_evict = self.tiers.on_evict
         self.speculator = self._speculator() if config.speculative.enabled else None
-        self.scheduler = Scheduler(config.scheduler, self.kv, self.hash_seed, self.speculator)
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.hash_seed, self.speculator, self.tiers)
         self.requests: dict[str, Request] = {}
         # The sampler reads a penalised request's tokens from this table, by id.
         self.runner = ModelRunner(self.loaded.model, self.kv, config.device,
@@ -260,8 +268,11 @@ class Engine:
 
     def expire_stale(self, now: float | None = None) -> None:
         """The periodic pass (every step, and every idle wake of the async
-        loop): leases past their grace, and reservations past their TTL."""
+        loop): leases past their grace, reservations past their TTL, and
+        tier loads that landed (an aborted request's blocks go back even while idle)."""
         self.leases.expire(now)
+        if self.tiers is not None:
+            self.scheduler.land_tier_loads()
         if self._reservation_expiry:
             now = time.monotonic() if now is None else now
             for request_id in [rid for rid, at in self._reservation_expiry.items() if at <= now]:
@@ -347,6 +358,8 @@ class Engine:
         out = self.scheduler.schedule()
         self._in_flight = [s.request for s in out.scheduled]
         if out.is_empty:
+            if self.tiers is not None:
+                self.tiers.wait(_TIER_LOAD_WAIT_S)  # only tier loads are pending: nothing to run meanwhile
             return []
         self.num_steps += 1
         sampled = self.runner.execute(out)
@@ -480,15 +493,24 @@ class Engine:
             spec_proposed_tokens=spec.num_proposed_tokens if spec else 0,
             spec_accepted_tokens=spec.num_accepted_tokens if spec else 0,
             spec_verify_steps=spec.num_verify_steps if spec else 0,
-            spec_emitted_tokens=spec.num_emitted_tokens if spec else 0)
+            spec_emitted_tokens=spec.num_emitted_tokens if spec else 0,
+            kv_tiers=self.tiers.snapshot() if self.tiers is not None else None)
+
+    def close(self) -> None:
+        """Stops the tier workers (the engine is not used after)."""
+        if self.tiers is not None:
+            self.tiers.close()
 
     def check_integrity(self) -> None:
         """Asserts the pool is consistent and every block reference has an
         owner: a request (running, waiting or reserved), the lease table or a quarantine."""
         self.kv.check_integrity()
         s = self.scheduler
-        reqs = list(s.running) + list(s.waiting) + list(s.awaiting_kv.values())
+        reqs = list(s.running) + list(s.waiting) + list(s.awaiting_kv.values()) + list(s.loading.values())
         owners: Counter[int] = Counter(self.leases.held_block_ids())
+        if self.tiers is not None:
+            self.tiers.check_integrity()
+            owners.update(self.tiers.held_block_ids())  # blocks a tier load fills, and the hit it extends
         for held in self._quarantine.values():
             owners.update(held)
         for req in reqs:

@@ -47,6 +47,8 @@ from services.engine.kv_quota import KVQuota, pick_victims
 from services.engine.sampling_params import DEFAULT_TENANT
 
 KVEventCallback = Callable[[str, list[int]], None]  # ("stored" | "evicted", block hashes)
+# (block id, its hash, its tokens): called before an evicted block is reused (kv_tiers.py keeps its bytes)
+EvictCallback = Callable[[int, int, tuple[int, ...]], None]
 
 
 @dataclass(frozen=True)
@@ -109,6 +111,7 @@ class KVCache:
         self._owner: list[str | None] = [None] * spec.num_blocks  # the tenant a block is charged to
         self.charged: dict[str, int] = {}  # tenant -> blocks in use or cached
         self.num_guaranteed_evictions = 0  # every evictable block was within a guarantee: one was taken anyway
+        self.on_evict: EvictCallback | None = None  # the tiers under the pool, when there are any
 
     # ---- sizes -------------------------------------------------------
     @property
@@ -207,13 +210,19 @@ class KVCache:
             out += victims.block_ids
         else:
             out += [self._evictable.popitem(last=False)[0] for _ in range(evict)]
-        evicted = [self._forget(b) for b in out[n - evict:]]
+        evicted = [self._evict(b) for b in out[n - evict:]]
         for b in out:
             self._ref[b] = 1
             self._charge(b, tenant)
         if evicted and self.on_event:
             self.on_event("evicted", evicted)
         return out
+
+    def _evict(self, b: int) -> int:
+        """Block ``b`` leaves the prefix cache for reuse: the tiers (if any) keep a copy first."""
+        if self.on_evict is not None:
+            self.on_evict(b, self._hash_of[b], self._tokens_of[b])
+        return self._forget(b)
 
     def _forget(self, b: int) -> int:
         """Takes block ``b``'s entry out of the prefix cache; returns its hash."""

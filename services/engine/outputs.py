@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from services.engine.logprobs import TokenLogprob
 from services.engine.request import FinishReason
+
+if TYPE_CHECKING:
+    from services.engine.kv_tier_stats import TierStats
 
 
 @dataclass(frozen=True)
@@ -100,6 +104,7 @@ class EngineStats:
     spec_accepted_tokens: int = 0
     spec_verify_steps: int = 0
     spec_emitted_tokens: int = 0
+    kv_tiers: TierStats | None = None  # when the engine has tiers under its pool (kv_tiers.py)
 
     @property
     def spec_tokens_per_step(self) -> float | None:

@@ -49,7 +49,8 @@ from dataclasses import dataclass, field
 from prefix_store.hashing import hash_prompt_blocks
 from services.engine.config import SchedulerConfig
 from services.engine.fair_queue import FairClock
-from services.engine.kv_cache import KVCache
+from services.engine.kv_cache import KVCache, PrefixMatch
+from services.engine.kv_tiers import KVTiers, LandedLoad
 from services.engine.request import FinishReason, Request, RequestStatus
 from services.engine.spec_decode import Speculator
 
@@ -102,8 +103,9 @@ def _cdiv(a: int, b: int) -> int:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCache, hash_seed: int,
-                 speculator: Speculator | None = None):
+                 speculator: Speculator | None = None, tiers: KVTiers | None = None):
         self.config = config
+        self.tiers = tiers
         self.speculator = speculator
         self.kv = kv
         self.block_size = kv.spec.block_size
@@ -111,6 +113,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.awaiting_kv: dict[str, Request] = {}  # reserved blocks, prompt K/V coming from outside
+        self.loading: dict[str, Request] = {}  # parked while a tier loads their next blocks (kv_tiers.py)
+        self._tier_loaded: set[str] = set()  # parked once since their last admission: never twice in a row
         self._admission_paused = False
         self.fair = FairClock(dict(config.tenant_weights))
         self.num_preemptions = 0
@@ -187,7 +191,10 @@ class Scheduler:
         return req
 
     def _dequeue(self, req: Request) -> None:
-        if self.awaiting_kv.get(req.request_id) is req:
+        self._tier_loaded.discard(req.request_id)
+        if self.loading.get(req.request_id) is req:
+            del self.loading[req.request_id]
+        elif self.awaiting_kv.get(req.request_id) is req:
             del self.awaiting_kv[req.request_id]
         elif req in self.running:
             self.running.remove(req)
@@ -201,10 +208,12 @@ class Scheduler:
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running) + len(self.loading)
 
     # ---- one step ----------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        if self.tiers is not None:
+            self.land_tier_loads()
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         i = 0
@@ -234,6 +243,8 @@ class Scheduler:
         running requests as needed.  False if ``req`` itself got preempted."""
         need = _cdiv(req.num_computed_tokens + num_new, self.block_size) - len(req.block_ids)
         while need > 0 and not self.kv.can_allocate(need):
+            if self.tiers is not None and self._release_holds():
+                continue
             victim = self.running.pop()
             self._preempt(victim)
             out.preempted.append(victim)
@@ -287,6 +298,8 @@ class Scheduler:
             if req.params.prompt_logprobs is not None and not req.output_token_ids:
                 hashes = []  # prompt logprobs need every position's logits: a cached block has none
             match = self.kv.match_prefix(hashes, req.all_token_ids)
+            if self.tiers is not None and self._park(req, hashes, match):
+                continue
             cached = match.num_blocks * bs
             num_new = min(req.num_tokens - cached, budget)
             if cached + num_new < req.num_prompt_tokens:
@@ -300,7 +313,11 @@ class Scheduler:
                 return
             self.waiting.popleft()
             self.fair.taken(req.fair_tag)
+            if self.tiers is not None:
+                self.tiers.count_admission(req.request_id in self._tier_loaded)
+            self._tier_loaded.discard(req.request_id)
             self.kv.acquire(match.block_ids)
+            self.free_blocks(req)  # what a tier load held for it: the match has them now
             req.block_ids = list(match.block_ids) + self.kv.allocate(need, req.params.tenant)
             req.num_computed_tokens = req.num_cached_tokens = cached
             req.status = RequestStatus.RUNNING
@@ -308,6 +325,62 @@ class Scheduler:
             self.num_prompt_tokens_cached += cached
             out.add(ScheduledRequest(req, num_new))
             budget -= num_new
+
+    # ---- tiers under the pool (kv_tiers.py) ----------------------------
+    def _park(self, req: Request, hashes: list[int], match: PrefixMatch) -> bool:
+        """Loads the next blocks of the head of ``waiting`` from a tier, if one
+        holds them and the pool has room for them below the high watermark;
+        True when it did (then admission looks at the queue again).  Host
+        blocks land at once; disk blocks are filled off this thread while the
+        request waits in ``loading``.  The load holds the device hit too, and
+        once landed the request holds both in ``waiting`` (so nothing evicts
+        them before its admission, ``_admit``; ``_grow`` takes them back if a
+        running request needs the room)::
+
+            prompt blocks  [ device hit | tier hit ......... | rest ]
+                             acquired     fresh, loading      computed once admitted
+        """
+        if req.request_id in self._tier_loaded:
+            return False
+        room = self.kv.num_free_blocks - match.num_evictable
+        room -= int((1 - self.config.kv_watermark_high) * self.kv.num_total_blocks)
+        sources = self.tiers.lookup(hashes, req.all_token_ids, match.num_blocks)[:max(0, room)]
+        if not sources:
+            return False
+        self.kv.acquire(match.block_ids)
+        fresh = self.kv.allocate(len(sources), req.params.tenant)
+        self._tier_loaded.add(req.request_id)
+        landed = self.tiers.start_load(req.request_id, list(match.block_ids) + fresh, fresh, hashes,
+                                       req.all_token_ids, match.num_blocks, sources)
+        if landed is not None:
+            self._hold(req, landed)
+        else:
+            self.waiting.popleft()
+            self.loading[req.request_id] = req
+        return True
+
+    def land_tier_loads(self) -> None:
+        """Requests whose loads landed go back to the head of the queue, holding their blocks."""
+        for landed in self.tiers.poll():
+            req = self.loading.pop(landed.request_id, None)
+            if req is None:  # aborted while it loaded
+                self.kv.free(landed.keep + landed.drop)
+                continue
+            self._hold(req, landed)
+            _insert_by_priority(self.waiting, req, first_of_its_priority=True)
+
+    def _hold(self, req: Request, landed: LandedLoad) -> None:
+        self.kv.free(landed.drop)
+        req.block_ids = landed.keep
+
+    def _release_holds(self) -> bool:
+        """Gives back the blocks one waiting request holds from a tier load (the
+        newest such); they stay cached.  False when no waiting request holds any."""
+        for req in reversed(self.waiting):
+            if req.block_ids:
+                self.free_blocks(req)
+                return True
+        return False
 
     # ---- after the forward ---------------------------------------------
     def update(self, out: SchedulerOutput, sampled: dict[str, int],

@@ -27,6 +27,7 @@ from services.cluster_secret import cluster_secret
 from services.config import ClusterConfig, PoolConfig
 from services.engine.async_engine import AsyncEngine
 from services.engine.engine import Engine
+from services.engine.kv_tier_stats import tier_status
 from services.replica_loopback import bind_replica_grpc_to_loopback
 from services.messages import GenerateRequest, TokenDelta
 from services.pools.status_board import publish_forever
@@ -68,7 +69,8 @@ class Worker:
         self.index_url = index_url
         self.index = make_index(index_url, cluster=config.cluster_name, model=config.served_model_name)
         self.publisher = KVEventPublisher(self.index, self.worker_id, info={"role": role})
-        self.engine = Engine(config.engine_config(pool), on_kv_event=self.publisher.on_event)
+        self.engine = Engine(config.engine_config(pool, replica=self.name), on_kv_event=self.publisher.on_event,
+                             on_tier_event=self.publisher.on_tier_event)
         self.aengine = AsyncEngine(self.engine)
         self.transfer = None
         self.internal_address = config.topology.internal_address()  # where its KV peer serves
@@ -189,6 +191,7 @@ class Worker:
             "preemptions": s.num_preemptions, "in_flight": self.in_flight,
             "spec_proposed_tokens": s.spec_proposed_tokens, "spec_accepted_tokens": s.spec_accepted_tokens,
             "spec_tokens_per_step": s.spec_tokens_per_step,
+            "kv_tiers": tier_status(s.kv_tiers),
             "counters": self.counters.__dict__.copy(),
             "task_crashes": self.supervisor.crash_counts(),
             "queue_time_s": metrics.queue_times(self.role).snapshot(),
@@ -214,6 +217,7 @@ class Worker:
         await self.supervisor.stop()
         await self.publisher.stop()
         await self.aengine.shutdown()
+        self.engine.close()  # the tiers' workers; the disk tier's directory goes with them
         if self.transfer is not None:
             self.transfer.close()
 

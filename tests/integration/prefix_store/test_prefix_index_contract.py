@@ -152,3 +152,39 @@ async def test_publisher_feeds_the_index_end_to_end(index):
     assert (await index.lookup(H)).matched_blocks == {"engine-0": 3}
     await pub.stop()
     assert (await index.lookup(H)).matched_blocks == {}
+
+
+async def test_lookup_counts_blocks_in_lower_tiers_and_their_removal(index):
+    """A block a worker holds only in its host or disk tier still extends its
+    match (it costs a load, not a recompute), and ``tier_blocks`` says how many
+    of the leading blocks are there; evicting from a tier removes that entry."""
+    w1, w2 = WorkerId("w1", 1), WorkerId("w2", 1)
+    await live(index, w1, w2)
+    await index.publish(w1, EventBatch.of(stored=H[:2], tiers={"host": {"stored": H[2:4]},
+                                                              "disk": {"stored": H[4:6]}}))
+    await index.publish(w2, EventBatch.of(tiers={"disk": {"stored": H[:3]}}))  # nothing on its device
+    result = await index.lookup(H)
+    assert result.matched_blocks == {"w1": 6, "w2": 3}
+    assert result.tier_blocks == {"w1": {"host": 2, "disk": 2}, "w2": {"disk": 3}}
+    assert result.device_blocks("w1") == 2 and result.device_blocks("w2") == 0
+    await index.publish(w1, EventBatch.of(stored=[H[2]], tiers={"host": {"evicted": [H[3]]}}))  # loaded back; one gone
+    result = await index.lookup(H)
+    assert result.matched_blocks == {"w1": 3, "w2": 3} and result.tier_blocks == {"w2": {"disk": 3}}
+    await index.clear_worker(w2)  # tier entries go with the rest
+    result = await index.lookup(H)
+    assert result.matched_blocks == {"w1": 3} and result.tier_blocks == {}
+
+
+async def test_publisher_republishes_every_tier_after_a_resync(index):
+    w = WorkerId("engine", 1)
+    pub = KVEventPublisher(index, w, flush_interval_s=0.01)
+    pub.on_event("stored", H[:2])
+    pub.on_tier_event("stored", "host", H[2:4])
+    assert await pub.sync_once()
+    await index.clear_worker(w)  # the index lost them (say, a restart)
+    pub._needs_resync = True
+    assert await pub.sync_once()
+    result = await index.lookup(H[:4])
+    assert result.matched_blocks == {"engine": 4} and result.tier_blocks == {"engine": {"host": 2}}
+    assert pub.held_in("host") == frozenset(H[2:4])
+    await pub.stop()

@@ -86,3 +86,16 @@ def test_a_tenant_at_its_maximum_evicts_its_own_first():
         kv.b_cached = _cached_blocks(kv, b_tokens)
     assert capped.b_cached == 2 and plain.b_cached == 0
     assert capped.charged == {"A": 10, "B": 2}
+
+
+def test_the_tiers_see_every_block_the_quota_rule_evicts():
+    spec = KVCacheSpec(8, BS, 1, 1, 2, torch.float32)
+    kv = KVCache(spec, quota=KVQuota.of_shares([("B", 0.25, 1.0)], 8))
+    seen = []
+    kv.on_evict = lambda b, h, tokens: seen.append((b, h, tokens))
+    b_tokens = _fill(kv, "B", 10_000, 2)
+    for i in range(4):
+        _fill(kv, "A", i * 1000, 2)
+    kv.check_integrity()
+    assert _cached_blocks(kv, b_tokens) == 2
+    assert len(seen) == 2 and all(len(tokens) == BS and h is not None for _, h, tokens in seen)

@@ -41,3 +41,18 @@ def test_worker_id_wire_form_and_validation():
         WorkerId("a", 2**53)
     with pytest.raises(ValueError, match="<name>@<epoch>"):
         WorkerId.parse("no-epoch")
+
+
+def test_tier_events_coalesce_per_tier_and_travel_in_msgpack():
+    batch = EventBatch()
+    batch.add("stored", [1, 2])
+    batch.add("evicted", [1])           # device: evicted ...
+    batch.add("stored", [1], "host")    # ... into the host tier
+    batch.add("stored", [1, 3], "disk")
+    batch.add("evicted", [3], "disk")
+    assert batch.stored == [2] and batch.evicted == [1]  # a consumer that knows no tiers sees the device only
+    assert batch.stored_in("host") == [1] and batch.stored_in("disk") == [1] and batch.evicted_from("disk") == [3]
+    back = EventBatch.from_msgpack(batch.to_msgpack())
+    assert back.last_kind == batch.last_kind and back.tier_kind == batch.tier_kind
+    with pytest.raises(ValueError, match="tier 'gpu' is unknown"):
+        batch.add("stored", [1], "gpu")

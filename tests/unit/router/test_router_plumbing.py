@@ -110,6 +110,26 @@ async def test_serve_router_routes_to_the_index_holder_and_tracks_load():
     assert router.counters.cache_routed == 1
 
 
+async def test_serve_router_prefers_a_device_hit_to_a_disk_hit_and_both_to_a_recompute():
+    """Two replicas hold the prompt's blocks, one in its pool and one only in its
+    disk tier: the snapshot charges the second its load time (block_load_s)."""
+    index = InMemoryPrefixIndex()
+    on_device, on_disk, nothing = WorkerId("w-a", 1), WorkerId("w-b", 1), WorkerId("w-c", 1)
+    for w in (on_device, on_disk, nothing):
+        await index.register(w, ttl_s=60)
+    await index.publish(on_device, EventBatch.of(stored=[11, 12, 13]))
+    await index.publish(on_disk, EventBatch.of(tiers={"disk": {"stored": [11, 12, 13]}}))
+    router = make_router(pool="prefill", index=index, block_load_s={"disk": 0.01})
+    replicas = [FakeReplica(r, {"worker_name": w, "prefill_tokens_per_s": 1000.0})
+                for r, w in (("rc", "w-c"), ("rb", "w-b"), ("ra", "w-a"))]
+    header = RoutingHeader((11, 12, 13, 14), num_prompt_tokens=70, block_size=16)
+    ranks = await router.choose_replicas(replicas, pending("q1", header))
+    assert [r[0].unique_id for r in ranks] == ["ra", "rb", "rc"]
+    assert router.last_decision.estimated_ttft_s == pytest.approx(22 / 1000)
+    snapshot = router._snapshot({r.unique_id: r for r in replicas}, header, await index.lookup(header.block_hashes))
+    assert snapshot.request.tier_load_s == {"rb": pytest.approx(0.03)}
+
+
 async def test_serve_router_routes_by_load_without_header_or_when_index_fails():
     class BrokenIndex(InMemoryPrefixIndex):
         async def lookup(self, block_hashes):

@@ -156,3 +156,19 @@ def test_snapshot_rejects_bad_inputs():
 def test_cache_aware_ties_prefer_fewer_running_requests():
     d = cache_aware(snap(load("a", running=2), load("b", running=0), load("c", running=1), prompt=0))
     assert d.ranked == ("b", "c", "a")
+
+
+def test_cache_aware_charges_a_tier_hit_its_load_time_not_a_recompute():
+    """Two idle replicas cache the same 512 tokens: one in its device pool, one
+    on disk.  The device copy wins by the load time; both beat a replica that
+    would recompute them, since a disk block loads far faster than it computes."""
+    from router.cache_aware import cache_aware
+    from router.snapshot import ReplicaLoad, RequestShape, RoutingSnapshot, estimated_ttft_s, tier_load_s
+
+    loads = tuple(ReplicaLoad(r, prefill_tokens_per_s=1000.0) for r in ("dev", "disk", "none"))
+    disk_s = tier_load_s({"disk": 32})
+    req = RequestShape(600, {"dev": 512, "disk": 512}, tier_load_s={"disk": disk_s})
+    assert estimated_ttft_s(loads[1], req) == pytest.approx(88 / 1000 + disk_s)
+    decision = cache_aware(RoutingSnapshot(loads, req))
+    assert decision.ranked == ("dev", "disk", "none")
+    assert tier_load_s({"host": 2, "disk": 1}, {"host": 0.5, "disk": 2.0}) == 3.0

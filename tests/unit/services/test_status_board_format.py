@@ -39,3 +39,10 @@ def test_the_tenants_holding_kv_have_their_column():
     header, row, none = format_board([ROW | {"tenant_kv_blocks": {"b": 4, "a": 9, "c": 1, "d": 1}}, ROW])
     assert "tenants kv" in header
     assert row.endswith("a:9 b:4 c:1 ...") and none.split()[-1] == "-"
+
+
+def test_kv_tiers_show_their_blocks_and_hit_rate():
+    tiers = {"host": {"blocks": 12}, "disk": {"blocks": 40}, "hit_rate": 0.625}
+    header, without, with_tiers = format_board([ROW, ROW | {"kv_tiers": tiers}])
+    assert "tiers host/disk:hit" in header
+    assert without.split()[-3] == "-" and with_tiers.split()[-3] == "12/40:62%"

@@ -1,0 +1,153 @@
+"""The host and disk tiers' own bookkeeping (kv_host_tier.py, kv_disk_tier.py)
+and the tiers under a tiny pool with no model (kv_tiers.py): LRU order,
+pinned slots never reused under a reader, a record refused for every way it
+can be wrong, and the blocks a parked request loads entering the prefix
+cache with the bytes they were evicted with.  The real model's output over
+each tier is checked in tests/integration/engine/test_kv_tiers.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from prefix_store.hashing import hash_prompt_blocks
+from services.engine.config import KVTierConfig, SchedulerConfig
+from services.engine.kv_cache import KVCache, KVCacheSpec
+from services.engine.kv_disk_tier import CorruptBlockError, DiskTier, read_record, write_record
+from services.engine.kv_host_tier import HostTier
+from services.engine.kv_tiers import KVTiers
+from services.engine.request import Request
+from services.engine.sampling_params import SamplingParams
+from services.engine.scheduler import Scheduler
+
+SEED, BS = 12345, 4
+
+
+def _block(value: int, nbytes: int = 32) -> np.ndarray:
+    return np.full(nbytes, value, dtype=np.uint8)
+
+
+def test_host_tier_is_lru_and_never_reuses_a_pinned_slot():
+    host = HostTier(2, 32, write_back=1)
+    a, b = host.put(1, (1,), _block(1)), host.put(2, (2,), _block(2))
+    assert host.is_full and host.put(3, (3,), _block(3)) is None  # full: the caller spills first
+    host.touch(1)
+    assert host.oldest()[0] == 2
+    host.pin(b.slot)  # a worker still reads block 2
+    host.remove(2)
+    c = host.put(3, (3,), _block(3))
+    assert c.slot not in (a.slot, b.slot)  # the spare slot, not the pinned one
+    host.remove(1)
+    d = host.put(4, (4,), _block(4))
+    assert d.slot == a.slot and (host.arena[b.slot] == 2).all()  # block 2's bytes intact for its reader
+    host.check_integrity()
+    host.unpin(b.slot)
+    host.check_integrity()
+    with pytest.raises(ValueError, match="unpinned more often"):
+        host.unpin(b.slot)
+
+
+def test_a_disk_record_round_trips_and_is_refused_for_every_kind_of_damage(tmp_path):
+    tokens, payload = (5, 6, 7, 8), np.arange(64, dtype=np.uint8)
+    path = tmp_path / "x.kvb"
+    write_record(path, SEED, 99, tokens, payload)
+    rec = read_record(path, SEED, 99, BS, 64)
+    assert rec.tokens == tokens and np.array_equal(rec.payload, payload)
+    with pytest.raises(CorruptBlockError, match="seed"):
+        read_record(path, SEED + 1, 99, BS, 64)  # another model or KV dtype
+    with pytest.raises(CorruptBlockError, match="holds block"):
+        read_record(path, SEED, 98, BS, 64)
+    with pytest.raises(CorruptBlockError, match="bytes"):
+        read_record(path, SEED, 99, BS, 128)
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 1
+    path.write_bytes(bytes(data))
+    with pytest.raises(CorruptBlockError, match="crc32"):
+        read_record(path, SEED, 99, BS, 64)
+    path.write_bytes(bytes(data[:-10]))  # torn
+    with pytest.raises(CorruptBlockError, match="a record is"):
+        read_record(path, SEED, 99, BS, 64)
+
+
+def test_disk_tier_bounds_its_blocks_and_starts_empty(tmp_path):
+    (tmp_path / "0000000000000001.kvb").write_bytes(b"stale")
+    disk = DiskTier(tmp_path, max_blocks=2)
+    assert not list(tmp_path.iterdir())  # an earlier run's records are not trusted
+    assert disk.add(1, (1,)) == [] and disk.add(2, (2,)) == []
+    disk.touch(1)
+    assert disk.add(3, (3,)) == [2]  # the least recently used goes
+    assert 1 in disk and 3 in disk and disk.num_blocks == 2
+
+
+def _pool(num_blocks: int, dtype: torch.dtype = torch.bfloat16) -> KVCache:
+    spec = KVCacheSpec(num_blocks, BS, num_layers=2, num_kv_heads=1, head_dim=4, dtype=dtype)
+    return KVCache(spec)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int8], ids=["bf16", "int8"])
+@pytest.mark.parametrize("disk", [False, True], ids=["host", "disk"])
+def test_evicted_blocks_come_back_into_the_prefix_cache_with_their_bytes(tmp_path, disk, dtype):
+    """An 8-bit pool's blocks (values and their scales) travel as the pool holds them."""
+    kv = _pool(4, dtype)
+    config = KVTierConfig(enabled=True, host_bytes=(1 if disk else 8) * kv.spec.block_bytes,
+                          disk_dir=str(tmp_path) if disk else None)
+    tiers = KVTiers(config, kv, SEED)
+    kv.on_evict = tiers.on_evict
+    sched = Scheduler(SchedulerConfig(), kv, SEED, tiers=tiers)
+    prompt = list(range(100, 113))  # 3 full blocks + 1 token
+    hashes = hash_prompt_blocks(SEED, prompt, BS)
+    blocks = kv.allocate(3)
+    for i, b in enumerate(blocks):
+        kv.kv_pool[b].fill_(i + 1)
+    kv.commit(blocks, hashes, prompt)
+    kv.free(blocks)
+    kv.free(kv.allocate(4))  # evicts all three into the tiers
+    tiers.drain()
+    assert kv.num_cached_blocks == 0
+    req = Request("r", prompt, SamplingParams(max_tokens=1))
+    sched.add(req)
+    out = sched.schedule()
+    if disk:  # two of the three blocks are on disk: parked while the loader thread reads them
+        assert out.is_empty and "r" in sched.loading and tiers.held_block_ids()
+        tiers.drain()
+        out = sched.schedule()  # landed: admitted with the three blocks cached
+    else:  # all in host memory: copied in at once, admitted in the same step
+        assert not sched.loading and not tiers.held_block_ids()
+    assert [s.request for s in out.prefills] == [req] and req.num_cached_tokens == 12
+    assert [float(kv.kv_pool[b].float().mean()) for b in req.block_ids[:3]] == [1.0, 2.0, 3.0]
+    s = tiers.snapshot()
+    assert (s.loaded_disk_blocks if disk else s.loaded_host_blocks) >= 1 and s.load_failures == 0
+    assert s.loaded_host_blocks + s.loaded_disk_blocks == 3
+    assert s.admissions == s.admissions_from_tiers == 1
+    tiers.close()
+
+
+def test_a_running_request_that_needs_room_takes_back_what_a_waiting_request_holds(tmp_path):
+    """A landed load's blocks wait with their request (nothing evicts them before
+    its admission), but never at a running request's expense: it takes them back
+    (they stay cached) before it would preempt anyone."""
+    kv = _pool(4)
+    tiers = KVTiers(KVTierConfig(enabled=True, host_bytes=8 * kv.spec.block_bytes), kv, SEED)
+    kv.on_evict = tiers.on_evict
+    sched = Scheduler(SchedulerConfig(), kv, SEED, tiers=tiers)
+    running = Request("run", list(range(1, 8)), SamplingParams(max_tokens=8, ignore_eos=True))
+    sched.add(running)
+    sched.update(sched.schedule(), {"run": 9})  # 7 prompt tokens
+    sched.update(sched.schedule(), {"run": 9})  # + 1 decoded: 8 tokens, two full blocks
+    holder = Request("hold", list(range(50, 59)), SamplingParams(max_tokens=1))
+    holder.block_ids = kv.allocate(2)  # as a landed tier load hands them over
+    sched.waiting.append(holder)
+    assert kv.num_free_blocks == 0
+    out = sched.schedule()  # its next decode needs a third block
+    assert [s.request for s in out.decodes] == [running] and not out.preempted
+    assert holder.block_ids == [] and len(running.block_ids) == 3
+    kv.check_integrity()
+    tiers.close()
+
+
+def test_the_hit_rate_is_the_share_of_admissions_the_tiers_served():
+    from services.engine.kv_tier_stats import TierStats, tier_status
+    view = tier_status(TierStats(admissions=8, admissions_from_tiers=2, host_blocks=3, block_bytes=10))
+    assert view["hit_rate"] == 0.25 and view["host"]["bytes"] == 30
+    assert tier_status(TierStats())["hit_rate"] is None and tier_status(None) is None
