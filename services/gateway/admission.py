@@ -161,8 +161,9 @@ class Admission:
         snap = self.snapshot(prefill_live, decode_live, now, who, prompt_tokens)
         self._decode_live = max(decode_live or 1, 1)
         slo_seats = self.slo_seats(self._decode_live, snap.decode_seats)
-        if not may_take_seat(self.streams_of, tenant, snap.decode_seats, self.tenant_weights, slo_seats,
-                             self._active(tenant, now)):
+        active = self._active(tenant, now)
+        if self.shed and not may_take_seat(self.streams_of, tenant, snap.decode_seats, self.tenant_weights,
+                                           slo_seats, active):
             if snap.decode_streams < snap.decode_seats:
                 self.num_seat_shares += 1
                 metrics.count_admission_rejection("seat_share")

@@ -17,7 +17,9 @@ prometheus_client's global one), so two apps in a process never mix numbers.
                                                                                   arrival to the finish reason
     pdcluster_generation_tokens_total        counter                            tokens streamed to clients
     pdcluster_admission_in_flight            gauge                              at scrape, from Admission.view()
-    pdcluster_admission_rejections_total     counter    reason                  slo (shed) | in_flight_cap
+    pdcluster_admission_rejections_total     counter    reason                  slo (shed) | in_flight_cap |
+                                                                                  seat_share (a tenant's share of
+                                                                                  the decode streams in the SLO)
     pdcluster_admission_queued_tokens        gauge      pool                    prompt tokens awaiting a first token
     pdcluster_admission_admitted_total       counter                            requests admitted
     pdcluster_admission_prompt_tokens_total  counter                            their prompt tokens (any pool)
@@ -269,6 +271,7 @@ def _admission_families(view: dict) -> list[Metric]:
                                      "(predicted TTFT over the SLO, or the in-flight cap)", labels=("reason",))
     rejections.add_metric(("slo",), view["shed"])
     rejections.add_metric(("in_flight_cap",), view["over_capacity"])
+    rejections.add_metric(("seat_share",), view.get("seat_share", 0))
     queued = GaugeMetricFamily("pdcluster_admission_queued_tokens", "Prompt tokens (with per-request overhead) "
                                "admitted to a pool and awaiting their first token", labels=("pool",))
     for pool, rate in sorted(view.get("pools", {}).items()):

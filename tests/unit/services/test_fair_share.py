@@ -92,7 +92,7 @@ def test_a_flood_is_kept_within_the_tpot_budget_while_another_tenant_is_active()
     """The step model gives 8 streams within the 0.1 s TPOT x 0.8 (10 ms + 8.75 ms each: 8); A floods
     while B holds one: A stops at 6 (one more seat kept for B's next request), which B then takes."""
     rules = Rules(prefill=PrefillModel(0.02, 0.001), step=StepModel(0.01, 0.00875), max_local_prefill_s=0.0)
-    adm = Admission(ttft_slo_s=2.0, max_in_flight=1000, shed=False, rules=rules, decode_seats_per_replica=64)
+    adm = Admission(ttft_slo_s=2.0, max_in_flight=1000, rules=rules, decode_seats_per_replica=64)
     assert adm.slo_seats(1, 64) == 8
     b = [adm.place(10, prefill_live=1, decode_live=1, tenant="B")]
     flood = []
@@ -109,3 +109,11 @@ def test_a_flood_is_kept_within_the_tpot_budget_while_another_tenant_is_active()
         for _ in range(20):  # A and B asked within 30 s: one seat kept for each
             solo.append(adm.place(10, prefill_live=1, decode_live=1, tenant="solo"))
     assert len(solo) == 8 - 2
+
+
+def test_without_shedding_no_seat_is_refused_on_the_tpot_budget():
+    rules = Rules(prefill=PrefillModel(0.02, 0.001), step=StepModel(0.01, 0.00875), max_local_prefill_s=0.0)
+    adm = Admission(ttft_slo_s=2.0, max_in_flight=1000, shed=False, rules=rules, decode_seats_per_replica=64)
+    adm.place(10, prefill_live=1, decode_live=1, tenant="B")
+    flood = [adm.place(10, prefill_live=1, decode_live=1, tenant="A") for _ in range(40)]
+    assert len(flood) == 40 and adm.num_seat_shares == 0
