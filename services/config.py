@@ -92,7 +92,7 @@ class TenantSettings(_Strict):
     burst_s: float = Field(1.0, gt=0, le=3600, description="the buckets hold this many seconds of the rates")
     min_priority: int | None = Field(None, description="the most urgent `priority` its requests may ask (lower "
                                                        "is more urgent); a more urgent one is raised to it")
-    weight: float = Field(1.0, gt=0, le=1000, description="its share against other tenants of one priority, in "
+    weight: float = Field(1.0, ge=0.001, le=1000, description="its share against other tenants of one priority, in "
                                                           "prompt tokens and decode seats (the default tenant: 1)")
     kv_guaranteed: float = Field(0.0, ge=0, le=1, description="the share of each replica's KV blocks its cached "
                                                               "prefixes keep whatever other tenants send")

@@ -27,8 +27,8 @@ class SchedulerConfig:
                 f"need 0 < kv_watermark_low ({self.kv_watermark_low}) <= kv_watermark_high "
                 f"({self.kv_watermark_high}) <= 1")
         for tenant, weight in self.tenant_weights:
-            if not weight > 0:
-                raise ValueError(f"tenant {tenant!r}: weight must be > 0, got {weight!r}")
+            if not 0.001 <= weight <= 1000:
+                raise ValueError(f"tenant {tenant!r}: weight must be from 0.001 to 1000, got {weight!r}")
 
 
 SPECULATIVE_METHODS = ("none", "ngram", "draft")

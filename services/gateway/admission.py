@@ -162,7 +162,9 @@ class Admission:
         self._decode_live = max(decode_live or 1, 1)
         slo_seats = self.slo_seats(self._decode_live, snap.decode_seats)
         active = self._active(tenant, now)
-        if self.shed and not may_take_seat(self.streams_of, tenant, snap.decode_seats, self.tenant_weights,
+        # Only on a measured prediction: the step model scaled by TPOTs measured here.
+        measured = self.tpot.num_samples >= MIN_SAMPLES
+        if self.shed and measured and not may_take_seat(self.streams_of, tenant, snap.decode_seats, self.tenant_weights,
                                            slo_seats, active):
             if snap.decode_streams < snap.decode_seats:
                 self.num_seat_shares += 1

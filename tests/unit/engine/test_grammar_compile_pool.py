@@ -96,7 +96,8 @@ def test_a_compile_over_the_limit_is_a_400_naming_the_limit_and_frees_its_worker
 def test_compiles_run_in_worker_processes_bounded_by_the_pool(tokenizer):
     """Four distinct slow specs through a 2-worker pool: all compile, and no
     more than two worker processes ever run; the compile is not in the
-    caller's process: it spends a small part of the compiles' time on CPU
+    caller's process: it spends under half the compiles' time on CPU (0.15
+    measured here; compiling in-process costs about all of it)
     (CPU time, not wall-clock gaps: a loaded machine stretches both sides)."""
     cache = _cache(tokenizer, compile_workers=2)
     try:
@@ -108,7 +109,7 @@ def test_compiles_run_in_worker_processes_bounded_by_the_pool(tokenizer):
         assert all(not isinstance(r, Exception) for r in results), results
         assert cache.num_compiles == 5
         assert len(cache._pool._live) <= 2
-        assert cpu < 0.25 * wall, f"the caller's process spent {cpu:.2f} s of CPU in {wall:.2f} s of compiles"
+        assert cpu < 0.5 * wall, f"the caller's process spent {cpu:.2f} s of CPU in {wall:.2f} s of compiles"
     finally:
         cache.close()
 

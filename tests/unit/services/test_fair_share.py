@@ -93,6 +93,8 @@ def test_a_flood_is_kept_within_the_tpot_budget_while_another_tenant_is_active()
     while B holds one: A stops at 6 (one more seat kept for B's next request), which B then takes."""
     rules = Rules(prefill=PrefillModel(0.02, 0.001), step=StepModel(0.01, 0.00875), max_local_prefill_s=0.0)
     adm = Admission(ttft_slo_s=2.0, max_in_flight=1000, rules=rules, decode_seats_per_replica=64)
+    for _ in range(MIN_SAMPLES):                    # TPOTs measured as the step model has them
+        adm.tpot.observe(0.05, 0.05)
     assert adm.slo_seats(1, 64) == 8
     b = [adm.place(10, prefill_live=1, decode_live=1, tenant="B")]
     flood = []
@@ -117,3 +119,18 @@ def test_without_shedding_no_seat_is_refused_on_the_tpot_budget():
     adm.place(10, prefill_live=1, decode_live=1, tenant="B")
     flood = [adm.place(10, prefill_live=1, decode_live=1, tenant="A") for _ in range(40)]
     assert len(flood) == 40 and adm.num_seat_shares == 0
+
+
+def test_no_seat_is_refused_before_tpots_were_measured():
+    rules = Rules(prefill=PrefillModel(0.02, 0.001), step=StepModel(0.01, 0.00875), max_local_prefill_s=0.0)
+    adm = Admission(ttft_slo_s=2.0, max_in_flight=1000, rules=rules, decode_seats_per_replica=64)
+    adm.place(10, prefill_live=1, decode_live=1, tenant="B")
+    flood = [adm.place(10, prefill_live=1, decode_live=1, tenant="A") for _ in range(40)]
+    assert len(flood) == 40 and adm.num_seat_shares == 0
+
+
+def test_a_tenant_weight_is_bounded():
+    from services.config import ClusterConfig
+    for bad in (0, -1, 5e-324, 1e9, float("nan")):
+        with pytest.raises(ValueError):
+            ClusterConfig(tenants=[{"name": "t", "weight": bad}])
