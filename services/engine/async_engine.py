@@ -38,6 +38,7 @@ from services.engine.outputs import EngineStats, ExternalKVAllocation, RequestOu
 from services.engine.request import Request
 from services.engine.reservation_line import ReservationLine
 from services.engine.sampling_params import SamplingParams
+from services.engine.turn_clock import TurnClock
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -297,13 +298,20 @@ class AsyncEngine:
     def _loop(self) -> None:
         try:
             while not self._stop:
+                turn = TurnClock()
                 self._apply_fault()
                 self._apply_commands()
+                turn.mark("commands")
                 self._line.serve()  # reservations waiting for blocks: a step or a command may have freed some
+                turn.mark("reservations")
                 if self.engine.has_unfinished():
                     outputs = self.engine.step()  # fails requests, not itself; EngineDeadError if it cannot go on
+                    turn.mark("step")
                     self.stats = self.engine.stats()
+                    turn.mark("stats")
                     self._deliver_step(outputs)
+                    turn.mark("deliver")
+                    turn.log_if_slow(log, self.engine.num_steps)
                 else:
                     self.engine.expire_stale()
                     self.stats = self.engine.stats()

@@ -15,6 +15,7 @@ from prefix_store.url_reference import resolve_index_url
 from services.config import ClusterConfig
 from services.engine.model.default import resolve_model_path
 from services.engine.tokenizer import Tokenizer
+from services.gc_pauses import freeze_startup_heap
 from services.gateway.admission import Admission
 from services.gateway.placement import Rules
 from services.gateway.cluster_backend import ClusterBackend
@@ -138,8 +139,9 @@ class Gateway:
             self.http = GatewayHTTPServer(app, cfg.host, cfg.port)
             # Its socket is bound once: a server that stops by itself fails health, Serve replaces the replica.
             self.supervisor.start("http_server", self.http.serve, RestartPolicy(restart=False))
-        log.info("gateway ready: mode=%s model=%s ingress=%s api_keys=%d", cfg.mode, cfg.served_model_name,
-                 cfg.ingress, len(cfg.api_key_digests))
+        frozen = freeze_startup_heap()   # start-up's objects out of every later collection (gc_pauses.py)
+        log.info("gateway ready: mode=%s model=%s ingress=%s api_keys=%d (%d start-up objects frozen)", cfg.mode,
+                 cfg.served_model_name, cfg.ingress, len(cfg.api_key_digests), frozen)
 
     def check_health(self) -> None:
         """Serve calls this every health_check_period_s; raising makes Serve

@@ -28,6 +28,7 @@ from services.config import ClusterConfig, PoolConfig
 from services.engine.async_engine import AsyncEngine
 from services.engine.engine import Engine
 from services.engine.kv_tier_stats import tier_status
+from services.gc_pauses import freeze_startup_heap
 from services.replica_loopback import bind_replica_grpc_to_loopback
 from services.messages import GenerateRequest, TokenDelta
 from services.pools.status_board import publish_forever
@@ -107,6 +108,8 @@ class Worker:
                 self.index_url, self.config.cluster_name, self.name, self.status))
         if self.transfer is not None:
             self.supervisor.start("lease_notifications", self._release_on_notification)
+        frozen = freeze_startup_heap()   # start-up's objects out of every later collection (gc_pauses.py)
+        log.info("%s: %d start-up objects frozen out of garbage collection", self.name, frozen)
 
     async def _release_on_notification(self) -> None:
         """Releases each lease a puller is done with, as its notification arrives
