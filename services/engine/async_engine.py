@@ -297,7 +297,9 @@ class AsyncEngine:
     # ---- the engine thread ------------------------------------------------
     def _loop(self) -> None:
         try:
+            turns = 0
             while not self._stop:
+                turns += 1
                 turn = TurnClock()
                 self._apply_fault()
                 self._apply_commands()
@@ -311,7 +313,7 @@ class AsyncEngine:
                     turn.mark("stats")
                     self._deliver_step(outputs)
                     turn.mark("deliver")
-                    turn.log_if_slow(log, self.engine.num_steps)
+                    turn.log_if_slow(log, turns)
                 else:
                     self.engine.expire_stale()
                     self.stats = self.engine.stats()

@@ -28,10 +28,10 @@ class TurnClock:
     def wall_s(self) -> float:
         return self._last - self.started
 
-    def log_if_slow(self, log: logging.Logger, step: int) -> bool:
+    def log_if_slow(self, log: logging.Logger, turn: int) -> bool:
         if self.wall_s < SLOW_TURN_S:
             return False
         cpu = time.thread_time() - self.cpu_started
-        log.warning("slow engine turn at step %d: %.3f s wall, %.3f s of this thread's CPU (%s)", step, self.wall_s,
+        log.warning("slow engine turn (turn %d): %.3f s wall, %.3f s of this thread's CPU (%s)", turn, self.wall_s,
                     cpu, ", ".join(f"{name} {s:.3f} s" for name, s in self.parts))
         return True

@@ -26,5 +26,5 @@ def test_a_slow_turn_names_its_parts_and_cpu(monkeypatch, caplog):
     with caplog.at_level(logging.WARNING):
         assert clock.log_if_slow(logging.getLogger("t"), 42)
     text = caplog.text
-    assert "step 42" in text and "commands 0.010 s" in text and f"step {turn_clock.SLOW_TURN_S:.3f} s" in text
+    assert "turn 42" in text and "commands 0.010 s" in text and f"step {turn_clock.SLOW_TURN_S:.3f} s" in text
     assert "of this thread's CPU" in text
