@@ -1,0 +1,61 @@
+"""The peer prefix fetch rule (router/peer_fetch.py): pull only what a peer
+holds past this replica's own blocks, never the last token's block, and only
+when the pull is predicted cheaper than computing those tokens."""
+
+from __future__ import annotations
+
+import pytest
+
+from prefix_store.index_base import LookupResult
+from router.peer_fetch import plan_peer_fetch, pull_s, role_of, should_pull
+
+BS = 16
+
+
+def test_should_pull_weighs_pull_time_against_recompute_time():
+    # 8 blocks: 0.02 + 8 ms to pull against 128 tokens x 0.3 ms = 38 ms to compute
+    assert should_pull(8, BS, pull_s_per_block=0.001, recompute_s_per_token=0.0003)
+    # one block: the call's overhead (20 ms) outweighs 4.8 ms of compute
+    assert not should_pull(1, BS, pull_s_per_block=0.001, recompute_s_per_token=0.0003)
+    # a slow link: 8 x 10 ms to pull is more than 38 ms of compute
+    assert not should_pull(8, BS, pull_s_per_block=0.010, recompute_s_per_token=0.0003)
+    assert not should_pull(0, BS, 0.0, 1.0)
+    assert not should_pull(3, BS, 0.0, 1.0, pull_overhead_s=0.0, min_blocks=4)
+    assert pull_s(8, 0.001, 0.02) == pytest.approx(0.028)
+
+
+def test_the_plan_pulls_what_the_best_peer_holds_past_the_local_blocks():
+    lookup = LookupResult({"prefill-a": 10, "decode-me": 12, "prefill-b": 6}, num_blocks=12)
+    plan = plan_peer_fetch(lookup, "decode-me", local_blocks=2, num_prompt_tokens=12 * BS + 5, block_size=BS)
+    assert plan is not None and plan.holder == "prefill-a"  # never itself, however much it holds
+    assert (plan.start, plan.num_blocks) == (2, 8)
+    assert plan.pull_s < plan.recompute_s
+
+
+def test_the_last_tokens_block_is_never_pulled():
+    lookup = LookupResult({"prefill-a": 8}, num_blocks=8)
+    plan = plan_peer_fetch(lookup, "decode-me", 0, num_prompt_tokens=8 * BS, block_size=BS)
+    assert plan is not None and plan.num_blocks == 7  # its last token is computed: its logits are the answer
+
+
+@pytest.mark.parametrize("lookup, local", [
+    (LookupResult({"prefill-a": 4}, 8), 4),                        # it has nothing past ours
+    (LookupResult({"prefill-a": 8}, 8, degraded=True), 0),         # the index could not answer
+    (LookupResult({}, 8), 0),                                      # nobody holds it
+    (LookupResult({"prefill-a": 1}, 8), 0),                        # too short to be worth a call
+])
+def test_no_plan_when_nothing_is_worth_pulling(lookup, local):
+    assert plan_peer_fetch(lookup, "decode-me", local, 8 * BS + 1, BS) is None
+
+
+def test_a_holder_with_the_blocks_in_its_pool_is_preferred_to_one_with_them_on_disk():
+    lookup = LookupResult({"prefill-a": 6, "prefill-b": 6}, 6, tier_blocks={"prefill-b": {"disk": 4}})
+    assert plan_peer_fetch(lookup, "decode-me", 0, 6 * BS + 1, BS).holder == "prefill-a"
+    lookup = LookupResult({"prefill-a": 6, "prefill-b": 6}, 6, tier_blocks={"prefill-a": {"host": 1}})
+    assert plan_peer_fetch(lookup, "decode-me", 0, 6 * BS + 1, BS).holder == "prefill-b"
+
+
+def test_role_of_names_the_holders_pool():
+    assert role_of("prefill-abc123") == "prefill"
+    assert role_of("decode-x") == "decode" and role_of("colocated-y") == "colocated"
+    assert role_of("engine") is None and role_of("gateway-1") is None
