@@ -59,3 +59,29 @@ def test_role_of_names_the_holders_pool():
     assert role_of("prefill-abc123") == "prefill"
     assert role_of("decode-x") == "decode" and role_of("colocated-y") == "colocated"
     assert role_of("engine") is None and role_of("gateway-1") is None
+
+
+def _snapshot(peer_pull_s_per_block):
+    from router.snapshot import ReplicaLoad, RequestShape, RoutingSnapshot
+
+    replicas = (ReplicaLoad("a", queued_prefill_tokens=400, prefill_tokens_per_s=1000.0),
+                ReplicaLoad("b", queued_prefill_tokens=0, prefill_tokens_per_s=1000.0))
+    return RoutingSnapshot(replicas, RequestShape(400, {"a": 320}, block_size=BS,
+                                                  peer_pull_s_per_block=peer_pull_s_per_block))
+
+
+def test_the_router_weighs_a_pull_from_the_holder_against_recomputing():
+    from router.cache_aware import cache_aware
+    from router.snapshot import estimated_ttft_s, peer_pull
+
+    off, on = _snapshot(None), _snapshot(0.001)
+    # Off: b would recompute the 320 tokens a caches (0.32 s, charged twice): a, though busier.
+    assert cache_aware(off).replica_id == "a"
+    # On: b pulls a's 20 blocks in 0.02 + 20 ms and computes 80 tokens: 0.12 s, no recompute charge.
+    assert peer_pull(on.replicas[1], on.request) == (20, pytest.approx(0.04))
+    assert estimated_ttft_s(on.replicas[1], on.request) == pytest.approx(0.08 + 0.04)
+    assert peer_pull(on.replicas[0], on.request) == (0, 0.0)  # the holder pulls nothing
+    assert cache_aware(on).replica_id == "b"
+    # A link so slow that the pull costs more than the compute: as if off.
+    slow = _snapshot(0.050)
+    assert peer_pull(slow.replicas[1], slow.request) == (0, 0.0) and cache_aware(slow).replica_id == "a"
