@@ -37,7 +37,6 @@ from router.peer_fetch import (DEFAULT_PULL_S_PER_BLOCK, DEFAULT_RECOMPUTE_S_PER
                                plan_peer_fetch, role_of)
 from router.routing_header import RoutingHeader
 from services.messages import GenerateRequest, PrefixLease, PrefixLeaseRequest
-from transfer import TransferError
 from transfer.errors import LeaseExpiredError, TransferInDoubtError
 
 log = logging.getLogger("pdcluster.peer_fetch")
@@ -106,7 +105,11 @@ class PeerFetcher:
         if plan is None:
             return SKIPPED
         started = time.perf_counter()
-        result = await self._pull_plan(request, plan, hashes, tokens)
+        try:
+            result = await self._pull_plan(request, plan, hashes, tokens)
+        except Exception as exc:  # noqa: BLE001 - a bug here must cost a recompute, not the request
+            log.exception("peer prefix fetch raised: request_id=%s holder=%s", request.request_id, plan.holder)
+            result = PeerFetchResult("failed", reason=f"raised {exc!r:.200}")
         result = PeerFetchResult(result.outcome, result.num_blocks, plan.holder, result.reason,
                                  time.perf_counter() - started)
         self._count(result)
@@ -157,7 +160,7 @@ class PeerFetcher:
             exc = None if pull.cancelled() else pull.exception()
             await asyncio.shield(self._give_back(key, exc, lease))
             raise
-        except (TransferError, OSError) as exc:
+        except Exception as exc:  # noqa: BLE001 - TransferError, OSError, or a caller bug (ValueError): recompute
             await asyncio.shield(self._give_back(key, exc, lease))
             return PeerFetchResult("failed", reason=f"pull from {lease.worker_name} failed: {exc!r:.200}")
         landed = await w.aengine.run(lambda e: e.land_peer_import(key, hashes, tokens, start))
@@ -228,8 +231,12 @@ async def lend_prefix(worker: Any, ask: PrefixLeaseRequest) -> PrefixLease | Non
     if lent is None:
         return None
     block_ids, deadline_unix = lent
-    # Cached full blocks are never written again while referenced: the checksums hold until release.
-    checksums = await asyncio.to_thread(worker.transfer.checksums, block_ids)
+    try:
+        # Cached full blocks are never written again while referenced: the checksums hold until release.
+        checksums = await asyncio.to_thread(worker.transfer.checksums, block_ids)
+    except BaseException:
+        await asyncio.shield(worker.aengine.release_lease(ask.lease_id))
+        raise
     worker.counters.peer_blocks_lent += len(block_ids)
     return PrefixLease(ask.lease_id, tuple(block_ids), tuple(checksums), deadline_unix, worker.transfer.describe(),
                        worker.name)

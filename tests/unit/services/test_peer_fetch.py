@@ -53,6 +53,9 @@ class _EngineThread:
     async def release_quarantine(self, key: int) -> int:
         return self.engine.release_quarantine(key)
 
+    async def release_lease(self, lease_id: str) -> bool:
+        return self.engine.release_lease(lease_id)
+
 
 def _engine(num_blocks: int) -> Engine:
     """An Engine with its KV bookkeeping and no model (what peer fetch touches)."""
@@ -245,3 +248,37 @@ async def test_no_room_for_the_pulled_blocks_releases_the_lease_at_once(pair):
             break
     assert len(holder.engine.leases) == 0  # released, not left to its TTL
     _accounted(holder)
+
+
+async def test_a_lease_naming_blocks_the_holder_lacks_costs_a_recompute_not_the_request(pair):
+    holder, puller, _ = pair
+
+    async def bad_lease(role, ask):
+        lease = await lend_prefix(holder, ask)
+        return dataclasses.replace(lease, block_ids=(999,) * len(lease.block_ids))
+    result = await PeerFetcher(puller, bad_lease).fetch(_request())
+    assert result.outcome == "failed" and puller.counters.peer_fetch_failures == 1
+    assert puller.engine.kv.num_free_blocks == 16 and puller.engine.kv.num_cached_blocks == 0
+    _accounted(puller)
+
+
+async def test_a_request_that_leaves_mid_pull_gives_the_blocks_back_once_the_transfer_stopped(pair):
+    holder, puller, _ = pair
+    real_pull = puller.transfer.pull
+
+    def slow_pull(*args, **kwargs):
+        time.sleep(0.3)
+        return real_pull(*args, **kwargs)
+    puller.transfer.pull = slow_pull
+    task = asyncio.create_task(PeerFetcher(puller, _lend_from(holder)).fetch(_request()))
+    await asyncio.sleep(0.1)
+    assert len(puller.engine.peer_imports.held_block_ids()) == 6  # the transfer writes into them
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert puller.engine.peer_imports.held_block_ids() == [] and puller.engine.kv.num_cached_blocks == 0
+    assert puller.engine.kv.num_free_blocks == 16
+    await asyncio.to_thread(_settle, holder)  # the pull finished and notified: the lease goes
+    assert len(holder.engine.leases) == 0
+    _accounted(holder)
+    _accounted(puller)
