@@ -85,3 +85,16 @@ def test_the_router_weighs_a_pull_from_the_holder_against_recomputing():
     # A link so slow that the pull costs more than the compute: as if off.
     slow = _snapshot(0.050)
     assert peer_pull(slow.replicas[1], slow.request) == (0, 0.0) and cache_aware(slow).replica_id == "a"
+
+
+def test_the_pools_routers_know_when_replicas_pull_from_their_peers():
+    from services.app import _pool_options
+    from services.config import ClusterConfig, PeerFetchSettings
+
+    def router_kwargs(config: ClusterConfig) -> dict:
+        opts = _pool_options(config, config.prefill, "prefill", "prefill")
+        return opts["request_router_config"].request_router_kwargs
+
+    assert router_kwargs(ClusterConfig())["peer_pull_s_per_block"] is None
+    on = ClusterConfig(peer_fetch=PeerFetchSettings(enabled=True))
+    assert router_kwargs(on)["peer_pull_s_per_block"] > 0
