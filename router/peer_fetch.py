@@ -6,7 +6,7 @@ The whole rule (pure; services/pools/peer_fetch.py does the I/O):
     pull_s(h)   = pull_overhead_s + extra(h) * pull_s_per_block
     compute_s(h)= extra(h) * block_size * recompute_s_per_token
 
-    holder      = argmax over live h != self of (extra(h), -lower_tier_blocks(h), name)
+    holder      = argmax over live h, not self, not avoided, of (extra(h), -lower_tier_blocks(h), name)
     pull        <=>  extra(holder) >= min_blocks  and  pull_s(holder) < compute_s(holder)
 
 * ``local_blocks`` counts what this replica already holds in every tier
@@ -17,6 +17,9 @@ The whole rule (pure; services/pools/peer_fetch.py does the I/O):
 * ``pull_overhead_s`` is one lease call to the holder plus the transfer's
   setup (a round trip between replicas, measured as a few ms); a short
   prefix is cheaper to recompute than to ask for.
+* A failover's resume avoids the replicas its stream lost: the index may
+  still list a dead one for a few seconds, and asking it costs the lend
+  call's whole timeout.
 * A holder whose matching blocks sit in a lower tier of its own is ranked
   after one holding them in its pool: the smallest slice leases pool blocks
   only (the holder leases what its pool has; the rest is computed here).
@@ -60,8 +63,9 @@ def plan_peer_fetch(lookup: LookupResult, self_name: str, local_blocks: int, num
                     block_size: int, pull_s_per_block: float = DEFAULT_PULL_S_PER_BLOCK,
                     recompute_s_per_token: float = DEFAULT_RECOMPUTE_S_PER_TOKEN,
                     pull_overhead_s: float = DEFAULT_PULL_OVERHEAD_S,
-                    min_blocks: int = MIN_PULL_BLOCKS) -> PeerFetchPlan | None:
-    """The holder to pull from and which blocks, or None (compute them here)."""
+                    min_blocks: int = MIN_PULL_BLOCKS, avoid: tuple[str, ...] = ()) -> PeerFetchPlan | None:
+    """The holder to pull from and which blocks, or None (compute them here).
+    ``avoid``: replicas never asked (a failover's lost ones: the index may not know yet)."""
     if lookup.degraded:
         return None
     usable = max(num_prompt_tokens - 1, 0) // block_size  # the last token is always computed
@@ -73,7 +77,7 @@ def plan_peer_fetch(lookup: LookupResult, self_name: str, local_blocks: int, num
         lower = sum(lookup.tier_blocks.get(name, {}).values())
         return extra(name), -lower, name
 
-    holders = [n for n in lookup.matched_blocks if n != self_name and extra(n) > 0]
+    holders = [n for n in lookup.matched_blocks if n != self_name and n not in avoid and extra(n) > 0]
     if not holders:
         return None
     holder = max(holders, key=rank)

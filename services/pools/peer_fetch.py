@@ -87,7 +87,7 @@ class PeerFetcher:
         """Pulls what a peer holds of the prompt's prefix, if worth it; never raises
         but CancelledError (then everything taken is given back)."""
         w = self.worker
-        if w.transfer is None or request.prior_output_token_ids:
+        if w.transfer is None:
             return SKIPPED
         tokens = list(request.prompt_token_ids)
         bs = w.engine.kv_spec.block_size
@@ -101,7 +101,8 @@ class PeerFetcher:
             return SKIPPED
         lookup = await w.index.lookup(hashes)
         plan = plan_peer_fetch(lookup, w.name, local, len(tokens), bs, self._pull_s_per_block(),
-                               self._recompute_s_per_token(), min_blocks=self.min_blocks)
+                               self._recompute_s_per_token(), min_blocks=self.min_blocks,
+                               avoid=request.routing.avoid_workers)
         if plan is None:
             return SKIPPED
         started = time.perf_counter()

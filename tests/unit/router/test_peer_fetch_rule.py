@@ -98,3 +98,10 @@ def test_the_pools_routers_know_when_replicas_pull_from_their_peers():
     assert router_kwargs(ClusterConfig())["peer_pull_s_per_block"] is None
     on = ClusterConfig(peer_fetch=PeerFetchSettings(enabled=True))
     assert router_kwargs(on)["peer_pull_s_per_block"] > 0
+
+
+def test_a_failovers_lost_replicas_are_never_asked():
+    lookup = LookupResult({"decode-dead": 10, "prefill-a": 6}, 10)
+    plan = plan_peer_fetch(lookup, "decode-me", 0, 10 * BS + 1, BS, avoid=("decode-dead",))
+    assert plan.holder == "prefill-a" and plan.num_blocks == 6
+    assert plan_peer_fetch(lookup, "decode-me", 0, 10 * BS + 1, BS, avoid=("decode-dead", "prefill-a")) is None
