@@ -144,9 +144,9 @@ class PeerFetcher:
     async def _pull_lease(self, request: GenerateRequest, lease: PrefixLease, start: int, hashes: list[int],
                           tokens: list[int]) -> PeerFetchResult:
         w, key, n = self.worker, lease.lease_id, len(lease.block_ids)
-        keep_free = w.config.scheduler.max_num_seqs  # a seat's next block for every running request
+        # A block left for each running request's next tokens: a pull never causes a preemption.
         local_ids = await w.aengine.run_or_undo(
-            lambda e: e.peer_imports.reserve(key, n, request.params.tenant, keep_free=keep_free),
+            lambda e: e.peer_imports.reserve(key, n, request.params.tenant, keep_free=len(e.scheduler.running)),
             lambda e, got: e.peer_imports.drop(key))
         if local_ids is None:
             self._release(lease.peer, lease.worker_name, key)

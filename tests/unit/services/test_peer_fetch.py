@@ -65,6 +65,7 @@ def _engine(num_blocks: int) -> Engine:
     e.leases = LeaseTable(e.kv.free, default_ttl_s=30.0)
     e.peer_imports = PeerImports(e.kv, SEED)
     e._quarantine, e._quarantine_key = {}, 0
+    e.scheduler = SimpleNamespace(running=[object(), object()])  # two requests decoding: a block kept for each
     return e
 
 
@@ -76,7 +77,6 @@ class _Replica:
     index: InMemoryPrefixIndex
     counters: WorkerCounters = field(default_factory=WorkerCounters)
     _prefill_rate_tps: float = 100.0  # a slow prefill: 24 tokens take 0.24 s, a pull is worth it
-    config: object = field(default_factory=lambda: SimpleNamespace(scheduler=SimpleNamespace(max_num_seqs=2)))
 
     def __post_init__(self):
         self.aengine = _EngineThread(self.engine)
