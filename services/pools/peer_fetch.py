@@ -87,8 +87,8 @@ class PeerFetcher:
         """Pulls what a peer holds of the prompt's prefix, if worth it; never raises
         but CancelledError (then everything taken is given back)."""
         w = self.worker
-        if w.transfer is None:
-            return SKIPPED
+        if w.transfer is None or request.params.prompt_logprobs is not None:
+            return SKIPPED  # prompt logprobs need every position computed: a cached block has none
         tokens = list(request.prompt_token_ids)
         bs = w.engine.kv_spec.block_size
         hashes = list(w.prompt_hashes(request)) or hash_prompt_blocks(w.engine.hash_seed, tokens, bs)
