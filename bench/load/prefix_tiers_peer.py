@@ -76,7 +76,7 @@ def run_peer(w: ChatWorkload, frame: ChatFrame) -> PeerRun:
     out = PeerRun()
     try:
         time.sleep(2.0)  # every replica on the status board
-        a, b = sorted(s["name"] for s in read_board(config.index_url, config.cluster_name) if s["role"] == "prefill")
+        a, b = sorted(s["name"] for s in read_board(cluster.config.index_url, config.cluster_name) if s["role"] == "prefill")
         system, sessions = make_sessions(w)
         for s in sessions:
             for turn in range(w.turns - 1):  # the session's turns so far, on A
@@ -96,7 +96,7 @@ def run_peer(w: ChatWorkload, frame: ChatFrame) -> PeerRun:
             print(f"... peer fetch: session {out.sessions}/{len(sessions)}: B computed {len(prompt) - cached} of "
                   f"{len(prompt)} prompt tokens, TTFT {ttft:.3f} s", file=sys.stderr, flush=True)
         time.sleep(1.5)
-        board = {s["name"]: s for s in read_board(config.index_url, config.cluster_name)}
+        board = {s["name"]: s for s in read_board(cluster.config.index_url, config.cluster_name)}
         out.counters = {k: v for k, v in board[b]["counters"].items() if k.startswith("peer_")}
     finally:
         cluster.stop()
