@@ -3,9 +3,9 @@
 The whole rule:
 
     drain_s(i) = queued_prefill_tokens(i) / prefill_tokens_per_s(i)
-    ttft_s(i)  = (queued_prefill_tokens(i) + prompt_tokens - cached_tokens(i))
-                 / prefill_tokens_per_s(i)  +  tier_load_s(i)
-    cost_s(i)  = ttft_s(i) + recompute_weight * (max_j cached_tokens(j) - cached_tokens(i))
+    ttft_s(i)  = (queued_prefill_tokens(i) + prompt_tokens - cached_tokens(i) - pulled_tokens(i))
+                 / prefill_tokens_per_s(i)  +  tier_load_s(i)  +  pull_s(i)
+    cost_s(i)  = ttft_s(i) + recompute_weight * (max_j cached_tokens(j) - cached_tokens(i) - pulled_tokens(i))
                                               / prefill_tokens_per_s(i)
 
     IMBALANCE GUARD:  eligible(i)  <=>  drain_s(i) <= min_j drain_s(j) + max_extra_queue_s
@@ -18,7 +18,11 @@ The whole rule:
   lower tier add their load time (``tier_load_s``), not a recompute.  ``cost_s`` adds a charge for
   recomputing tokens another replica already caches: that work delays every
   request queued behind it and pushes other prefixes out of the cache, which
-  the per-request TTFT does not see.  ``recompute_weight = 0`` is the plain
+  the per-request TTFT does not see.  With peer prefix fetch on
+  (``peer_pull_s_per_block`` set), the blocks another replica caches past
+  i's own are pulled rather than recomputed when that is predicted cheaper
+  (router/peer_fetch.py): ``pulled_tokens(i)`` of them cost ``pull_s(i)``
+  and no recompute charge.  ``recompute_weight = 0`` is the plain
   TTFT rule; bench/load/routing.py measured it losing 10-40% of the hit rate above
   1x load, and weight 1 collapsing (spill cascade) at 2x; 2 (default) held.
 * IMBALANCE GUARD: a cache hit may buy at most ``max_extra_queue_s``
@@ -40,7 +44,7 @@ from __future__ import annotations
 
 from router.policy_base import RoutingPolicy
 from router.snapshot import (
-    ReplicaLoad, RoutingDecision, RoutingSnapshot, affinity_rank, estimated_ttft_s,
+    ReplicaLoad, RoutingDecision, RoutingSnapshot, affinity_rank, estimated_ttft_s, peer_pull,
 )
 
 DEFAULT_MAX_EXTRA_QUEUE_S = 0.5
@@ -56,7 +60,8 @@ def cache_aware(snapshot: RoutingSnapshot, max_extra_queue_s: float = DEFAULT_MA
 
     def key(r: ReplicaLoad) -> tuple[float, int, int, int]:
         cached = req.cached_tokens(r.replica_id)
-        cost_s = estimated_ttft_s(r, req) + recompute_weight * (best_cached - cached) / r.prefill_tokens_per_s
+        missing = best_cached - cached - peer_pull(r, req)[0] * req.block_size
+        cost_s = estimated_ttft_s(r, req) + recompute_weight * max(missing, 0) / r.prefill_tokens_per_s
         return (cost_s, -cached, r.running_requests, affinity_rank(req.affinity_key, r.replica_id))
 
     eligible = sorted((r for r in snapshot.replicas if r.drain_s <= limit_s), key=key)

@@ -55,12 +55,14 @@ class PrefixAwareRequestRouter(RequestRouter):
         index_url: str | None = None, cluster: str = "local", model: str = "default",
         lookup_timeout_s: float = 0.05, default_prefill_tokens_per_s: float = 2000.0,
         default_free_kv_blocks: int = 0, inflight_ttl_s: float = 600.0,
-        index: PrefixIndex | None = None, block_load_s: dict[str, float] | None = None, **_: Any,
+        index: PrefixIndex | None = None, block_load_s: dict[str, float] | None = None,
+        peer_pull_s_per_block: float | None = None, **_: Any,
     ) -> None:
         """``index_url``: ``redis://host:port``, or a reference to it (services/index_url_ref.py;
         None: route by load only).  ``index``:
         an index object instead of a URL, for in-process use and tests.  ``block_load_s``:
-        seconds to load one block from a replica's ``host`` / ``disk`` tier (router/snapshot.py)."""
+        seconds to load one block from a replica's ``host`` / ``disk`` tier (router/snapshot.py).
+        ``peer_pull_s_per_block``: set when replicas pull prefixes from their peers (router/peer_fetch.py)."""
         if pool not in DEFAULT_POLICY:
             raise ValueError(f"router pool {pool!r} is unknown: use 'prefill' or 'decode'")
         self.pool = pool
@@ -72,6 +74,7 @@ class PrefixAwareRequestRouter(RequestRouter):
         self.default_prefill_tokens_per_s = default_prefill_tokens_per_s
         self.default_free_kv_blocks = default_free_kv_blocks
         self.block_load_s = {**DEFAULT_BLOCK_LOAD_S, **(block_load_s or {})}
+        self.peer_pull_s_per_block = peer_pull_s_per_block
         self.inflight = InFlightTracker(ttl_s=inflight_ttl_s)
         self.counters = RouterCounters()
         self.last_decision: RoutingDecision | None = None
@@ -201,7 +204,8 @@ class PrefixAwareRequestRouter(RequestRouter):
             else zlib.crc32(request_id.encode())
         request = (RequestShape(0, affinity_key=affinity_key) if header is None else RequestShape(
             header.num_prompt_tokens, matched, num_output_tokens=header.max_new_tokens,
-            block_size=header.block_size, affinity_key=affinity_key, tier_load_s=load_s))
+            block_size=header.block_size, affinity_key=affinity_key, tier_load_s=load_s,
+            peer_pull_s_per_block=self.peer_pull_s_per_block))
         return RoutingSnapshot(tuple(loads), request)
 
 

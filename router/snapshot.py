@@ -12,6 +12,8 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from router.peer_fetch import pull_s, should_pull
+
 
 @dataclass(frozen=True)
 class ReplicaLoad:
@@ -42,6 +44,9 @@ class RequestShape:
     # replica id -> seconds to load the part of its cached prefix that sits in a
     # host or disk tier (services/engine/kv_tiers.py): cached, but not free
     tier_load_s: Mapping[str, float] = field(default_factory=dict)
+    # Peer prefix fetch (router/peer_fetch.py) on: seconds to pull one block from the
+    # replica that caches it; None: off (a replica computes what it lacks)
+    peer_pull_s_per_block: float | None = None
 
     def cached_tokens(self, replica_id: str) -> int:
         return max(0, min(self.matched_tokens.get(replica_id, 0), self.num_prompt_tokens))
@@ -69,10 +74,28 @@ class RoutingDecision:
 
 
 def estimated_ttft_s(replica: ReplicaLoad, request: RequestShape) -> float:
-    """(queued prefill tokens + uncached prompt tokens) / prefill rate, plus the
-    time to load the cached blocks that sit in a host or disk tier."""
-    return (replica.queued_prefill_tokens + request.uncached_tokens(replica.replica_id)) \
-        / replica.prefill_tokens_per_s + request.tier_load_s.get(replica.replica_id, 0.0)
+    """(queued prefill tokens + tokens it computes) / prefill rate, plus the
+    time to load the cached blocks that sit in a host or disk tier, plus the
+    time to pull what a peer caches past its own when that beats computing it."""
+    pulled_blocks, pull_s = peer_pull(replica, request)
+    computed = request.uncached_tokens(replica.replica_id) - pulled_blocks * request.block_size
+    return (replica.queued_prefill_tokens + computed) / replica.prefill_tokens_per_s \
+        + request.tier_load_s.get(replica.replica_id, 0.0) + pull_s
+
+
+def peer_pull(replica: ReplicaLoad, request: RequestShape) -> tuple[int, float]:
+    """(blocks, seconds): what ``replica`` would pull from the replica caching the
+    most of the prompt, past its own cached blocks and short of the last token's
+    (router/peer_fetch.py's rule); (0, 0.0) when peer fetch is off or computing them is cheaper."""
+    if request.peer_pull_s_per_block is None or not request.matched_tokens:
+        return 0, 0.0
+    usable = max(request.num_prompt_tokens - 1, 0)
+    best = min(max(request.matched_tokens.values()), usable)
+    blocks = (best - min(request.cached_tokens(replica.replica_id), usable)) // request.block_size
+    per_token_s = 1.0 / replica.prefill_tokens_per_s
+    if not should_pull(blocks, request.block_size, request.peer_pull_s_per_block, per_token_s):
+        return 0, 0.0
+    return blocks, pull_s(blocks, request.peer_pull_s_per_block)
 
 
 # Seconds to bring one block back from a lower tier, when the router is not told

@@ -6,6 +6,7 @@ from __future__ import annotations
 from ray.serve import Application
 from ray.serve.deployment import Deployment
 
+from router.peer_fetch import DEFAULT_PULL_S_PER_BLOCK
 from router.serve_router import request_router_config
 from services.config import ClusterConfig, PoolConfig
 from prefix_store.url_reference import index_url_reference
@@ -42,7 +43,8 @@ def _pool_options(config: ClusterConfig, pool: PoolConfig, router_pool: str | No
         opts["request_router_config"] = request_router_config(
             router_pool, index_url=index_url_reference(config.index_url), cluster=config.cluster_name,
             model=config.served_model_name, lookup_timeout_s=config.router.lookup_timeout_s,
-            policy=config.router.prefill_policy if router_pool == "prefill" else config.router.decode_policy)
+            policy=config.router.prefill_policy if router_pool == "prefill" else config.router.decode_policy,
+            peer_pull_s_per_block=DEFAULT_PULL_S_PER_BLOCK if config.peer_fetch.enabled else None)
     return opts
 
 

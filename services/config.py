@@ -161,6 +161,16 @@ class KVTierSettings(_Strict):
                             disk_bytes=self.disk_mib * 2**20 if self.disk and self.disk_mib else None)
 
 
+class PeerFetchSettings(_Strict):
+    """Peer prefix fetch (services/pools/peer_fetch.py, router/peer_fetch.py): a replica about to
+    prefill a prompt whose leading blocks another live replica holds pulls them over the transfer layer."""
+    enabled: bool = Field(False, description="pull a cached prefix from the peer holding it when the pull is "
+                                             "predicted cheaper than recomputing it (prefill and decode pools)")
+    min_blocks: int = Field(2, ge=1, description="shorter prefixes are recomputed: asking costs a round trip")
+    lease_timeout_s: float = Field(2.0, gt=0, description="how long to wait for the holder to lend the blocks; "
+                                                          "past it the prefix is recomputed")
+
+
 class SchedulerSettings(_Strict):
     max_num_seqs: int = Field(64, ge=1)
     max_num_batched_tokens: int = Field(1024, ge=1)
@@ -316,6 +326,7 @@ class ClusterConfig(_Strict):
     scheduler: SchedulerSettings = SchedulerSettings()
     speculative: SpeculativeSettings = SpeculativeSettings()
     kv_tiers: KVTierSettings = KVTierSettings()
+    peer_fetch: PeerFetchSettings = PeerFetchSettings()
     router: RouterSettings = RouterSettings()
     admission: AdmissionSettings = AdmissionSettings()
     index_url: str | None = Field(None, description="redis://host:port; None: REDIS_URL or an embedded Redis")

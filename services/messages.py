@@ -7,6 +7,8 @@ engine and back (pickled by Ray across each hop; plain dataclasses).
     PrefillResponse   the prefill replica's answer: first token + where its KV is
     TokenDelta        one streamed piece, replica -> gateway -> HTTP layer
     LeaseRelease      drop a hand-off's lease on the replica holding it
+    PrefixLeaseRequest / PrefixLease   a replica asks a peer to lend a prompt's
+                      cached leading blocks (peer prefix fetch, services/pools/peer_fetch.py)
 
 The router reads ``GenerateRequest.routing`` (router/routing_header.py) and
 nothing else; the block hashes in it are computed once, at the gateway
@@ -82,3 +84,26 @@ class LeaseRelease:
     """Drops the lease ``request_id`` holds; ``routing.target_worker`` names the replica."""
     request_id: str
     routing: RoutingHeader
+
+
+@dataclass(frozen=True)
+class PrefixLeaseRequest:
+    """Lend blocks ``start``... of this prompt's cached leading blocks under
+    lease ``lease_id``; ``routing.target_worker`` names the holder."""
+    lease_id: str
+    prompt_token_ids: tuple[int, ...]
+    block_hashes: tuple[int, ...]    # the prompt's full blocks (the holder's pool's hash seed)
+    start: int                       # leading blocks the asker holds already
+    routing: RoutingHeader
+
+
+@dataclass(frozen=True)
+class PrefixLease:
+    """The holder's answer: blocks ``start .. start + len(block_ids)`` of the
+    prompt, pinned until the asker's pull notifies (or the lease expires)."""
+    lease_id: str
+    block_ids: tuple[int, ...]
+    block_checksums: tuple[int, ...]   # one per block (transfer/checksum.py): the puller checks them
+    lease_deadline_unix: float
+    peer: bytes                        # the holder's transfer descriptor
+    worker_name: str

@@ -36,17 +36,19 @@ def format_board(board: list[dict]) -> list[str]:
     """One line per replica: role, name, engine state, running/waiting, KV used/total and dtype, leased
     blocks, blocks held in quarantine (a transfer into them not confirmed stopped), hits,
     speculative decoding's accepted/drafted tokens ('-' where it is off), blocks in the host/disk
-    tiers and the share of admissions they served ('-' without tiers), and the KV blocks each
-    tenant holds (in use or cached; the three largest)."""
+    tiers and the share of admissions they served ('-' without tiers), prefix blocks pulled from
+    and lent to peers with the pulls that fell back to recompute ('-' when none was tried or
+    lent), and the KV blocks each tenant holds (in use or cached; the three largest)."""
     table = plain_table("pool", "replica", "engine", ">run", ">wait", ">kv used/total", ">kv", ">leased",
-                        ">held", ">prompt hit/computed", ">tiers host/disk:hit", ">spec acc/draft", "tenants kv")
+                        ">held", ">prompt hit/computed", ">tiers host/disk:hit", ">peer pull/lent:fail",
+                        ">spec acc/draft", "tenants kv")
     for s in board:
         used = s["kv_blocks_total"] - s["kv_blocks_free"]
         engine = "alive" if s.get("engine_alive", True) else "DEAD"
         table.add_row(s["role"], s["name"][-34:], engine, str(s["running"]), str(s["waiting"]),
                       f"{used}/{s['kv_blocks_total']}", s.get("kv_dtype", "?"), str(s["leased_blocks"]),
                       str(s.get("quarantined_blocks", 0)), f"{s['prompt_tokens_cached']}/{s['prompt_tokens_computed']}",
-                      _tiers(s), _spec(s), _tenants(s))
+                      _tiers(s), _peer(s), _spec(s), _tenants(s))
     return table_lines(table)
 
 
@@ -64,6 +66,14 @@ def _tiers(s: dict) -> str:
         return "-"
     hit = "-" if t["hit_rate"] is None else f"{t['hit_rate']:.0%}"
     return f"{t['host']['blocks']}/{t['disk']['blocks']}:{hit}"
+
+
+def _peer(s: dict) -> str:
+    c = s.get("counters") or {}
+    tried, lent = c.get("peer_fetches") or 0, c.get("peer_blocks_lent") or 0
+    if not tried and not lent:
+        return "-"
+    return f"{c.get('peer_blocks_pulled') or 0}/{lent}:{c.get('peer_fetch_failures') or 0}"
 
 
 def _spec(s: dict) -> str:

@@ -135,6 +135,10 @@ class AsyncEngine:
         """Runs ``fn(engine)`` on the engine thread between steps."""
         return await self._call(lambda: fn(self.engine))
 
+    async def run_or_undo(self, fn: Callable[[Engine], T], undo: Callable[[Engine, T], Any]) -> T:
+        """``run(fn)``; if the caller is cancelled and ``fn`` ran anyway, ``undo(engine, result)`` runs after it."""
+        return await self._call(lambda: fn(self.engine), lambda result: undo(self.engine, result))
+
     # ---- requests ------------------------------------------------------
     async def generate(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
                        prefill_only: bool = False, prior_output_token_ids: Sequence[int] = (),

@@ -38,6 +38,7 @@ from services.engine.lease import LeaseTable
 from services.engine.model.k_smoothing import calibration_token_ids, k_smoothing_shift
 from services.engine.model.loader import LoadedModel, block_hash_seed, load_model
 from services.engine.output_history import check_prior_output, replay_prior_output
+from services.engine.peer_import import LandedImport, PeerImports, lend_blocks
 from services.engine.outputs import EngineStats, ExternalKVAllocation, PrefillResult, RequestOutput
 from services.engine.request import FinishReason, Request
 from services.engine.runner import ModelRunner
@@ -114,6 +115,7 @@ class Engine:
                                      compile_timeout_s=config.grammar_compile_timeout_s)
         self.runner.sampler.grammar.bind(self.grammars)
         self.leases = LeaseTable(self.kv.free, config.lease_ttl_s)
+        self.peer_imports = PeerImports(self.kv, self.hash_seed)  # prefix blocks a peer pull fills (peer_import.py)
         # A reservation waits at most as long as the lease it will pull from.
         self.reservation_ttl_s = config.lease_ttl_s
         self._reservation_expiry: dict[str, float] = {}  # request id -> time.monotonic()
@@ -304,6 +306,34 @@ class Engine:
         if held:
             self.kv.free(held)
         return len(held)
+
+    # ---- peer prefix fetch (peer_import.py; services/pools/peer_fetch.py) --------
+    def local_prefix_blocks(self, block_hashes: Sequence[int], token_ids: Sequence[int]) -> int:
+        """Leading blocks of a prompt this replica holds: in its pool, then in its tiers."""
+        match = self.kv.match_prefix(block_hashes, token_ids)
+        if self.tiers is None:
+            return match.num_blocks
+        return match.num_blocks + len(self.tiers.lookup(block_hashes, token_ids, match.num_blocks))
+
+    def lease_prefix(self, lease_id: str, block_hashes: Sequence[int], token_ids: Sequence[int],
+                     start: int) -> tuple[tuple[int, ...], float] | None:
+        """The holder's side of a peer's pull (peer_import.lend_blocks)."""
+        return lend_blocks(self.kv, self.leases, lease_id, block_hashes, token_ids, start)
+
+    def land_peer_import(self, key: str, block_hashes: Sequence[int], token_ids: Sequence[int],
+                         start: int) -> LandedImport:
+        return self.peer_imports.land(key, block_hashes, token_ids, start)
+
+    def quarantine_peer_import(self, key: str) -> int | None:
+        """A pull into ``key``'s blocks is in doubt: they stay out of reuse until
+        release_quarantine (see quarantine).  None when ``key`` holds nothing."""
+        held = self.peer_imports.take(key)
+        if not held:
+            return None
+        self._quarantine_key += 1
+        self._quarantine[self._quarantine_key] = held
+        log.warning("quarantined %d peer-import blocks of %s until their transfer settles", len(held), key)
+        return self._quarantine_key
 
     # ---- leases (prefill side) --------------------------------------------
     def release_lease(self, request_id: str) -> bool:
@@ -511,6 +541,7 @@ class Engine:
         if self.tiers is not None:
             self.tiers.check_integrity()
             owners.update(self.tiers.held_block_ids())  # blocks a tier load fills, and the hit it extends
+        owners.update(self.peer_imports.held_block_ids())  # blocks a peer pull fills
         for held in self._quarantine.values():
             owners.update(held)
         for req in reqs:

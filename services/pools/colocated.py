@@ -17,7 +17,7 @@ class ColocatedServer(WorkerEndpoints):
     async def __init__(self, config: dict):
         self.cfg = ClusterConfig.model_validate(config)
         self.worker = Worker(self.cfg, self.cfg.colocated, "colocated", _replica_name("colocated"),
-                             with_transfer=False)
+                             with_transfer=self.cfg.peer_fetch.enabled)  # pulls and lends prefixes
         await self.worker.start()
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:

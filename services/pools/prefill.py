@@ -44,6 +44,8 @@ class PrefillServer(WorkerEndpoints):
         try:
             # A prefill replica's queue is everything not yet prefilled.
             with w.admitted(self.cfg.prefill.max_queue), engine_errors_as_backend_errors():
+                if w.peer_fetch is not None:
+                    await w.peer_fetch.fetch(request)
                 last = None
                 # A resumed stream's long remainder (services/gateway/failover.py): prompt + prior output.
                 async for out in w.aengine.generate(request.request_id, request.prompt_token_ids, request.params,

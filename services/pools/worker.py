@@ -30,7 +30,8 @@ from services.engine.engine import Engine
 from services.engine.kv_tier_stats import tier_status
 from services.gc_pauses import freeze_startup_heap
 from services.replica_loopback import bind_replica_grpc_to_loopback
-from services.messages import GenerateRequest, TokenDelta
+from services.messages import GenerateRequest, PrefixLease, PrefixLeaseRequest, TokenDelta
+from services.pools.peer_fetch import PeerFetcher, lend_prefix
 from services.pools.status_board import publish_forever
 from services.supervisor import RestartPolicy, Supervisor
 from transfer import KVLayout, create_backend
@@ -54,6 +55,12 @@ class WorkerCounters:
     transfer_seconds: float = 0.0
     leases_released: int = 0
     late_notifications: int = 0
+    peer_fetches: int = 0          # prefixes a peer held past this replica's own: pulls tried (peer_fetch.py)
+    peer_blocks_pulled: int = 0    # ... blocks they brought into the prefix cache
+    peer_fetch_failures: int = 0   # ... tries that fell back to recompute
+    peer_bytes_pulled: int = 0
+    peer_fetch_seconds: float = 0.0
+    peer_blocks_lent: int = 0      # blocks this replica lent to a peer's pull
 
 
 class Worker:
@@ -88,6 +95,10 @@ class Worker:
             self.transfer.register_pool(kv, KVLayout.of_pool(kv, self.engine.hash_seed),
                                         lease_guard=self.engine.leases)
         self.counters = WorkerCounters()
+        self.peer_fetch = None  # pulls a prefix a peer holds before prefilling it here
+        if self.transfer is not None and config.peer_fetch.enabled:
+            self.peer_fetch = PeerFetcher(self, min_blocks=config.peer_fetch.min_blocks,
+                                          lease_timeout_s=config.peer_fetch.lease_timeout_s)
         self.in_flight = 0
         self._prefill_rate_tps = 0.0
         self.supervisor = Supervisor(self.name)  # its background tasks: logged, counted, restarted
@@ -231,6 +242,8 @@ async def stream_whole_request(worker: Worker, request: GenerateRequest, capacit
     timer = metrics.RequestTimer(worker.role, clock=time.monotonic)   # the engine's clock: first_scheduled_s
     queued = False
     with worker.admitted(capacity), engine_errors_as_backend_errors():
+        if worker.peer_fetch is not None:
+            await worker.peer_fetch.fetch(request)
         async for out in worker.aengine.generate(request.request_id, request.prompt_token_ids, request.params,
                                                  prior_output_token_ids=request.prior_output_token_ids,
                                                  block_hashes=worker.prompt_hashes(request)):
@@ -266,6 +279,11 @@ class WorkerEndpoints:
 
     def record_routing_stats(self) -> dict:
         return self.worker.routing_stats()
+
+    async def lease_prefix(self, ask: PrefixLeaseRequest) -> PrefixLease | None:
+        """A peer's pull of a prefix this replica caches (services/pools/peer_fetch.py);
+        ``ask.routing.target_worker`` pins the call here."""
+        return await lend_prefix(self.worker, ask)
 
     async def __del__(self):
         await self.worker.shutdown()

@@ -10,7 +10,7 @@ import os
 import pytest
 
 from prefix_store.redis_server import free_service_port
-from services.config import AdmissionSettings, ClusterConfig, PoolConfig
+from services.config import AdmissionSettings, ClusterConfig, PeerFetchSettings, PoolConfig
 
 
 def small_pool(**kw) -> PoolConfig:
@@ -95,6 +95,7 @@ def cluster(trace_file):
     config = ClusterConfig(port=free_service_port(), prefill=small_pool(num_replicas=2), decode=small_pool(),
                            lease_ttl_s=120.0,  # far above any wait: a stranded lease fails the leak checks
                            grammar_compile_timeout_s=5.0,
+                           peer_fetch=PeerFetchSettings(enabled=True, lease_timeout_s=5.0),  # test_cluster_peer_fetch.py
                            admission=AdmissionSettings(shed=False, inter_token_timeout_s=120.0,
                                                        max_local_prefill_s=0.0))
     yield from directory_cluster(config, _RUNNING, metrics_interval_s=METRICS_REPORT_INTERVAL_S)

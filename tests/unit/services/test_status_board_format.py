@@ -45,4 +45,11 @@ def test_kv_tiers_show_their_blocks_and_hit_rate():
     tiers = {"host": {"blocks": 12}, "disk": {"blocks": 40}, "hit_rate": 0.625}
     header, without, with_tiers = format_board([ROW, ROW | {"kv_tiers": tiers}])
     assert "tiers host/disk:hit" in header
-    assert without.split()[-3] == "-" and with_tiers.split()[-3] == "12/40:62%"
+    assert without.split()[-4] == "-" and with_tiers.split()[-4] == "12/40:62%"
+
+
+def test_peer_prefix_fetches_show_blocks_pulled_lent_and_failures():
+    counters = {"peer_fetches": 3, "peer_blocks_pulled": 24, "peer_blocks_lent": 5, "peer_fetch_failures": 1}
+    header, without, with_peer = format_board([ROW | {"counters": {"peer_fetches": 0}}, ROW | {"counters": counters}])
+    assert "peer pull/lent:fail" in header
+    assert without.split()[-3] == "-" and with_peer.split()[-3] == "24/5:1"
