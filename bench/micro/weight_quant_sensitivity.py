@@ -52,7 +52,9 @@ weights), per-channel int8 weights the rest (0.222); the LM head and the
 smoothing's alpha move it little.  Also tried, in a scratch copy: weights
 clipped per row to their least squared error (no better); the residual
 stream turned by a random orthogonal matrix folded into every weight
-(QuaRot's R1; activations-only margin 0.35 -> 0.27-0.29).  Of int8 weights
+(QuaRot's R1; activations-only margin 0.35 -> 0.27-0.29); the 32 input
+channels of largest calibration maximum kept in bf16, the rest W8A8
+(LLM.int8's split; margin 0.26-0.29, activations-only 0.23).  Of int8 weights
 only one variant reaches the floor: 32-wide weight groups against bf16
 activations (W8A16, 0.157); 32-wide groups on both sides of W8A8 stop at
 0.184.  But weight-only runs 2.2x bf16's time at 16 rows and 256
