@@ -85,9 +85,10 @@ def greedy_answers(engine: Engine, prompts: list[list[int]], max_tokens: int) ->
     return [o.new_token_ids for o in engine.generate(prompts, greedy(max_tokens))]
 
 
-def fp32_head_logits(model, ids: list[int]) -> torch.Tensor:
-    """The last position's logits with the LM head's product in fp32 (the bf16 model's own final hidden
-    state): bf16 logits near 20 are 0.125 apart, too coarse to tell a 0.3-nat gap from a 0.4 one."""
+def fp32_head_logits(model, ids: list[int], all_positions: bool = False) -> torch.Tensor:
+    """The last position's logits (every position's: ``all_positions``) with the LM head's product in fp32
+    (the bf16 model's own final hidden state): bf16 logits near 20 are 0.125 apart, too coarse to tell a
+    0.3-nat gap from a 0.4 one."""
     from kernels import ops
     from services.engine.model import llama
 
@@ -100,7 +101,8 @@ def fp32_head_logits(model, ids: list[int]) -> torch.Tensor:
 
     llama.ops.linear = linear
     try:
-        return forward_logits(model, ids, False)[0]
+        logits = forward_logits(model, ids, all_positions)
+        return logits if all_positions else logits[0]
     finally:
         llama.ops.linear = real
 

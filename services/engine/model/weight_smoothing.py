@@ -73,10 +73,20 @@ def input_maxima(model: LlamaModel, token_ids: Sequence[int]) -> list[dict[str, 
     return maxima
 
 
-def factors(x_max: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def factors(x_max: torch.Tensor, w: torch.Tensor, alpha: float = ALPHA) -> torch.Tensor:
     """s [K] for input maxima ``x_max`` [K] and weight ``w`` [N, K]."""
     w_max = w.abs().amax(dim=0).double().clamp(min=MIN_FACTOR)
-    return (x_max.double().clamp(min=MIN_FACTOR) ** ALPHA / w_max ** (1 - ALPHA)).clamp(min=MIN_FACTOR)
+    return (x_max.double().clamp(min=MIN_FACTOR) ** alpha / w_max ** (1 - alpha)).clamp(min=MIN_FACTOR)
+
+
+def o_factors(x_max: torch.Tensor, w_o: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
+              alpha: float = ALPHA) -> torch.Tensor:
+    """s [kv heads, head_dim] for o's input maxima ``x_max`` [q_size] and ``w_o`` [N, q_size]: one factor per
+    (kv head, dim), over the query heads of its group (it divides that kv head's v row)."""
+    group = num_heads // num_kv_heads
+    x_max = x_max.double().view(num_kv_heads, group, head_dim).amax(dim=1)
+    w_max = w_o.double().abs().view(-1, num_kv_heads, group, head_dim).amax(dim=(0, 2)).clamp(min=MIN_FACTOR)
+    return (x_max.clamp(min=MIN_FACTOR) ** alpha / w_max ** (1 - alpha)).clamp(min=MIN_FACTOR)
 
 
 def smooth_layer(w: dict[str, torch.Tensor], maxima: dict[str, torch.Tensor], num_heads: int,
@@ -92,11 +102,8 @@ def smooth_layer(w: dict[str, torch.Tensor], maxima: dict[str, torch.Tensor], nu
     s = factors(maxima["down_proj"], w["down_proj"])
     w["down_proj"] = w["down_proj"] * s
     w["gate_up_proj"][inter:] /= s[:, None]
-    # o: one factor per (kv head, dim), over the query heads of its group
     group = num_heads // num_kv_heads
-    x_max = maxima["o_proj"].double().view(num_kv_heads, group, head_dim).amax(dim=1)
-    w_max = w["o_proj"].abs().view(-1, num_kv_heads, group, head_dim).amax(dim=(0, 2)).clamp(min=MIN_FACTOR)
-    s = (x_max.clamp(min=MIN_FACTOR) ** ALPHA / w_max ** (1 - ALPHA)).clamp(min=MIN_FACTOR)  # [kv heads, dim]
+    s = o_factors(maxima["o_proj"], w["o_proj"], num_heads, num_kv_heads, head_dim)  # [kv heads, dim]
     w["o_proj"] = w["o_proj"] * s[:, None, :].expand(num_kv_heads, group, head_dim).reshape(-1)
     v0 = w["qkv_proj"].shape[0] - num_kv_heads * head_dim
     w["qkv_proj"][v0:] /= s.reshape(-1)[:, None]
