@@ -167,8 +167,8 @@ class PeerFetchSettings(_Strict):
     enabled: bool = Field(False, description="pull a cached prefix from the peer holding it when the pull is "
                                              "predicted cheaper than recomputing it (prefill and decode pools)")
     min_blocks: int = Field(2, ge=1, description="shorter prefixes are recomputed: asking costs a round trip")
-    lease_timeout_s: float = Field(2.0, gt=0, description="how long to wait for the holder to lend the blocks; "
-                                                          "past it the prefix is recomputed")
+    lease_timeout_s: float = Field(2.0, gt=0, le=60, description="how long to wait for the holder to lend the "
+                                                                 "blocks; past it the prefix is recomputed")
 
 
 class SchedulerSettings(_Strict):

@@ -105,3 +105,16 @@ def test_a_failovers_lost_replicas_are_never_asked():
     plan = plan_peer_fetch(lookup, "decode-me", 0, 10 * BS + 1, BS, avoid=("decode-dead",))
     assert plan.holder == "prefill-a" and plan.num_blocks == 6
     assert plan_peer_fetch(lookup, "decode-me", 0, 10 * BS + 1, BS, avoid=("decode-dead", "prefill-a")) is None
+
+
+def test_the_lend_wait_is_bounded_in_the_config():
+    """A dead or hung holder costs at most the configured wait: no infinite or zero wait is accepted."""
+    import pydantic
+    import pytest
+
+    from services.config import PeerFetchSettings
+
+    for bad in (float("inf"), float("nan"), 1e300, 0.0, -1.0, "soon"):
+        with pytest.raises(pydantic.ValidationError):
+            PeerFetchSettings(lease_timeout_s=bad)
+    assert PeerFetchSettings(lease_timeout_s=60).lease_timeout_s == 60
