@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
 import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -265,15 +266,18 @@ async def test_a_lease_naming_blocks_the_holder_lacks_costs_a_recompute_not_the_
 async def test_a_request_that_leaves_mid_pull_gives_the_blocks_back_once_the_transfer_stopped(pair):
     holder, puller, _ = pair
     real_pull = puller.transfer.pull
+    started, go_on = threading.Event(), threading.Event()
 
-    def slow_pull(*args, **kwargs):
-        time.sleep(0.3)
+    def held_pull(*args, **kwargs):   # the request leaves while the transfer runs, whatever the machine's speed
+        started.set()
+        go_on.wait(30)
         return real_pull(*args, **kwargs)
-    puller.transfer.pull = slow_pull
+    puller.transfer.pull = held_pull
     task = asyncio.create_task(PeerFetcher(puller, _lend_from(holder)).fetch(_request()))
-    await asyncio.sleep(0.1)
+    assert await asyncio.to_thread(started.wait, 30)
     assert len(puller.engine.peer_imports.held_block_ids()) == 6  # the transfer writes into them
     task.cancel()
+    go_on.set()
     with pytest.raises(asyncio.CancelledError):
         await task
     assert puller.engine.peer_imports.held_block_ids() == [] and puller.engine.kv.num_cached_blocks == 0
