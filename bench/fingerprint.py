@@ -34,9 +34,9 @@ class Fingerprint:
     copy_gbs: float
     torch_bf16_gemm_tflops: float
     gemm_m: int             # rows of that GEMM (576 x 1536 weights)
-    ours_bf16_gemm_tflops: float  # the same GEMM through kernels.ops.linear on packed weights (nan: no native kernels)
+    ours_bf16_gemm_tflops: float  # the same GEMM through pdcluster.kernels.ops.linear on packed weights (nan: no native kernels)
     gpu: str
-    native_kernels: str     # the kernels.cpu_native build loaded ("amx_bf16", "avx512_bf16", "avx2"), or "off"
+    native_kernels: str     # the pdcluster.kernels.cpu_native build loaded ("amx_bf16", "avx512_bf16", "avx2"), or "off"
 
     def lines(self) -> list[str]:
         return [f"machine: {self.cpu_model}, {self.logical_cpus} logical CPUs (torch threads {self.torch_threads}), "
@@ -45,7 +45,7 @@ class Fingerprint:
                 f"native kernels: {self.native_kernels}",
                 f"machine: copy {self.copy_gbs:.1f} GB/s (1 thread, 256 MiB), torch bf16 GEMM "
                 f"{self.torch_bf16_gemm_tflops * 1e3:.1f} GFLOP/s ({self.gemm_m}x576x1536, oneDNN), ours "
-                f"{self.ours_bf16_gemm_tflops * 1e3:.1f} GFLOP/s (kernels.ops.linear)"]
+                f"{self.ours_bf16_gemm_tflops * 1e3:.1f} GFLOP/s (pdcluster.kernels.ops.linear)"]
 
 
 def _cpuinfo() -> tuple[str, tuple[str, ...]]:
@@ -110,10 +110,10 @@ def measure_bf16_gemm_tflops(m: int = 1024, k: int = 576, n: int = 1536) -> tupl
 
 def measure_ours_bf16_gemm_tflops(m: int, k: int = 576, n: int = 1536) -> float:
     """The fingerprint's GEMM through the engine's own linear (packed weights;
-    AMX tiles or vector dot products, whichever ``kernels.ops`` routes to)."""
+    AMX tiles or vector dot products, whichever ``pdcluster.kernels.ops`` routes to)."""
     import torch
     try:
-        from kernels import ops
+        from pdcluster.kernels import ops
         if ops.native_variant() is None:
             return float("nan")
         x, w = torch.randn(m, k).bfloat16(), torch.randn(n, k).bfloat16()
@@ -125,7 +125,7 @@ def measure_ours_bf16_gemm_tflops(m: int, k: int = 576, n: int = 1536) -> float:
 
 def _native_kernels() -> str:
     try:
-        from kernels import ops
+        from pdcluster.kernels import ops
         return ops.native_variant() or "off (torch reference ops)"
     except Exception as exc:  # noqa: BLE001 - a fingerprint never fails a benchmark
         return f"unknown ({type(exc).__name__})"

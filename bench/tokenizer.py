@@ -36,7 +36,7 @@ class TextTokenizer(Protocol):
 def locate_default_gguf() -> Path:
     """Path of the default model's GGUF (the engine's locator: found on disk
     without importing the package that ships it)."""
-    from services.engine.model.default import default_model_path
+    from pdcluster.services.engine.model.default import default_model_path
 
     return default_model_path()
 
@@ -107,7 +107,7 @@ def load_tokenizer(spec: str | None = None) -> TextTokenizer:
     if path.is_dir():
         tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     else:
-        from services.model_cache import tokenizer_dir
+        from pdcluster.services.model_cache import tokenizer_dir
 
         tok = AutoTokenizer.from_pretrained(str(tokenizer_dir(path)), local_files_only=True)  # its converted copy
     return HFTokenizer(name=path.name, tokenizer=tok)

@@ -4,7 +4,7 @@ otherwise."""
 
 import os
 
-from services.cluster_env import cluster_env
+from pdcluster.services.cluster_env import cluster_env
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 cluster_env()  # loopback, Serve's throughput mode: what `pdcluster up` runs with

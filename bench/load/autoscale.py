@@ -17,12 +17,12 @@ low, 3x low, low (60 s each by default), poisson arrivals of short chats.
                 adds no compute).  --low-rps overrides it (and skips the probe)
 
     autoscaled  starts as the rule sizes the opening phase (at low load: no prefill replica,
-                the decode replica prefills; services/autoscale/policy.py); the
-                controller (services/autoscale/controller.py) sizes both pools from
+                the decode replica prefills; pdcluster/services/autoscale/policy.py); the
+                controller (pdcluster/services/autoscale/controller.py) sizes both pools from
                 the gateway's /metrics while the ramp runs
     static      sized for the peak, held for the whole ramp: the deployment the
                 autoscaled run held at its largest (the rule on live, calibrated
-                figures), or what the same rule (services/autoscale/policy.py)
+                figures), or what the same rule (pdcluster/services/autoscale/policy.py)
                 needs at the peak's nominal load if that has more replicas.  Whole
                 deployments, not a per-pool maximum: with a prefill pool that may
                 be at zero, 0 + 2 and 1 + 1 are two answers to one peak, and
@@ -134,9 +134,9 @@ def direction_changes(moves: list[tuple[float, str, str]], ramp: list[Phase]) ->
 
 def start_cluster(prefill: int, decode: int, autoscaling: bool):
     from bench.load.serve_modes import pool
-    from prefix_store.redis_server import free_service_port
-    from services.cli.cluster_runtime import LocalCluster
-    from services.config import AutoscalingSettings, ClusterConfig
+    from pdcluster.prefix_store.redis_server import free_service_port
+    from pdcluster.services.cli.cluster_runtime import LocalCluster
+    from pdcluster.services.config import AutoscalingSettings, ClusterConfig
 
     config = ClusterConfig(mode="disaggregated", prefill=pool(num_replicas=prefill), decode=pool(num_replicas=decode),
                            port=free_service_port(), autoscaling=AutoscalingSettings(enabled=autoscaling))
@@ -154,9 +154,9 @@ PROBE_RPS, PROBE_S = 0.4, 40.0
 def rule_models(slowdown: float = 1.0):
     """The autoscaler's rules and speed models (the config's defaults), its
     decode steps x ``slowdown`` as a probe measured them."""
-    from services.autoscale.controller import scaling_rules, speed_models
-    from services.autoscale.policy import Calibrated
-    from services.config import AutoscalingSettings, ClusterConfig
+    from pdcluster.services.autoscale.controller import scaling_rules, speed_models
+    from pdcluster.services.autoscale.policy import Calibrated
+    from pdcluster.services.config import AutoscalingSettings, ClusterConfig
 
     settings = AutoscalingSettings()
     prefill, step = speed_models(settings)
@@ -165,7 +165,7 @@ def rule_models(slowdown: float = 1.0):
 
 def rule_need(rps: float, slowdown: float = 1.0) -> tuple[int, int]:
     """What the autoscaler's rule needs at ``rps`` of this bench's chats in steady state (no queue)."""
-    from services.autoscale.policy import Measurements, PoolMeasurement, decode_batch, steady_need
+    from pdcluster.services.autoscale.policy import Measurements, PoolMeasurement, decode_batch, steady_need
 
     rules, prefill, step = rule_models(slowdown)
     prompt, out = sum(INPUT) / 2, sum(OUTPUT) / 2
@@ -229,7 +229,7 @@ def run_mode(name: str, ramp: list[Phase] | None, tokenizer, seed: int, prefill:
         url = f"http://127.0.0.1:{cluster.config.port}"
         warm_up(url, tokenizer)
         if autoscale:  # before the probe: it sees that traffic as a long-running controller sees earlier traffic
-            from services.autoscale.controller import Autoscaler
+            from pdcluster.services.autoscale.controller import Autoscaler
             scaler = Autoscaler(cluster).start()
             replicas = lambda: tuple(scaler.replicas().values())  # noqa: E731
         else:

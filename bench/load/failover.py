@@ -120,7 +120,7 @@ def kill_one_decode_replica(cluster, num_streams: int) -> Callable[[], None]:
     """A ``kill`` for run_round: SIGKILLs the decode replica with the most
     running requests, once the status board (0.5 s behind) shows the streams
     decoding (or after 2 s)."""
-    from services.pools.status_board import read_board
+    from pdcluster.services.pools.status_board import read_board
 
     def kill() -> None:
         deadline = time.monotonic() + 2.0
@@ -146,9 +146,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--streams must be from 1 to {len(PROMPTS)}")
 
     from bench.fingerprint import print_fingerprint
-    from prefix_store.redis_server import free_service_port
-    from services.cli.cluster_runtime import LocalCluster
-    from services.config import AdmissionSettings, ClusterConfig, PoolConfig
+    from pdcluster.prefix_store.redis_server import free_service_port
+    from pdcluster.services.cli.cluster_runtime import LocalCluster
+    from pdcluster.services.config import AdmissionSettings, ClusterConfig, PoolConfig
 
     print_fingerprint()
     print(f"reproduce: flock /tmp/pdcluster-ray.lock .venv/bin/python -m bench.load.failover --streams {args.streams} "

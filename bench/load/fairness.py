@@ -42,7 +42,7 @@ from bench.load.servers import REPO, OurServer, PeerServer
 from bench.targets import print_target
 from bench.tokenizer import load_tokenizer
 from bench.workload import Workload
-from prefix_store.redis_server import free_service_port
+from pdcluster.prefix_store.redis_server import free_service_port
 
 B_RPS, C_RPS, FLOOD_X = 0.3, 0.2, 5.0
 

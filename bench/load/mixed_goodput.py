@@ -34,7 +34,7 @@ from bench.load.servers import REPO, OurServer, PeerServer
 from bench.targets import print_target
 from bench.tokenizer import load_tokenizer
 from bench.workload import Workload
-from prefix_store.redis_server import free_service_port
+from pdcluster.prefix_store.redis_server import free_service_port
 
 TTFT_SLO_S, TPOT_SLO_S = 2.0, 0.1
 REFERENCE_TTFT_512_S = 0.227  # a lone 512-token prompt, default cluster, Sapphire Rapids (session 14)

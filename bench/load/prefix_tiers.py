@@ -47,11 +47,11 @@ import numpy as np
 from bench.fingerprint import print_fingerprint
 from bench.load.chat_sessions import ChatFrame, ChatWorkload, make_sessions, next_prompt
 from bench.targets import print_target
-from services.engine.config import EngineConfig, KVTierConfig, SchedulerConfig
-from services.engine.engine import Engine
-from services.engine.kv_disk_tier import read_record, write_record
-from services.engine.model.loader import load_model
-from services.engine.sampling_params import SamplingParams
+from pdcluster.services.engine.config import EngineConfig, KVTierConfig, SchedulerConfig
+from pdcluster.services.engine.engine import Engine
+from pdcluster.services.engine.kv_disk_tier import read_record, write_record
+from pdcluster.services.engine.model.loader import load_model
+from pdcluster.services.engine.sampling_params import SamplingParams
 
 MODES = ("off", "host", "disk")
 GOAL_PREFILL_RATIO, GOAL_TTFT_RATIO, GOAL_VLLM_RATIO, GOAL_PEER_SHARE = 0.4, 0.5, 0.5, 0.2

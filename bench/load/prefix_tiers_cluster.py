@@ -20,9 +20,9 @@ from pathlib import Path
 import aiohttp
 
 from bench.load.chat_sessions import ChatFrame, ChatWorkload, Session, make_sessions, next_prompt
-from prefix_store.redis_server import free_service_port
-from services.config import AdmissionSettings, ClusterConfig, KVTierSettings, PoolConfig
-from services.pools.status_board import read_board
+from pdcluster.prefix_store.redis_server import free_service_port
+from pdcluster.services.config import AdmissionSettings, ClusterConfig, KVTierSettings, PoolConfig
+from pdcluster.services.pools.status_board import read_board
 
 KINDS = ("1p1d", "colocated")
 
@@ -94,14 +94,14 @@ def computed_tokens(cluster) -> int:
 
 def board_wait_s() -> float:
     """Long enough for every replica to publish its status twice."""
-    from services.pools import status_board
+    from pdcluster.services.pools import status_board
     return 2 * status_board._PERIOD_S + 0.5
 
 
 def run_cluster(kind: str, tiers_on: bool, w: ChatWorkload, frame: ChatFrame, tokenizer, kv_cache_mib: int,
                 tier_dir: Path):
     """(TTFTs, prompt tokens computed, the replicas' tier views) of one cluster run."""
-    from services.cli.cluster_runtime import LocalCluster
+    from pdcluster.services.cli.cluster_runtime import LocalCluster
 
     label = f"{kind} tiers {'on' if tiers_on else 'off'}"
     print(f"... {label}: starting the cluster", file=sys.stderr, flush=True)

@@ -18,9 +18,9 @@ import uuid
 from dataclasses import dataclass, field
 
 from bench.load.chat_sessions import ChatFrame, ChatWorkload, make_sessions, next_prompt
-from prefix_store.redis_server import free_service_port
-from services.config import AdmissionSettings, ClusterConfig, PeerFetchSettings, PoolConfig
-from services.pools.status_board import read_board
+from pdcluster.prefix_store.redis_server import free_service_port
+from pdcluster.services.config import AdmissionSettings, ClusterConfig, PeerFetchSettings, PoolConfig
+from pdcluster.services.pools.status_board import read_board
 
 
 @dataclass
@@ -49,10 +49,10 @@ def _generate(prompt: list[int], target: str, max_tokens: int) -> tuple[list[int
     """(greedy tokens, prompt tokens found cached, seconds to the first delta) on replica ``target``."""
     from ray import serve
 
-    from router.routing_header import RoutingHeader
-    from services.cli.cluster_runtime import APP_NAME
-    from services.engine.sampling_params import SamplingParams
-    from services.messages import GenerateRequest
+    from pdcluster.router.routing_header import RoutingHeader
+    from pdcluster.services.cli.cluster_runtime import APP_NAME
+    from pdcluster.services.engine.sampling_params import SamplingParams
+    from pdcluster.services.messages import GenerateRequest
 
     req = GenerateRequest(f"bench-{uuid.uuid4().hex[:10]}", prompt,
                           SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
@@ -68,7 +68,7 @@ def _generate(prompt: list[int], target: str, max_tokens: int) -> tuple[list[int
 
 
 def run_peer(w: ChatWorkload, frame: ChatFrame) -> PeerRun:
-    from services.cli.cluster_runtime import LocalCluster
+    from pdcluster.services.cli.cluster_runtime import LocalCluster
 
     config = cluster_config()
     print("... peer fetch: starting the cluster (2 prefill + 1 decode)", file=sys.stderr, flush=True)

@@ -31,14 +31,14 @@ import redis.asyncio as aioredis
 
 from bench.fingerprint import print_fingerprint
 from bench.stats import percentile
-from prefix_store.events import EventBatch
-from prefix_store.hashing import hash_prompt_blocks, model_fingerprint
-from prefix_store.memory_index import InMemoryPrefixIndex
-from prefix_store.redis_index import RedisPrefixIndex
-from prefix_store.redis_server import RedisServer
-from prefix_store.worker_id import WorkerId
-from router.policy import RoutingPolicy, make_policy
-from router.snapshot import ReplicaLoad, RequestShape, RoutingDecision, RoutingSnapshot, estimated_ttft_s
+from pdcluster.prefix_store.events import EventBatch
+from pdcluster.prefix_store.hashing import hash_prompt_blocks, model_fingerprint
+from pdcluster.prefix_store.memory_index import InMemoryPrefixIndex
+from pdcluster.prefix_store.redis_index import RedisPrefixIndex
+from pdcluster.prefix_store.redis_server import RedisServer
+from pdcluster.prefix_store.worker_id import WorkerId
+from pdcluster.router.policy import RoutingPolicy, make_policy
+from pdcluster.router.snapshot import ReplicaLoad, RequestShape, RoutingDecision, RoutingSnapshot, estimated_ttft_s
 
 BLOCK = 16
 SEED_HASH = model_fingerprint("bench-router", BLOCK)

@@ -31,9 +31,9 @@ from bench.load.report import metric_samples
 from bench.stats import summarize
 from bench.tokenizer import load_tokenizer
 from bench.workload import load_workload
-from prefix_store.redis_server import free_service_port
-from services.cli.cluster_runtime import LocalCluster
-from services.config import ClusterConfig, PoolConfig, RouterSettings
+from pdcluster.prefix_store.redis_server import free_service_port
+from pdcluster.services.cli.cluster_runtime import LocalCluster
+from pdcluster.services.config import ClusterConfig, PoolConfig, RouterSettings
 
 TTFT_SLO_S, TPOT_SLO_S = 2.0, 0.100
 LOCAL_PREFILL_MAX_TOKENS = 512

@@ -73,7 +73,7 @@ class OurServer:
         t0 = time.monotonic()
         with open(self.log, "w") as log:
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", "services.cli.main", "up", "--config", str(self.config), "--port", str(self.port)],
+                [sys.executable, "-m", "pdcluster.services.cli.main", "up", "--config", str(self.config), "--port", str(self.port)],
                 cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         wait_ready(self.url + self.ready_path, self._proc, timeout_s)
         self.launch_to_ready_s = time.monotonic() - t0

@@ -26,10 +26,10 @@ import torch
 
 from bench.fingerprint import print_fingerprint
 from bench.targets import print_target
-from services.engine.config import EngineConfig, SchedulerConfig
-from services.engine.engine import Engine
-from services.engine.guided_spec import GuidedSpec
-from services.engine.sampling_params import SamplingParams, greedy
+from pdcluster.services.engine.config import EngineConfig, SchedulerConfig
+from pdcluster.services.engine.engine import Engine
+from pdcluster.services.engine.guided_spec import GuidedSpec
+from pdcluster.services.engine.sampling_params import SamplingParams, greedy
 
 GOAL = 1.15
 SCHEMA = {"type": "object", "properties": {

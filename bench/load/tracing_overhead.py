@@ -16,9 +16,9 @@ from bench.fingerprint import print_fingerprint
 from bench.load.loadgen import run_workload
 from bench.tokenizer import load_tokenizer
 from bench.workload import load_workload
-from prefix_store.redis_server import free_service_port
-from services.cli.cluster_runtime import LocalCluster
-from services.config import ClusterConfig, PoolConfig
+from pdcluster.prefix_store.redis_server import free_service_port
+from pdcluster.services.cli.cluster_runtime import LocalCluster
+from pdcluster.services.config import ClusterConfig, PoolConfig
 
 
 def throughput(tracing: bool, workload, tokenizer) -> float:

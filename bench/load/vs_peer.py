@@ -34,7 +34,7 @@ from bench.load.report import metric_samples
 from bench.load.servers import REPO, OurServer, PeerServer
 from bench.tokenizer import load_tokenizer
 from bench.workload import Workload
-from prefix_store.redis_server import free_service_port
+from pdcluster.prefix_store.redis_server import free_service_port
 
 
 def workload(name: str, input_tokens: int, output_tokens: int, concurrency: int, num_requests: int) -> Workload:

@@ -18,11 +18,11 @@ import time
 import torch
 
 from bench.fingerprint import print_fingerprint
-from services.engine.config import EngineConfig, SchedulerConfig
-from services.engine.engine import Engine
-from services.engine.model.default import default_model_path
-from services.engine.model.loader import load_model
-from services.engine.sampling_params import greedy
+from pdcluster.services.engine.config import EngineConfig, SchedulerConfig
+from pdcluster.services.engine.engine import Engine
+from pdcluster.services.engine.model.default import default_model_path
+from pdcluster.services.engine.model.loader import load_model
+from pdcluster.services.engine.sampling_params import greedy
 
 PROMPT_TOKENS = 256
 

@@ -1,12 +1,12 @@
 """Kernel microbenchmarks at SmolLM2-135M shapes (hidden 576, 9 q heads,
 3 kv heads, head dim 64, 30 layers, block size 16, bf16).
 
-On the CPU it times each op through ``kernels.ops`` (the native kernels the
+On the CPU it times each op through ``pdcluster.kernels.ops`` (the native kernels the
 CPU engine runs: the AVX-512 BF16 or the AVX2 variant, whichever this CPU
 has) and the torch reference, and compares each op's achieved bandwidth with
 a plain ``copy_`` measured in the same run; then the linear layers (torch
 bf16, torch fp32 on upcast weights, ours) at decode and prefill row counts.
-On CUDA it times each Triton kernel (through ``kernels.ops``) and the torch
+On CUDA it times each Triton kernel (through ``pdcluster.kernels.ops``) and the torch
 reference on the same GPU, and compares the kernel's bandwidth with
 the GPU's peak HBM bandwidth.  Bandwidth counts the bytes an op must move at
 least (inputs read once, outputs written once), not what an implementation
@@ -25,13 +25,13 @@ from typing import Callable
 import torch
 
 from bench.fingerprint import print_fingerprint
-from kernels import ops
-from kernels.block_copy import gather_blocks_ref, scatter_blocks_ref
-from kernels.kv_write import write_kv_ref
-from kernels.paged_decode_attention import paged_decode_attention_ref
-from kernels.prefill_attention import prefill_attention_ref
-from kernels.rmsnorm import fused_add_rmsnorm_ref, rmsnorm_ref
-from kernels.rope import apply_rope_ref, rope_cos_sin
+from pdcluster.kernels import ops
+from pdcluster.kernels.block_copy import gather_blocks_ref, scatter_blocks_ref
+from pdcluster.kernels.kv_write import write_kv_ref
+from pdcluster.kernels.paged_decode_attention import paged_decode_attention_ref
+from pdcluster.kernels.prefill_attention import prefill_attention_ref
+from pdcluster.kernels.rmsnorm import fused_add_rmsnorm_ref, rmsnorm_ref
+from pdcluster.kernels.rope import apply_rope_ref, rope_cos_sin
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, LAYERS, BLOCK_SIZE = 576, 9, 3, 64, 30, 16
 DTYPE = torch.bfloat16
@@ -49,7 +49,7 @@ class Case:
     name: str
     bytes_moved: int
     ref: Callable[[], object]
-    fast: Callable[[], object]  # kernels.ops: Triton on CUDA, the native kernels on the CPU
+    fast: Callable[[], object]  # pdcluster.kernels.ops: Triton on CUDA, the native kernels on the CPU
     flops: int = 0
 
 
@@ -246,12 +246,12 @@ def main(argv: list[str] | None = None) -> None:
     if on_gpu:
         peak, source = peak_hbm_gbps(device)
         print(f"device: {torch.cuda.get_device_name(device)}; peak HBM {peak:.0f} GB/s ({source})")
-        print("compares: each Triton kernel (kernels.ops on CUDA) with the torch reference on the same GPU, "
+        print("compares: each Triton kernel (pdcluster.kernels.ops on CUDA) with the torch reference on the same GPU, "
               "and its bandwidth with peak HBM")
     else:
         peak = copy_gbps(device, args.min_time_s)
         print(f"device: CPU, {torch.get_num_threads()} torch threads; plain copy_ {peak:.1f} GB/s (this run)")
-        print(f"compares: each op through kernels.ops (native kernels: {ops.native_variant() or 'none'}) "
+        print(f"compares: each op through pdcluster.kernels.ops (native kernels: {ops.native_variant() or 'none'}) "
               "with the torch reference, and its bandwidth with copy_")
     print(f"shapes: SmolLM2-135M, {HEADS} q / {KV_HEADS} kv heads, head dim {HEAD_DIM}, {LAYERS} layers, "
           f"block size {BLOCK_SIZE}, {DTYPE}; bandwidth = minimum bytes moved / time")

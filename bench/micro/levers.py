@@ -1,6 +1,6 @@
 """The engine's levers, each measured against itself switched off, in one run.
 
-Speculative decoding by n-gram prompt lookup (services/engine/spec_decode.py):
+Speculative decoding by n-gram prompt lookup (pdcluster/services/engine/spec_decode.py):
 output tok/s and TPOT p50 with and without drafts, at concurrency 1 and 16,
 on a repetitive workload (chat requests to repeat a piece of code, greedy:
 the output copies the prompt) and a non-repetitive one (open questions,
@@ -40,10 +40,10 @@ import torch
 from bench.fingerprint import print_fingerprint
 from bench.micro.levers_kv import kv_capacity_and_transfer, print_kv_targets
 from bench.targets import print_target
-from services.engine.config import EngineConfig, SpeculativeConfig
-from services.engine.engine import Engine
-from services.engine.model.loader import LoadedModel, load_model
-from services.engine.sampling_params import SamplingParams, greedy
+from pdcluster.services.engine.config import EngineConfig, SpeculativeConfig
+from pdcluster.services.engine.engine import Engine
+from pdcluster.services.engine.model.loader import LoadedModel, load_model
+from pdcluster.services.engine.sampling_params import SamplingParams, greedy
 
 SNIPPETS = [
     "def area(w, h):\n    return w * h\n\n\ndef perimeter(w, h):\n    return 2 * (w + h)\n\n\n"

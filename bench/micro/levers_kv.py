@@ -17,14 +17,14 @@ is printed beside it, with where each divergence happened and how close
 the baseline's top two were there.  For scale, fp32 weights also compare
 bf16 KV against fp32 KV: what bf16's own rounding of K and V costs.
 
-8-bit KV is K-smoothed (kernels/kv_quant.py): the bench prints the
+8-bit KV is K-smoothed (pdcluster/kernels/kv_quant.py): the bench prints the
 calibration's cost at load; ``--no-k-smoothing`` forces the shift to zero
 (the bytes of unshifted rows) for an A/B in the same code.  It is also
-K-rotated (kernels/kv_rotation.py); ``--no-k-rotation`` turns that off
+K-rotated (pdcluster/kernels/kv_rotation.py); ``--no-k-rotation`` turns that off
 likewise.  Measured with fp32 weights (2-core Xeon, int8): 7 of 16 without
 rotation, 12 with it (bf16 weights: 7 and 6).  fp32 KV matches bf16 KV on
 12 too, so at that level what is left is near ties (top-2 gaps 0.008-0.03
-nats) that any change to the KV's rounding flips (kernels/kv_rotation.py).
+nats) that any change to the KV's rounding flips (pdcluster/kernels/kv_rotation.py).
 
     python -m bench.micro.levers_kv [--kv-dtype int8|fp8_e4m3] [--kv-mib 512] [--max-tokens 64]
                                     [--model-dtype both|float32|bfloat16] [--skip-greedy] [--no-k-smoothing]
@@ -42,7 +42,7 @@ import torch
 
 from bench.fingerprint import print_fingerprint
 from bench.targets import print_target
-from kernels.kv_quant import kv_dtype_label, pool_dtype
+from pdcluster.kernels.kv_quant import kv_dtype_label, pool_dtype
 
 CONTEXT_TOKENS = 2048
 CHAT_QUESTIONS = (
@@ -63,7 +63,7 @@ def max_concurrent_sequences(block_bytes: int, kv_bytes: int, block_size: int,
 
 def transfer_bytes(layout, num_blocks: int) -> int:
     """Bytes one pull of ``num_blocks`` blocks moves, from the backend's own stats."""
-    from transfer import allocate_kv_pool, create_backend
+    from pdcluster.transfer import allocate_kv_pool, create_backend
 
     secret = b"levers-kv-bench-secret-0123456789abcdef"
     with create_backend("fallback", peer_id="prefill-0", secret=secret) as owner, \
@@ -83,9 +83,9 @@ class GreedyMatch:
 
 def greedy_outputs(kv_dtype: str, max_tokens: int, questions, loaded, model_dtype: str):
     """Greedy token ids and their top-2 logprobs per prompt, one engine."""
-    from services.engine.config import EngineConfig
-    from services.engine.engine import Engine
-    from services.engine.sampling_params import SamplingParams
+    from pdcluster.services.engine.config import EngineConfig
+    from pdcluster.services.engine.engine import Engine
+    from pdcluster.services.engine.sampling_params import SamplingParams
 
     engine = Engine(EngineConfig(dtype=model_dtype, kv_cache_dtype=kv_dtype, num_kv_blocks=512), loaded=loaded)
     prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": q}]) for q in questions]
@@ -112,8 +112,8 @@ def greedy_match(kv_dtype: str, max_tokens: int = 64, questions=CHAT_QUESTIONS, 
     """Greedy tokens with ``kv_dtype`` KV against each of ``baselines`` KV on
     the same weights (``model_dtype``); for a pair "a/b" in ``baselines``, a
     against b instead of ``kv_dtype`` against it.  Keyed like ``baselines``."""
-    from services.engine.model.k_smoothing import calibration_token_ids, k_smoothing_shift
-    from services.engine.model.loader import load_model
+    from pdcluster.services.engine.model.k_smoothing import calibration_token_ids, k_smoothing_shift
+    from pdcluster.services.engine.model.loader import load_model
 
     loaded = load_model(None, model_dtype, "cpu")
     ids = calibration_token_ids(loaded.tokenizer)
@@ -146,10 +146,10 @@ def kv_capacity_and_transfer(kv_dtype: str = "int8", kv_mib: int = 512, max_toke
                              greedy: bool = True, model_dtype: str = "both",
                              k_smoothing: bool = True, k_rotation: bool = True) -> dict[str, float]:
     """Measures and prints the three kv8 targets; returns the measured ratios."""
-    from services.engine.kv_cache import KVCacheSpec
-    from services.engine.model.default import resolve_model_path
-    from services.model_meta import read_model_config
-    from transfer import KVLayout
+    from pdcluster.services.engine.kv_cache import KVCacheSpec
+    from pdcluster.services.engine.model.default import resolve_model_path
+    from pdcluster.services.model_meta import read_model_config
+    from pdcluster.transfer import KVLayout
 
     mc = read_model_config(resolve_model_path(None))  # the bundled SmolLM2-135M
     block_size, kv_bytes = 16, kv_mib * 2**20

@@ -25,10 +25,10 @@ import torch
 
 from bench.fingerprint import print_fingerprint
 from bench.targets import print_target
-from services.engine.config import EngineConfig
-from services.engine.engine import Engine
-from services.engine.model.loader import load_model
-from services.engine.sampling_params import SamplingParams
+from pdcluster.services.engine.config import EngineConfig
+from pdcluster.services.engine.engine import Engine
+from pdcluster.services.engine.model.loader import load_model
+from pdcluster.services.engine.sampling_params import SamplingParams
 
 PROMPTS = [
     "The history of the printing press begins",

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from bench.fingerprint import print_fingerprint
-from observability import tracing
+from pdcluster.observability import tracing
 SPANS_PER_REQUEST = 8
 ATTRS = {"replica": "prefill-3f2a", "prompt.tokens": 512, "prompt.cached_tokens": 256, "cache.hit_blocks": 16,
          "finish_reason": "stop"}
@@ -49,7 +49,7 @@ def _simple_processor(path: Path) -> None:
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 
-    from observability.exporters import JsonlSpanExporter
+    from pdcluster.observability.exporters import JsonlSpanExporter
 
     tracing._reset_for_tests()
     provider = TracerProvider(resource=Resource.create({"service.name": "bench"}))

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from transfer import KVLayout, TransferBackend, coalesce_block_runs, create_backend
+from pdcluster.transfer import KVLayout, TransferBackend, coalesce_block_runs, create_backend
 
 SMOLLM2 = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, dtype="bfloat16", block_size=16,
                    model_fingerprint=0x5E0117)

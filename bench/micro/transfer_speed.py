@@ -31,7 +31,7 @@ import torch
 
 from bench.fingerprint import print_fingerprint
 from bench.micro.transfer_cases import SMOLLM2, bench_backend, fill_pattern, measure_size, reps_for
-from transfer import TransferBackend, allocate_kv_pool
+from pdcluster.transfer import TransferBackend, allocate_kv_pool
 
 OVERHEAD_GOAL_MS = 1.0
 MEMCPY_RATIO_GOAL = 0.8

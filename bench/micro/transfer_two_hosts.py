@@ -9,14 +9,14 @@ loopback inside one namespace, measured in the same run.
 
 UCX_TLS=tcp on both sides: the namespaces share one kernel, and UCX would
 otherwise take shared memory (cma) and never touch the veth.  Each side binds
-and advertises its own address (transfer.address); both hold one cluster
+and advertises its own address (pdcluster.transfer.address); both hold one cluster
 secret, as replicas do.  The target is NIXL's bandwidth over the veth
 against the socket fallback's over the same veth, at the largest size.
 
 Over UCX's TCP transport a NIXL READ is "software emulation" (UCX_PROTO_INFO=y):
 the owner answers with active-message fragments its CPU must progress, two
 bounce-buffer copies per byte.  A WRITE is a zero-copy send from the owner, so
-"nixl" (pull mode "auto", transfer.pull_mode) asks the owner to WRITE here;
+"nixl" (pull mode "auto", pdcluster.transfer.pull_mode) asks the owner to WRITE here;
 add the column "nixl-read" (--backends nixl,fallback,nixl-read) to measure
 the READ beside it in the same run."""
 
@@ -56,7 +56,7 @@ def owner_stdio(host: str, backends: list[str], pool_blocks: int) -> int:
     import torch
 
     from bench.micro.transfer_cases import SMOLLM2, bench_backend, fill_pattern
-    from transfer import allocate_kv_pool
+    from pdcluster.transfer import allocate_kv_pool
 
     torch.set_num_threads(1)
     secret = bytes.fromhex(os.environ[SECRET_ENV])
@@ -93,7 +93,7 @@ def puller_stdio(host: str, owner_ns: str, owner_host: str, backends: list[str],
     import torch
 
     from bench.micro.transfer_cases import SMOLLM2, bench_backend, measure_size, reps_for
-    from transfer import allocate_kv_pool
+    from pdcluster.transfer import allocate_kv_pool
 
     torch.set_num_threads(1)
     secret = bytes.fromhex(os.environ[SECRET_ENV])

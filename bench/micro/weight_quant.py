@@ -33,10 +33,10 @@ import torch
 
 from bench.fingerprint import print_fingerprint
 from bench.targets import print_target
-from services.engine.config import EngineConfig, SchedulerConfig
-from services.engine.engine import Engine
-from services.engine.forward_batch import ForwardBatch
-from services.engine.sampling_params import greedy
+from pdcluster.services.engine.config import EngineConfig, SchedulerConfig
+from pdcluster.services.engine.engine import Engine
+from pdcluster.services.engine.forward_batch import ForwardBatch
+from pdcluster.services.engine.sampling_params import greedy
 
 TEXT = Path(__file__).resolve().parents[1] / "workloads" / "perplexity_text.txt"
 WINDOW = 512
@@ -89,8 +89,8 @@ def fp32_head_logits(model, ids: list[int], all_positions: bool = False) -> torc
     """The last position's logits (every position's: ``all_positions``) with the LM head's product in fp32
     (the bf16 model's own final hidden state): bf16 logits near 20 are 0.125 apart, too coarse to tell a
     0.3-nat gap from a 0.4 one."""
-    from kernels import ops
-    from services.engine.model import llama
+    from pdcluster.kernels import ops
+    from pdcluster.services.engine.model import llama
 
     head, real = model.lm_head_weight, llama.ops.linear
 
@@ -173,8 +173,8 @@ def prefill_tok_s(engine: Engine, rng: random.Random) -> float:
 
 def kernel_table(threads: int, rows: tuple[int, ...]) -> None:
     """ms for the 120 projections of SmolLM2-135M (weights far larger than the caches), per build."""
-    from kernels import cpu_native
-    from kernels import int8_linear as il
+    from pdcluster.kernels import cpu_native
+    from pdcluster.kernels import int8_linear as il
 
     shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30
     gen = torch.Generator().manual_seed(0)
@@ -224,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     print_fingerprint()
-    from kernels import ops
+    from pdcluster.kernels import ops
     print(f"# int8 weights (per-channel int8 projections and LM head after activation smoothing, per-token int8 "
           f"activations; embedding rows and norms bf16) vs bf16, {args.threads} threads, native build "
           f"{ops.native_variant()}")

@@ -17,8 +17,8 @@ the prefill-vs-decode arithmetic: the engine's bench decodes).  Printed:
 
 A variant quantizes in fp32 torch (fake quantization: int8 codes times their
 scales; per-channel weights and per-token activations with the kernels' own
-rounding, kernels/int8_linear.py), from the checkpoint's fp32 values, with
-SmoothQuant factors as services/engine/model/weight_smoothing.py derives
+rounding, pdcluster/kernels/int8_linear.py), from the checkpoint's fp32 values, with
+SmoothQuant factors as pdcluster/services/engine/model/weight_smoothing.py derives
 them (applied inline, x / s against W * s, not folded into the norms).
 
 Measured (SmolLM2-135M-Instruct, the default model; 2-vCPU AMD EPYC,
@@ -58,7 +58,7 @@ channels of largest calibration maximum kept in bf16, the rest W8A8
 only one variant reaches the floor: 32-wide weight groups against bf16
 activations (W8A16, 0.157); 32-wide groups on both sides of W8A8 stop at
 0.184.  But weight-only runs 2.2x bf16's time at 16 rows and 256
-(kernels/int8_linear.py), and c16 and prefill owe their gain to W8A8's
+(pdcluster/kernels/int8_linear.py), and c16 and prefill owe their gain to W8A8's
 integer products on prompt chunks: with the kernels that exist, no mix
 meets the departure goal and the speed goals together.
 
@@ -77,14 +77,14 @@ import torch
 
 from bench.fingerprint import print_fingerprint
 from bench.micro.weight_quant import CHAT_PROMPTS, forward_logits, fp32_head_logits, greedy_answers
-from kernels import int8_linear
-from services.engine.config import EngineConfig, SchedulerConfig
-from services.engine.engine import Engine
-from services.engine.model import llama
-from services.engine.model.k_smoothing import calibration_token_ids
-from services.engine.model.loader import load_model
-from services.engine.model.weight_smoothing import factors, input_maxima, o_factors
-from services.model_meta import safetensors_files
+from pdcluster.kernels import int8_linear
+from pdcluster.services.engine.config import EngineConfig, SchedulerConfig
+from pdcluster.services.engine.engine import Engine
+from pdcluster.services.engine.model import llama
+from pdcluster.services.engine.model.k_smoothing import calibration_token_ids
+from pdcluster.services.engine.model.loader import load_model
+from pdcluster.services.engine.model.weight_smoothing import factors, input_maxima, o_factors
+from pdcluster.services.model_meta import safetensors_files
 
 OUT_TOKENS = 64
 NEAR_TIE_NATS = 0.3

@@ -150,7 +150,7 @@ def jitter(profile: Profile) -> float:
 
 def engine_limits() -> EngineLimits:
     """The scheduler's defaults: the cluster this bench starts runs them."""
-    from services.engine.config import SchedulerConfig
+    from pdcluster.services.engine.config import SchedulerConfig
 
     c = SchedulerConfig()
     return EngineLimits(c.max_num_batched_tokens, c.prefill_chunk_size, c.max_num_seqs)
@@ -265,9 +265,9 @@ def measure_all(args: argparse.Namespace) -> float:
     if args.url:
         return run(args.url, args)
     from bench.load.serve_modes import pool
-    from prefix_store.redis_server import free_service_port
-    from services.cli.cluster_runtime import LocalCluster
-    from services.config import AdmissionSettings, ClusterConfig
+    from pdcluster.prefix_store.redis_server import free_service_port
+    from pdcluster.services.cli.cluster_runtime import LocalCluster
+    from pdcluster.services.config import AdmissionSettings, ClusterConfig
 
     # no SLO shedding: the prediction is of serving every request (queueing included), not of refusing some
     config = ClusterConfig(mode="disaggregated", prefill=pool(), decode=pool(), port=free_service_port(),

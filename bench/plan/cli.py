@@ -62,11 +62,11 @@ def settings_from_config(args: argparse.Namespace) -> list[str]:
     from the config."""
     notes: list[str] = []
     if args.config:
-        from services.config import ClusterConfig
+        from pdcluster.services.config import ClusterConfig
 
         cfg = ClusterConfig.from_yaml(args.config)
         weight = _CONFIG_DTYPES[cfg.dtype]
-        # weight_dtype int8 quantizes the decoder projections (services/engine/model/weight_quant.py); the
+        # weight_dtype int8 quantizes the decoder projections (pdcluster/services/engine/model/weight_quant.py); the
         # embeddings stay in the model dtype, so 1 byte a parameter slightly understates a small model's bytes
         found = {"model": cfg.model, "weight_dtype": "int8" if cfg.weight_dtype == "int8" else weight,
                  "block_size": cfg.block_size,

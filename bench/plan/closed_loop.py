@@ -1,5 +1,5 @@
 """A closed loop of C clients on one prefill + one decode replica, played
-step by step the way the two engines schedule (services/engine/scheduler.py),
+step by step the way the two engines schedule (pdcluster/services/engine/scheduler.py),
 with the speeds a profile measured.  Pure and deterministic: the same inputs
 give the same timings.
 

@@ -12,14 +12,14 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.model_meta import count_parameters, read_model_config
+from pdcluster.services.model_meta import count_parameters, read_model_config
 
 GiB = 1024**3  # memory sizes as runtimes report them
 GB = 1e9  # bandwidths and datasheet sizes are decimal
 DTYPE_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "int8": 1.0, "int4": 0.5}
 # Bytes of scale per (token, KV head) row of an 8-bit KV cache: the engine keeps a
 # per-token-per-head scale beside each row's head_dim payload bytes
-# (kernels.kv_quant.SCALE_BYTES; a test pins the two together, the planner never imports torch).
+# (pdcluster.kernels.kv_quant.SCALE_BYTES; a test pins the two together, the planner never imports torch).
 KV_SCALE_BYTES = {"fp8": 2, "int8": 2}
 
 
@@ -233,7 +233,7 @@ ACCELERATOR_PRESETS = {
 
 
 def _file_shape(path: Path) -> ModelShape:
-    """The shape of a .gguf file or an HF directory (services/model_meta.py)."""
+    """The shape of a .gguf file or an HF directory (pdcluster/services/model_meta.py)."""
     config = read_model_config(path)
     params = count_parameters(path)
     if params is None:
@@ -249,7 +249,7 @@ def _file_shape(path: Path) -> ModelShape:
     )
 
 
-# The bundled default model (services/engine/model/default.py ships its GGUF):
+# The bundled default model (pdcluster/services/engine/model/default.py ships its GGUF):
 # SmolLM2-135M: 30 layers, hidden 576, 9 heads, 3 KV heads, head_dim 64,
 # vocab 49,152, tied embeddings -> 49,152 x 576 + 30 x 3,540,096 + 576 params.
 DEFAULT_MODEL_ALIASES = ("default", "SmolLM2-135M-Instruct")

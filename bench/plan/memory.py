@@ -6,7 +6,7 @@ the concurrency it allows.  Per device of an instance (TP devices):
     KV bytes/token/dev  = 2 x layers x ceil(kv_heads / tp) x row
     row                 = head_dim x kv_bytes + scale_bytes     (scale_bytes: 2 for 8-bit KV, 0 else)
 
-An 8-bit KV row carries its own scale (kernels/kv_quant.py), so int8/fp8 KV
+An 8-bit KV row carries its own scale (pdcluster/kernels/kv_quant.py), so int8/fp8 KV
 is 1 + 2 / head_dim bytes per element, not 1: x0.516 of bf16 at head_dim 64.
     KV budget/device    = memory x (1 - reserve_fraction) - reserve_bytes - weights/device
     KV capacity         = floor(KV budget/device / KV bytes/token/dev)        tokens per instance

@@ -12,7 +12,7 @@ import uuid
 
 import pytest
 
-from prefix_store.redis_server import RedisServer
+from pdcluster.prefix_store.redis_server import RedisServer
 
 
 @pytest.fixture(scope="session")

@@ -18,8 +18,8 @@ import httpx
 import openai
 import pytest
 
-from prefix_store.redis_server import free_service_port
-from services.config import API_KEY_ENV, ClusterConfig, api_key_digest
+from pdcluster.prefix_store.redis_server import free_service_port
+from pdcluster.services.config import API_KEY_ENV, ClusterConfig, api_key_digest
 from tests.integration.cluster.conftest import small_pool
 from tests.integration.cluster.test_cluster_api import MODEL
 
@@ -39,7 +39,7 @@ def _progress(message: str) -> None:
 
 @pytest.fixture(scope="module")
 def authed_cluster():
-    from services.cli.cluster_runtime import LocalCluster
+    from pdcluster.services.cli.cluster_runtime import LocalCluster
 
     os.environ[API_KEY_ENV] = ENV_KEY  # before Ray starts: its workers inherit it
     c = None
@@ -101,7 +101,7 @@ def test_health_stays_open(base_url):
 
 
 def test_the_state_file_holds_digests_never_keys(authed_cluster):
-    from services.cli.cluster_runtime import STATE_FILE
+    from pdcluster.services.cli.cluster_runtime import STATE_FILE
 
     text = STATE_FILE.read_text()
     assert CONFIG_KEY not in text and ENV_KEY not in text

@@ -27,8 +27,8 @@ import httpx
 import psutil
 import pytest
 
-from prefix_store.redis_server import free_service_port
-from prefix_store.redis_url import url_password
+from pdcluster.prefix_store.redis_server import free_service_port
+from pdcluster.prefix_store.redis_url import url_password
 from tests.integration.cli.test_up_signals import first_requests, health_is_200, non_loopback_listeners
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
@@ -79,7 +79,7 @@ def run_and_grep(tmp_path: Path, host: str) -> None:
     (tmp_path / "cluster.yaml").write_text("mode: disaggregated\n")
     up_log = tmp_path / "up.log"
     with open(up_log, "w") as log:  # cwd tmp_path: runs/cluster.json is this test's own
-        proc = subprocess.Popen([sys.executable, "-m", "services.cli.main", "up", "--config", "cluster.yaml",
+        proc = subprocess.Popen([sys.executable, "-m", "pdcluster.services.cli.main", "up", "--config", "cluster.yaml",
                                  "--host", host, "--port", str(port)], cwd=tmp_path, stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True, env=env)
     try:
@@ -184,7 +184,7 @@ def send_requests(host: str, port: int, api_key: str, prompts: list[str]) -> lis
 
 
 def pdcluster(args: list[str], cwd: Path, env: dict[str, str]) -> str:
-    done = subprocess.run([sys.executable, "-m", "services.cli.main", *args], cwd=cwd, env=env,
+    done = subprocess.run([sys.executable, "-m", "pdcluster.services.cli.main", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout + done.stderr

@@ -18,7 +18,7 @@ import httpx
 import psutil
 import pytest
 
-from prefix_store.redis_server import free_service_port
+from pdcluster.prefix_store.redis_server import free_service_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 REPO = Path(__file__).resolve().parents[3]
@@ -60,7 +60,7 @@ def test_sigterm_drains_streams_then_stops(tmp_path):
     base = f"http://127.0.0.1:{port}"
     (tmp_path / "cluster.yaml").write_text(f"shutdown_timeout_s: {SHUTDOWN_TIMEOUT_S}\n")
     log = open(tmp_path / "up.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "services.cli.main", "up", "--config",
+    proc = subprocess.Popen([sys.executable, "-m", "pdcluster.services.cli.main", "up", "--config",
                              str(tmp_path / "cluster.yaml"), "--port", str(port)],
                             cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:

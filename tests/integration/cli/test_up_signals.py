@@ -19,7 +19,7 @@ import httpx
 import psutil
 import pytest
 
-from prefix_store.redis_server import free_service_port
+from pdcluster.prefix_store.redis_server import free_service_port
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -31,7 +31,7 @@ def test_up_stops_everything_on_signal(sig, mode, ingress, tmp_path):
     log = open(tmp_path / "up.log", "w")
     (tmp_path / "cluster.yaml").write_text(f"mode: {mode}\ningress: {ingress}\n")
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "UCX_NET_DEVICES")}
-    proc = subprocess.Popen([sys.executable, "-m", "services.cli.main", "up", "--config", str(tmp_path / "cluster.yaml"),
+    proc = subprocess.Popen([sys.executable, "-m", "pdcluster.services.cli.main", "up", "--config", str(tmp_path / "cluster.yaml"),
                              "--port", str(port)],
                             cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     try:

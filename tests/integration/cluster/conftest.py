@@ -9,8 +9,8 @@ import os
 
 import pytest
 
-from prefix_store.redis_server import free_service_port
-from services.config import AdmissionSettings, ClusterConfig, PeerFetchSettings, PoolConfig
+from pdcluster.prefix_store.redis_server import free_service_port
+from pdcluster.services.config import AdmissionSettings, ClusterConfig, PeerFetchSettings, PoolConfig
 
 
 def small_pool(**kw) -> PoolConfig:
@@ -60,7 +60,7 @@ def directory_cluster(config: ClusterConfig, running: list, metrics_interval_s: 
     """A session fixture's body: the cluster, started, registered in
     ``running`` for stop_after_directory, and stopped however the run ends.
     ``metrics_interval_s``: Ray's metrics export interval, when a test waits on it."""
-    from services.cli.cluster_runtime import LocalCluster
+    from pdcluster.services.cli.cluster_runtime import LocalCluster
 
     c = LocalCluster(config, num_cpus=8, dashboard=False, metrics_port=free_service_port())
     try:
@@ -115,7 +115,7 @@ def client(base_url):
 
 def board(cluster) -> list[dict]:
     """Every live replica's status (published to Redis every 0.5 s)."""
-    from services.pools.status_board import read_board
+    from pdcluster.services.pools.status_board import read_board
 
     return read_board(cluster.config.index_url, cluster.config.cluster_name)
 

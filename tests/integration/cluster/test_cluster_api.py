@@ -27,9 +27,9 @@ def wait_no_leaks(cluster, timeout_s: float = 5.0) -> list[dict]:
 
 
 def test_chat_matches_the_offline_engine_and_counts_usage(cluster, client):
-    from services.engine.config import EngineConfig
-    from services.engine.engine import Engine
-    from services.engine.sampling_params import greedy
+    from pdcluster.services.engine.config import EngineConfig
+    from pdcluster.services.engine.engine import Engine
+    from pdcluster.services.engine.sampling_params import greedy
 
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     resp = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0)
@@ -103,7 +103,7 @@ def test_models_health_and_request_id(base_url):
 
 
 def test_replicas_run_at_normal_priority(cluster):
-    """Ray starts workers at nice 15 unless told otherwise (services/cluster_env.py):
+    """Ray starts workers at nice 15 unless told otherwise (pdcluster/services/cluster_env.py):
     every Serve replica of this cluster must run at nice 0, as the host's work."""
     import psutil
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from observability.dashboard_plot import expr_for_prometheus, render
-from prefix_store.redis_server import free_service_port
+from pdcluster.observability.dashboard_plot import expr_for_prometheus, render
+from pdcluster.prefix_store.redis_server import free_service_port
 
 pytestmark = pytest.mark.integration
 MODEL = "SmolLM2-135M-Instruct"

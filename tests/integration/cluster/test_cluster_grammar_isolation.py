@@ -28,8 +28,8 @@ MAX_GAP_S = 0.5
 # A compile on the engine thread would stop every stream for its whole compile (1-2 s for each of the eight).
 # Off it, the largest gap was 0.10-0.18 s in most runs; in about one run of four (single-file runs, 2-core
 # machine shared with 3 replicas, Ray and the compile workers) exactly one gap of 0.36-0.68 s appeared at a
-# random moment of the burst.  Not the collector (replicas freeze their start-up heap, services/gc_pauses.py)
-# and not the client's; slow engine turns are now logged with their parts (services/engine/turn_clock.py)
+# random moment of the burst.  Not the collector (replicas freeze their start-up heap, pdcluster/services/gc_pauses.py)
+# and not the client's; slow engine turns are now logged with their parts (pdcluster/services/engine/turn_clock.py)
 # to find it.  So: at most one gap over MAX_GAP_S, and none over MAX_SINGLE_GAP_S.
 MAX_SINGLE_GAP_S = 1.0
 STREAM_TOKENS = 3000     # KV for it fits 96 MiB; when the burst outlasts it (2853 chunks in a 71 s burst), another starts

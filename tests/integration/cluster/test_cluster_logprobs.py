@@ -28,8 +28,8 @@ HF_FP32_TOL = 1e-3
 
 def _reference_engine(cluster):
     """An offline engine like the cluster's replicas (same model, dtype, one thread)."""
-    from services.engine.config import EngineConfig
-    from services.engine.engine import Engine
+    from pdcluster.services.engine.config import EngineConfig
+    from pdcluster.services.engine.engine import Engine
 
     return Engine(EngineConfig(num_kv_blocks=64, dtype=cluster.config.dtype, num_threads=1))
 
@@ -37,7 +37,7 @@ def _reference_engine(cluster):
 def _log_softmax_along(engine, token_ids: list[int], from_position: int) -> list:
     """The engine's log-softmax at each position >= ``from_position`` of
     ``token_ids``, from one prefill of the whole sequence (prompt logprobs)."""
-    from services.engine.sampling_params import SamplingParams
+    from pdcluster.services.engine.sampling_params import SamplingParams
 
     out = engine.generate([token_ids], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=5))[0]
     return out.prompt_logprobs[from_position - 1:]
@@ -65,7 +65,7 @@ def test_greedy_top_logprobs_equal_the_engines_own_log_softmax(cluster, client):
 
 
 def _greedy_with_logprobs():
-    from services.engine.sampling_params import SamplingParams
+    from pdcluster.services.engine.sampling_params import SamplingParams
 
     return SamplingParams(max_tokens=MAX_NEW, temperature=0, logprobs=5)
 

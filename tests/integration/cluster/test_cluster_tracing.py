@@ -12,7 +12,7 @@ from contextlib import redirect_stdout
 import httpx
 import pytest
 
-from observability.exporters import read_spans
+from pdcluster.observability.exporters import read_spans
 from tests.integration.cluster.conftest import METRICS_REPORT_INTERVAL_S
 from tests.integration.cluster.test_cluster_api import MODEL
 
@@ -61,7 +61,7 @@ def test_one_request_is_one_trace_with_every_stage(cluster, base_url, trace_file
 
 
 def test_pdcluster_trace_last_prints_a_waterfall_within_e2e(cluster, base_url, trace_file):
-    from services.cli import trace as cli_trace
+    from pdcluster.services.cli import trace as cli_trace
     r = httpx.post(base_url + "/v1/completions", json={"model": MODEL, "prompt": "Hello there", "max_tokens": 6},
                    timeout=120)
     assert r.status_code == 200

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from prefix_store.redis_server import free_service_port
-from services.config import AdmissionSettings, ClusterConfig
+from pdcluster.prefix_store.redis_server import free_service_port
+from pdcluster.services.config import AdmissionSettings, ClusterConfig
 from tests.integration.cluster.conftest import directory_cluster, small_pool, stop_after_directory
 
 _RUNNING: list = []

@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from services import model_cache
-from services.engine.config import EngineConfig, SchedulerConfig
-from services.engine.engine import Engine
-from services.engine.model.default import default_model_path
-from services.engine.model.loader import load_model
+from pdcluster.services import model_cache
+from pdcluster.services.engine.config import EngineConfig, SchedulerConfig
+from pdcluster.services.engine.engine import Engine
+from pdcluster.services.engine.model.default import default_model_path
+from pdcluster.services.engine.model.loader import load_model
 
 _TOPICS = [
     "The river delta supports thousands of migrating birds every spring.",

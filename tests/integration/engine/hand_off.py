@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from services.engine.engine import Engine
-from services.engine.outputs import RequestOutput
-from services.engine.sampling_params import SamplingParams
+from pdcluster.services.engine.engine import Engine
+from pdcluster.services.engine.outputs import RequestOutput
+from pdcluster.services.engine.sampling_params import SamplingParams
 
 SECRET = b"engine-hand-off-test-secret-0123456789"
 Requests = Sequence[tuple[str, list[int], SamplingParams]]
@@ -50,7 +50,7 @@ def prefill_only(prefill: Engine, requests: Requests, priors: Mapping[str, Seque
 def pull_and_commit(prefill: Engine, decode: Engine, requests: Requests, done: Mapping[str, RequestOutput],
                     priors: Mapping[str, Sequence[int]] | None = None):
     """The decode half of prefill_and_pull, from ``prefill_only``'s outputs."""
-    from transfer import KVLayout, create_backend
+    from pdcluster.transfer import KVLayout, create_backend
 
     priors = priors or {}
     first, num_bytes, num_blocks = {}, 0, 0

@@ -12,10 +12,10 @@ import time
 
 import pytest
 
-from services.engine.async_engine import AsyncEngine
-from services.engine.errors import EngineDeadError, InvalidRequestError, RequestFailedError, UnknownRequestError
-from services.engine.request import FinishReason
-from services.engine.sampling_params import SamplingParams, greedy
+from pdcluster.services.engine.async_engine import AsyncEngine
+from pdcluster.services.engine.errors import EngineDeadError, InvalidRequestError, RequestFailedError, UnknownRequestError
+from pdcluster.services.engine.request import FinishReason
+from pdcluster.services.engine.sampling_params import SamplingParams, greedy
 from tests.integration.engine.conftest import make_engine
 
 

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import pytest
 
-from services.engine.config import EngineConfig
-from services.engine.engine import Engine
-from services.engine.sampling_params import SamplingParams
+from pdcluster.services.engine.config import EngineConfig
+from pdcluster.services.engine.engine import Engine
+from pdcluster.services.engine.sampling_params import SamplingParams
 
 N = 40
 HOPS = (1, 13, 29)

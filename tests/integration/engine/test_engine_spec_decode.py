@@ -5,9 +5,9 @@ accepted, a stop string cuts an accepted draft, and every KV block comes back.""
 
 from __future__ import annotations
 
-from services.engine.config import EngineConfig, SpeculativeConfig
-from services.engine.engine import Engine
-from services.engine.sampling_params import SamplingParams, greedy
+from pdcluster.services.engine.config import EngineConfig, SpeculativeConfig
+from pdcluster.services.engine.engine import Engine
+from pdcluster.services.engine.sampling_params import SamplingParams, greedy
 
 CODE = "def add(a, b):\n    return a + b\n\ndef mul(a, b):\n    return a * b\n\ndef sub(a, b):\n    return a - b\n"
 

@@ -9,9 +9,9 @@ and the draft's per-request caches go when requests end or are aborted."""
 
 from __future__ import annotations
 
-from services.engine.config import EngineConfig, SpeculativeConfig
-from services.engine.engine import Engine
-from services.engine.sampling_params import SamplingParams, greedy
+from pdcluster.services.engine.config import EngineConfig, SpeculativeConfig
+from pdcluster.services.engine.engine import Engine
+from pdcluster.services.engine.sampling_params import SamplingParams, greedy
 from tests.integration.engine.hand_off import decode_all, prefill_and_pull
 
 EARLY_EXIT_LAYERS = 12

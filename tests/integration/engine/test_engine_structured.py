@@ -11,10 +11,10 @@ import json
 import jsonschema
 import torch
 
-from kernels.block_copy import gather_blocks_ref, scatter_blocks_ref
-from services.engine.guided_spec import GuidedSpec
-from services.engine.request import FinishReason
-from services.engine.sampling_params import greedy
+from pdcluster.kernels.block_copy import gather_blocks_ref, scatter_blocks_ref
+from pdcluster.services.engine.guided_spec import GuidedSpec
+from pdcluster.services.engine.request import FinishReason
+from pdcluster.services.engine.sampling_params import greedy
 from tests.integration.engine.conftest import make_engine
 
 PERSON = {"type": "object", "properties": {
@@ -113,8 +113,8 @@ async def test_async_engine_compiles_at_admission_and_refuses_a_bad_spec(smol_bf
     grammar in a worker thread, then the engine thread finds it cached."""
     import pytest
 
-    from services.engine.async_engine import AsyncEngine
-    from services.engine.errors import InvalidRequestError
+    from pdcluster.services.engine.async_engine import AsyncEngine
+    from pdcluster.services.engine.errors import InvalidRequestError
 
     aengine = AsyncEngine(make_engine(smol_bf16))
     try:
@@ -137,8 +137,8 @@ async def test_async_engine_compiles_at_admission_and_refuses_a_bad_spec(smol_bf
 
 
 def test_a_grammar_dead_end_fails_only_its_request_as_invalid(smol_bf16):
-    from services.engine.errors import InvalidRequestReason
-    from services.engine.sampling_params import SamplingParams
+    from pdcluster.services.engine.errors import InvalidRequestReason
+    from pdcluster.services.engine.sampling_params import SamplingParams
 
     engine = make_engine(smol_bf16)
     prompt = smol_bf16.tokenizer.encode("-")
@@ -162,7 +162,7 @@ async def test_the_engine_thread_never_compiles_even_when_the_cache_evicts(smol_
     import asyncio
     import threading
 
-    from services.engine.async_engine import AsyncEngine
+    from pdcluster.services.engine.async_engine import AsyncEngine
 
     aengine = AsyncEngine(make_engine(smol_bf16))
     grammars = aengine.engine.grammars

@@ -1,4 +1,4 @@
-"""K smoothing on the real model (services/engine/model/k_smoothing.py): the
+"""K smoothing on the real model (pdcluster/services/engine/model/k_smoothing.py): the
 shift is the same from a bf16 and an fp32 load of the checkpoint, and it
 narrows real K rows, which is what it is for."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from services.engine.model.k_smoothing import calibration_token_ids, k_smoothing_shift, post_rope_keys
+from pdcluster.services.engine.model.k_smoothing import calibration_token_ids, k_smoothing_shift, post_rope_keys
 
 
 def test_bf16_and_fp32_loads_get_one_shift_and_it_narrows_k_rows(smol_bf16, smol_fp32):

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import pytest
 
-from services.engine.config import EngineConfig
-from services.engine.engine import Engine
-from services.engine.sampling_params import SamplingParams
+from pdcluster.services.engine.config import EngineConfig
+from pdcluster.services.engine.engine import Engine
+from pdcluster.services.engine.sampling_params import SamplingParams
 from tests.integration.engine.hand_off import decode_all, prefill_and_pull
 from tests.integration.engine.test_parity import NEAR_TIE_NATS
 
@@ -52,9 +52,9 @@ def test_8bit_kv_diverges_from_bf16_kv_only_at_near_ties(smol_bf16, kv_cache_dty
     assert engine.hash_seed != base_engine.hash_seed  # 8-bit and bf16 blocks never share a prefix-cache entry
     assert engine.kv_spec.block_bytes / base_engine.kv_spec.block_bytes <= 0.55
     for i, (b, o) in enumerate(zip(base, ours)):
-        # the prompt's own prefill attends to its K/V as computed, never quantized (kernels/prefill_attention.py),
+        # the prompt's own prefill attends to its K/V as computed, never quantized (pdcluster/kernels/prefill_attention.py),
         # but over an 8-bit pool q and K are Hadamard-rotated first and rounded to bf16 again
-        # (kernels/kv_rotation.py): the first token's distribution is bf16 KV's to that rounding
+        # (pdcluster/kernels/kv_rotation.py): the first token's distribution is bf16 KV's to that rounding
         gaps = [abs(x[1] - y[1]) for x, y in zip(b.logprobs[0].top, o.logprobs[0].top)]
         assert max(gaps) < PREFILL_ROTATION_NATS, f"prompt {i}: prefill over {kv_cache_dtype} KV moved {gaps}"
         diff = next((j for j, (x, y) in enumerate(zip(b.new_token_ids, o.new_token_ids)) if x != y), None)

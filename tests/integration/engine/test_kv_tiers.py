@@ -11,10 +11,10 @@ import signal
 
 import pytest
 
-from services.engine.config import EngineConfig, KVTierConfig
-from services.engine.engine import Engine
-from services.engine.kv_disk_tier import SUFFIX
-from services.engine.sampling_params import SamplingParams
+from pdcluster.services.engine.config import EngineConfig, KVTierConfig
+from pdcluster.services.engine.engine import Engine
+from pdcluster.services.engine.kv_disk_tier import SUFFIX
+from pdcluster.services.engine.sampling_params import SamplingParams
 from tests.integration.engine.conftest import document
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
@@ -54,7 +54,7 @@ def _evict_a(engine: Engine, prompts) -> list[int]:
 
 
 def _req(engine, prompt):
-    from services.engine.request import Request
+    from pdcluster.services.engine.request import Request
     return Request("probe", list(prompt), GREEDY)
 
 

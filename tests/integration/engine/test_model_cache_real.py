@@ -1,4 +1,4 @@
-"""The bundled GGUF's converted copy (services/model_cache.py) holds what
+"""The bundled GGUF's converted copy (pdcluster/services/model_cache.py) holds what
 transformers reads from the GGUF itself: the same tensors bit for bit (its
 dequantization and q/k row order, not ours), the same tokenizer, the same
 shape."""
@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from services import model_cache
-from services.engine.model.default import default_model_path
+from pdcluster.services import model_cache
+from pdcluster.services.engine.model.default import default_model_path
 from tests.integration.engine.conftest import _hf_model
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.engine.sampling_params import greedy
+from pdcluster.services.engine.sampling_params import greedy
 from tests.integration.engine.conftest import (
     _hf_model,
     divergence_from_transformers,
@@ -70,7 +70,7 @@ def test_bf16_diverges_only_at_near_ties(smol_bf16, parity_prompts):
 def test_tiny_random_safetensors_models_equal_transformers(tmp_path, smol_fp32, arch):
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
-    from services.engine.model.loader import load_model
+    from pdcluster.services.engine.model.loader import load_model
 
     torch.manual_seed(0)
     common = dict(vocab_size=smol_fp32.config.vocab_size, hidden_size=64, intermediate_size=128,

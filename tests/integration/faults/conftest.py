@@ -1,5 +1,5 @@
 """One real cluster for the failure-path tests: 1 prefill + 1 decode replica,
-fault injection on (services/pools/faults.py), a lease TTL of 120 s so that no
+fault injection on (pdcluster/services/pools/faults.py), a lease TTL of 120 s so that no
 test can pass because a stranded lease timed out, and a short inter-token
 deadline.  Tests here may kill replicas; each leaves the cluster serving
 (``wait_serving``) before it ends."""
@@ -12,8 +12,8 @@ import time
 import httpx
 import pytest
 
-from prefix_store.redis_server import free_service_port
-from services.config import AdmissionSettings, ClusterConfig
+from pdcluster.prefix_store.redis_server import free_service_port
+from pdcluster.services.config import AdmissionSettings, ClusterConfig
 from tests.integration.cluster.conftest import board, directory_cluster, small_pool, stop_after_directory
 
 MODEL = "SmolLM2-135M-Instruct"

@@ -2,7 +2,7 @@
 (bench/micro/netns.py).  Host A runs the Ray head (label pdcluster/role=prefill,
 pdcluster/head=true), host B a worker node (pdcluster/role=decode), both
 started by the same `ray start` commands `pdcluster up --head` and
-`pdcluster join` run (services/cli/ray_node.py), with one cluster secret.
+`pdcluster join` run (pdcluster/services/cli/ray_node.py), with one cluster secret.
 Skipped, with the reason, where namespaces cannot be made."""
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def _wait_for_nodes(pair: HostPair, env: dict[str, str], head, worker, timeout_s
     import subprocess
     import time
 
-    from services.cli.ray_node import ray_binary
+    from pdcluster.services.cli.ray_node import ray_binary
 
     deadline = time.monotonic() + timeout_s
     last = ""
@@ -71,7 +71,7 @@ def two_node_cluster():
     reason = unavailable_reason()
     if reason:
         pytest.skip(f"two-host test needs network namespaces: {reason}")
-    from services.cli.ray_node import RayNode, head_command, join_command, node_env
+    from pdcluster.services.cli.ray_node import RayNode, head_command, join_command, node_env
 
     base = {**os.environ, "PDCLUSTER_CLUSTER_SECRET": secrets.token_hex(32),
             "RAY_AUTH_TOKEN": secrets.token_hex(32),  # this cluster's own Ray token, on both nodes and the driver

@@ -14,7 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
-from services.cluster_env import cluster_env  # noqa: E402
+from pdcluster.services.cluster_env import cluster_env  # noqa: E402
 
 cluster_env(multi_node=True)
 
@@ -49,9 +49,9 @@ def ask(base: str, prompt: str) -> dict:
 
 
 def reference(prompts: list[str]) -> list[str]:
-    from services.engine.config import EngineConfig
-    from services.engine.engine import Engine
-    from services.engine.sampling_params import greedy
+    from pdcluster.services.engine.config import EngineConfig
+    from pdcluster.services.engine.engine import Engine
+    from pdcluster.services.engine.sampling_params import greedy
 
     engine = Engine(EngineConfig(num_kv_blocks=64, dtype=DTYPE))
     return [engine.generate([engine.tokenizer.apply_chat_template([{"role": "user", "content": p}])],
@@ -75,10 +75,10 @@ def kill_the_decode_host_replica(cluster, base: str) -> dict:
 
 
 def main(address: str, node_ip: str, dev: str) -> int:
-    from prefix_store.redis_server import free_service_port
-    from services.cli.cluster_runtime import LocalCluster
-    from services.config import AdmissionSettings, ClusterConfig, PoolConfig
-    from services.pools.status_board import read_board
+    from pdcluster.prefix_store.redis_server import free_service_port
+    from pdcluster.services.cli.cluster_runtime import LocalCluster
+    from pdcluster.services.config import AdmissionSettings, ClusterConfig, PoolConfig
+    from pdcluster.services.pools.status_board import read_board
 
     pool = PoolConfig(num_cpus=1, num_threads=1, kv_cache_mib=96, max_queue=8)
     # inter_token_timeout_s: the killed decode replica's respawn on host B loads the model

@@ -10,10 +10,10 @@ import time
 
 import redis
 
-from prefix_store.redis_server import free_service_port
-from services.cli.cluster_runtime import LocalCluster
-from services.config import AdmissionSettings, ClusterConfig, KVTierSettings
-from services.pools.status_board import read_board
+from pdcluster.prefix_store.redis_server import free_service_port
+from pdcluster.services.cli.cluster_runtime import LocalCluster
+from pdcluster.services.config import AdmissionSettings, ClusterConfig, KVTierSettings
+from pdcluster.services.pools.status_board import read_board
 from tests.integration.cluster.conftest import small_pool
 from tests.integration.engine.conftest import document
 

@@ -12,8 +12,8 @@ import time
 import httpx
 import pytest
 
-from prefix_store.redis_server import free_service_port
-from services.config import ClusterConfig
+from pdcluster.prefix_store.redis_server import free_service_port
+from pdcluster.services.config import ClusterConfig
 from tests.integration.cluster.conftest import board, metrics_report_interval, small_pool
 from tests.integration.cluster.test_cluster_api import MODEL, wait_no_leaks
 
@@ -24,7 +24,7 @@ COUNTER = "ray_pdcluster_decode_pool_prefills_total"
 
 @pytest.fixture(scope="module")
 def cluster():
-    from services.cli.cluster_runtime import LocalCluster
+    from pdcluster.services.cli.cluster_runtime import LocalCluster
 
     config = ClusterConfig(
         port=free_service_port(), decode=small_pool(),

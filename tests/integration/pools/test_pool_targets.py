@@ -6,9 +6,9 @@ from __future__ import annotations
 import asyncio
 import threading
 
-from services.gateway.liveness import PoolLiveness
-from services.pools import pool_targets
-from services.pools.status_board import publish_forever
+from pdcluster.services.gateway.liveness import PoolLiveness
+from pdcluster.services.pools import pool_targets
+from pdcluster.services.pools.status_board import publish_forever
 
 
 async def test_the_gateway_reads_a_prefill_pool_at_zero_from_what_was_published(redis_server):

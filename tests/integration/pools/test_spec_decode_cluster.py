@@ -12,8 +12,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from prefix_store.redis_server import free_service_port
-from services.config import ClusterConfig, SpeculativeSettings
+from pdcluster.prefix_store.redis_server import free_service_port
+from pdcluster.services.config import ClusterConfig, SpeculativeSettings
 from tests.integration.cluster.conftest import board, small_pool
 from tests.integration.cluster.test_cluster_api import MODEL, wait_no_leaks
 from tests.integration.engine.test_engine_spec_decode import CODE
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture(scope="module")
 def cluster():
-    from services.cli.cluster_runtime import LocalCluster
+    from pdcluster.services.cli.cluster_runtime import LocalCluster
 
     config = ClusterConfig(port=free_service_port(), dtype="float32", prefill=small_pool(), decode=small_pool(),
                            speculative=SpeculativeSettings(method="ngram", num_tokens=4))
@@ -36,9 +36,9 @@ def cluster():
 
 
 def test_speculation_after_a_hand_off_equals_an_engine_without_it(cluster):
-    from services.engine.config import EngineConfig
-    from services.engine.engine import Engine
-    from services.engine.sampling_params import SamplingParams, greedy
+    from pdcluster.services.engine.config import EngineConfig
+    from pdcluster.services.engine.engine import Engine
+    from pdcluster.services.engine.sampling_params import SamplingParams, greedy
 
     offline = Engine(EngineConfig(dtype="float32", num_kv_blocks=128))  # no speculation
     tok = offline.tokenizer

@@ -6,13 +6,13 @@ import time
 
 import pytest
 
-from prefix_store.events import EventBatch
-from prefix_store.hashing import hash_prompt_blocks, model_fingerprint
-from prefix_store.index import HeartbeatStatus
-from prefix_store.memory_index import InMemoryPrefixIndex
-from prefix_store.publisher import KVEventPublisher
-from prefix_store.redis_index import RedisPrefixIndex
-from prefix_store.worker_id import WorkerId
+from pdcluster.prefix_store.events import EventBatch
+from pdcluster.prefix_store.hashing import hash_prompt_blocks, model_fingerprint
+from pdcluster.prefix_store.index import HeartbeatStatus
+from pdcluster.prefix_store.memory_index import InMemoryPrefixIndex
+from pdcluster.prefix_store.publisher import KVEventPublisher
+from pdcluster.prefix_store.redis_index import RedisPrefixIndex
+from pdcluster.prefix_store.worker_id import WorkerId
 
 H = [1000 + i for i in range(8)]  # h0..h7
 

@@ -7,11 +7,11 @@ import socket
 import threading
 import time
 
-from prefix_store.index import HeartbeatStatus
-from prefix_store.publisher import KVEventPublisher
-from prefix_store.redis_index import RedisPrefixIndex
-from prefix_store.redis_server import RedisServer
-from prefix_store.worker_id import WorkerId
+from pdcluster.prefix_store.index import HeartbeatStatus
+from pdcluster.prefix_store.publisher import KVEventPublisher
+from pdcluster.prefix_store.redis_index import RedisPrefixIndex
+from pdcluster.prefix_store.redis_server import RedisServer
+from pdcluster.prefix_store.worker_id import WorkerId
 
 H = [500 + i for i in range(6)]
 TIMEOUT_S = 0.05

@@ -12,12 +12,12 @@ import psutil
 import pytest
 import redis
 
-from prefix_store.events import EventBatch
-from prefix_store.redis_index import RedisPrefixIndex
-from prefix_store.redis_server import RedisServer, free_port
-from prefix_store.worker_id import WorkerId
-from services.gateway.liveness import PoolLiveness
-from services.pools.status_board import publish_forever, read_board
+from pdcluster.prefix_store.events import EventBatch
+from pdcluster.prefix_store.redis_index import RedisPrefixIndex
+from pdcluster.prefix_store.redis_server import RedisServer, free_port
+from pdcluster.prefix_store.worker_id import WorkerId
+from pdcluster.services.gateway.liveness import PoolLiveness
+from pdcluster.services.pools.status_board import publish_forever, read_board
 
 H = [700 + i for i in range(4)]
 
@@ -62,7 +62,7 @@ async def test_a_wrong_password_degrades_lookups_and_the_warning_hides_it(redis_
     wrong = "not-the-password-" + "x" * 16
     url = f"redis://:{wrong}@{redis_server.host}:{redis_server.port}/0"
     index = RedisPrefixIndex(url, cluster="test", model=unique_model, lookup_timeout_s=0.5)
-    with caplog.at_level(logging.WARNING, logger="prefix_store.redis_index"):
+    with caplog.at_level(logging.WARNING, logger="pdcluster.prefix_store.redis_index"):
         result = await index.lookup(H)
     assert result.degraded and result.matched_blocks == {}
     assert "redis://:***@127.0.0.1" in result.error
@@ -103,8 +103,8 @@ def test_pdcluster_status_reads_the_0600_state_file_and_prints_only_the_redacted
     import argparse
     import json
 
-    from services.cli import status as cli_status
-    from services.cli.cluster_runtime import STATE_FILE, write_state
+    from pdcluster.services.cli import status as cli_status
+    from pdcluster.services.cli.cluster_runtime import STATE_FILE, write_state
 
     monkeypatch.chdir(tmp_path)
     write_state({"pid": 1, "redis_url": redis_server.url, "port": 8000, "mode": "disaggregated",

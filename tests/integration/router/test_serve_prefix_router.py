@@ -9,12 +9,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from prefix_store.events import EventBatch
-from prefix_store.redis_index import RedisPrefixIndex
-from prefix_store.worker_id import WorkerId
-from router.routing_header import RoutingHeader
-from router.serve_router import request_router_config
-from router.snapshot import affinity_rank
+from pdcluster.prefix_store.events import EventBatch
+from pdcluster.prefix_store.redis_index import RedisPrefixIndex
+from pdcluster.prefix_store.worker_id import WorkerId
+from pdcluster.router.routing_header import RoutingHeader
+from pdcluster.router.serve_router import request_router_config
+from pdcluster.router.snapshot import affinity_rank
 
 pytestmark = pytest.mark.integration
 BLOCK = 16
@@ -29,8 +29,8 @@ def build_app(index_url: str, model: str):
                           stats_period_s=0.5, lookup_timeout_s=2.0))  # a loaded CI machine: no fallback
     class FakePrefill:
         async def __init__(self, index_url: str, model: str):
-            from prefix_store.index import make_index
-            from prefix_store.publisher import KVEventPublisher
+            from pdcluster.prefix_store.index import make_index
+            from pdcluster.prefix_store.publisher import KVEventPublisher
             self.name = serve.get_replica_context().replica_id.unique_id
             self.publisher = KVEventPublisher(make_index(index_url, cluster="test", model=model),
                                               WorkerId.new(self.name), heartbeat_ttl_s=30.0)
@@ -38,7 +38,7 @@ def build_app(index_url: str, model: str):
             await self.publisher.start()
 
         def record_routing_stats(self) -> dict:
-            from router.replica_stats import ReplicaStats
+            from pdcluster.router.replica_stats import ReplicaStats
             return ReplicaStats(worker_name=self.name, prefill_tokens_per_s=1000.0,
                                 free_kv_blocks=64).to_routing_stats()
 

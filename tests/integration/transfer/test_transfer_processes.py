@@ -11,9 +11,9 @@ import time
 import pytest
 import torch
 
-from transfer import KVLayout, LayoutMismatchError, TransferError, create_backend
-from transfer.errors import TransferInDoubtError
-from services.engine.lease import LeaseTable
+from pdcluster.transfer import KVLayout, LayoutMismatchError, TransferError, create_backend
+from pdcluster.transfer.errors import TransferInDoubtError
+from pdcluster.services.engine.lease import LeaseTable
 from transfer_peer_proc import (LAYOUT, SECRET, SPAWN, FreeList, OwnerProcess, make_pool, pull_jobs, puller_main,
                                 same_bytes, write_puller_main)
 

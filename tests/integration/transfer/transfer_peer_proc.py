@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from services.engine.lease import LeaseTable
-from transfer import KVLayout, create_backend
+from pdcluster.services.engine.lease import LeaseTable
+from pdcluster.transfer import KVLayout, create_backend
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, dtype="bfloat16", block_size=4, model_fingerprint=7)
 SPAWN = mp.get_context("spawn")

@@ -60,7 +60,7 @@ def test_8bit_kv_rows_carry_their_scale():
 
 def test_planner_scale_bytes_are_the_engines():
     from bench.plan.inputs import KV_SCALE_BYTES
-    from kernels.kv_quant import SCALE_BYTES
+    from pdcluster.kernels.kv_quant import SCALE_BYTES
 
     assert KV_SCALE_BYTES == {"int8": SCALE_BYTES, "fp8": SCALE_BYTES}
 

@@ -98,7 +98,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def test_cli_modules_are_wired_into_pdcluster():
-    from services.cli.main import build_parser
+    from pdcluster.services.cli.main import build_parser
 
     commands = build_parser()._subparsers._group_actions[0].choices
     assert {"bench", "plan"} <= set(commands)

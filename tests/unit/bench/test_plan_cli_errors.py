@@ -96,8 +96,8 @@ def test_at_least_25_bad_inputs():
 
 @pytest.mark.parametrize("flags", [["--rps", "-5"], ["--head-dim", "0"], ["--context", "100000000"]])
 def test_no_traceback_through_pdcluster(flags):
-    """The real entry point (services.cli.main, as `pdcluster`), in a fresh interpreter."""
-    result = subprocess.run([sys.executable, "-m", "services.cli.main", "plan", *BASE, *flags],
+    """The real entry point (pdcluster.services.cli.main, as `pdcluster`), in a fresh interpreter."""
+    result = subprocess.run([sys.executable, "-m", "pdcluster.services.cli.main", "plan", *BASE, *flags],
                             capture_output=True, text=True, cwd=REPO, timeout=120)
     assert result.returncode == 2
     assert "Traceback" not in result.stderr

@@ -53,12 +53,12 @@ def test_example_1_kv_per_token_per_request_and_for_n_requests(capsys):
 
 @pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
 def test_8bit_kv_per_token_counts_each_rows_scale_as_the_engine_stores_it(capsys, kv_dtype):
-    """An 8-bit KV row is head_dim bytes + a 2-byte scale (kernels/kv_quant.py):
+    """An 8-bit KV row is head_dim bytes + a 2-byte scale (pdcluster/kernels/kv_quant.py):
     the planner's KV bytes per token is the engine's block bytes / block size."""
     import torch
 
-    from services.engine.kv_cache import KVCacheSpec
-    from kernels.kv_quant import pool_dtype
+    from pdcluster.services.engine.kv_cache import KVCacheSpec
+    from pdcluster.kernels.kv_quant import pool_dtype
 
     v = values(capsys, [*SMALL, "--kv-dtype", kv_dtype])
     assert v["kv_bytes_per_token"] == 2 * 30 * 3 * (64 + 2)  # not 2 x 30 x 3 x 64 x 1

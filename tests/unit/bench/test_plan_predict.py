@@ -228,7 +228,7 @@ def test_accuracy_bench_refuses_bad_flags_before_starting_anything(argv, message
 def test_accuracy_bench_on_a_dead_url_is_one_line_and_exit_1(capsys):
     """Nothing listens on the port: the bench says so in one line (no traceback) and exits 1."""
     from bench.plan.accuracy import main
-    from prefix_store.redis_server import free_service_port
+    from pdcluster.prefix_store.redis_server import free_service_port
 
     assert main(["--url", f"http://127.0.0.1:{free_service_port()}"]) == 1
     err = capsys.readouterr().err

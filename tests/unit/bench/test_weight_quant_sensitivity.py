@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from bench.micro.weight_quant_sensitivity import fake_quant, score
-from kernels import int8_linear
+from pdcluster.kernels import int8_linear
 
 
 def test_per_channel_and_per_token_fake_quantization_is_the_w8a8_reference():

@@ -13,9 +13,9 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from observability.dashboard_plot import expr_for_prometheus
-from services.openai.gateway_metrics import GatewayMetrics
-from services.openai.slo import Slo
+from pdcluster.observability.dashboard_plot import expr_for_prometheus
+from pdcluster.services.openai.gateway_metrics import GatewayMetrics
+from pdcluster.services.openai.slo import Slo
 
 DASHBOARD = Path(__file__).resolve().parents[3] / "deploy" / "grafana" / "pdcluster.json"
 SERIES = re.compile(r"\b(vllm:[a-z0-9_]+|pdcluster_[a-z0-9_]+)")

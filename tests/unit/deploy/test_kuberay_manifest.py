@@ -75,12 +75,12 @@ def test_serve_config_passes_ray_serve_schema(serve_config):
 
     schema = ServeDeploySchema.model_validate(serve_config)
     [app] = schema.applications
-    assert app.import_path == "services.app:app_builder"
+    assert app.import_path == "pdcluster.services.app:app_builder"
 
 
 def test_import_path_is_our_app_builder(serve_config):
     module, attr = serve_config["applications"][0]["import_path"].split(":")
-    from services.app import app_builder
+    from pdcluster.services.app import app_builder
 
     assert getattr(importlib.import_module(module), attr) is app_builder
 
@@ -90,8 +90,8 @@ def test_args_build_the_application(serve_config, monkeypatch):
     and each pool lands on the worker group its labels name."""
     from ray.serve import Application
 
-    from services.app import app_builder, build_app
-    from services.config import ClusterConfig
+    from pdcluster.services.app import app_builder, build_app
+    from pdcluster.services.config import ClusterConfig
 
     monkeypatch.setenv("PDCLUSTER_API_KEY", "test-key-from-secret")
     monkeypatch.setenv("REDIS_URL", "redis://:pw@pdcluster-redis:6379/0")
@@ -106,7 +106,7 @@ def test_args_build_the_application(serve_config, monkeypatch):
 
 
 def test_args_without_redis_password_are_refused(serve_config, monkeypatch):
-    from services.config import ClusterConfig
+    from pdcluster.services.config import ClusterConfig
 
     monkeypatch.setenv("PDCLUSTER_API_KEY", "test-key-from-secret")
     args = {**serve_config["applications"][0]["args"], "index_url": "redis://pdcluster-redis:6379/0"}

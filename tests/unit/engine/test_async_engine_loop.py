@@ -7,10 +7,10 @@ import time
 
 import pytest
 
-from services.engine.async_engine import AsyncEngine
-from services.engine.errors import EngineDeadError, RequestFailedError
-from services.engine.outputs import RequestOutput
-from services.engine.request import FinishReason
+from pdcluster.services.engine.async_engine import AsyncEngine
+from pdcluster.services.engine.errors import EngineDeadError, RequestFailedError
+from pdcluster.services.engine.outputs import RequestOutput
+from pdcluster.services.engine.request import FinishReason
 
 
 class FakeEngine:

@@ -15,15 +15,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu_native, ops
-from services.engine.config import EngineConfig
-from services.engine.engine import replays_output
-from services.engine.kv_cache import KVCache, KVCacheSpec
-from services.engine.model.llama import LlamaModel
-from services.engine.request import Request
-from services.engine.runner import ModelRunner, replay_start
-from services.engine.sampling_params import SamplingParams
-from services.engine.scheduler import ScheduledRequest, SchedulerOutput
+from pdcluster.kernels import cpu_native, ops
+from pdcluster.services.engine.config import EngineConfig
+from pdcluster.services.engine.engine import replays_output
+from pdcluster.services.engine.kv_cache import KVCache, KVCacheSpec
+from pdcluster.services.engine.model.llama import LlamaModel
+from pdcluster.services.engine.request import Request
+from pdcluster.services.engine.runner import ModelRunner, replay_start
+from pdcluster.services.engine.sampling_params import SamplingParams
+from pdcluster.services.engine.scheduler import ScheduledRequest, SchedulerOutput
 from tests.unit.engine.test_kv8_engine import BS, tiny_model
 
 PARAMS = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)

@@ -11,13 +11,13 @@ import time
 import pytest
 import torch
 
-from services.engine.errors import InvalidRequestError
-from services.engine.grammar import GrammarCache
-from services.engine.grammar_guide import GrammarGuide, allowed_token_ids
-from services.engine.guided_spec import MAX_GUIDED_SOURCE_CHARS, GuidedSpec
-from services.engine.sampler import Sampler
-from services.engine.sampling_params import SamplingParams
-from services.engine.tokenizer import Tokenizer
+from pdcluster.services.engine.errors import InvalidRequestError
+from pdcluster.services.engine.grammar import GrammarCache
+from pdcluster.services.engine.grammar_guide import GrammarGuide, allowed_token_ids
+from pdcluster.services.engine.guided_spec import MAX_GUIDED_SOURCE_CHARS, GuidedSpec
+from pdcluster.services.engine.sampler import Sampler
+from pdcluster.services.engine.sampling_params import SamplingParams
+from pdcluster.services.engine.tokenizer import Tokenizer
 
 VOCAB = 49152
 EOS = 2
@@ -29,7 +29,7 @@ SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"enu
 def tokenizer() -> Tokenizer:
     from transformers import AutoTokenizer
 
-    from services.engine.model.default import default_model_path
+    from pdcluster.services.engine.model.default import default_model_path
 
     path = default_model_path()
     return Tokenizer(AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name), eos_token_ids=(EOS,))
@@ -236,6 +236,6 @@ def test_sixteen_rows_inside_a_json_string_stay_guided_step_after_step(grammars,
 
 
 def SampleResultLike(tokens: dict[str, int]):
-    from services.engine.sampler import SampleResult
+    from pdcluster.services.engine.sampler import SampleResult
 
     return SampleResult(tokens, {})

@@ -13,12 +13,12 @@ import time
 import pytest
 import torch
 
-from services.engine.errors import InvalidRequestError
-from services.engine.grammar import GrammarCache
-from services.engine.guided_spec import GuidedSpec
-from services.engine.sampler import Sampler
-from services.engine.sampling_params import SamplingParams
-from services.engine.tokenizer import Tokenizer
+from pdcluster.services.engine.errors import InvalidRequestError
+from pdcluster.services.engine.grammar import GrammarCache
+from pdcluster.services.engine.guided_spec import GuidedSpec
+from pdcluster.services.engine.sampler import Sampler
+from pdcluster.services.engine.sampling_params import SamplingParams
+from pdcluster.services.engine.tokenizer import Tokenizer
 from tests.slow_grammars import slow_schema_text
 
 VOCAB = 49152
@@ -29,7 +29,7 @@ EOS = 2
 def tokenizer() -> Tokenizer:
     from transformers import AutoTokenizer
 
-    from services.engine.model.default import default_model_path
+    from pdcluster.services.engine.model.default import default_model_path
 
     path = default_model_path()
     return Tokenizer(AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name), eos_token_ids=(EOS,))

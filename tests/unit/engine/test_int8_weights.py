@@ -1,4 +1,4 @@
-"""weight_dtype int8 (services/engine/model/weight_quant.py): config checks,
+"""weight_dtype int8 (pdcluster/services/engine/model/weight_quant.py): config checks,
 the block-hash seed per weight scheme, a tiny model's projections swapped
 for int8 (the fused native stack bit for bit the per-op path, logits close
 to bf16's, every path's product the reference's), the quantized file made
@@ -7,11 +7,11 @@ once beside a GGUF's converted copy, and the real model's greedy answer."""
 import pytest
 import torch
 
-from kernels import cpu_native, int8_linear
-from services.engine.config import EngineConfig
-from services.engine.model.llama import PROJECTION_NAMES
-from services.engine.model.weight_quant import quantize_state
-from services.model_meta import block_hash_seed, model_hash_seed
+from pdcluster.kernels import cpu_native, int8_linear
+from pdcluster.services.engine.config import EngineConfig
+from pdcluster.services.engine.model.llama import PROJECTION_NAMES
+from pdcluster.services.engine.model.weight_quant import quantize_state
+from pdcluster.services.model_meta import block_hash_seed, model_hash_seed
 
 from test_kv8_engine import BS, prefill_then_decode, tiny_model
 
@@ -25,7 +25,7 @@ def test_config_accepts_int8_with_bf16_only():
 
 
 def test_the_cluster_config_passes_weight_dtype_to_every_pool():
-    from services.config import ClusterConfig
+    from pdcluster.services.config import ClusterConfig
 
     cfg = ClusterConfig(weight_dtype="int8")
     assert {cfg.engine_config(p).weight_dtype for p in (cfg.prefill, cfg.decode, cfg.colocated)} == {"int8"}
@@ -44,7 +44,7 @@ def test_the_seed_carries_the_weight_scheme():
 
 def _hf_state(model) -> dict[str, torch.Tensor]:
     """tiny_model's layers under the HF names quantize_state reads (plain [N, K] weights)."""
-    from kernels.ops import unpack_linear_weight
+    from pdcluster.kernels.ops import unpack_linear_weight
 
     cfg = model.cfg
     state = {"model.embed_tokens.weight": model.embed_tokens.weight.float(), "model.norm.weight": model.norm.float()}
@@ -62,7 +62,7 @@ def _hf_state(model) -> dict[str, torch.Tensor]:
 
 
 def tiny_int8_model(smoothed: bool = True):
-    from services.engine.model.weight_smoothing import input_maxima
+    from pdcluster.services.engine.model.weight_smoothing import input_maxima
 
     model = tiny_model()
     maxima = input_maxima(model, [(7 * p + 3) % 320 for p in range(40)]) if smoothed else None
@@ -73,7 +73,7 @@ def tiny_int8_model(smoothed: bool = True):
 
 def test_smoothing_leaves_each_layer_the_same_function():
     """x / s through the norm (or v, or up), W * s in the projection: the float product is unchanged."""
-    from services.engine.model.weight_smoothing import smooth_layer
+    from pdcluster.services.engine.model.weight_smoothing import smooth_layer
 
     torch.manual_seed(1)
     h, inter, heads, kvh, d = 16, 24, 4, 2, 4
@@ -123,7 +123,7 @@ def test_the_native_stack_runs_int8_bit_for_bit_as_the_per_op_path(chunks):
 
 def test_the_torch_path_takes_unpacked_int8_weights():
     """Where the native kernels do not run, [N, K] codes and w_scale go to the reference."""
-    from kernels import ops
+    from pdcluster.kernels import ops
 
     q, scale = int8_linear.quantize_weight(torch.randn(64, 40))
     x = torch.randn(3, 40).bfloat16()
@@ -135,9 +135,9 @@ def test_the_torch_path_takes_unpacked_int8_weights():
 
 
 def test_quantized_weights_are_made_once_beside_the_converted_copy(tmp_path, monkeypatch):
-    from services.engine.model import weight_quant
-    from services.engine.model.default import resolve_model_path
-    from services.model_cache import converted
+    from pdcluster.services.engine.model import weight_quant
+    from pdcluster.services.engine.model.default import resolve_model_path
+    from pdcluster.services.model_cache import converted
 
     path = resolve_model_path(None)
     conv = converted(path)  # the shared cache: converting again would take a minute
@@ -149,8 +149,8 @@ def test_quantized_weights_are_made_once_beside_the_converted_copy(tmp_path, mon
         return real(*args)
 
     monkeypatch.setattr(weight_quant, "quantize_state", counting)
-    from services.engine.model.k_smoothing import calibration_token_ids
-    from services.engine.model.loader import _load_tensors, load_model
+    from pdcluster.services.engine.model.k_smoothing import calibration_token_ids
+    from pdcluster.services.engine.model.loader import _load_tensors, load_model
 
     loaded = load_model(None, "bfloat16")
     state, ids = _load_tensors(path), calibration_token_ids(loaded.tokenizer)
@@ -167,26 +167,32 @@ def test_quantized_weights_are_made_once_beside_the_converted_copy(tmp_path, mon
 
 
 def test_the_default_model_in_int8_answers_as_bf16_does():
-    """A prompt bf16 answers without near ties in its first tokens (bench.micro.weight_quant measures the rest)."""
-    from services.engine.engine import Engine
-    from services.engine.sampling_params import SamplingParams
+    """int8 answers bf16's tokens up to bf16's first near tie (top-2 gap under 0.3 nats, issue 35's bound),
+    and that is at least the first three tokens (bench.micro.weight_quant measures the rest)."""
+    from pdcluster.services.engine.engine import Engine
+    from pdcluster.services.engine.sampling_params import SamplingParams
 
-    answers = {}
+    answers, gaps = {}, []
     for weight_dtype in ("auto", "int8"):
         engine = Engine(EngineConfig(weight_dtype=weight_dtype, num_kv_blocks=64))
         prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": "Explain photosynthesis briefly."}])
-        answers[weight_dtype] = engine.generate([prompt], SamplingParams(max_tokens=6, temperature=0))[0].new_token_ids
+        out = engine.generate([prompt], SamplingParams(max_tokens=6, temperature=0, logprobs=2))[0]
+        answers[weight_dtype] = out.new_token_ids
+        if weight_dtype == "auto":
+            gaps = [lp.top[0][1] - lp.top[1][1] for lp in out.logprobs]
+    clear = next((i for i, gap in enumerate(gaps) if gap < 0.3), len(gaps))
+    assert clear >= 3, gaps  # the prompt is chosen so that bf16 is sure of its first tokens
     assert engine.loaded.model.layers[0].qkv_proj.weight.dtype == torch.int8
     assert engine.loaded.model.embed_tokens.weight.dtype == torch.bfloat16  # the embedding rows stay bf16
     assert engine.loaded.model.lm_head_int8.dtype == torch.int8  # the head has its own int8 copy
     assert engine.hash_seed == model_hash_seed(engine.loaded.path, "bfloat16", "auto", 16, "int8")
-    assert answers["int8"] == answers["auto"]
+    assert answers["int8"][:clear] == answers["auto"][:clear]
 
 
 def test_pdcluster_up_takes_weight_dtype():
     import argparse
 
-    from services.cli import up
+    from pdcluster.services.cli import up
 
     parser = argparse.ArgumentParser()
     up.register(parser.add_subparsers())

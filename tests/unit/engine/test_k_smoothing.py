@@ -1,4 +1,4 @@
-"""services/engine/model/k_smoothing.py: the calibration forward computes the
+"""pdcluster/services/engine/model/k_smoothing.py: the calibration forward computes the
 K the model itself writes, and the shift is a pure function of the weights
 (two loads, packed or not, bf16 or fp32 copies of one set of weights)."""
 
@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.engine.forward_batch import ForwardBatch
-from services.engine.model.config import ModelConfig
-from services.engine.model.k_smoothing import k_shift_from_keys, k_smoothing_shift, post_rope_keys
-from services.engine.model.llama import LlamaModel
+from pdcluster.services.engine.forward_batch import ForwardBatch
+from pdcluster.services.engine.model.config import ModelConfig
+from pdcluster.services.engine.model.k_smoothing import k_shift_from_keys, k_smoothing_shift, post_rope_keys
+from pdcluster.services.engine.model.llama import LlamaModel
 
 N = 40
 TOKENS = [(11 * p + 5) % 320 for p in range(N)]

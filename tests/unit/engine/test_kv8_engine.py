@@ -9,14 +9,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kernels import cpu_native
-from kernels.kv_quant import pool_dtype
-from services.engine.config import EngineConfig
-from services.engine.engine import kv_spec_for
-from services.engine.kv_cache import KVCache, KVCacheSpec
-from services.engine.model.config import ModelConfig
-from services.engine.model.llama import LlamaModel
-from services.engine.model.loader import block_hash_seed
+from pdcluster.kernels import cpu_native
+from pdcluster.kernels.kv_quant import pool_dtype
+from pdcluster.services.engine.config import EngineConfig
+from pdcluster.services.engine.engine import kv_spec_for
+from pdcluster.services.engine.kv_cache import KVCache, KVCacheSpec
+from pdcluster.services.engine.model.config import ModelConfig
+from pdcluster.services.engine.model.llama import LlamaModel
+from pdcluster.services.engine.model.loader import block_hash_seed
 
 BS = 16
 SMOL = dict(num_layers=30, num_kv_heads=3, head_dim=64)  # SmolLM2-135M's KV shape
@@ -52,7 +52,7 @@ def test_kv_spec_follows_the_config_and_the_seed_differs_per_kv_dtype():
 
 
 def test_the_cluster_config_passes_kv_cache_dtype_to_both_pools():
-    from services.config import ClusterConfig
+    from pdcluster.services.config import ClusterConfig
 
     cfg = ClusterConfig(kv_cache_dtype="int8")
     assert cfg.engine_config(cfg.prefill).kv_cache_dtype == "int8"
@@ -78,7 +78,7 @@ def tiny_model(dtype: torch.dtype = torch.bfloat16) -> LlamaModel:
 def prompt_batches(chunks: tuple[int, ...] = (37,)) -> list:
     """A 37-token prompt in blocks [3, 7, 1], prefilled in ``chunks``, then one
     decode step: a ForwardBatch per forward, logits of each one's last token."""
-    from services.engine.forward_batch import ForwardBatch
+    from pdcluster.services.engine.forward_batch import ForwardBatch
 
     table = [3, 7, 1]
     n = sum(chunks)
@@ -216,7 +216,7 @@ def test_rotating_q_and_k_leaves_attention_unchanged_over_a_plain_pool(chunks):
 
 
 def test_the_rotated_shift_is_h_b_and_computed_once():
-    from kernels.kv_rotation import rotate_heads
+    from pdcluster.kernels.kv_rotation import rotate_heads
 
     model = tiny_model()
     model.k_shift = tiny_shift()

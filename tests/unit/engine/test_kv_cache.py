@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from services.engine.kv_cache import KVCache, KVCacheSpec
+from pdcluster.services.engine.kv_cache import KVCache, KVCacheSpec
 
 
 def make_cache(n=6, events=None):

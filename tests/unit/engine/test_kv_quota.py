@@ -4,9 +4,9 @@ where one tenant's flood leaves another's guaranteed prefixes cached."""
 import pytest
 import torch
 
-from prefix_store.hashing import hash_prompt_blocks
-from services.engine.kv_cache import KVCache, KVCacheSpec
-from services.engine.kv_quota import KVQuota, pick_victims
+from pdcluster.prefix_store.hashing import hash_prompt_blocks
+from pdcluster.services.engine.kv_cache import KVCache, KVCacheSpec
+from pdcluster.services.engine.kv_quota import KVQuota, pick_victims
 
 BS = 4
 

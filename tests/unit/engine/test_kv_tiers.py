@@ -11,15 +11,15 @@ import numpy as np
 import pytest
 import torch
 
-from prefix_store.hashing import hash_prompt_blocks
-from services.engine.config import KVTierConfig, SchedulerConfig
-from services.engine.kv_cache import KVCache, KVCacheSpec
-from services.engine.kv_disk_tier import CorruptBlockError, DiskTier, read_record, write_record
-from services.engine.kv_host_tier import HostTier
-from services.engine.kv_tiers import KVTiers
-from services.engine.request import Request
-from services.engine.sampling_params import SamplingParams
-from services.engine.scheduler import Scheduler
+from pdcluster.prefix_store.hashing import hash_prompt_blocks
+from pdcluster.services.engine.config import KVTierConfig, SchedulerConfig
+from pdcluster.services.engine.kv_cache import KVCache, KVCacheSpec
+from pdcluster.services.engine.kv_disk_tier import CorruptBlockError, DiskTier, read_record, write_record
+from pdcluster.services.engine.kv_host_tier import HostTier
+from pdcluster.services.engine.kv_tiers import KVTiers
+from pdcluster.services.engine.request import Request
+from pdcluster.services.engine.sampling_params import SamplingParams
+from pdcluster.services.engine.scheduler import Scheduler
 
 SEED, BS = 12345, 4
 
@@ -147,7 +147,7 @@ def test_a_running_request_that_needs_room_takes_back_what_a_waiting_request_hol
 
 
 def test_the_hit_rate_is_the_share_of_admissions_the_tiers_served():
-    from services.engine.kv_tier_stats import TierStats, tier_status
+    from pdcluster.services.engine.kv_tier_stats import TierStats, tier_status
     view = tier_status(TierStats(admissions=8, admissions_from_tiers=2, host_blocks=3, block_bytes=10))
     assert view["hit_rate"] == 0.25 and view["host"]["bytes"] == 30
     assert tier_status(TierStats())["hit_rate"] is None and tier_status(None) is None

@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 
-from services.engine.lease import EXPIRY_GRACE_S, LeaseTable
+from pdcluster.services.engine.lease import EXPIRY_GRACE_S, LeaseTable
 
 
 class Pool:

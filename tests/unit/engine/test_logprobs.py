@@ -1,4 +1,4 @@
-"""Logprob computation (services/engine/logprobs.py) against torch.log_softmax,
+"""Logprob computation (pdcluster/services/engine/logprobs.py) against torch.log_softmax,
 no model: sampled tokens' logprobs, per-row k, isolation from in-place
 logit edits, and prompt logprobs assembled chunk by chunk."""
 
@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.engine.errors import InvalidRequestError
-from services.engine.logprobs import SampledLogprobs, prompt_span, record_prompt_logprobs, token_logprobs
-from services.engine.request import Request
-from services.engine.sampler import Sampler
-from services.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from pdcluster.services.engine.errors import InvalidRequestError
+from pdcluster.services.engine.logprobs import SampledLogprobs, prompt_span, record_prompt_logprobs, token_logprobs
+from pdcluster.services.engine.request import Request
+from pdcluster.services.engine.sampler import Sampler
+from pdcluster.services.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 
 VOCAB = 64
 

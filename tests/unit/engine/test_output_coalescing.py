@@ -5,10 +5,10 @@ import asyncio
 
 import pytest
 
-from services.engine.async_engine import AsyncEngine
-from services.engine.errors import EngineDeadError
-from services.engine.outputs import PrefillResult, RequestOutput
-from services.engine.request import FinishReason
+from pdcluster.services.engine.async_engine import AsyncEngine
+from pdcluster.services.engine.errors import EngineDeadError
+from pdcluster.services.engine.outputs import PrefillResult, RequestOutput
+from pdcluster.services.engine.request import FinishReason
 
 
 def out(tokens, text, finished=False, **kw):

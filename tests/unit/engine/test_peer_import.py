@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from prefix_store.hashing import hash_prompt_blocks
-from services.engine.kv_cache import KVCache, KVCacheSpec
-from services.engine.lease import LeaseTable
-from services.engine.peer_import import PeerImports, lend_blocks
+from pdcluster.prefix_store.hashing import hash_prompt_blocks
+from pdcluster.services.engine.kv_cache import KVCache, KVCacheSpec
+from pdcluster.services.engine.lease import LeaseTable
+from pdcluster.services.engine.peer_import import PeerImports, lend_blocks
 
 SEED, BS = 777, 4
 

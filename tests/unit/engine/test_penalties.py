@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from services.engine.errors import InvalidRequestError
-from services.engine.penalties import Penalties
-from services.engine.random_stream import position_seed
-from services.engine.sampler import NONFINITE_LOGITS, Sampler, probabilities
-from services.engine.sampling_params import MAX_LOGIT_BIAS_ENTRIES, SamplingParams
+from pdcluster.services.engine.errors import InvalidRequestError
+from pdcluster.services.engine.penalties import Penalties
+from pdcluster.services.engine.random_stream import position_seed
+from pdcluster.services.engine.sampler import NONFINITE_LOGITS, Sampler, probabilities
+from pdcluster.services.engine.sampling_params import MAX_LOGIT_BIAS_ENTRIES, SamplingParams
 
 VOCAB = 96
 EOS = (0, 95)

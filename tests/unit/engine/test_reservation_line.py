@@ -11,9 +11,9 @@ import concurrent.futures
 
 import pytest
 
-from services.engine.async_engine import AsyncEngine
-from services.engine.errors import EngineDeadError, InvalidRequestError
-from services.engine.reservation_line import ReservationLine
+from pdcluster.services.engine.async_engine import AsyncEngine
+from pdcluster.services.engine.errors import EngineDeadError, InvalidRequestError
+from pdcluster.services.engine.reservation_line import ReservationLine
 
 
 class Pool:
@@ -89,7 +89,7 @@ class BlocksEngine:
             return None
         self.free -= len(prompt)
         self.awaiting_kv[request_id] = len(prompt)
-        from services.engine.outputs import ExternalKVAllocation
+        from pdcluster.services.engine.outputs import ExternalKVAllocation
         return ExternalKVAllocation(request_id, tuple(range(len(prompt))), 0)
 
     def abort(self, request_id):

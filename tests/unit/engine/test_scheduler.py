@@ -3,11 +3,11 @@ preemption order and prefix-cache skips."""
 
 import torch
 
-from services.engine.config import SchedulerConfig
-from services.engine.kv_cache import KVCache, KVCacheSpec
-from services.engine.request import FinishReason, Request, RequestStatus
-from services.engine.sampling_params import greedy
-from services.engine.scheduler import Scheduler
+from pdcluster.services.engine.config import SchedulerConfig
+from pdcluster.services.engine.kv_cache import KVCache, KVCacheSpec
+from pdcluster.services.engine.request import FinishReason, Request, RequestStatus
+from pdcluster.services.engine.sampling_params import greedy
+from pdcluster.services.engine.scheduler import Scheduler
 
 BS = 4
 

@@ -9,12 +9,12 @@ import dataclasses
 import pytest
 import torch
 
-from services.engine.config import SchedulerConfig
-from services.engine.errors import InvalidRequestError
-from services.engine.kv_cache import KVCache, KVCacheSpec
-from services.engine.request import Request, RequestStatus
-from services.engine.sampling_params import SamplingParams, greedy
-from services.engine.scheduler import Scheduler, _insert_by_priority
+from pdcluster.services.engine.config import SchedulerConfig
+from pdcluster.services.engine.errors import InvalidRequestError
+from pdcluster.services.engine.kv_cache import KVCache, KVCacheSpec
+from pdcluster.services.engine.request import Request, RequestStatus
+from pdcluster.services.engine.sampling_params import SamplingParams, greedy
+from pdcluster.services.engine.scheduler import Scheduler, _insert_by_priority
 
 BS = 4
 

@@ -4,12 +4,12 @@ and the scheduler's roll-back of rejected drafts (exact block ids)."""
 
 import torch
 
-from services.engine.config import SchedulerConfig, SpeculativeConfig
-from services.engine.kv_cache import KVCache, KVCacheSpec
-from services.engine.request import Request
-from services.engine.sampling_params import SamplingParams, greedy
-from services.engine.scheduler import Scheduler
-from services.engine.spec_decode import BACKOFF_STEPS, Speculator, emitted_tokens, verify_sampled
+from pdcluster.services.engine.config import SchedulerConfig, SpeculativeConfig
+from pdcluster.services.engine.kv_cache import KVCache, KVCacheSpec
+from pdcluster.services.engine.request import Request
+from pdcluster.services.engine.sampling_params import SamplingParams, greedy
+from pdcluster.services.engine.scheduler import Scheduler
+from pdcluster.services.engine.spec_decode import BACKOFF_STEPS, Speculator, emitted_tokens, verify_sampled
 
 BS = 4
 
@@ -123,8 +123,8 @@ def test_rejected_drafts_give_their_blocks_back():
 def test_a_verification_reads_every_key_from_the_pool_and_a_prompt_chunk_its_own():
     """ForwardBatch.prefill_fresh_kv: a draft's verification must compute what
     the plain decode steps it stands for compute (they read the pool), a prompt
-    chunk attends to its own K/V as computed (kernels/prefill_attention.py)."""
-    from services.engine.runner import ModelRunner
+    chunk attends to its own K/V as computed (pdcluster/kernels/prefill_attention.py)."""
+    from pdcluster.services.engine.runner import ModelRunner
 
     kv = KVCache(KVCacheSpec(16, BS, 1, 1, 2, torch.float32))
     spec = Speculator(SpeculativeConfig(method="ngram", num_tokens=4, ngram_min=2))

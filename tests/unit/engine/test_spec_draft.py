@@ -11,17 +11,17 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from services.engine.config import SchedulerConfig, SpeculativeConfig
-from services.engine.kv_cache import KVCache, KVCacheSpec
-from services.engine.model.config import ModelConfig
-from services.engine.model.default import default_model_path
-from services.engine.model.llama import LlamaModel
-from services.engine.model.loader import LoadedModel
-from services.engine.request import Request
-from services.engine.sampling_params import greedy
-from services.engine.scheduler import Scheduler
-from services.engine.spec_decode import Speculator
-from services.engine.spec_draft import (DraftModel, DraftProposer, build_draft_proposer, shared_prefix_len,
+from pdcluster.services.engine.config import SchedulerConfig, SpeculativeConfig
+from pdcluster.services.engine.kv_cache import KVCache, KVCacheSpec
+from pdcluster.services.engine.model.config import ModelConfig
+from pdcluster.services.engine.model.default import default_model_path
+from pdcluster.services.engine.model.llama import LlamaModel
+from pdcluster.services.engine.model.loader import LoadedModel
+from pdcluster.services.engine.request import Request
+from pdcluster.services.engine.sampling_params import greedy
+from pdcluster.services.engine.scheduler import Scheduler
+from pdcluster.services.engine.spec_decode import Speculator
+from pdcluster.services.engine.spec_draft import (DraftModel, DraftProposer, build_draft_proposer, shared_prefix_len,
                                         tokenizer_mismatch)
 
 VOCAB = 64
@@ -42,7 +42,7 @@ def tiny_model() -> LlamaModel:
 
 def paged_logits(model: LlamaModel, ids: list[int]) -> torch.Tensor:
     """The engine's own forward (paged pool, prefill kernel): logits after each token."""
-    from services.engine.forward_batch import ForwardBatch
+    from pdcluster.services.engine.forward_batch import ForwardBatch
 
     cfg, n, bs = model.cfg, len(ids), 4
     kv = KVCache(KVCacheSpec(8, bs, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, torch.float32))
@@ -180,7 +180,7 @@ def test_tokenizer_mismatch_names_what_differs():
 
 
 def test_cluster_config_maps_the_draft_settings_and_refuses_bad_ones():
-    from services.config import ClusterConfig
+    from pdcluster.services.config import ClusterConfig
 
     cfg = ClusterConfig.model_validate({"speculative": {"method": "draft", "draft_model": "default",
                                                         "draft_num_layers": 8}})

@@ -1,6 +1,6 @@
 """N-gram prompt lookup: exact proposals on tiny token lists."""
 
-from services.engine.spec_ngram import propose_ngram
+from pdcluster.services.engine.spec_ngram import propose_ngram
 
 
 def test_proposes_what_followed_the_latest_earlier_occurrence():

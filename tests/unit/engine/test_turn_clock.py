@@ -1,11 +1,11 @@
-"""services/engine/turn_clock.py: a slow engine turn is logged with its parts and its CPU time."""
+"""pdcluster/services/engine/turn_clock.py: a slow engine turn is logged with its parts and its CPU time."""
 
 from __future__ import annotations
 
 import logging
 
-from services.engine import turn_clock
-from services.engine.turn_clock import TurnClock
+from pdcluster.services.engine import turn_clock
+from pdcluster.services.engine.turn_clock import TurnClock
 
 
 def test_a_fast_turn_is_not_logged(caplog):

@@ -26,9 +26,9 @@ ATTENTION_TOL = {torch.float32: (2e-5, 2e-5), torch.float16: (2e-3, 2e-3), torch
 ELEMENTWISE_TOL = {torch.float32: (1e-6, 1e-6), torch.float16: (1e-3, 1e-3), torch.bfloat16: (1e-2, 1.6e-2)}
 
 TRITON_MODULES = (
-    "kernels.triton_common", "kernels.triton_kv8", "kernels.triton_paged_decode_attention", "kernels.triton_prefill_attention",
-    "kernels.triton_kv_write", "kernels.triton_block_copy", "kernels.triton_rmsnorm", "kernels.triton_rope",
-    "kernels.triton_int8_linear",
+    "pdcluster.kernels.triton_common", "pdcluster.kernels.triton_kv8", "pdcluster.kernels.triton_paged_decode_attention", "pdcluster.kernels.triton_prefill_attention",
+    "pdcluster.kernels.triton_kv_write", "pdcluster.kernels.triton_block_copy", "pdcluster.kernels.triton_rmsnorm", "pdcluster.kernels.triton_rope",
+    "pdcluster.kernels.triton_int8_linear",
 )
 
 
@@ -108,7 +108,7 @@ def interpreted_kernels() -> SimpleNamespace:
     modules = [importlib.import_module(name) for name in TRITON_MODULES]
     if any(isinstance(v, JITFunction) for m in modules for v in vars(m).values()):
         modules = [importlib.reload(m) for m in modules]  # triton_common first: others bind its helpers
-    return SimpleNamespace(**{m.__name__.removeprefix("kernels.triton_"): m for m in modules})
+    return SimpleNamespace(**{m.__name__.removeprefix("pdcluster.kernels.triton_"): m for m in modules})
 
 
 def _reload_triton_stdlib() -> None:
@@ -129,7 +129,7 @@ def run_every_wrapper_once() -> None:
     mods = [importlib.import_module(name) for name in TRITON_MODULES]
     for m in mods:
         m.check_device = lambda *tensors: None  # recording only: nothing is launched
-    k = SimpleNamespace(**{m.__name__.removeprefix("kernels.triton_"): m for m in mods})
+    k = SimpleNamespace(**{m.__name__.removeprefix("pdcluster.kernels.triton_"): m for m in mods})
     for dtype in (torch.float32, torch.bfloat16):
         case = make_paged_case([5, 140], kv_heads=3, head_dim=64, block_size=16, dtype=dtype)
         q = torch.randn(2, 9, 64).to(dtype)
@@ -157,7 +157,7 @@ def _run_kv8_wrappers_once(k: SimpleNamespace, case: PagedCase, q: torch.Tensor,
                            kv: torch.Tensor) -> None:
     """The 8-bit pool variants of the KV kernels: int8 and fp8, shifted and
     not, a split decode, prefill with and without a ChunkKV."""
-    from kernels.prefill_attention import ChunkKV
+    from pdcluster.kernels.prefill_attention import ChunkKV
 
     shift = torch.zeros(3, 64)
     for dtype in (torch.int8, torch.float8_e4m3fn):

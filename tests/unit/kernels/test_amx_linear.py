@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import kernels.ops as ops
-from kernels import cpu_native
+import pdcluster.kernels.ops as ops
+from pdcluster.kernels import cpu_native
 
 BF16 = torch.bfloat16
 SMOLLM2_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate_up, down: (N, K)

@@ -1,6 +1,6 @@
 """The native bf16 CPU kernels against their torch references (and decode
 attention also against the independent dense attention), plus the dispatch
-in ``kernels.ops`` that routes CPU bf16 to them."""
+in ``pdcluster.kernels.ops`` that routes CPU bf16 to them."""
 
 import math
 
@@ -8,14 +8,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import kernels.ops as ops
+import pdcluster.kernels.ops as ops
 from kernel_cases import dense_attention, make_paged_case
-from kernels import cpu_native
-from kernels.activation import silu_mul_ref
-from kernels.kv_write import write_kv_ref
-from kernels.paged_decode_attention import paged_decode_attention_ref
-from kernels.rmsnorm import fused_add_rmsnorm_ref, rmsnorm_ref
-from kernels.rope import apply_rope_ref, rope_cos_sin
+from pdcluster.kernels import cpu_native
+from pdcluster.kernels.activation import silu_mul_ref
+from pdcluster.kernels.kv_write import write_kv_ref
+from pdcluster.kernels.paged_decode_attention import paged_decode_attention_ref
+from pdcluster.kernels.rmsnorm import fused_add_rmsnorm_ref, rmsnorm_ref
+from pdcluster.kernels.rope import apply_rope_ref, rope_cos_sin
 
 pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="needs AVX-512 BF16 or AVX2+FMA, and a C compiler")
 BF16 = torch.bfloat16
@@ -126,7 +126,7 @@ def test_fp32_and_odd_shapes_stay_on_the_torch_reference():
 @pytest.mark.parametrize("kv_heads,group", [(1, 1), (3, 3), (2, 8)])
 @pytest.mark.parametrize("head_dim,block_size", [(64, 16), (128, 32)])
 def test_prefill_attention_matches_reference_and_dense(context_lens, query_lens, kv_heads, group, head_dim, block_size):
-    from kernels.prefill_attention import prefill_attention_ref
+    from pdcluster.kernels.prefill_attention import prefill_attention_ref
 
     case = make_paged_case(context_lens, kv_heads, head_dim, block_size, BF16, seed=sum(query_lens) + group)
     heads = kv_heads * group

@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 
-from kernels import cpu_native
+from pdcluster.kernels import cpu_native
 
 AVX512_BF16 = {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni"}
 AVX2_ONLY = {"avx", "avx2", "fma", "f16c"}

@@ -5,10 +5,10 @@ chunks over paged KV, with and without qkv bias."""
 import pytest
 import torch
 
-from kernels import cpu_native
-from services.engine.forward_batch import ForwardBatch
-from services.engine.model.config import ModelConfig
-from services.engine.model.llama import LlamaModel
+from pdcluster.kernels import cpu_native
+from pdcluster.services.engine.forward_batch import ForwardBatch
+from pdcluster.services.engine.model.config import ModelConfig
+from pdcluster.services.engine.model.llama import LlamaModel
 
 pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="needs AVX-512 BF16 or AVX2+FMA, and a C compiler")
 BS = 16

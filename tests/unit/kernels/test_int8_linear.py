@@ -1,4 +1,4 @@
-"""int8 linears (kernels/int8_linear.py, csrc/int8_linear.h): the packed
+"""int8 linears (pdcluster/kernels/int8_linear.py, csrc/int8_linear.h): the packed
 layout, the path rule and its C mirror, and that every native build that
 runs here (AVX-512 VNNI, AVX2; AMX-int8 where the CPU has it) equals the
 torch reference bit for bit, integer sums exactly; the Triton kernel under
@@ -10,8 +10,8 @@ import shutil
 import pytest
 import torch
 
-from kernels import cpu_native
-from kernels import int8_linear as il
+from pdcluster.kernels import cpu_native
+from pdcluster.kernels import int8_linear as il
 
 BF16 = torch.bfloat16
 SHAPES = [(1, 960, 576), (3, 64, 40), (9, 3072, 576), (17, 576, 1536), (260, 96, 64)]  # (M, N, K)

@@ -1,4 +1,4 @@
-"""K smoothing of 8-bit pools (kernels/kv_quant.py): K rows quantized after
+"""K smoothing of 8-bit pools (pdcluster/kernels/kv_quant.py): K rows quantized after
 subtracting a fixed shift leave attention unchanged up to quantization (and
 closer to exact than unshifted rows when K has offset channels), a shift on
 only some keys does not, the native writer is bit-exact with the reference,
@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from kernel_cases import dense_attention, make_paged_case, query_start_loc
-from kernels import cpu_native, ops
-from kernels.kv_quant import SCALE_BYTES
-from kernels.kv_write import write_kv_ref
-from kernels.paged_decode_attention import paged_decode_attention_ref
-from kernels.prefill_attention import prefill_attention_ref
+from pdcluster.kernels import cpu_native, ops
+from pdcluster.kernels.kv_quant import SCALE_BYTES
+from pdcluster.kernels.kv_write import write_kv_ref
+from pdcluster.kernels.paged_decode_attention import paged_decode_attention_ref
+from pdcluster.kernels.prefill_attention import prefill_attention_ref
 
 EIGHT_BIT = [torch.int8, torch.float8_e4m3fn]
 LENS = [5, 140, 33]

@@ -1,5 +1,5 @@
 """Prompt chunks over an 8-bit pool attend to their own K/V as computed
-(kernels/prefill_attention.py ChunkKV): only the cached prefix is read
+(pdcluster/kernels/prefill_attention.py ChunkKV): only the cached prefix is read
 through quantization, its K with the shift added back; a verification
 (fresh 0) still reads the pool; the native kernel agrees with the reference
 and, for a chunk with no prefix, is exactly the bf16 pool's attention."""
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from kernel_cases import dense_attention, query_start_loc
-from kernels import cpu_native, ops
-from kernels.prefill_attention import ChunkKV, prefill_attention_ref
+from pdcluster.kernels import cpu_native, ops
+from pdcluster.kernels.prefill_attention import ChunkKV, prefill_attention_ref
 from test_k_smoothing_kernels import LENS, offset_case, write
 
 EIGHT_BIT = [torch.int8, torch.float8_e4m3fn]

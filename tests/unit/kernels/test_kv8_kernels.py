@@ -1,4 +1,4 @@
-"""8-bit KV rows (kernels/kv_quant.py): the format, the torch references over
+"""8-bit KV rows (pdcluster/kernels/kv_quant.py): the format, the torch references over
 it, the native kernels bit-exact or close to them, and the dispatch that never
 hands 8-bit rows to a kernel that reads plain values."""
 
@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from kernel_cases import dense_attention, make_paged_case, query_start_loc
-from kernels import cpu_native, ops
-from kernels.kv_quant import SCALE_BYTES, dequantize_rows, pool_dtype, pool_head_dim, quantize_rows, row_width
-from kernels.kv_write import write_kv_ref
-from kernels.paged_decode_attention import paged_decode_attention_ref
-from kernels.prefill_attention import prefill_attention_ref
-from transfer.layout import EIGHT_BIT_SCALE_BYTES
+from pdcluster.kernels import cpu_native, ops
+from pdcluster.kernels.kv_quant import SCALE_BYTES, dequantize_rows, pool_dtype, pool_head_dim, quantize_rows, row_width
+from pdcluster.kernels.kv_write import write_kv_ref
+from pdcluster.kernels.paged_decode_attention import paged_decode_attention_ref
+from pdcluster.kernels.prefill_attention import prefill_attention_ref
+from pdcluster.transfer.layout import EIGHT_BIT_SCALE_BYTES
 
 EIGHT_BIT = [torch.int8, torch.float8_e4m3fn]
 # worst relative error of one value against its row's amax: half a step of 254 (int8);
@@ -44,7 +44,7 @@ def test_zero_rows_and_extremes_stay_finite(dtype):
 
 
 def test_format_constants_agree_across_layers():
-    assert EIGHT_BIT_SCALE_BYTES == SCALE_BYTES  # transfer/layout.py cannot import kernels
+    assert EIGHT_BIT_SCALE_BYTES == SCALE_BYTES  # pdcluster/transfer/layout.py cannot import kernels
     assert row_width(64, torch.int8) == 66 and row_width(64, torch.bfloat16) == 64
     assert pool_dtype("auto", torch.float32) is torch.float32 and pool_dtype("int8", torch.bfloat16) is torch.int8
     with pytest.raises(ValueError, match="kv_cache_dtype"):

@@ -1,4 +1,4 @@
-"""K rotation of 8-bit pools (kernels/kv_rotation.py): the transform is the
+"""K rotation of 8-bit pools (pdcluster/kernels/kv_rotation.py): the transform is the
 normalised Sylvester Hadamard matrix, its own inverse, keeps every q . k,
 the native one is bit-exact with the torch one, and rotated K rows with
 outlier channels quantize to attention closer to exact than unrotated ones."""
@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from kernel_cases import dense_attention, make_paged_case
-from kernels import cpu_native
-from kernels.kv_quant import SCALE_BYTES
-from kernels.kv_rotation import rotate_heads, rotates
-from kernels.kv_write import write_kv_ref
-from kernels.paged_decode_attention import paged_decode_attention_ref
+from pdcluster.kernels import cpu_native
+from pdcluster.kernels.kv_quant import SCALE_BYTES
+from pdcluster.kernels.kv_rotation import rotate_heads, rotates
+from pdcluster.kernels.kv_write import write_kv_ref
+from pdcluster.kernels.paged_decode_attention import paged_decode_attention_ref
 
 LENS = [5, 140, 33]
 

@@ -1,4 +1,4 @@
-"""``kernels.ops`` dispatch, the interpreter set-up, and a full CUDA compile
+"""``pdcluster.kernels.ops`` dispatch, the interpreter set-up, and a full CUDA compile
 of every kernel (no GPU needed).
 
 The CUDA test at the end runs only on a GPU; to exercise the compiled
@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import kernels.ops as ops
+import pdcluster.kernels.ops as ops
 from kernel_cases import ATTENTION_TOL, make_paged_case, query_start_loc
-from kernels.rope import rope_cos_sin
+from pdcluster.kernels.rope import rope_cos_sin
 
 REPO = Path(__file__).resolve().parents[3]
 HERE = Path(__file__).resolve().parent
@@ -34,7 +34,7 @@ def _run(code: str, tmp_path: Path, **env: str) -> str:
 def test_cpu_ops_never_import_triton(tmp_path):
     out = _run("""
 import sys, torch
-import kernels.ops as ops
+import pdcluster.kernels.ops as ops
 from kernel_cases import make_paged_case, query_start_loc
 c = make_paged_case([5, 20], 1, 64, 16, torch.float32)
 q = torch.randn(2, 3, 64)
@@ -55,7 +55,7 @@ def test_interpreter_works_after_compiled_mode_import(tmp_path):
     kernel tests still pass, through ``interpreted_kernels``."""
     out = _run(f"""
 import sys, triton, triton.runtime.jit as jit, pytest
-import kernels.triton_rope, kernels.triton_paged_decode_attention as dec
+import pdcluster.kernels.triton_rope, pdcluster.kernels.triton_paged_decode_attention as dec
 assert isinstance(dec._decode_kernel, jit.JITFunction)
 tests = {str(HERE)!r}
 sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", tests + "/test_triton_elementwise.py", "-k", "bf16",
@@ -116,9 +116,9 @@ def test_cuda_ops_match_cpu_reference(dtype):
 def test_cuda_ops_over_8bit_pools_match_cpu_reference(dtype):
     """The compiled 8-bit kernels: the writer's bytes are the reference's
     (K shifted), attention as close as under the interpreter (test_triton_kv8.py)."""
-    from kernels.kv_write import write_kv_ref
-    from kernels.paged_decode_attention import paged_decode_attention_ref
-    from kernels.prefill_attention import ChunkKV, prefill_attention_ref
+    from pdcluster.kernels.kv_write import write_kv_ref
+    from pdcluster.kernels.paged_decode_attention import paged_decode_attention_ref
+    from pdcluster.kernels.prefill_attention import ChunkKV, prefill_attention_ref
 
     case = make_paged_case([1, 37, 150], 3, 64, 16, torch.bfloat16)
     pool = torch.zeros((*case.kv_pool.shape[:-1], 66), dtype=torch.uint8).view(dtype)

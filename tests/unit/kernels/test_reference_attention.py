@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from kernel_cases import dense_attention, make_paged_case, query_start_loc
-from kernels.paged_decode_attention import paged_decode_attention_ref
-from kernels.prefill_attention import prefill_attention_ref
+from pdcluster.kernels.paged_decode_attention import paged_decode_attention_ref
+from pdcluster.kernels.prefill_attention import prefill_attention_ref
 
 # Output of the reference (in the input dtype) against the fp64 dense result.
 REF_TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (1.6e-2, 1.6e-2)}
@@ -53,7 +53,7 @@ def test_prefill_reference_matches_dense(kv_heads, group, head_dim, block_size, 
 
 def test_rope_reference_is_a_complex_rotation():
     """Rotate-half RoPE == multiplying (x1 + i*x2) by exp(i * pos * freq)."""
-    from kernels.rope import apply_rope_ref, rope_cos_sin
+    from pdcluster.kernels.rope import apply_rope_ref, rope_cos_sin
     head_dim, theta = 64, 10000.0
     cos, sin = rope_cos_sin(head_dim, 64, theta)
     q, k = torch.randn(5, 4, head_dim), torch.randn(5, 2, head_dim)
@@ -68,7 +68,7 @@ def test_rope_reference_is_a_complex_rotation():
 
 
 def test_rmsnorm_reference_formula():
-    from kernels.rmsnorm import fused_add_rmsnorm_ref
+    from pdcluster.kernels.rmsnorm import fused_add_rmsnorm_ref
     x, residual, weight = torch.randn(4, 96), torch.randn(4, 96), torch.randn(96)
     total = (x + residual).double()
     want = total / total.pow(2).mean(-1, keepdim=True).add(1e-6).sqrt() * weight.double()

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from kernel_cases import ATTENTION_TOL, make_paged_case, query_start_loc
-from kernels.paged_decode_attention import paged_decode_attention_ref
-from kernels.prefill_attention import prefill_attention_ref
+from pdcluster.kernels.paged_decode_attention import paged_decode_attention_ref
+from pdcluster.kernels.prefill_attention import prefill_attention_ref
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 DTYPE_IDS = ["fp32", "fp16", "bf16"]

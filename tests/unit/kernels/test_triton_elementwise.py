@@ -5,10 +5,10 @@ import pytest
 import torch
 
 from kernel_cases import ELEMENTWISE_TOL, make_paged_case
-from kernels.block_copy import gather_blocks_ref, scatter_blocks_ref
-from kernels.kv_write import write_kv_ref
-from kernels.rmsnorm import fused_add_rmsnorm_ref, rmsnorm_ref
-from kernels.rope import apply_rope_ref, rope_cos_sin
+from pdcluster.kernels.block_copy import gather_blocks_ref, scatter_blocks_ref
+from pdcluster.kernels.kv_write import write_kv_ref
+from pdcluster.kernels.rmsnorm import fused_add_rmsnorm_ref, rmsnorm_ref
+from pdcluster.kernels.rope import apply_rope_ref, rope_cos_sin
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 DTYPE_IDS = ["fp32", "fp16", "bf16"]

@@ -28,12 +28,12 @@ import pytest
 import torch
 
 from kernel_cases import ATTENTION_TOL, make_paged_case, query_start_loc
-from kernels import ops
-from kernels.block_copy import gather_blocks_ref
-from kernels.kv_quant import SCALE_BYTES
-from kernels.kv_write import write_kv_ref
-from kernels.paged_decode_attention import paged_decode_attention_ref
-from kernels.prefill_attention import ChunkKV, prefill_attention_ref
+from pdcluster.kernels import ops
+from pdcluster.kernels.block_copy import gather_blocks_ref
+from pdcluster.kernels.kv_quant import SCALE_BYTES
+from pdcluster.kernels.kv_write import write_kv_ref
+from pdcluster.kernels.paged_decode_attention import paged_decode_attention_ref
+from pdcluster.kernels.prefill_attention import ChunkKV, prefill_attention_ref
 from test_kv8_chunk_kv import Q_LENS, chunk_case, worst_vs_dense
 
 EIGHT_BIT = [torch.int8, torch.float8_e4m3fn]
@@ -232,7 +232,7 @@ def test_block_copies_move_8bit_rows_byte_for_byte(tk):
 # ---- dispatch: 8-bit pools on CUDA go to these kernels ----------------------
 
 def test_ops_send_8bit_pools_on_cuda_to_the_triton_kernels(tk, monkeypatch):
-    """With kernels.ops believing the tensors are on CUDA, every KV op over
+    """With pdcluster.kernels.ops believing the tensors are on CUDA, every KV op over
     an 8-bit pool runs the (interpreted) Triton kernel with its k_shift and
     ChunkKV: the writer's bytes are the reference's, attention is close."""
     calls: list[str] = []

@@ -3,8 +3,8 @@
 - the libraries under the services (router, prefix_store, transfer, kernels,
   observability) never import ``services``, not even lazily;
 - no import circle among modules, lazy imports inside functions included;
-- outside kernels/, kernels are reached only through ``kernels.ops`` (and
-  ``kernels.kv_quant`` for the KV pool's format names, see below);
+- outside pdcluster/kernels/, kernels are reached only through ``pdcluster.kernels.ops`` (and
+  ``pdcluster.kernels.kv_quant`` for the KV pool's format names, see below);
 - no bench module is named like a standard-library module or a top-level
   package, so ``python bench/<room>/<x>.py`` cannot shadow one."""
 
@@ -18,8 +18,17 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[3]
-PACKAGES = ("services", "router", "prefix_store", "transfer", "kernels", "observability", "bench")
-LIBRARIES = ("router", "prefix_store", "transfer", "kernels", "observability")
+ROOT = "pdcluster"  # the one import root of the product (issue 39): no generic top-level names
+PRODUCT = ("services", "router", "prefix_store", "transfer", "kernels", "observability")
+PACKAGES = tuple(f"{ROOT}/{p}" for p in PRODUCT) + ("bench",)
+LIBRARIES = tuple(f"{ROOT}.{p}" for p in ("router", "prefix_store", "transfer", "kernels", "observability"))
+
+
+
+def _room(module: str) -> str:
+    """The package a module lives in: ``pdcluster.services`` for ``pdcluster.services.x.y``, ``bench`` for bench's."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if parts[0] == ROOT else parts[0]
 
 
 def _modules() -> dict[str, Path]:
@@ -75,8 +84,8 @@ def _imports(module: str, top_level_only: bool) -> set[str]:
 
 
 def test_libraries_never_import_services():
-    offenders = sorted(f"{m} imports {dep}" for m in MODULES if m.split(".")[0] in LIBRARIES
-                       for dep in _imports(m, top_level_only=False) if dep.split(".")[0] == "services")
+    offenders = sorted(f"{m} imports {dep}" for m in MODULES if _room(m) in LIBRARIES
+                       for dep in _imports(m, top_level_only=False) if _room(dep) == f"{ROOT}.services")
     assert not offenders, "\n".join(offenders)
 
 
@@ -129,9 +138,9 @@ def test_no_import_circles():
     assert not _cycles(graph), _cycles(graph)
 
 
-# The doors into kernels/ from outside it.  kernels.ops dispatches every op
+# The doors into pdcluster/kernels/ from outside it.  pdcluster.kernels.ops dispatches every op
 # (Triton, native CPU, torch reference) and is the only way to run one.
-# kernels.kv_quant is open too, for the KV pool's format only: the pool dtype
+# pdcluster.kernels.kv_quant is open too, for the KV pool's format only: the pool dtype
 # for a config value, its label, the row width.  Those names compute nothing
 # on tensors; they are facts about the pool's bytes that the config, the KV
 # cache and the worker's status must agree on with the kernels, so they are
@@ -150,32 +159,32 @@ def _kernel_imports(module: str) -> list[tuple[str, tuple[str, ...]]]:
     found = []
     for node in ast.walk(ast.parse(MODULES[module].read_text())):
         if isinstance(node, ast.Import):
-            found += [(a.name, ()) for a in node.names if a.name.split(".")[0] == "kernels"]
-        elif isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] == "kernels":
-            if node.module == "kernels":
-                found += [(f"kernels.{a.name}", ()) for a in node.names]
+            found += [(a.name, ()) for a in node.names if _room(a.name) == f"{ROOT}.kernels"]
+        elif isinstance(node, ast.ImportFrom) and not node.level and _room(node.module or "") == f"{ROOT}.kernels":
+            if node.module == f"{ROOT}.kernels":
+                found += [(f"{ROOT}.kernels.{a.name}", ()) for a in node.names]
             else:
                 found.append((node.module, tuple(a.name for a in node.names)))
     return found
 
 
 def _allowed_kernel_import(target: str, names: tuple[str, ...]) -> bool:
-    return target == "kernels.ops" or (target == "kernels.kv_quant" and bool(names) and set(names) <= KV_FORMAT_NAMES)
+    return target == "pdcluster.kernels.ops" or (target == "pdcluster.kernels.kv_quant" and bool(names) and set(names) <= KV_FORMAT_NAMES)
 
 
 def test_kernels_are_reached_only_through_ops():
     offenders = sorted(f"{m} imports {target}" + (f" ({', '.join(names)})" if names else "")
-                       for m in MODULES if m.split(".")[0] != "kernels" and m not in MAY_REACH_INTO_KERNELS
+                       for m in MODULES if _room(m) != f"{ROOT}.kernels" and m not in MAY_REACH_INTO_KERNELS
                        for target, names in _kernel_imports(m) if not _allowed_kernel_import(target, names))
-    assert not offenders, "go through kernels.ops (add the entry it lacks there):\n" + "\n".join(offenders)
+    assert not offenders, "go through pdcluster.kernels.ops (add the entry it lacks there):\n" + "\n".join(offenders)
 
 
 def test_kernel_import_rule_tells_ops_from_the_rest():
-    assert _allowed_kernel_import("kernels.ops", ())
-    assert _allowed_kernel_import("kernels.kv_quant", ("pool_dtype", "row_width"))
-    assert not _allowed_kernel_import("kernels.kv_quant", ("quantize_rows",))
-    assert not _allowed_kernel_import("kernels.kv_quant", ())
-    assert not _allowed_kernel_import("kernels.cpu_native", ())
+    assert _allowed_kernel_import("pdcluster.kernels.ops", ())
+    assert _allowed_kernel_import("pdcluster.kernels.kv_quant", ("pool_dtype", "row_width"))
+    assert not _allowed_kernel_import("pdcluster.kernels.kv_quant", ("quantize_rows",))
+    assert not _allowed_kernel_import("pdcluster.kernels.kv_quant", ())
+    assert not _allowed_kernel_import("pdcluster.kernels.cpu_native", ())
 
 
 def test_cycle_finder_finds_a_circle():
@@ -187,7 +196,7 @@ def test_cycle_finder_finds_a_circle():
 def _reserved_names() -> set[str]:
     from importlib.metadata import packages_distributions
 
-    return set(sys.stdlib_module_names) | set(PACKAGES) | set(packages_distributions())
+    return set(sys.stdlib_module_names) | {ROOT, "bench", *PRODUCT} | set(packages_distributions())
 
 
 @pytest.mark.parametrize("path", sorted((REPO / "bench").rglob("*.py")), ids=lambda p: str(p.relative_to(REPO)))

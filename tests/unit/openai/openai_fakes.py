@@ -17,10 +17,10 @@ import httpx
 import uvicorn
 from fastapi import FastAPI
 
-from services.backend import Backend, BackendError, BackendFailure
-from services.messages import GenerateRequest, TokenDelta
-from services.engine.tokenizer import Tokenizer
-from services.openai import OpenAISettings, configure_app, create_app
+from pdcluster.services.backend import Backend, BackendError, BackendFailure
+from pdcluster.services.messages import GenerateRequest, TokenDelta
+from pdcluster.services.engine.tokenizer import Tokenizer
+from pdcluster.services.openai import OpenAISettings, configure_app, create_app
 
 MODEL = "SmolLM2-135M-Instruct"
 ANSWER = ["Hello", ",", " world", "!"]

@@ -1,4 +1,4 @@
-"""API keys on the OpenAI API (services/openai/auth.py): with keys set, every
+"""API keys on the OpenAI API (pdcluster/services/openai/auth.py): with keys set, every
 path but /health and /openapi.json needs `Authorization: Bearer <key>`; a
 refusal is a 401 OpenAI body with WWW-Authenticate that never echoes what was
 sent, and no key reaches a log.  Through httpx's ASGI transport and through
@@ -14,8 +14,8 @@ import openai
 import pytest
 from openai_fakes import MODEL, FakeBackend, make_app, serve_app, sse_events
 
-from services.config import api_key_digest
-from services.openai import auth
+from pdcluster.services.config import api_key_digest
+from pdcluster.services.openai import auth
 
 KEYS = ("sk-test-first-0123456789abcdef", "sk-test-second-fedcba9876543210")
 WRONG = "sk-test-wrong-00000000000000000"
@@ -108,7 +108,7 @@ async def test_without_keys_nothing_is_asked(client):
 
 
 async def test_unconfigured_app_refuses_before_it_knows_its_keys():
-    from services.openai import create_app
+    from pdcluster.services.openai import create_app
 
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app()), base_url="http://g") as c:
         r = await c.get("/v1/nope", headers=bearer(KEYS[0]))

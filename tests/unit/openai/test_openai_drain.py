@@ -1,4 +1,4 @@
-"""Draining (services/openai/drain.py): once started, new requests get 503
+"""Draining (pdcluster/services/openai/drain.py): once started, new requests get 503
 with Retry-After and /ready fails, while requests already in flight run to
 their end; wait_idle returns when the last one finishes, or at its timeout."""
 
@@ -9,7 +9,7 @@ import asyncio
 import httpx
 from openai_fakes import FakeBackend, make_app
 
-from services.openai.drain import Drain, DrainGate
+from pdcluster.services.openai.drain import Drain, DrainGate
 
 
 class HeldApp:
@@ -77,7 +77,7 @@ async def test_the_app_fails_ready_while_draining_and_stays_live(tokenizer):
 
 
 def test_up_says_how_the_drain_went():
-    from services.cli.up import drain_summary
+    from pdcluster.services.cli.up import drain_summary
 
     assert "finished in 1.5 s" in drain_summary({"drained": True, "in_flight": 0, "waited_s": 1.5})
     assert "2 request(s) still in flight" in drain_summary({"drained": False, "in_flight": 2, "waited_s": 30})

@@ -12,14 +12,14 @@ import httpx
 import pytest
 from openai_fakes import CHAT, FakeBackend, make_app, sse_events
 
-from services.backend import (
+from pdcluster.services.backend import (
     BackendError, BackendFailure, BackendInvalidRequest, BackendKVTransferFailed, BackendLeaseExpired,
     BackendOverloaded, BackendTimeout, BackendUnavailable, for_client,
 )
-from services.engine.errors import EngineDeadError, InvalidRequestError, RequestFailedError
-from services.gateway.failover import FailoverReason, ReplicaLost, gave_up_message
-from services.messages import TokenDelta
-from services.openai.errors import client_message
+from pdcluster.services.engine.errors import EngineDeadError, InvalidRequestError, RequestFailedError
+from pdcluster.services.gateway.failover import FailoverReason, ReplicaLost, gave_up_message
+from pdcluster.services.messages import TokenDelta
+from pdcluster.services.openai.errors import client_message
 
 C, CC = "/v1/completions", "/v1/chat/completions"
 REPLICA = "decode-7f3e9a1c"
@@ -48,7 +48,7 @@ def assert_no_internals(text: str) -> None:
 @pytest.mark.parametrize("stream", [False, True])
 async def test_a_backend_error_text_never_reaches_the_client(client, backend, caplog, exc, status, code, stream):
     backend.script.raise_before = exc
-    with caplog.at_level(logging.INFO, logger="services.openai.errors"):
+    with caplog.at_level(logging.INFO, logger="pdcluster.services.openai.errors"):
         r = await client.post(CC, json={"messages": CHAT, "stream": stream})
     assert r.status_code == status and r.json()["error"]["code"] == code
     assert_no_internals(r.text)
@@ -71,7 +71,7 @@ class FailsAfterOneToken(FakeBackend):
 async def test_a_mid_stream_error_event_has_no_internals(tokenizer, caplog, exc):
     app = make_app(FailsAfterOneToken(exc), tokenizer)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway") as c:
-        with caplog.at_level(logging.INFO, logger="services.openai.errors"):
+        with caplog.at_level(logging.INFO, logger="pdcluster.services.openai.errors"):
             r = await c.post(CC, json={"messages": CHAT, "stream": True})
     events = sse_events(r.text)
     assert r.status_code == 200 and events[-1] == "[DONE]" and events[-2]["error"]["code"] == "replica_failed"

@@ -9,8 +9,8 @@ import httpx
 import pytest
 from openai_fakes import CHAT, assert_openai_error, make_app, sse_events
 
-from services.backend import BackendFailure, BackendInvalidRequest, BackendOverloaded, BackendUnavailable
-from services.openai.errors import client_message
+from pdcluster.services.backend import BackendFailure, BackendInvalidRequest, BackendOverloaded, BackendUnavailable
+from pdcluster.services.openai.errors import client_message
 
 MSGS = [{"role": "user", "content": "Hi"}]
 C, CC = "/v1/completions", "/v1/chat/completions"

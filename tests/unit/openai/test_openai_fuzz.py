@@ -20,7 +20,7 @@ from schemathesis.specs.openapi.checks import (
     content_type_conformance, negative_data_rejection, response_schema_conformance, status_code_conformance,
 )
 
-from services.openai import create_app
+from pdcluster.services.openai import create_app
 
 SCHEMA = schemathesis.openapi.from_dict(create_app().openapi())
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import httpx
 from openai_fakes import ANSWER, BLOCK_SIZE, CHAT, HASH_SEED, MODEL, FakeBackend, make_app, sse_events
 
-from prefix_store.hashing import hash_prompt_blocks
+from pdcluster.prefix_store.hashing import hash_prompt_blocks
 
 async def test_chat_completion_applies_template_and_counts_usage(client, backend, tokenizer):
     backend.script.cached_tokens = 16
@@ -115,7 +115,7 @@ async def test_request_id_honoured_or_generated(client, backend):
 
 
 async def test_unconfigured_app_answers_503(tokenizer):
-    from services.openai import create_app
+    from pdcluster.services.openai import create_app
 
     transport = httpx.ASGITransport(app=create_app())
     async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as c:

@@ -12,13 +12,13 @@ import httpx
 import pytest
 from openai_fakes import FakeBackend, assert_openai_error, make_app
 
-import services.openai.prompt as prompt_module
-import services.openai.structured as structured_module
-import services.openai.tools as tools_module
-from services.engine.guided_spec import MAX_GUIDED_SOURCE_CHARS
-from services.openai.input_size import InputSize, input_size
-from services.openai.prompt import OFF_LOOP_PROMPT_SIZE, longest_token_chars
-from services.openai.protocol import ChatCompletionRequest
+import pdcluster.services.openai.prompt as prompt_module
+import pdcluster.services.openai.structured as structured_module
+import pdcluster.services.openai.tools as tools_module
+from pdcluster.services.engine.guided_spec import MAX_GUIDED_SOURCE_CHARS
+from pdcluster.services.openai.input_size import InputSize, input_size
+from pdcluster.services.openai.prompt import OFF_LOOP_PROMPT_SIZE, longest_token_chars
+from pdcluster.services.openai.protocol import ChatCompletionRequest
 
 CC = "/v1/chat/completions"
 HI = [{"role": "user", "content": "hi"}]

@@ -13,13 +13,13 @@ import time
 import pytest
 from openai_fakes import CHAT, assert_openai_error
 
-from services.engine.sampling_params import (
+from pdcluster.services.engine.sampling_params import (
     MAX_LOGIT_BIAS_ENTRIES,
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
 )
-from services.openai.prompt import OFF_LOOP_PROMPT_SIZE, longest_token_chars
+from pdcluster.services.openai.prompt import OFF_LOOP_PROMPT_SIZE, longest_token_chars
 
 C, CC = "/v1/completions", "/v1/chat/completions"
 MSGS = [{"role": "user", "content": "Hi"}]

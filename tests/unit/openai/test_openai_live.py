@@ -9,7 +9,7 @@ import openai
 import pytest
 from openai_fakes import MODEL
 
-from services.backend import BackendOverloaded
+from pdcluster.services.backend import BackendOverloaded
 
 MESSAGES = [{"role": "user", "content": "Say hello."}]
 

@@ -13,12 +13,12 @@ import httpx
 import pytest
 from openai_fakes import MODEL, make_app, sse_events
 
-from services.backend import Backend
-from router.routing_header import RoutingHeader
-from services.messages import GenerateRequest, TokenDelta
-from services.engine.logprobs import TokenLogprob
-from services.engine.sampling_params import SamplingParams
-from services.openai.choices import choice_seed, generate_choices
+from pdcluster.services.backend import Backend
+from pdcluster.router.routing_header import RoutingHeader
+from pdcluster.services.messages import GenerateRequest, TokenDelta
+from pdcluster.services.engine.logprobs import TokenLogprob
+from pdcluster.services.engine.sampling_params import SamplingParams
+from pdcluster.services.openai.choices import choice_seed, generate_choices
 
 C, CC = "/v1/completions", "/v1/chat/completions"
 ANSWER = " Hello world!"

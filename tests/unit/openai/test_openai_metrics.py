@@ -1,4 +1,4 @@
-"""The gateway's GET /metrics (services/openai/gateway_metrics.py): Prometheus
+"""The gateway's GET /metrics (pdcluster/services/openai/gateway_metrics.py): Prometheus
 text that parses, request counts by endpoint and status class, the client's
 TTFT/TPOT/E2E, admission counters, and replica KV numbers from the status
 board (a fake, and once the real Redis board that replicas publish to)."""
@@ -13,14 +13,14 @@ import pytest
 from openai_fakes import CHAT, MODEL, FakeBackend, make_app
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.gateway.admission import Admission
-from services.backend import BackendOverloaded
-from services.messages import TokenDelta
-from services.config import api_key_digest
-from services.openai import configure_app, create_app
-from services.openai.gateway_metrics import GatewayMetrics
-from services.openai.replica_board import StatusBoardReader
-from services.openai.settings import OpenAISettings
+from pdcluster.services.gateway.admission import Admission
+from pdcluster.services.backend import BackendOverloaded
+from pdcluster.services.messages import TokenDelta
+from pdcluster.services.config import api_key_digest
+from pdcluster.services.openai import configure_app, create_app
+from pdcluster.services.openai.gateway_metrics import GatewayMetrics
+from pdcluster.services.openai.replica_board import StatusBoardReader
+from pdcluster.services.openai.settings import OpenAISettings
 
 
 def parse(text: str) -> dict[str, list]:
@@ -186,12 +186,12 @@ async def test_an_unreachable_redis_is_read_once_a_second_and_reads_as_unknown()
 
 
 async def test_the_real_board_that_replicas_publish(backend, tokenizer):
-    redis_server = pytest.importorskip("prefix_store.redis_server")
+    redis_server = pytest.importorskip("pdcluster.prefix_store.redis_server")
     try:
         server = redis_server.RedisServer().start()
     except FileNotFoundError as exc:
         pytest.skip(str(exc))
-    from services.pools.status_board import publish_forever
+    from pdcluster.services.pools.status_board import publish_forever
 
     publishers = [asyncio.create_task(publish_forever(server.url, "unit", s["name"], lambda s=s: s))
                   for s in (status("prefill", "prefill-x"), status("decode", "decode-y", kv_blocks_free=0))]

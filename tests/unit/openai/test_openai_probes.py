@@ -1,12 +1,12 @@
 """/live (the process serves) and /ready (a request sent now succeeds), open
-without an API key like /health (services/openai/probes.py)."""
+without an API key like /health (pdcluster/services/openai/probes.py)."""
 
 from __future__ import annotations
 
 import httpx
 from openai_fakes import FakeBackend, make_app
 
-from services.config import api_key_digest
+from pdcluster.services.config import api_key_digest
 
 
 def client_of(app) -> httpx.AsyncClient:

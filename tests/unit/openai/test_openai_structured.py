@@ -9,10 +9,10 @@ import json
 import pytest
 from openai_fakes import CHAT, MODEL, assert_openai_error, sse_events
 
-from services.openai.chat_messages import template_messages
-from services.openai.protocol import ChatCompletionRequest
-from services.openai.tool_calls import parse_call
-from services.openai.tools import tool_plan_of
+from pdcluster.services.openai.chat_messages import template_messages
+from pdcluster.services.openai.protocol import ChatCompletionRequest
+from pdcluster.services.openai.tool_calls import parse_call
+from pdcluster.services.openai.tools import tool_plan_of
 
 C, CC = "/v1/completions", "/v1/chat/completions"
 WEATHER = {"type": "function", "function": {
@@ -97,7 +97,7 @@ async def test_grammar_checks_run_off_the_event_loop(client, backend, monkeypatc
     gateway's check of it must not hold the event loop every stream shares."""
     import threading
 
-    from services.openai import structured
+    from pdcluster.services.openai import structured
 
     checked_on: list[threading.Thread] = []
     real = structured._grammar_error

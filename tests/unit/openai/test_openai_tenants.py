@@ -11,8 +11,8 @@ import httpx
 import pytest
 from openai_fakes import MODEL, FakeBackend, make_app
 
-from services.config import ClusterConfig, api_key_digest
-from services.openai.rate_limits import TenantLimit, TenantRateLimits
+from pdcluster.services.config import ClusterConfig, api_key_digest
+from pdcluster.services.openai.rate_limits import TenantLimit, TenantRateLimits
 
 ALICE, BOB, PLAIN = "sk-alice-0123456789abcdef", "sk-bob-0123456789abcdef01", "sk-plain-0123456789abcdef"
 BODY = {"model": MODEL, "prompt": "Hi", "max_tokens": 2}
@@ -107,7 +107,7 @@ async def test_a_tenant_cannot_ask_more_urgent_than_its_min_priority(backend: Fa
 
 
 async def test_each_request_names_its_tenant_and_admission_429s_count_per_tenant(backend: FakeBackend, tokenizer):
-    from services.backend import BackendOverloaded, for_client
+    from pdcluster.services.backend import BackendOverloaded, for_client
 
     app = app_with_tenants(backend, tokenizer, Clock())
     auth = {"authorization": f"Bearer {PLAIN}"}

@@ -10,9 +10,9 @@ import httpx
 import pytest
 from openai_fakes import CHAT, MAX_BODY_BYTES, MODEL, FakeBackend, assert_openai_error, make_app
 
-from services.config import api_key_digest
-from services.engine.tokenizer import Tokenizer
-from services.openai.prompt import OFF_LOOP_PROMPT_SIZE, longest_token_chars
+from pdcluster.services.config import api_key_digest
+from pdcluster.services.engine.tokenizer import Tokenizer
+from pdcluster.services.openai.prompt import OFF_LOOP_PROMPT_SIZE, longest_token_chars
 
 TEXT = "Once upon a time, in a land far away, there lived a tokenizer."
 

@@ -1,10 +1,10 @@
-"""Per-tenant token buckets (services/openai/rate_limits.py), a table on a
+"""Per-tenant token buckets (pdcluster/services/openai/rate_limits.py), a table on a
 hand-driven clock: a tenant within its rate is let in, one over it gets the
 seconds until it would pass, other tenants are untouched."""
 
 import pytest
 
-from services.openai.rate_limits import TenantLimit, TenantRateLimits, TokenBucket
+from pdcluster.services.openai.rate_limits import TenantLimit, TenantRateLimits, TokenBucket
 
 
 class Clock:

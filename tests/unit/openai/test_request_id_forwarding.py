@@ -12,7 +12,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from services.openai.request_id import RequestIdMiddleware
+from pdcluster.services.openai.request_id import RequestIdMiddleware
 
 
 def inner_app():

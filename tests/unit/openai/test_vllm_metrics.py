@@ -1,5 +1,5 @@
 """vLLM's metric families at the gateway's /metrics
-(observability/vllm_families.py): vLLM's names, types, buckets and
+(pdcluster/observability/vllm_families.py): vLLM's names, types, buckets and
 ``model_name``; a cluster-wide series without ``pool`` beside one per pool;
 numbers that follow the requests and the board."""
 
@@ -10,10 +10,10 @@ from openai_fakes import MODEL, FakeBackend
 from prometheus_client.parser import text_string_to_metric_families
 from test_openai_metrics import FakeBoard, app_with, client_of, status, value
 
-from observability.histogram import CumulativeHistogram, merged
-from observability.vllm_families import REQUEST_LATENCY_BUCKETS
-from services.openai.gateway_metrics import GatewayMetrics
-from services.openai.slo import Slo
+from pdcluster.observability.histogram import CumulativeHistogram, merged
+from pdcluster.observability.vllm_families import REQUEST_LATENCY_BUCKETS
+from pdcluster.services.openai.gateway_metrics import GatewayMetrics
+from pdcluster.services.openai.slo import Slo
 
 # Written out here, not imported: these are vLLM v1's (vllm/v1/metrics/loggers.py), and must stay so.
 VLLM_TTFT = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
@@ -156,7 +156,7 @@ def test_histogram_buckets_merge_and_refuse_bad_snapshots():
 
 
 def test_engine_queue_times_are_kept_for_the_board_without_ray():
-    from observability import metrics
+    from pdcluster.observability import metrics
 
     metrics._reset_for_tests()
     metrics.observe_queue("prefill", 0.4)

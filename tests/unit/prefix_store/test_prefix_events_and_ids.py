@@ -2,8 +2,8 @@
 
 import pytest
 
-from prefix_store.events import EventBatch
-from prefix_store.worker_id import WorkerId
+from pdcluster.prefix_store.events import EventBatch
+from pdcluster.prefix_store.worker_id import WorkerId
 
 
 def test_batch_keeps_only_the_last_event_per_block_in_order():

@@ -5,10 +5,10 @@ import threading
 
 import pytest
 
-from prefix_store.index import IndexUnavailable, PrefixIndex
-from prefix_store.memory_index import InMemoryPrefixIndex
-from prefix_store.publisher import KVEventPublisher
-from prefix_store.worker_id import WorkerId
+from pdcluster.prefix_store.index import IndexUnavailable, PrefixIndex
+from pdcluster.prefix_store.memory_index import InMemoryPrefixIndex
+from pdcluster.prefix_store.publisher import KVEventPublisher
+from pdcluster.prefix_store.worker_id import WorkerId
 
 
 class Switchable(PrefixIndex):

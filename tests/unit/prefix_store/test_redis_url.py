@@ -3,8 +3,8 @@ else of it changes."""
 
 import pytest
 
-from prefix_store.index import make_index
-from prefix_store.redis_url import redact_url, url_password
+from pdcluster.prefix_store.index import make_index
+from pdcluster.prefix_store.redis_url import redact_url, url_password
 
 PW = "Zq9-s3cr3t_x"
 

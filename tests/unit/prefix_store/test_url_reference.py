@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from prefix_store.url_reference import IndexUrlError, index_url_reference, resolve_index_url
-from services import cluster_secret
+from pdcluster.prefix_store.url_reference import IndexUrlError, index_url_reference, resolve_index_url
+from pdcluster.services import cluster_secret
 
 URL = "redis://:s3cret-pw@10.0.0.7:6379/0"
 SECRET = {"PDCLUSTER_CLUSTER_SECRET": "ab" * 32}
@@ -48,5 +48,5 @@ def test_a_password_url_without_any_way_to_pass_it_is_refused_naming_the_fix():
 
 
 def test_the_secret_is_read_under_the_services_name():
-    from prefix_store import url_reference
+    from pdcluster.prefix_store import url_reference
     assert url_reference.CLUSTER_SECRET_ENV == cluster_secret.CLUSTER_SECRET_ENV

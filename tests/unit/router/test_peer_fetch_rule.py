@@ -1,4 +1,4 @@
-"""The peer prefix fetch rule (router/peer_fetch.py): pull only what a peer
+"""The peer prefix fetch rule (pdcluster/router/peer_fetch.py): pull only what a peer
 holds past this replica's own blocks, never the last token's block, and only
 when the pull is predicted cheaper than computing those tokens."""
 
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from prefix_store.index_base import LookupResult
-from router.peer_fetch import plan_peer_fetch, pull_s, role_of, should_pull
+from pdcluster.prefix_store.index_base import LookupResult
+from pdcluster.router.peer_fetch import plan_peer_fetch, pull_s, role_of, should_pull
 
 BS = 16
 
@@ -62,7 +62,7 @@ def test_role_of_names_the_holders_pool():
 
 
 def _snapshot(peer_pull_s_per_block):
-    from router.snapshot import ReplicaLoad, RequestShape, RoutingSnapshot
+    from pdcluster.router.snapshot import ReplicaLoad, RequestShape, RoutingSnapshot
 
     replicas = (ReplicaLoad("a", queued_prefill_tokens=400, prefill_tokens_per_s=1000.0),
                 ReplicaLoad("b", queued_prefill_tokens=0, prefill_tokens_per_s=1000.0))
@@ -71,8 +71,8 @@ def _snapshot(peer_pull_s_per_block):
 
 
 def test_the_router_weighs_a_pull_from_the_holder_against_recomputing():
-    from router.cache_aware import cache_aware
-    from router.snapshot import estimated_ttft_s, peer_pull
+    from pdcluster.router.cache_aware import cache_aware
+    from pdcluster.router.snapshot import estimated_ttft_s, peer_pull
 
     off, on = _snapshot(None), _snapshot(0.001)
     # Off: b would recompute the 320 tokens a caches (0.32 s, charged twice): a, though busier.
@@ -88,8 +88,8 @@ def test_the_router_weighs_a_pull_from_the_holder_against_recomputing():
 
 
 def test_the_pools_routers_know_when_replicas_pull_from_their_peers():
-    from services.app import _pool_options
-    from services.config import ClusterConfig, PeerFetchSettings
+    from pdcluster.services.app import _pool_options
+    from pdcluster.services.config import ClusterConfig, PeerFetchSettings
 
     def router_kwargs(config: ClusterConfig) -> dict:
         opts = _pool_options(config, config.prefill, "prefill", "prefill")
@@ -112,7 +112,7 @@ def test_the_lend_wait_is_bounded_in_the_config():
     import pydantic
     import pytest
 
-    from services.config import PeerFetchSettings
+    from pdcluster.services.config import PeerFetchSettings
 
     for bad in (float("inf"), float("nan"), 1e300, 0.0, -1.0, "soon"):
         with pytest.raises(pydantic.ValidationError):

@@ -6,19 +6,19 @@ from types import SimpleNamespace
 
 import pytest
 
-from prefix_store.events import EventBatch
-from prefix_store.index import LookupResult
-from prefix_store.memory_index import InMemoryPrefixIndex
-from prefix_store.worker_id import WorkerId
-from router.inflight import InFlightTracker
-from router.replica_stats import ReplicaStats
-from router.routing_header import RoutingHeader, routing_header_of
+from pdcluster.prefix_store.events import EventBatch
+from pdcluster.prefix_store.index import LookupResult
+from pdcluster.prefix_store.memory_index import InMemoryPrefixIndex
+from pdcluster.prefix_store.worker_id import WorkerId
+from pdcluster.router.inflight import InFlightTracker
+from pdcluster.router.replica_stats import ReplicaStats
+from pdcluster.router.routing_header import RoutingHeader, routing_header_of
 
 
 # -- routing header ------------------------------------------------------------------
 @dataclass(frozen=True)
 class Message:
-    """Stands in for services.messages.GenerateRequest: the router reads only ``routing``."""
+    """Stands in for pdcluster.services.messages.GenerateRequest: the router reads only ``routing``."""
     routing: object = None
 
 
@@ -84,7 +84,7 @@ def pending(request_id, header=None):
 def make_router(**kwargs):
     from ray.serve._private.common import DeploymentHandleSource, DeploymentID
 
-    from router.serve_router import PrefixAwareRequestRouter
+    from pdcluster.router.serve_router import PrefixAwareRequestRouter
     r = PrefixAwareRequestRouter(DeploymentID(name="prefill", app_name="t"), DeploymentHandleSource.UNKNOWN)
     r.initialize_state(**kwargs)
     return r

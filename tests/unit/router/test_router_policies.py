@@ -2,12 +2,12 @@
 
 import pytest
 
-from router.cache_aware import CacheAwarePolicy, cache_aware
-from router.decode_policy import decode_by_kv
-from router.least_loaded import least_loaded
-from router.policy import make_policy, policy_names
-from router.round_robin import RoundRobinPolicy
-from router.snapshot import ReplicaLoad, RequestShape, RoutingSnapshot, affinity_rank
+from pdcluster.router.cache_aware import CacheAwarePolicy, cache_aware
+from pdcluster.router.decode_policy import decode_by_kv
+from pdcluster.router.least_loaded import least_loaded
+from pdcluster.router.policy import make_policy, policy_names
+from pdcluster.router.round_robin import RoundRobinPolicy
+from pdcluster.router.snapshot import ReplicaLoad, RequestShape, RoutingSnapshot, affinity_rank
 
 
 def load(rid, queued=0, running=0, free=0, rate=1000.0):
@@ -162,8 +162,8 @@ def test_cache_aware_charges_a_tier_hit_its_load_time_not_a_recompute():
     """Two idle replicas cache the same 512 tokens: one in its device pool, one
     on disk.  The device copy wins by the load time; both beat a replica that
     would recompute them, since a disk block loads far faster than it computes."""
-    from router.cache_aware import cache_aware
-    from router.snapshot import ReplicaLoad, RequestShape, RoutingSnapshot, estimated_ttft_s, tier_load_s
+    from pdcluster.router.cache_aware import cache_aware
+    from pdcluster.router.snapshot import ReplicaLoad, RequestShape, RoutingSnapshot, estimated_ttft_s, tier_load_s
 
     loads = tuple(ReplicaLoad(r, prefill_tokens_per_s=1000.0) for r in ("dev", "disk", "none"))
     disk_s = tier_load_s({"disk": 32})

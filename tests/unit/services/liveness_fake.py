@@ -1,4 +1,4 @@
-"""services.gateway.liveness.PoolLiveness's interface over fixed numbers,
+"""pdcluster.services.gateway.liveness.PoolLiveness's interface over fixed numbers,
 for the gateway's decisions without Redis (tests/integration/pools/
 test_pool_targets.py reads the real one from a real Redis)."""
 

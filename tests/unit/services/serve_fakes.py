@@ -8,9 +8,9 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 
-from services.pools.decode import DecodeServer
-from services.messages import PrefillResponse
-from services.pools.prefill import PrefillServer
+from pdcluster.services.pools.decode import DecodeServer
+from pdcluster.services.messages import PrefillResponse
+from pdcluster.services.pools.prefill import PrefillServer
 
 SERVERS = {"prefill": PrefillServer, "decode": DecodeServer}
 

@@ -11,7 +11,7 @@ import re
 import pytest
 
 from bench.plan.perf_model import PrefillModel, StepModel
-from services.autoscale.policy import (
+from pdcluster.services.autoscale.policy import (
     Measurements, PoolMeasurement, PoolState, ScalerState, ScalingRules, decide, decode_batch, decode_need,
     prefill_need,
 )
@@ -207,7 +207,7 @@ def test_decisions_are_a_pure_function_of_their_inputs():
 
 
 def test_a_measured_slowdown_calibrates_the_step_model():
-    from services.autoscale.policy import PoolMeasurement, decode_slowdown, pool_need
+    from pdcluster.services.autoscale.policy import PoolMeasurement, decode_slowdown, pool_need
 
     # 2 replicas, 6 sequences: batch 3 per replica, step(3) = 0.055 s; measured 0.11 s: steps x2
     slow = PoolMeasurement(sequences=6, latency_mean_s=0.11, latency_samples=20, replicas=2)
@@ -283,7 +283,7 @@ def test_prefill_goes_to_zero_while_the_prompts_take_a_small_share_of_each_decod
 
 
 def test_the_decode_need_counts_the_prompts_it_prefills_until_calibrated():
-    from services.autoscale.policy import Pools, pool_need
+    from pdcluster.services.autoscale.policy import Pools, pool_need
 
     # 3.4 req/s x 20 tokens = 68 tok/s: one replica at 85.7 x 0.8 = 68.6 tok/s suffices without prompts ...
     m = Measurements(0, 3.4, 50, 68.0, decode=PoolMeasurement(sequences=3))

@@ -7,17 +7,17 @@ import json
 
 import pytest
 
-from services.autoscale.log import entry, format_recent
-from services.autoscale.signals import measurements, p90, parse_scrape
-from services.autoscale.controller import Autoscaler
-from services.config import AutoscalePoolBounds, AutoscaleSpeed, AutoscalingSettings, ClusterConfig
+from pdcluster.services.autoscale.log import entry, format_recent
+from pdcluster.services.autoscale.signals import measurements, p90, parse_scrape
+from pdcluster.services.autoscale.controller import Autoscaler
+from pdcluster.services.config import AutoscalePoolBounds, AutoscaleSpeed, AutoscalingSettings, ClusterConfig
 
 TPOT_LE = (0.05, 0.075, 0.1, 0.15, float("inf"))
 
 
 def metrics_text(*, answered: int, in_flight: int, generated: int, admitted: int, prompt: int, queued: int,
                  decode_running: list[int], tpot_counts: tuple[int, ...] = (0, 0, 0, 0, 0), tpot_sum: float = 1.0) -> str:
-    """The lines of services/openai/gateway_metrics.py the autoscaler reads."""
+    """The lines of pdcluster/services/openai/gateway_metrics.py the autoscaler reads."""
     lines = ["# TYPE pdcluster_http_responses_total counter",
              f'pdcluster_http_responses_total{{endpoint="/v1/completions",status_class="2xx"}} {answered}',
              f'pdcluster_http_responses_total{{endpoint="/metrics",status_class="2xx"}} 99',
@@ -178,7 +178,7 @@ def test_settings_refuse_an_interval_that_would_hammer_the_gateway(interval):
 
 
 def test_the_record_is_json_and_reads_as_one_line_per_pool():
-    from services.autoscale.policy import Measurements, PoolDecision
+    from pdcluster.services.autoscale.policy import Measurements, PoolDecision
 
     decisions = [PoolDecision("prefill", 1, 1, 1, "within the band"), PoolDecision("decode", 1, 2, 2, "wanted 2: ...")]
     item = json.loads(json.dumps(entry(decisions, Measurements(0.0, 2.0, 50.0, 100.0), wall_time=0.0)))
@@ -187,9 +187,9 @@ def test_the_record_is_json_and_reads_as_one_line_per_pool():
 
 
 def test_status_prints_the_last_decisions_when_an_autoscaler_runs(monkeypatch, capsys):
-    from services.autoscale import log as autoscale_log
-    from services.cli import status as cli_status
-    from services.autoscale.policy import Measurements, PoolDecision
+    from pdcluster.services.autoscale import log as autoscale_log
+    from pdcluster.services.cli import status as cli_status
+    from pdcluster.services.autoscale.policy import Measurements, PoolDecision
 
     item = entry([PoolDecision("decode", 2, 1, 1, "x1.3 demand needs 1 for 20 s")], Measurements(0.0, 0.5, 30.0, 15.0),
                  wall_time=0.0)
@@ -203,7 +203,7 @@ def test_status_prints_the_last_decisions_when_an_autoscaler_runs(monkeypatch, c
 
 
 def test_only_a_pool_going_to_zero_is_published_before_the_deploy():
-    from services.pools.pool_targets import publish_first, targets_of
+    from pdcluster.services.pools.pool_targets import publish_first, targets_of
 
     assert publish_first({"prefill": 1, "decode": 1}, {"prefill": 0, "decode": 1})
     assert not publish_first({"prefill": 0, "decode": 1}, {"prefill": 1, "decode": 1})  # live first, then publish

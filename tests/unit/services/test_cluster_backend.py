@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 
-from router.routing_header import RoutingHeader
-from services.backend import BackendUnavailable
-from services.messages import GenerateRequest
-from services.gateway.cluster_backend import ClusterBackend
-from services.engine.sampling_params import greedy
-from services.messages import TokenDelta
+from pdcluster.router.routing_header import RoutingHeader
+from pdcluster.services.backend import BackendUnavailable
+from pdcluster.services.messages import GenerateRequest
+from pdcluster.services.gateway.cluster_backend import ClusterBackend
+from pdcluster.services.engine.sampling_params import greedy
+from pdcluster.services.messages import TokenDelta
 from tests.unit.services.liveness_fake import FakeLiveness
 
 
@@ -87,7 +87,7 @@ async def test_unknown_liveness_never_refuses():
 
 @pytest.mark.parametrize("tokens,limit,local", [(3, 0, False), (3, 3, True), (4, 3, False), (0, 8, False)])
 def test_prefill_locally_only_short_prompts_when_enabled(tokens, limit, local):
-    from services.gateway.cluster_backend import prefill_locally
+    from pdcluster.services.gateway.cluster_backend import prefill_locally
 
     assert prefill_locally(tokens, limit) is local
 

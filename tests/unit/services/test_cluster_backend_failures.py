@@ -13,13 +13,13 @@ import pytest
 
 from ray.exceptions import ActorDiedError
 
-from services.backend import BackendKVTransferFailed, BackendOverloaded, BackendTimeout
-from services.gateway.failover import FailoverReason, ReplicaLost, decode_call_over
-from router.routing_header import RoutingHeader
-from services.messages import GenerateRequest
-from services.gateway.cluster_backend import ClusterBackend, with_deadlines
-from services.engine.sampling_params import greedy
-from services.messages import TokenDelta
+from pdcluster.services.backend import BackendKVTransferFailed, BackendOverloaded, BackendTimeout
+from pdcluster.services.gateway.failover import FailoverReason, ReplicaLost, decode_call_over
+from pdcluster.router.routing_header import RoutingHeader
+from pdcluster.services.messages import GenerateRequest
+from pdcluster.services.gateway.cluster_backend import ClusterBackend, with_deadlines
+from pdcluster.services.engine.sampling_params import greedy
+from pdcluster.services.messages import TokenDelta
 from tests.unit.services.serve_fakes import HANDOFF, SERVERS, FakeResponse, FakeStream
 
 
@@ -117,7 +117,7 @@ async def test_a_decoded_stream_leaves_the_lease_to_the_puller():
 async def test_inter_token_deadline_aborts_the_stalled_stream_and_leaves_the_lease_to_the_decode_replica():
     # Cancelled before its first token, the decode call may be mid-pull: a release from the gateway would
     # let the prefill replica reuse blocks a one-sided READ is still reading (issue 33).  The decode
-    # replica releases once its pull ended (services/pools/decode.py); the lease's TTL is the backstop.
+    # replica releases once its pull ended (pdcluster/services/pools/decode.py); the lease's TTL is the backstop.
     stream = FakeStream([TokenDelta([6], "b"), TokenDelta([7], "c", "length")], stall_after=0)
     backend, fake = _backend(stream, inter_token_timeout_s=0.2)
     with pytest.raises(BackendTimeout, match="no token for 0.2 s"):

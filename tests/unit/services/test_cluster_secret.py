@@ -4,8 +4,8 @@ in the runtime_env Ray logs."""
 
 import pytest
 
-from services.cluster_env import replica_env
-from services.cluster_secret import CLUSTER_SECRET_ENV, cluster_secret, ensure_cluster_secret
+from pdcluster.services.cluster_env import replica_env
+from pdcluster.services.cluster_secret import CLUSTER_SECRET_ENV, cluster_secret, ensure_cluster_secret
 
 
 def test_ensure_makes_one_up_once_and_cluster_secret_reads_it_back(monkeypatch):

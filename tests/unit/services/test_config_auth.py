@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from services.config import API_KEY_ENV, ClusterConfig, api_key_digest, exposure_problem, is_loopback
+from pdcluster.services.config import API_KEY_ENV, ClusterConfig, api_key_digest, exposure_problem, is_loopback
 
 KEY = "sk-config-test-0123456789abcdef"
 OTHER = "sk-config-other-fedcba98765432"
@@ -130,7 +130,7 @@ def test_from_yaml_with_flag_overrides(tmp_path):
 
 def _up(*flags: str, env: dict | None = None) -> subprocess.CompletedProcess:
     environ = {k: v for k, v in os.environ.items() if k != API_KEY_ENV} | (env or {})
-    return subprocess.run([sys.executable, "-m", "services.cli.main", "up", *flags], cwd=REPO, env=environ,
+    return subprocess.run([sys.executable, "-m", "pdcluster.services.cli.main", "up", *flags], cwd=REPO, env=environ,
                           capture_output=True, text=True, timeout=60)
 
 
@@ -152,7 +152,7 @@ def test_up_with_an_unusable_env_key_names_it_without_echoing():
 def test_up_flags_become_the_config(monkeypatch):
     import argparse
 
-    from services.cli.up import _auth_lines, load_config
+    from pdcluster.services.cli.up import _auth_lines, load_config
 
     def args(**kw) -> argparse.Namespace:
         return argparse.Namespace(**({"config": None, "mode": None, "host": None, "port": None,

@@ -11,20 +11,20 @@ import inspect
 import pytest
 from ray import exceptions as ray_exceptions
 
-from observability import tracing
-from observability.exporters import read_spans
-from router.routing_header import RoutingHeader
-from services.backend import (BackendFailure, BackendInvalidRequest, BackendKVTransferFailed, BackendLeaseExpired,
+from pdcluster.observability import tracing
+from pdcluster.observability.exporters import read_spans
+from pdcluster.router.routing_header import RoutingHeader
+from pdcluster.services.backend import (BackendFailure, BackendInvalidRequest, BackendKVTransferFailed, BackendLeaseExpired,
                               BackendOverloaded, BackendTimeout, BackendUnavailable)
-from services.config import ClusterConfig, RouterSettings, SchedulerSettings
-from services.gateway.cluster_backend import ClusterBackend
-from services.engine.random_stream import position_seed
-from services.engine.sampling_params import SamplingParams, greedy
-from services.gateway.failover import (FailoverReason, ResumeTarget, decide, live_elsewhere, lost_reason, resume_path,
+from pdcluster.services.config import ClusterConfig, RouterSettings, SchedulerSettings
+from pdcluster.services.gateway.cluster_backend import ClusterBackend
+from pdcluster.services.engine.random_stream import position_seed
+from pdcluster.services.engine.sampling_params import SamplingParams, greedy
+from pdcluster.services.gateway.failover import (FailoverReason, ResumeTarget, decide, live_elsewhere, lost_reason, resume_path,
                                        resume_target)
-from services.gateway.failover_log import summary
-from services.gateway.resume import with_stream_seed
-from services.messages import GenerateRequest, PrefillResponse, TokenDelta
+from pdcluster.services.gateway.failover_log import summary
+from pdcluster.services.gateway.resume import with_stream_seed
+from pdcluster.services.messages import GenerateRequest, PrefillResponse, TokenDelta
 from tests.unit.services.serve_fakes import HANDOFF, SERVERS, FakeResponse, FakeStream
 from tests.unit.services.liveness_fake import FakeLiveness
 

@@ -1,4 +1,4 @@
-"""Fair shares at admission (services/gateway/fair_share.py): the work a new
+"""Fair shares at admission (pdcluster/services/gateway/fair_share.py): the work a new
 request waits behind, the last decode seats, and Admission refusing a
 tenant's flood while admitting the others' requests."""
 
@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from services.backend import BackendOverloaded
-from services.gateway.admission import MIN_SAMPLES, Admission
-from services.gateway.fair_share import may_take_seat, tokens_ahead
-from services.gateway.placement import PREFILL, Rules
-from services.speed.model import PrefillModel, StepModel
+from pdcluster.services.backend import BackendOverloaded
+from pdcluster.services.gateway.admission import MIN_SAMPLES, Admission
+from pdcluster.services.gateway.fair_share import may_take_seat, tokens_ahead
+from pdcluster.services.gateway.placement import PREFILL, Rules
+from pdcluster.services.speed.model import PrefillModel, StepModel
 
 
 @pytest.mark.parametrize("queued, tenant, priority, prompt, weights, ahead", [
@@ -130,7 +130,7 @@ def test_no_seat_is_refused_before_tpots_were_measured():
 
 
 def test_a_tenant_weight_is_bounded():
-    from services.config import ClusterConfig
+    from pdcluster.services.config import ClusterConfig
     for bad in (0, -1, 5e-324, 1e9, float("nan")):
         with pytest.raises(ValueError):
             ClusterConfig(tenants=[{"name": "t", "weight": bad}])

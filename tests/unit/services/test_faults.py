@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.pools import faults
+from pdcluster.services.pools import faults
 
 
 def test_off_without_the_environment_switch(monkeypatch):

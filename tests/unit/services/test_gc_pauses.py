@@ -1,4 +1,4 @@
-"""services/gc_pauses.py: start-up objects leave the collector's walk; a slow collection is logged."""
+"""pdcluster/services/gc_pauses.py: start-up objects leave the collector's walk; a slow collection is logged."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from services import gc_pauses
+from pdcluster.services import gc_pauses
 
 
 @pytest.fixture

@@ -5,7 +5,7 @@ bad value refused with the field named."""
 import pytest
 from pydantic import ValidationError
 
-from services.config import ClusterConfig, KVTierSettings
+from pdcluster.services.config import ClusterConfig, KVTierSettings
 
 
 def test_off_by_default_and_a_directory_per_replica_when_on():

@@ -1,4 +1,4 @@
-"""The converted-model cache's bookkeeping (services/model_cache.py): one
+"""The converted-model cache's bookkeeping (pdcluster/services/model_cache.py): one
 conversion however many processes ask, nothing half-written ever read, a
 clear error where the cache cannot be written.  The conversion itself is
 replaced by a stand-in here; tests/integration/engine/test_model_cache_real.py
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from services import model_cache
+from pdcluster.services import model_cache
 
 
 @pytest.fixture

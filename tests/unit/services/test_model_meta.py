@@ -1,4 +1,4 @@
-"""services/model_meta.py: a model's shape, weights id and block-hash seed
+"""pdcluster/services/model_meta.py: a model's shape, weights id and block-hash seed
 read without torch; the seed the same as the engine's; the gateway's check
 that every replica hashes with its seed."""
 
@@ -13,18 +13,18 @@ import sys
 import pytest
 import torch
 
-from kernels.kv_quant import KV_CACHE_DTYPES, pool_dtype
-from prefix_store.hashing import model_fingerprint
-from services.engine.model.default import default_model_path
-from services.engine.model.loader import parse_dtype
-from services.gateway.seed_check import SeedCheck
-from services.model_meta import (K_ROTATION_ID, K_SMOOTHING_ID, MODEL_DTYPES, block_hash_seed, count_parameters,
+from pdcluster.kernels.kv_quant import KV_CACHE_DTYPES, pool_dtype
+from pdcluster.prefix_store.hashing import model_fingerprint
+from pdcluster.services.engine.model.default import default_model_path
+from pdcluster.services.engine.model.loader import parse_dtype
+from pdcluster.services.gateway.seed_check import SeedCheck
+from pdcluster.services.model_meta import (K_ROTATION_ID, K_SMOOTHING_ID, MODEL_DTYPES, block_hash_seed, count_parameters,
                                  kv_pool_dtype_name, model_hash_seed, read_model_config, seed_mismatches, weights_id)
 from tests.unit.services.serve_fakes import FakeResponse
 
 
 def test_the_gateway_cli_and_planner_read_models_without_torch():
-    code = ("import sys, services.model_meta, services.gateway.deployment, services.cli.model, bench.plan.inputs; "
+    code = ("import sys, pdcluster.services.model_meta, pdcluster.services.gateway.deployment, pdcluster.services.cli.model, bench.plan.inputs; "
             "assert 'torch' not in sys.modules, [m for m in sys.modules if m.startswith('torch')][:5]")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 

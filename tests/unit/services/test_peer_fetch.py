@@ -18,20 +18,20 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from prefix_store.events import EventBatch
-from prefix_store.hashing import hash_prompt_blocks
-from prefix_store.memory_index import InMemoryPrefixIndex
-from prefix_store.worker_id import WorkerId
-from router.routing_header import RoutingHeader
-from services.engine.engine import Engine
-from services.engine.kv_cache import KVCache, KVCacheSpec
-from services.engine.lease import LeaseTable
-from services.engine.peer_import import PeerImports
-from services.engine.sampling_params import SamplingParams
-from services.messages import GenerateRequest
-from services.pools.peer_fetch import PeerFetcher, lend_prefix
-from services.pools.worker import WorkerCounters
-from transfer import KVLayout, create_backend
+from pdcluster.prefix_store.events import EventBatch
+from pdcluster.prefix_store.hashing import hash_prompt_blocks
+from pdcluster.prefix_store.memory_index import InMemoryPrefixIndex
+from pdcluster.prefix_store.worker_id import WorkerId
+from pdcluster.router.routing_header import RoutingHeader
+from pdcluster.services.engine.engine import Engine
+from pdcluster.services.engine.kv_cache import KVCache, KVCacheSpec
+from pdcluster.services.engine.lease import LeaseTable
+from pdcluster.services.engine.peer_import import PeerImports
+from pdcluster.services.engine.sampling_params import SamplingParams
+from pdcluster.services.messages import GenerateRequest
+from pdcluster.services.pools.peer_fetch import PeerFetcher, lend_prefix
+from pdcluster.services.pools.worker import WorkerCounters
+from pdcluster.transfer import KVLayout, create_backend
 
 SECRET = b"unit-test-cluster-secret-0123456789"
 SEED, BS = 4242, 4

@@ -1,4 +1,4 @@
-"""The admission and placement rule (services/gateway/placement.py) as a
+"""The admission and placement rule (pdcluster/services/gateway/placement.py) as a
 table: the cases issue 32 found refused on an idle cluster, and the ones
 that must still be refused or kept off the decode replica."""
 
@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from services.gateway.placement import (DECODE, PREFILL, PlaceLoad, Rules, Snapshot, decode_keeps_tpot,
+from pdcluster.services.gateway.placement import (DECODE, PREFILL, PlaceLoad, Rules, Snapshot, decode_keeps_tpot,
                                         modelled_ttft_s, place)
-from services.speed.model import PrefillModel, StepModel
+from pdcluster.services.speed.model import PrefillModel, StepModel
 
 # Round figures: 1 ms per prompt token, 20 ms per step, no attention term; a 20 ms + 2 ms/seq decode step.
 RULES = Rules(prefill=PrefillModel(0.02, 0.001), step=StepModel(0.02, 0.002), ttft_slo_s=2.0, tpot_slo_s=0.1,

@@ -4,10 +4,10 @@ start a node of a multi-host cluster without the cluster secret."""
 
 import pytest
 
-from services import cluster_env as env_module
-from services.cli.main import main
-from services.cluster_secret import CLUSTER_SECRET_ENV
-from services.cli.ray_node import head_command, join_command, node_env, node_labels
+from pdcluster.services import cluster_env as env_module
+from pdcluster.services.cli.main import main
+from pdcluster.services.cluster_secret import CLUSTER_SECRET_ENV
+from pdcluster.services.cli.ray_node import head_command, join_command, node_env, node_labels
 
 SECRET = "ab" * 32
 
@@ -78,7 +78,7 @@ def test_up_head_needs_a_node_ip_and_the_secret(monkeypatch):
 
 
 def test_status_node_table_shows_roles_heads_and_dead_nodes():
-    from services.cli.ray_node import node_lines
+    from pdcluster.services.cli.ray_node import node_lines
 
     nodes = [{"NodeID": "b" * 56, "NodeManagerAddress": "10.0.0.2", "Alive": False,
               "Labels": {"pdcluster/role": "decode"}, "Resources": {"CPU": 2.0}},
@@ -91,8 +91,8 @@ def test_status_node_table_shows_roles_heads_and_dead_nodes():
 
 
 def test_up_prints_a_dashboard_url_only_where_ray_reported_one():
-    from services.cli.up import SNIPPET, dashboard_line
-    from services.cli.cluster_runtime import _http_url
+    from pdcluster.services.cli.up import SNIPPET, dashboard_line
+    from pdcluster.services.cli.cluster_runtime import _http_url
 
     assert _http_url("127.0.0.1:8265") == "http://127.0.0.1:8265" and _http_url("") is None and _http_url(None) is None
     assert "http://127.0.0.1:8265" in dashboard_line("http://127.0.0.1:8265", "prefill, decode")
@@ -105,7 +105,7 @@ def test_up_prints_a_dashboard_url_only_where_ray_reported_one():
 def test_up_says_where_the_dashboards_auth_token_is_never_the_token():
     from pathlib import Path
 
-    from services.cli.up import dashboard_line
+    from pdcluster.services.cli.up import dashboard_line
 
     url, home = "http://127.0.0.1:8265", Path("/home/op")
     on = dashboard_line(url, "prefill, decode", {"RAY_AUTH_MODE": "token"}, home)

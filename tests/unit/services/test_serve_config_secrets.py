@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from prefix_store.url_reference import resolve_index_url
-from services.app import build_app
-from services.config import ClusterConfig
+from pdcluster.prefix_store.url_reference import resolve_index_url
+from pdcluster.services.app import build_app
+from pdcluster.services.config import ClusterConfig
 
 PASSWORD = "pw-7f3a9c-do-not-show"
 URL = f"redis://:{PASSWORD}@127.0.0.1:6379/0"

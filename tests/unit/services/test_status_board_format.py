@@ -2,7 +2,7 @@
 and speculative decoding's accepted/drafted tokens where it ran; a warning per replica hashing
 blocks with a seed other than the config's."""
 
-from services.cli.status import format_board
+from pdcluster.services.cli.status import format_board
 
 ROW = {"role": "decode", "name": "pdcluster#decode#abc", "running": 2, "waiting": 0, "kv_blocks_total": 100,
        "kv_blocks_free": 90, "kv_dtype": "int8", "leased_blocks": 0, "prompt_tokens_cached": 32,
@@ -22,10 +22,10 @@ def test_blocks_held_in_quarantine_have_their_column():
 
 
 def test_a_replica_hashing_with_another_seed_is_a_warning():
-    from services.cli.status import seed_warnings
-    from services.config import ClusterConfig
-    from services.engine.model.default import default_model_path
-    from services.model_meta import model_hash_seed
+    from pdcluster.services.cli.status import seed_warnings
+    from pdcluster.services.config import ClusterConfig
+    from pdcluster.services.engine.model.default import default_model_path
+    from pdcluster.services.model_meta import model_hash_seed
 
     state = {"config": ClusterConfig().model_dump()}
     seed = model_hash_seed(default_model_path(), "bfloat16", "auto", 16)

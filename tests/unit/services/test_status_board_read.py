@@ -1,4 +1,4 @@
-"""The status board's one scan (services/pools/status_board.read_statuses),
+"""The status board's one scan (pdcluster/services/pools/status_board.read_statuses),
 as the gateway's pool liveness and /metrics reader use it: statuses parsed,
 expired keys and values that are not a status skipped."""
 
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import json
 
-from services.gateway.liveness import PoolLiveness
-from services.pools.status_board import read_statuses
+from pdcluster.services.gateway.liveness import PoolLiveness
+from pdcluster.services.pools.status_board import read_statuses
 
 PREFILL = {"role": "prefill", "name": "p1", "engine_alive": True}
 DEAD_DECODE = {"role": "decode", "name": "d1", "engine_alive": False}

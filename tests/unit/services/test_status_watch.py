@@ -7,7 +7,7 @@ import argparse
 
 import pytest
 
-from services.cli import status
+from pdcluster.services.cli import status
 
 
 def test_watch_redraws_until_ctrl_c(monkeypatch, capsys):

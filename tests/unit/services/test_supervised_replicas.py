@@ -9,8 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from services.pools.worker import Worker
-from services.supervisor import SupervisedTaskDied, Supervisor
+from pdcluster.services.pools.worker import Worker
+from pdcluster.services.supervisor import SupervisedTaskDied, Supervisor
 
 
 async def _yield_once(_delay: float) -> None:
@@ -61,7 +61,7 @@ async def test_every_worker_task_killed_is_restarted_and_health_holds(monkeypatc
     async def gauges_forever(*_args) -> None:  # the real one returns at once outside Ray
         await asyncio.Event().wait()
 
-    monkeypatch.setattr("services.pools.worker.metrics.export_gauges_forever", gauges_forever)
+    monkeypatch.setattr("pdcluster.services.pools.worker.metrics.export_gauges_forever", gauges_forever)
     w = bare_worker()
     await w.start()
     await _turns()
@@ -79,9 +79,9 @@ async def test_every_worker_task_killed_is_restarted_and_health_holds(monkeypatc
 
 
 async def test_the_gateways_http_server_killed_fails_its_health_check():
-    from services.gateway.deployment import Gateway
-    from services.gateway.http import GatewayHTTPServer
-    from services.supervisor import RestartPolicy
+    from pdcluster.services.gateway.deployment import Gateway
+    from pdcluster.services.gateway.http import GatewayHTTPServer
+    from pdcluster.services.supervisor import RestartPolicy
 
     async def app(scope, receive, send):  # never reached
         raise AssertionError

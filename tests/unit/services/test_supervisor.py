@@ -8,7 +8,7 @@ import logging
 
 import pytest
 
-from services.supervisor import RestartPolicy, SupervisedTaskDied, Supervisor, backoff_s, gives_up
+from pdcluster.services.supervisor import RestartPolicy, SupervisedTaskDied, Supervisor, backoff_s, gives_up
 
 
 class Recorder:

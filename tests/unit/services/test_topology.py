@@ -4,10 +4,10 @@ password, and `pdcluster up --head` fills in the multi-host default."""
 
 import pytest
 
-from services.app import build_app
-from services.cli.head import with_multi_host_topology
-from services.config import ClusterConfig
-from services.topology import TopologySettings, multi_host_defaults
+from pdcluster.services.app import build_app
+from pdcluster.services.cli.head import with_multi_host_topology
+from pdcluster.services.config import ClusterConfig
+from pdcluster.services.topology import TopologySettings, multi_host_defaults
 
 
 def test_defaults_stay_on_one_host():

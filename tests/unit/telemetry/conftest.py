@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from observability import tracing
+from pdcluster.observability import tracing
 @pytest.fixture
 def span_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     for name in ("OTEL_SDK_DISABLED", "OTEL_TRACES_EXPORTER", "OTEL_TRACES_SAMPLER", "PDCLUSTER_TRACING",

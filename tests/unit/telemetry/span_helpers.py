@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from observability import tracing
-from observability.exporters import read_spans
+from pdcluster.observability import tracing
+from pdcluster.observability.exporters import read_spans
 
 
 def finished_spans(path: Path) -> dict[str, dict[str, Any]]:

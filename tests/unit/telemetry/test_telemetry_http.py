@@ -12,8 +12,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.testclient import TestClient
 from span_helpers import finished_spans
 
-from observability import metrics, tracing
-from services.openai.tracing import TracingMiddleware
+from pdcluster.observability import metrics, tracing
+from pdcluster.services.openai.tracing import TracingMiddleware
 
 
 def _app() -> FastAPI:
@@ -71,7 +71,7 @@ def test_root_span_continues_caller_and_returns_trace_id(span_file: Path,
 
 def _by_name(path: Path) -> tuple[dict[str, list[dict]], int]:
     finished_spans(path)  # flush
-    from observability.exporters import read_spans
+    from pdcluster.observability.exporters import read_spans
     spans, bad = read_spans(path)
     out: dict[str, list[dict]] = {}
     for s in sorted(spans, key=lambda s: s["start_ns"]):

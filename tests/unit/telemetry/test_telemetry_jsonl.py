@@ -9,12 +9,12 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from observability.exporters import read_spans
+from pdcluster.observability.exporters import read_spans
 
 REPO = Path(__file__).resolve().parents[3]
 WRITER = """
 import sys, time
-from observability import tracing
+from pdcluster.observability import tracing
 from pathlib import Path
 path, name, count = sys.argv[1], sys.argv[2], int(sys.argv[3])
 tracing.setup_tracing(name, jsonl_path=path)

@@ -1,4 +1,4 @@
-"""observability.metrics: a no-op without Ray; with Ray, every call carries
+"""pdcluster.observability.metrics: a no-op without Ray; with Ray, every call carries
 exactly the tag keys its metric declares."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from observability import metrics
+from pdcluster.observability import metrics
 def _call_everything() -> None:
     metrics.observe_ttft("prefill", 0.05)
     metrics.observe_tpot("decode", 0.01)

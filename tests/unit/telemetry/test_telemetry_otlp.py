@@ -11,7 +11,7 @@ import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from span_helpers import finished_spans
 
-from observability import tracing
+from pdcluster.observability import tracing
 class _Collector(BaseHTTPRequestHandler):
     received: list[tuple[str, str, bytes]] = []
 

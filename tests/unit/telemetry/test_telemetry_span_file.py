@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from observability import tracing
-from observability.exporters import read_span_files
-from observability.span_file import (SpanFile, SpanFileLimits, needs_rotation, rotated_path, rotation_moves,
+from pdcluster.observability import tracing
+from pdcluster.observability.exporters import read_span_files
+from pdcluster.observability.span_file import (SpanFile, SpanFileLimits, needs_rotation, rotated_path, rotation_moves,
                                      span_file_paths)
 
 

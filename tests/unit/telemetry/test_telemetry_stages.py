@@ -1,4 +1,4 @@
-"""observability.stages: the stage spans a replica records from engine
+"""pdcluster.observability.stages: the stage spans a replica records from engine
 outputs, and the gateway's stream wrapper."""
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 from span_helpers import finished_spans
 
-from observability import metrics, tracing
-from services.messages import TokenDelta
-from services.engine.request import FinishReason
-from observability.stages import DecodeStages, PrefillStages, observe_gateway_stream
+from pdcluster.observability import metrics, tracing
+from pdcluster.services.messages import TokenDelta
+from pdcluster.services.engine.request import FinishReason
+from pdcluster.observability.stages import DecodeStages, PrefillStages, observe_gateway_stream
 
 
 @pytest.fixture
@@ -110,9 +110,9 @@ def test_gateway_stream_times_tokens_and_closes_the_backend(span_file: Path, obs
 
 
 def test_every_stage_span_carries_the_requests_tenant_and_class(span_file: Path, observed: list) -> None:
-    from services.engine.sampling_params import SamplingParams
-    from services.messages import GenerateRequest
-    from router.routing_header import RoutingHeader
+    from pdcluster.services.engine.sampling_params import SamplingParams
+    from pdcluster.services.messages import GenerateRequest
+    from pdcluster.router.routing_header import RoutingHeader
 
     tracing.setup_tracing("pdcluster-prefill", jsonl_path=span_file)
     req = GenerateRequest("r1", [1, 2], SamplingParams(tenant="gold", priority=-3), RoutingHeader((), 2, 16, 1))

@@ -10,8 +10,8 @@ import pytest
 from span_helpers import finished_spans
 from opentelemetry import trace
 
-from observability import tracing
-from observability.tracing import drop_text, inject, is_text_attribute, span
+from pdcluster.observability import tracing
+from pdcluster.observability.tracing import drop_text, inject, is_text_attribute, span
 
 
 def test_setup_is_idempotent_and_writes_one_line_per_span(span_file: Path) -> None:

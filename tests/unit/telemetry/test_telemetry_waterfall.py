@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from services.cli import trace as cli_trace
-from services.cli.trace import group_traces, render_waterfall, select_trace
+from pdcluster.services.cli import trace as cli_trace
+from pdcluster.services.cli.trace import group_traces, render_waterfall, select_trace
 
 MS = 1_000_000
 T0 = 1_700_000_000_000_000_000

@@ -5,8 +5,8 @@ block costs about half of bf16's bytes (stats count them)."""
 import pytest
 import torch
 
-from transfer import KVLayout, LayoutMismatchError, allocate_kv_pool, create_backend
-from transfer.layout import check_pool
+from pdcluster.transfer import KVLayout, LayoutMismatchError, allocate_kv_pool, create_backend
+from pdcluster.transfer.layout import check_pool
 from transfer_raw_client import SECRET
 
 SHAPE = dict(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, model_fingerprint=7)  # SmolLM2-135M
@@ -24,7 +24,7 @@ def test_8bit_layouts_carry_the_scale_inside_the_block_and_halve_its_bytes():
     check_pool(pool, int8)
     assert KVLayout.of_pool(pool, 7) == int8  # head_dim read back as 64, not the 66-byte row
     with pytest.raises(LayoutMismatchError, match="dtype"):
-        from transfer.layout import check_compatible
+        from pdcluster.transfer.layout import check_compatible
         check_compatible(bf16, int8, "decode-0", "prefill-0")
 
 

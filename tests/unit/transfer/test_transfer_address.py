@@ -6,9 +6,9 @@ fails loudly."""
 import pytest
 import torch
 
-from transfer import KVLayout, create_backend
-from transfer.address import check_exposure, device_of, is_loopback_address
-from transfer.errors import BackendUnavailableError
+from pdcluster.transfer import KVLayout, create_backend
+from pdcluster.transfer.address import check_exposure, device_of, is_loopback_address
+from pdcluster.transfer.errors import BackendUnavailableError
 
 SECRET = b"s" * 32
 LAYOUT = KVLayout(num_layers=1, num_kv_heads=1, head_dim=4, dtype="float32", block_size=2, model_fingerprint=7)
@@ -38,7 +38,7 @@ def test_socket_backend_advertises_the_internal_address():
 
 
 def test_auto_without_fallback_fails_loudly_when_nixl_cannot_start(monkeypatch):
-    import transfer.nixl_backend as nixl_backend
+    import pdcluster.transfer.nixl_backend as nixl_backend
 
     def broken():
         raise BackendUnavailableError("nixl does not import here (test)")

@@ -13,13 +13,13 @@ import pytest
 from transfer_lease_fakes import BACKENDS, LAYOUT, make_pool, same_bytes, wait_until
 from transfer_raw_client import OTHER_SECRET, SECRET, authenticate, connect, read_raw_frame, read_until_closed
 
-from services.engine.lease import LeaseTable
-from transfer import AuthenticationError, PeerDescriptor, TransferError, create_backend
-from transfer.auth import DESCRIPTOR, LEASE_RELEASE, PULLER_PROOF, ClusterSecret, new_nonce
-from transfer.deadline import Deadline
-from transfer.peer import encode_notification
-from transfer.socket_auth import AUTH_REFUSAL
-from transfer.wire import pack, send_frame, unpack
+from pdcluster.services.engine.lease import LeaseTable
+from pdcluster.transfer import AuthenticationError, PeerDescriptor, TransferError, create_backend
+from pdcluster.transfer.auth import DESCRIPTOR, LEASE_RELEASE, PULLER_PROOF, ClusterSecret, new_nonce
+from pdcluster.transfer.deadline import Deadline
+from pdcluster.transfer.peer import encode_notification
+from pdcluster.transfer.socket_auth import AUTH_REFUSAL
+from pdcluster.transfer.wire import pack, send_frame, unpack
 
 
 @pytest.fixture
@@ -165,7 +165,7 @@ def test_a_release_from_outside_the_cluster_frees_nothing(backend, caplog):
         free_blocks.difference_update([3, 4])
         leases.pin("req-77f3", [3, 4])
 
-        def serve_notifications() -> None:  # the owner's loop, as services.pools.worker runs it
+        def serve_notifications() -> None:  # the owner's loop, as pdcluster.services.pools.worker runs it
             for note in owner.poll_notifications():
                 leases.release(note.lease_id)
 

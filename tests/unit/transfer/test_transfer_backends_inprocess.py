@@ -11,9 +11,9 @@ import time
 import pytest
 import torch
 
-from services.engine.lease import LeaseTable
-from transfer import KVLayout, LayoutMismatchError, LeaseExpiredError, TransferError, create_backend
-from transfer.peer import PeerDescriptor
+from pdcluster.services.engine.lease import LeaseTable
+from pdcluster.transfer import KVLayout, LayoutMismatchError, LeaseExpiredError, TransferError, create_backend
+from pdcluster.transfer.peer import PeerDescriptor
 from transfer_lease_fakes import BACKENDS, LAYOUT, make_pool, pair, same_bytes  # noqa: F401 (pair: fixture)
 from transfer_raw_client import SECRET
 

@@ -8,8 +8,8 @@ pull with TransferCorruptError and no release notification, on every backend
 import pytest
 import torch
 
-from transfer.checksum import block_checksum, block_checksums, first_mismatch
-from transfer.errors import TransferCorruptError, TransferError
+from pdcluster.transfer.checksum import block_checksum, block_checksums, first_mismatch
+from pdcluster.transfer.errors import TransferCorruptError, TransferError
 from transfer_lease_fakes import PULL_KINDS, owner_and_puller, same_bytes, wait_until
 
 

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from transfer.errors import LayoutMismatchError
-from transfer.layout import KVLayout, check_compatible, check_pool, layout_differences
+from pdcluster.transfer.errors import LayoutMismatchError
+from pdcluster.transfer.layout import KVLayout, check_compatible, check_pool, layout_differences
 
 SMOLLM2 = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, dtype="bfloat16", block_size=16,
                    model_fingerprint=0x1234)

@@ -9,8 +9,8 @@ import pytest
 from transfer_lease_fakes import LAYOUT, lease_ids_notified, make_pool, pair, same_bytes  # noqa: F401 (pair: fixture)
 from transfer_raw_client import SECRET
 
-from transfer import LEASE_SAFETY_MARGIN_S, LeaseExpiredError, TransferError, create_backend
-from transfer.lease_guard import LeaseClock
+from pdcluster.transfer import LEASE_SAFETY_MARGIN_S, LeaseExpiredError, TransferError, create_backend
+from pdcluster.transfer.lease_guard import LeaseClock
 
 
 def test_the_lease_clamps_the_timeout_only_when_it_ends_sooner():

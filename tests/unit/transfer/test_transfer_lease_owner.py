@@ -12,10 +12,10 @@ import pytest
 from transfer_lease_fakes import LAYOUT, FakeLeases, guarded_owner_and_puller, lease_ids_notified, make_pool, same_bytes, wait_until
 from transfer_raw_client import SECRET, open_session
 
-from transfer import LeaseExpiredError, TransferError, backend_class, create_backend
-from transfer.deadline import Deadline
-from transfer.peer import PeerDescriptor
-from transfer.wire import MAX_REPLY_BYTES, recv_exactly, recv_frame, send_frame
+from pdcluster.transfer import LeaseExpiredError, TransferError, backend_class, create_backend
+from pdcluster.transfer.deadline import Deadline
+from pdcluster.transfer.peer import PeerDescriptor
+from pdcluster.transfer.wire import MAX_REPLY_BYTES, recv_exactly, recv_frame, send_frame
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ import threading
 
 import pytest
 
-from transfer.errors import TransferInDoubtError
+from pdcluster.transfer.errors import TransferInDoubtError
 from transfer_lease_fakes import owner_and_puller, same_bytes, wait_until
 
 

@@ -9,16 +9,16 @@ import pytest
 from transfer_lease_fakes import guarded_owner_and_puller, lease_ids_notified, same_bytes, wait_until
 from transfer_raw_client import SECRET
 
-from transfer import LeaseExpiredError, TransferError
-from transfer.auth import ClusterSecret
-from transfer.deadline import Deadline
-from transfer.nixl_write_puller import _await, owner_ttl_s
-from transfer.peer import PeerDescriptor
-from transfer.pull_mode import choose_pull_mode
-from transfer.replay_window import ReplayWindow
-from transfer.runs import BlockRun
-from transfer.wire import unpack
-from transfer.write_request import MAX_TTL_S, WriteDone, WriteRequest, decode, sign_done, sign_request, verify
+from pdcluster.transfer import LeaseExpiredError, TransferError
+from pdcluster.transfer.auth import ClusterSecret
+from pdcluster.transfer.deadline import Deadline
+from pdcluster.transfer.nixl_write_puller import _await, owner_ttl_s
+from pdcluster.transfer.peer import PeerDescriptor
+from pdcluster.transfer.pull_mode import choose_pull_mode
+from pdcluster.transfer.replay_window import ReplayWindow
+from pdcluster.transfer.runs import BlockRun
+from pdcluster.transfer.wire import unpack
+from pdcluster.transfer.write_request import MAX_TTL_S, WriteDone, WriteRequest, decode, sign_done, sign_request, verify
 
 
 @pytest.mark.parametrize("setting, env, mode", [

@@ -3,7 +3,7 @@ counts a request's time-to-live on its own clock from its receipt, so a skew
 of either sign neither lets it write after the puller gave up and freed its
 blocks, nor makes it refuse a request the puller still waits for.
 
-Real NIXL agents in one process; the owner's ``time`` (transfer.nixl_writer's)
+Real NIXL agents in one process; the owner's ``time`` (pdcluster.transfer.nixl_writer's)
 is replaced by another host's: time.time() off by the skew, time.monotonic()
 on an origin of its own, which the test moves forward by hand where an outcome
 would otherwise depend on how soon this machine runs the owner's ticker."""
@@ -15,9 +15,9 @@ from contextlib import contextmanager
 import pytest
 from transfer_lease_fakes import guarded_owner_and_puller, same_bytes, wait_until
 
-import transfer.nixl_write_puller as write_puller
-import transfer.nixl_writer as nixl_writer
-from transfer.errors import TransferInDoubtError
+import pdcluster.transfer.nixl_write_puller as write_puller
+import pdcluster.transfer.nixl_writer as nixl_writer
+from pdcluster.transfer.errors import TransferInDoubtError
 
 SKEWS_S = [-30.0, -2.0, 2.0, 30.0]  # the owner's clock behind the puller's (< 0) or ahead of it
 GIVE_UP_S = 1.0  # the held pull's timeout: it always runs out, nothing answers it

@@ -4,10 +4,10 @@ through a bounded staging buffer (the path accelerator pools take)."""
 import pytest
 import torch
 
-from transfer import KVLayout, allocate_kv_pool, create_backend
-from transfer.pool_alloc import HUGE_PAGE_BYTES
-from transfer.pool_bytes import PoolBytes
-from transfer.runs import BlockRun
+from pdcluster.transfer import KVLayout, allocate_kv_pool, create_backend
+from pdcluster.transfer.pool_alloc import HUGE_PAGE_BYTES
+from pdcluster.transfer.pool_bytes import PoolBytes
+from pdcluster.transfer.runs import BlockRun
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, dtype="bfloat16", block_size=4, model_fingerprint=7)
 

@@ -2,9 +2,9 @@
 
 import pytest
 
-import transfer.nixl_backend as nixl_backend
-from transfer import BackendUnavailableError, backend_class, backend_names, create_backend
-from transfer.socket_backend import SocketBackend
+import pdcluster.transfer.nixl_backend as nixl_backend
+from pdcluster.transfer import BackendUnavailableError, backend_class, backend_names, create_backend
+from pdcluster.transfer.socket_backend import SocketBackend
 
 
 def test_builtin_backends_are_registered_with_capabilities():

@@ -6,7 +6,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from transfer.runs import (BlockRun, as_block_ids, check_block_ids, coalesce_block_runs, runs_to_regions,
+from pdcluster.transfer.runs import (BlockRun, as_block_ids, check_block_ids, coalesce_block_runs, runs_to_regions,
                            split_block_runs)
 
 

@@ -13,10 +13,10 @@ import pytest
 from transfer_lease_fakes import LAYOUT, make_pool, same_bytes, wait_until
 from transfer_raw_client import SECRET, open_session, read_raw_frame, read_until_closed
 
-from transfer import TransferError, create_backend
-from transfer.block_server import MAX_CONNECTIONS, ServerLimits, max_request_bytes
-from transfer.peer import MAX_LEASE_ID_CHARS
-from transfer.wire import pack
+from pdcluster.transfer import TransferError, create_backend
+from pdcluster.transfer.block_server import MAX_CONNECTIONS, ServerLimits, max_request_bytes
+from pdcluster.transfer.peer import MAX_LEASE_ID_CHARS
+from pdcluster.transfer.wire import pack
 
 
 def owner_and_puller(limits: ServerLimits, owner_blocks: int = 64, puller_blocks: int = 64):

@@ -7,12 +7,12 @@ import struct
 import msgpack
 import pytest
 
-from transfer.deadline import Deadline
-from transfer.errors import FrameTooLargeError, TransferError
-from transfer.layout import KVLayout
-from transfer.peer import (Notification, PeerDescriptor, decode_notification, encode_notification,
+from pdcluster.transfer.deadline import Deadline
+from pdcluster.transfer.errors import FrameTooLargeError, TransferError
+from pdcluster.transfer.layout import KVLayout
+from pdcluster.transfer.peer import (Notification, PeerDescriptor, decode_notification, encode_notification,
                            peer_id_of_agent)
-from transfer.wire import MAX_DESCRIPTOR_BYTES, pack, recv_exactly, recv_frame, send_frame, unpack
+from pdcluster.transfer.wire import MAX_DESCRIPTOR_BYTES, pack, recv_exactly, recv_frame, send_frame, unpack
 
 LAYOUT = KVLayout(2, 2, 16, "bfloat16", 4, 99)
 

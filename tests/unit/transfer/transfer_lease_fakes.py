@@ -12,7 +12,7 @@ import pytest
 import torch
 from transfer_raw_client import SECRET
 
-from transfer import KVLayout, TransferBackend, create_backend
+from pdcluster.transfer import KVLayout, TransferBackend, create_backend
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, dtype="bfloat16", block_size=4, model_fingerprint=7)
 BACKENDS = ["nixl", "fallback"]

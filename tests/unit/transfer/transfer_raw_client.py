@@ -1,6 +1,6 @@
 """A hand-driven client of the socket fallback's block server, for tests that
 speak its protocol directly: one holding the cluster secret, one without it,
-or one that breaks the rules (see transfer.block_server for the protocol)."""
+or one that breaks the rules (see pdcluster.transfer.block_server for the protocol)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ import socket
 import time
 from typing import Any
 
-from transfer.auth import PULLER_PROOF, ClusterSecret, new_nonce
-from transfer.deadline import Deadline
-from transfer.layout import KVLayout
-from transfer.peer import PeerDescriptor
-from transfer.wire import MAX_REPLY_BYTES, recv_exactly, recv_frame, send_frame
+from pdcluster.transfer.auth import PULLER_PROOF, ClusterSecret, new_nonce
+from pdcluster.transfer.deadline import Deadline
+from pdcluster.transfer.layout import KVLayout
+from pdcluster.transfer.peer import PeerDescriptor
+from pdcluster.transfer.wire import MAX_REPLY_BYTES, recv_exactly, recv_frame, send_frame
 
 SECRET = b"unit-test-cluster-secret-0123456789"  # every authenticated test's cluster
 OTHER_SECRET = b"another-cluster-secret-9876543210"

@@ -3,7 +3,7 @@ fault injection on, ``fallback_to_colocated`` (a stream whose last decode
 replica died resumes on the prefill replica), no SLO shedding (8 streams
 start at once), and the default dtype, bf16: a resumed stream recomputes its
 prompt through the prefill kernel and the tokens already sent as decode rows
-(services/engine/runner.py), so each position gets the K/V and logits of the
+(pdcluster/services/engine/runner.py), so each position gets the K/V and logits of the
 original steps bit for bit and greedy output cannot flip on a near-tie
 (tests/integration/engine/test_engine_resume_bf16.py shows it on the engine).
 
@@ -23,8 +23,8 @@ import time
 
 import pytest
 
-from prefix_store.redis_server import free_service_port
-from services.config import AdmissionSettings, ClusterConfig, RouterSettings
+from pdcluster.prefix_store.redis_server import free_service_port
+from pdcluster.services.config import AdmissionSettings, ClusterConfig, RouterSettings
 from tests.integration.cluster.conftest import board, directory_cluster, small_pool, stop_after_directory
 from tests.integration.faults.conftest import wait_serving
 

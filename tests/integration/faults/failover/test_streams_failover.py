@@ -25,7 +25,7 @@ import httpx
 import pytest
 
 from bench.load.failover import body, kill_one_decode_replica, run_round, stream_completion
-from observability.exporters import read_spans
+from pdcluster.observability.exporters import read_spans
 from tests.integration.faults.conftest import wait_no_leaks
 from tests.integration.faults.failover.conftest import RESUME_LOCAL_MAX_TOKENS, decode_replicas, wait_decode_replicas
 

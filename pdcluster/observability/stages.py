@@ -1,0 +1,151 @@
+"""One request's stage spans and per-pool metrics, recorded where the stage
+ran, so each deployment adds a handful of lines.  Spans are written after
+the fact from timestamps (the engine's ``first_scheduled_s`` where the
+RequestOutput carries it), so nothing is held open across an ``await`` or a
+``yield``, and every stage hangs off ``gateway.request`` via the carrier.
+
+    prefill replica  entered ──prefill.queue── first scheduled ──prefill.compute── first token
+    decode replica   entered ──kv.transfer── pulled ──decode.queue── first scheduled
+                     ──decode.generate── done
+                     (kv.transfer includes waiting for free blocks: kv.reserve_wait_ms)
+
+Without ``first_scheduled_s`` on RequestOutput the queue spans fall back to
+zero width (prefill) or end at the first output (decode).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+from opentelemetry import trace
+
+from pdcluster.observability import metrics, tracing as t
+def _scheduled_s(out: Any) -> float | None:
+    return getattr(out, "first_scheduled_s", None)
+
+
+class _Stages:
+    """``tags``: attributes every stage span carries (the request's tenant and priority)."""
+
+    def __init__(self, carrier: Mapping[str, str], replica: str, block_size: int,
+                 tags: Mapping[str, Any] | None = None):
+        self.carrier, self.replica, self.block_size = carrier, replica, block_size
+        self.tags = dict(tags or {})
+        self.entered_s = time.monotonic()
+        self._offset_ns = t.mono_offset_ns()  # one per request: touching stages share exact boundaries
+
+    def _record(self, name: str, start_s: float, end_s: float, attrs: Mapping[str, Any] | None = None,
+                error: BaseException | None = None) -> None:
+        t.record_span(name, t.mono_to_ns(start_s, self._offset_ns), t.mono_to_ns(end_s, self._offset_ns),
+                      self.carrier, {t.REPLICA: self.replica, **self.tags, **(attrs or {})}, error=error)
+
+
+class PrefillStages(_Stages):
+    """``stages = PrefillStages(request.trace_context, w.name, block_size)`` at
+    entry; ``stages.done(last)`` after the engine's last output, or
+    ``stages.failed(exc)``."""
+
+    def done(self, out: Any) -> None:
+        now = time.monotonic()
+        scheduled = min(max(_scheduled_s(out) or self.entered_s, self.entered_s), now)
+        self._record("prefill.queue", self.entered_s, scheduled)
+        self._record("prefill.compute", scheduled, now, {
+            t.PROMPT_TOKENS: out.num_prompt_tokens, t.CACHED_TOKENS: out.num_cached_tokens,
+            t.CACHE_HIT_BLOCKS: out.num_cached_tokens // self.block_size,
+            t.FINISH_REASON: out.finish_reason.value if out.finish_reason is not None else None})
+        metrics.observe_queue("prefill", scheduled - self.entered_s)
+        metrics.observe_ttft("prefill", now - self.entered_s)
+        metrics.observe_e2e("prefill", now - self.entered_s)
+        metrics.count_prompt_tokens("prefill", self.replica, out.num_prompt_tokens, out.num_cached_tokens)
+
+    def failed(self, error: BaseException) -> None:
+        self._record("prefill.compute", self.entered_s, time.monotonic(), error=error)
+
+
+class DecodeStages(_Stages):
+    """At entry ``stages = DecodeStages(req.trace_context, w.name, block_size, w.transfer.name)``;
+    ``stages.reserved()`` once blocks are reserved; ``stages.pulled(alloc,
+    stats, n)`` after the pull; ``stages.on_output(out)`` per engine output;
+    ``stages.finish(error)`` in ``finally``."""
+
+    def __init__(self, carrier: Mapping[str, str], replica: str, block_size: int, backend: str,
+                 tags: Mapping[str, Any] | None = None):
+        super().__init__(carrier, replica, block_size, tags)
+        self.backend = backend
+        self.reserved_s: float | None = None
+        self.pulled_s: float | None = None
+        self.first_out_s: float | None = None
+        self.scheduled_s: float | None = None
+        self.timer = metrics.RequestTimer("decode", start_s=self.entered_s, clock=time.monotonic)
+        self.finish_reason: str | None = None
+        self.drafted = self.accepted = 0
+
+    def reserved(self) -> None:
+        self.reserved_s = time.monotonic()
+
+    def pulled(self, alloc: Any, stats: Any, num_blocks_pulled: int) -> None:
+        self.pulled_s = time.monotonic()
+        reserved = self.reserved_s or self.entered_s
+        self._record("kv.transfer", self.entered_s, self.pulled_s, {
+            "kv.backend": self.backend, t.KV_BYTES: stats.num_bytes, t.KV_SECONDS: stats.seconds,
+            t.KV_GBPS: round(stats.gbytes_per_s, 3), t.KV_BLOCKS_PULLED: num_blocks_pulled,
+            t.KV_BLOCKS_REUSED: alloc.num_cached_blocks,
+            "kv.reserve_wait_ms": round((reserved - self.entered_s) * 1e3, 3)})
+        metrics.count_transfer(self.backend, stats.num_bytes, stats.seconds)
+
+    def on_output(self, out: Any) -> None:
+        if self.first_out_s is None:
+            self.first_out_s = time.monotonic()
+            self.scheduled_s = _scheduled_s(out)
+        self.timer.on_tokens(len(out.new_token_ids))
+        if out.finished and out.finish_reason is not None:
+            self.finish_reason = out.finish_reason.value
+        self.drafted = getattr(out, "num_draft_tokens", 0)            # running totals (spec_decode.py)
+        self.accepted = getattr(out, "num_accepted_draft_tokens", 0)
+
+    def finish(self, error: BaseException | None = None) -> None:
+        now = time.monotonic()
+        if self.pulled_s is None:  # failed (or was cancelled) before the KV arrived
+            self._record("kv.transfer", self.entered_s, now, error=error)
+            return
+        start = self.pulled_s
+        scheduled = min(max(self.scheduled_s or self.first_out_s or now, start), now)
+        tpot_s = self.timer.tpot_s
+        self._record("decode.queue", start, scheduled)
+        self._record("decode.generate", scheduled, now, {
+            t.OUTPUT_TOKENS: self.timer.num_tokens, t.FINISH_REASON: self.finish_reason,
+            "decode.tpot_ms": round(tpot_s * 1e3, 3) if tpot_s is not None else None,
+            "spec.draft_tokens": self.drafted or None, "spec.accepted_tokens": self.accepted or None,
+            "spec.acceptance_rate": round(self.accepted / self.drafted, 3) if self.drafted else None},
+            error=error)
+        if error is None:
+            metrics.observe_queue("decode", scheduled - start)
+            self.timer.finish(ttft=False)  # the first token came from the prefill pool
+
+
+def observe_gateway_stream(chunks: AsyncIterator[Any], num_prompt_tokens: int) -> AsyncIterator[Any]:
+    """Wraps the backend's TokenDelta stream: client-visible TTFT/TPOT/E2E
+    (pool "gateway") and token counts and finish reason on ``gateway.request``.
+    Call it in the route handler, where that span is current."""
+    return _observed(chunks, trace.get_current_span(), num_prompt_tokens)
+
+
+async def _observed(chunks: AsyncIterator[Any], root: trace.Span, num_prompt_tokens: int) -> AsyncIterator[Any]:
+    timer = metrics.RequestTimer("gateway")
+    finish_reason, cached = None, 0
+    try:
+        async for chunk in chunks:
+            timer.on_tokens(len(chunk.token_ids))
+            cached = max(cached, chunk.num_cached_tokens)
+            if chunk.finish_reason is not None:
+                finish_reason = chunk.finish_reason
+                timer.finish()  # now: the consumer may close us right after this chunk
+            yield chunk
+    finally:
+        t.set_attrs({t.PROMPT_TOKENS: num_prompt_tokens, t.CACHED_TOKENS: cached,
+                     t.OUTPUT_TOKENS: timer.num_tokens, t.FINISH_REASON: finish_reason}, span=root)
+        aclose = getattr(chunks, "aclose", None)
+        if aclose is not None:
+            await aclose()  # closing the backend's stream is what aborts the request

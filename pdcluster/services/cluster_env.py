@@ -1,0 +1,84 @@
+"""The environment a local cluster runs in, set before Ray is imported or
+started (Ray and Serve read these once, at import; the daemons, workers and
+replicas Ray starts inherit them).  Every value is a default: a variable
+already set wins.
+
+- Loopback only: ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` keeps every Ray
+  process on 127.0.0.1 (a multi-host cluster sets it to 1:
+  ``cluster_env(multi_node=True)``, pdcluster/services/cli/ray_node.py), and UCX uses the
+  loopback device unless the topology's internal address says otherwise
+  (pdcluster/transfer/address.py, see NOTES.md).
+- ``RAY_SERVE_THROUGHPUT_OPTIMIZED=1``: Serve's documented throughput mode --
+  user code on the replica's main event loop instead of a second thread,
+  gRPC between deployments, the garbage collector frozen after start-up.
+  With Serve's proxy in front (``ingress: serve_proxy``) this mode cut the
+  gateway's CPU per token by half and raised 16-way streaming throughput by
+  ~22% on 2 cores (issue 7 note).  Serve's own direct ingress, which it
+  would also turn on, stays off: with ``ingress: gateway`` (the default) the
+  gateway serves the configured port itself (pdcluster/services/gateway/http.py).
+  The driver (``pdcluster up``, the tests, a script holding a handle) keeps
+  Serve's router on its own loop, so handles still work from plain
+  synchronous code; replicas get the router on their main loop
+  (``REPLICA_ENV``, passed through Ray's runtime_env).
+- Replicas at normal priority: ``RAY_worker_niceness=0``.  Ray starts its
+  workers (every Serve replica) at nice 15 by default, below any ordinary
+  process on the host, so a build, a test run or a load generator beside the
+  cluster took the cores from prefill and decode; the serving replicas are
+  the host's work, not background.  Seen on a 2-core machine: replicas at
+  nice 15 lost up to 0.6 cores to nice-10 processes during a benchmark.
+- Large tensors (weights, the KV pool) on 2 MiB pages: same-host KV pulls pin
+  every page, and huge pages about double their bandwidth (pdcluster/transfer/pool_alloc.py).
+- Secrets (the cluster secret, API keys, a Redis URL with its password) are
+  never in ``replica_env()``: Ray's runtime-env agent logs every runtime_env
+  it sets up.  They reach the replicas the way the defaults above do, by
+  inheritance from the driver's environment (pdcluster/services/cluster_secret.py).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+DEFAULTS = {
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+    "UCX_NET_DEVICES": "lo",
+    "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
+    "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0",
+    "TOKENIZERS_PARALLELISM": "false",
+    "HF_HUB_OFFLINE": "1",
+    "THP_MEM_ALLOC_ENABLE": "1",
+    "RAY_worker_niceness": "0",
+}
+DRIVER_ENV = {"RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "1"}
+REPLICA_ENV = {"RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
+
+
+def replica_env() -> dict[str, str]:
+    """Environment variables for Ray's runtime_env: the cluster's, as set now,
+    for the replicas.  Ray writes these to its logs: nothing secret here."""
+    return {**{k: os.environ[k] for k in DEFAULTS}, **REPLICA_ENV}
+
+
+MULTI_NODE_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1"}
+
+
+def cluster_env(multi_node: bool = False) -> None:
+    """Sets the defaults above.  If Ray was imported first, its loopback
+    switch (read once, at import) is set to what the environment now says.
+    ``multi_node``: this process starts, joins or drives a cluster of several
+    hosts, so Ray may bind the node's address (it wins over the default)."""
+    if multi_node:
+        os.environ.update(MULTI_NODE_ENV)
+        # Ray turns token authentication on by itself for a local cluster, never
+        # when connecting to an explicit address: say it, so the driver joins
+        # the token-authenticated cluster `ray start` made.
+        if "RAY_AUTH_MODE" not in os.environ:
+            os.environ["RAY_AUTH_MODE"] = "token"
+            raylet = sys.modules.get("ray._raylet")
+            if raylet is not None:  # already read: refresh it, as Ray's own _enable_token_auth does
+                raylet.Config.initialize("")
+    for key, value in (DEFAULTS | DRIVER_ENV).items():
+        os.environ.setdefault(key, value)
+    constants = sys.modules.get("ray._private.ray_constants")
+    if constants is not None:
+        constants.ENABLE_RAY_CLUSTER = os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] != "0"

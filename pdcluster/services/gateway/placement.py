@@ -1,0 +1,158 @@
+"""Where a prompt is prefilled, and whether it is admitted at all.
+
+Two places can prefill a prompt: the prefill pool (then the KV moves to a
+decode replica), or the decode replica that will decode it (no transfer,
+but its streams wait while it computes).  For each place p, from one
+snapshot of the gateway's own counters:
+
+    work       = prompt tokens queued at p (admitted, no first token yet) + this prompt's
+    per_rep    = work / live replicas of p
+    steps      = ceil(per_rep / prompt tokens one step takes there)
+    modelled   = steps x (step overhead [+ a decode step of the streams beside it, on decode])
+                 + per_token x per_rep + per_token2 x prompt^2
+    ttft_p     = calibrated(modelled)          (pdcluster/services/speed/calibration.py: measured vs modelled)
+
+The decode replica may prefill only while its streams keep their TPOT:
+
+    busy       = (decode-side prefill seconds placed in the last window + this prompt's) / (window x replicas)
+    tpot       = step(streams per replica + 1) / (1 - busy)          <= tpot_slo x headroom
+    local      = this prompt's prefill time there                     <= max_local_prefill_s
+                 (its streams pause for its chunks, and later prompts placed there wait behind
+                 it: a long prompt would close the decode replica to the short ones)
+
+    place   = the eligible place with the earliest ttft; the decode pool when the prefill pool
+              has no live replica (dead, scaled to zero, or colocated mode), whatever its streams'
+              TPOT: serving late beats refusing what can be served
+    refuse  (429, Retry-After = the excess) only when
+                ttft(place) + tail > ttft_slo x headroom        (tail: how far the slowest tenth of
+                                                                 the place's recent TTFTs landed above
+                                                                 the calibrated line)
+              and the place already has queued work             (an idle place cannot do better later)
+              and the model is calibrated                       (enough first tokens measured)
+            or when the decode pool has no seat left (every stream needs one; a decode replica
+              must never refuse a stream after its first token)
+
+``place`` is the pure rule; ``Admission`` (admission.py) takes the snapshot
+and holds the counters."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+from pdcluster.services.speed.model import PrefillModel, StepModel
+
+PREFILL, DECODE = "prefill", "decode"
+
+
+@dataclass(frozen=True)
+class PlaceLoad:
+    """One place that can prefill, as the gateway counts it."""
+    live_replicas: int
+    queued_tokens: int = 0          # admitted there, no first token yet (this prompt excluded)
+    queued_requests: int = 0
+    calibrated: Callable[[float], float] = field(default=lambda s: s, compare=False)
+    tail_s: float = 0.0             # how far its slowest recent TTFTs landed above the calibrated line
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    prefill: PlaceLoad | None       # None: no live prefill replica (or colocated mode)
+    decode: PlaceLoad               # the decode (or colocated) pool
+    decode_streams: int = 0         # streams the decode pool runs (admitted, not finished)
+    decode_seats: int = 1 << 30     # streams it can hold in all (batch seats + queue, x replicas)
+    decode_busy_s: float = 0.0      # prefill seconds placed on decode replicas within the window
+    calibrated: bool = True         # enough first tokens measured to refuse on a prediction
+
+
+@dataclass(frozen=True)
+class Rules:
+    prefill: PrefillModel           # one prompt alone on an idle replica
+    step: StepModel                 # a decode step vs batch
+    ttft_slo_s: float = 2.0
+    tpot_slo_s: float = 0.1
+    headroom: float = 0.8           # refuse/keep-TPOT at this fraction of each SLO
+    batch_tokens: int = 1024        # prompt tokens one prefill-pool step takes
+    decode_step_tokens: int = 256   # prompt tokens one decode-replica step takes beside its decodes
+    window_s: float = 10.0          # the decode replicas' busy share is measured over this
+    max_local_prefill_s: float = 1.0  # the longest prefill a decode replica takes on while a prefill replica lives
+    shed: bool = True
+
+
+@dataclass(frozen=True)
+class Placement:
+    pool: str | None                # PREFILL | DECODE; None: refused
+    predicted_ttft_s: float
+    modelled_ttft_s: float = 0.0    # before calibration: what the calibration compares against
+    local_prefill_s: float = 0.0    # seconds of decode-replica time this prompt takes (DECODE only)
+    reason: str = ""                # why here (counted), or why refused
+    retry_after_s: float = 0.0
+
+
+def modelled_ttft_s(prompt_tokens: int, load: PlaceLoad, rules: Rules, beside_streams: float | None = None) -> float:
+    """The uncalibrated time to a first token at a place (pure); ``beside_streams``: the streams
+    per replica it decodes meanwhile (a decode replica), None for a prefill replica."""
+    p = rules.prefill
+    per_replica = (load.queued_tokens + prompt_tokens) / max(load.live_replicas, 1)
+    step_tokens = rules.batch_tokens if beside_streams is None else rules.decode_step_tokens
+    steps = max(math.ceil(per_replica / max(step_tokens, 1)), 1)
+    step_extra = rules.step.step_s(beside_streams) if beside_streams else 0.0
+    return steps * (p.overhead_s + step_extra) + p.per_token_s * per_replica + p.per_token2_s * prompt_tokens ** 2
+
+
+def local_prefill_s(prompt_tokens: int, rules: Rules) -> float:
+    p = rules.prefill
+    return p.per_token_s * prompt_tokens + p.per_token2_s * prompt_tokens ** 2
+
+
+def decode_keeps_tpot(prompt_tokens: int, snap: Snapshot, rules: Rules) -> tuple[bool, str]:
+    """Whether the decode replicas' streams keep their TPOT if this prompt is prefilled there."""
+    replicas = max(snap.decode.live_replicas, 1)
+    busy = (snap.decode_busy_s + local_prefill_s(prompt_tokens, rules)) / (rules.window_s * replicas)
+    if busy >= 1.0:
+        return False, f"decode replicas already {busy:.0%} busy prefilling"
+    tpot = rules.step.step_s(snap.decode_streams / replicas + 1) / (1.0 - busy)
+    if tpot > rules.tpot_slo_s * rules.headroom:
+        return False, f"TPOT would reach {tpot * 1e3:.0f} ms"
+    local = local_prefill_s(prompt_tokens, rules)
+    if local > rules.max_local_prefill_s:
+        return False, f"its prefill would take the decode replica {local:.2f} s"
+    return True, ""
+
+
+def place(prompt_tokens: int, snap: Snapshot, rules: Rules) -> Placement:
+    """Where ``prompt_tokens`` is prefilled, or a refusal (pure)."""
+    if snap.decode_streams >= snap.decode_seats:
+        return Placement(None, math.inf, reason=(
+            f"every decode seat is taken ({snap.decode_streams} streams); add decode replicas or raise "
+            "scheduler.max_num_seqs / decode.max_queue"), retry_after_s=1.0)
+    replicas = max(snap.decode.live_replicas, 1)
+    beside = snap.decode_streams / replicas
+    d_model = modelled_ttft_s(prompt_tokens, snap.decode, rules, beside_streams=beside)
+    local = Placement(DECODE, snap.decode.calibrated(d_model), d_model, local_prefill_s(prompt_tokens, rules))
+    if snap.prefill is None or snap.prefill.live_replicas <= 0:
+        return _admit_or_refuse(_with(local, "no_prefill_replica"), snap.decode, snap, rules)
+    p_model = modelled_ttft_s(prompt_tokens, snap.prefill, rules)
+    remote = Placement(PREFILL, snap.prefill.calibrated(p_model), p_model, reason="prefill_pool")
+    keeps, _why = decode_keeps_tpot(prompt_tokens, snap, rules)
+    if keeps and local.predicted_ttft_s < remote.predicted_ttft_s:
+        return _admit_or_refuse(_with(local, "earlier_on_decode"), snap.decode, snap, rules)
+    return _admit_or_refuse(remote, snap.prefill, snap, rules)
+
+
+def _with(p: Placement, reason: str) -> Placement:
+    return Placement(p.pool, p.predicted_ttft_s, p.modelled_ttft_s, p.local_prefill_s, reason)
+
+
+def _admit_or_refuse(choice: Placement, load: PlaceLoad, snap: Snapshot, rules: Rules) -> Placement:
+    bound = rules.ttft_slo_s * rules.headroom
+    tail = choice.predicted_ttft_s + load.tail_s
+    if not rules.shed or not snap.calibrated or load.queued_requests == 0 or tail <= bound:
+        return choice
+    excess = tail - bound
+    return Placement(None, choice.predicted_ttft_s, choice.modelled_ttft_s, reason=(
+        f"predicted time to first token {choice.predicted_ttft_s:.1f} s (+{load.tail_s:.1f} s for the slowest "
+        f"tenth; behind {load.queued_tokens} queued "
+        f"prompt tokens on {load.live_replicas} replica(s) of the {choice.pool} pool) is over {rules.headroom:g} x "
+        f"the {rules.ttft_slo_s:g} s SLO (admission.ttft_slo_s)"), retry_after_s=max(1.0, math.ceil(excess)))

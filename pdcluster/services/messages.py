@@ -1,0 +1,109 @@
+"""The messages of one request's path, gateway -> router -> replica ->
+engine and back (pickled by Ray across each hop; plain dataclasses).
+
+    GenerateRequest   one shape for every call: prefill, decode (``handoff``
+                      set), colocated, a resumed stream (``prior_output_token_ids``,
+                      on a whole-request call, or on both calls of a hand-off)
+    PrefillResponse   the prefill replica's answer: first token + where its KV is
+    TokenDelta        one streamed piece, replica -> gateway -> HTTP layer
+    LeaseRelease      drop a hand-off's lease on the replica holding it
+    PrefixLeaseRequest / PrefixLease   a replica asks a peer to lend a prompt's
+                      cached leading blocks (peer prefix fetch, pdcluster/services/pools/peer_fetch.py)
+
+The router reads ``GenerateRequest.routing`` (pdcluster/router/routing_header.py) and
+nothing else; the block hashes in it are computed once, at the gateway
+(pdcluster/prefix_store/hashing.py), and every engine downstream trusts them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pdcluster.router.routing_header import RoutingHeader
+from pdcluster.services.engine.logprobs import TokenLogprob
+from pdcluster.services.engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class PrefillResponse:
+    request_id: str
+    first_token_id: int
+    text: str                      # the first token's text delta
+    finish_reason: str | None      # set when the first token already ends the request
+    block_ids: tuple[int, ...]     # pinned under lease ``request_id`` unless finished
+    num_tokens: int                # prompt tokens whose K/V the blocks hold (then a resumed stream's prior output's)
+    num_cached_tokens: int         # of those, prefix-cache hits on the prefill replica
+    peer: bytes                    # the prefill replica's transfer descriptor
+    worker_name: str
+    prefill_s: float
+    lease_deadline_unix: float = 0.0  # time.time() after which the owner refuses reads of block_ids
+    block_checksums: tuple[int, ...] = ()  # one per block_ids entry (pdcluster/transfer/checksum.py): the puller checks them
+    # The first token is sampled here, so its logprobs (and the prompt's) come from here too.
+    logprobs: list[TokenLogprob] | None = None         # the first token's, with params.logprobs
+    prompt_logprobs: list[TokenLogprob] | None = None  # entry j = prompt token j+1, with params.prompt_logprobs
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams           # built once, from the HTTP request (pdcluster/services/openai/protocol.py)
+    routing: RoutingHeader           # the prompt's block hashes and where this call may go
+    trace_context: dict[str, str] = field(default_factory=dict)  # W3C carrier
+    faults: tuple[str, ...] = ()     # test-only fault injection (pdcluster/services/pools/faults.py)
+    # A resumed stream's tokens already sent (another replica generated them): the engine
+    # takes them as the request's output so far, not as prompt (pdcluster/services/gateway/resume.py).
+    prior_output_token_ids: tuple[int, ...] = ()
+    handoff: PrefillResponse | None = None  # on the decode call: the prefilled prompt's KV and first token
+
+    @property
+    def block_hashes(self) -> tuple[int, ...]:
+        return self.routing.block_hashes
+
+    def span_tags(self) -> dict[str, str | int]:
+        """What every stage span of this request carries besides its replica: its tenant and class."""
+        return {"request.tenant": self.params.tenant, "request.priority": self.params.priority}
+
+
+@dataclass(frozen=True)
+class TokenDelta:
+    """Tokens produced since the previous delta, and their text."""
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None      # "stop" | "length" on the last delta
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    index: int = 0                        # the choice it belongs to (n > 1), set by the HTTP layer
+    logprobs: list[TokenLogprob] | None = None         # one per token, with params.logprobs
+    prompt_logprobs: list[TokenLogprob] | None = None  # on a choice's first delta, with params.prompt_logprobs
+    worker_name: str = ""          # on a choice's first delta: the replica that prefilled it
+    streamed_by: str = ""          # the replica streaming this delta: the one a failover moves away from
+
+
+@dataclass(frozen=True)
+class LeaseRelease:
+    """Drops the lease ``request_id`` holds; ``routing.target_worker`` names the replica."""
+    request_id: str
+    routing: RoutingHeader
+
+
+@dataclass(frozen=True)
+class PrefixLeaseRequest:
+    """Lend blocks ``start``... of this prompt's cached leading blocks under
+    lease ``lease_id``; ``routing.target_worker`` names the holder."""
+    lease_id: str
+    prompt_token_ids: tuple[int, ...]
+    block_hashes: tuple[int, ...]    # the prompt's full blocks (the holder's pool's hash seed)
+    start: int                       # leading blocks the asker holds already
+    routing: RoutingHeader
+
+
+@dataclass(frozen=True)
+class PrefixLease:
+    """The holder's answer: blocks ``start .. start + len(block_ids)`` of the
+    prompt, pinned until the asker's pull notifies (or the lease expires)."""
+    lease_id: str
+    block_ids: tuple[int, ...]
+    block_checksums: tuple[int, ...]   # one per block (pdcluster/transfer/checksum.py): the puller checks them
+    lease_deadline_unix: float
+    peer: bytes                        # the holder's transfer descriptor
+    worker_name: str

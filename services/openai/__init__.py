@@ -1,8 +1,0 @@
-"""The OpenAI-compatible REST/SSE layer: request validation, tokenization and
-block hashing, streaming, API keys and OpenAI-style errors, in front of a
-``services.backend.Backend``."""
-
-from services.openai.routes import configure_app, create_app, install_openai_api
-from services.openai.settings import OpenAISettings
-
-__all__ = ["OpenAISettings", "configure_app", "create_app", "install_openai_api"]
