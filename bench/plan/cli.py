@@ -24,7 +24,7 @@ from typing import Sequence
 from bench.plan.args import add_arguments, fail, one_line_errors
 from bench.plan.inputs import (
     ACCELERATOR_PRESETS, DTYPE_BYTES, GB, GiB, KV_SCALE_BYTES, MODEL_PRESETS, Deployment, PerInstance, Pipeline, PrefixCache,
-    Questions, Slos, Speculation, Traffic, read_model_shape,
+    Questions, Slos, Speculation, Traffic, read_model_shape, tp_problem,
 )
 
 # Heavier imports (rich, numpy, aiohttp, transformers) happen inside the
@@ -249,6 +249,8 @@ def main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
         if args.model is not None and args.model not in MODEL_PRESETS and Path(args.model).exists():
             console.print(f"reading the model shape from {args.model} ...")
         shape, hw, dep = model_shape(args), accelerator(args), deployment(args)
+        if (problem := tp_problem(shape, dep.tp)) is not None:
+            return fail(problem)
         traffic, slos, notes = traffic_and_slos(args)
         asked = questions(args)
         plan = make_plan(shape, hw, dep, traffic, slos, context_tokens=args.context, questions=asked,

@@ -44,6 +44,19 @@ class ModelShape:
                              f"{self.num_kv_heads} KV heads (--kv-heads)")
 
 
+
+def tp_problem(shape: ModelShape, tp: int) -> str | None:
+    """Why ``tp`` devices cannot split this model's attention, or None.  Each device holds whole query
+    heads, and whole KV heads: either a share of them (tp divides the KV heads) or, with more devices
+    than KV heads, one KV head copied on tp / kv_heads devices (tp a multiple of the KV heads)."""
+    if shape.num_heads % tp:
+        return (f"--tp {tp} does not divide the {shape.num_heads} query heads of {shape.name}: "
+                f"use a divisor of {shape.num_heads}")
+    if shape.num_kv_heads % tp and tp % shape.num_kv_heads:
+        return (f"--tp {tp} neither divides the {shape.num_kv_heads} KV heads of {shape.name} nor is a multiple of "
+                f"them: use a divisor or a multiple of {shape.num_kv_heads}")
+    return None
+
 @dataclass(frozen=True)
 class Accelerator:
     name: str

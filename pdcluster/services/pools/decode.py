@@ -105,6 +105,7 @@ class DecodeServer(WorkerEndpoints):
         w.counters.blocks_reused_locally += alloc.num_cached_blocks
         w.counters.bytes_pulled += stats.num_bytes
         w.counters.transfer_seconds += stats.seconds
+        w.pull_estimate.observe(len(remote), stats.seconds)
         return len(remote)
 
     async def _quarantine(self, req: GenerateRequest, exc: TransferInDoubtError) -> None:

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdcluster.prefix_store.hashing import hash_prompt_blocks
-from pdcluster.router.peer_fetch import (DEFAULT_PULL_S_PER_BLOCK, DEFAULT_RECOMPUTE_S_PER_TOKEN, PeerFetchPlan,
+from pdcluster.router.peer_fetch import (DEFAULT_RECOMPUTE_S_PER_TOKEN, PeerFetchPlan,
                                plan_peer_fetch, role_of)
 from pdcluster.router.routing_header import RoutingHeader
 from pdcluster.services.messages import GenerateRequest, PrefixLease, PrefixLeaseRequest
@@ -71,12 +71,7 @@ class PeerFetcher:
 
     # ---- the estimates the rule weighs ------------------------------------------
     def _pull_s_per_block(self) -> float:
-        c = self.worker.counters
-        if c.peer_blocks_pulled:
-            return c.peer_fetch_seconds / c.peer_blocks_pulled
-        if c.blocks_pulled:
-            return c.transfer_seconds / c.blocks_pulled
-        return DEFAULT_PULL_S_PER_BLOCK
+        return self.worker.pull_estimate.per_block_s()  # hand-offs' and peer pulls' transfers (pull_estimate.py)
 
     def _recompute_s_per_token(self) -> float:
         rate = self.worker._prefill_rate_tps
@@ -164,6 +159,7 @@ class PeerFetcher:
         except Exception as exc:  # noqa: BLE001 - TransferError, OSError, or a caller bug (ValueError): recompute
             await asyncio.shield(self._give_back(key, exc, lease))
             return PeerFetchResult("failed", reason=f"pull from {lease.worker_name} failed: {exc!r:.200}")
+        w.pull_estimate.observe(n, stats.seconds)  # the transfer alone: the lease call is the rule's overhead
         landed = await w.aengine.run(lambda e: e.land_peer_import(key, hashes, tokens, start))
         w.counters.peer_bytes_pulled += stats.num_bytes
         if landed.failure is not None:

@@ -31,7 +31,9 @@ from pdcluster.services.engine.kv_tier_stats import tier_status
 from pdcluster.services.gc_pauses import freeze_startup_heap
 from pdcluster.services.replica_loopback import bind_replica_grpc_to_loopback
 from pdcluster.services.messages import GenerateRequest, PrefixLease, PrefixLeaseRequest, TokenDelta
+from pdcluster.router.peer_fetch import DEFAULT_PULL_S_PER_BLOCK
 from pdcluster.services.pools.peer_fetch import PeerFetcher, lend_prefix
+from pdcluster.services.pools.pull_estimate import PullEstimate
 from pdcluster.services.pools.status_board import publish_forever
 from pdcluster.services.supervisor import RestartPolicy, Supervisor
 from pdcluster.transfer import KVLayout, create_backend
@@ -95,6 +97,7 @@ class Worker:
             self.transfer.register_pool(kv, KVLayout.of_pool(kv, self.engine.hash_seed),
                                         lease_guard=self.engine.leases)
         self.counters = WorkerCounters()
+        self.pull_estimate = PullEstimate(DEFAULT_PULL_S_PER_BLOCK)  # per block, from this replica's pulls
         self.peer_fetch = None  # pulls a prefix a peer holds before prefilling it here
         if self.transfer is not None and config.peer_fetch.enabled:
             self.peer_fetch = PeerFetcher(self, min_blocks=config.peer_fetch.min_blocks,
@@ -240,7 +243,7 @@ async def stream_whole_request(worker: Worker, request: GenerateRequest, capacit
     """Both phases on this replica's engine (colocated mode, and the decode
     pool's fallback when no prefill replica is alive)."""
     timer = metrics.RequestTimer(worker.role, clock=time.monotonic)   # the engine's clock: first_scheduled_s
-    queued = False
+    queued = prefilled = False
     with worker.admitted(capacity), engine_errors_as_backend_errors():
         if worker.peer_fetch is not None:
             await worker.peer_fetch.fetch(request)
@@ -254,6 +257,10 @@ async def stream_whole_request(worker: Worker, request: GenerateRequest, capacit
             if not queued and scheduled_s is not None:
                 queued = True
                 metrics.observe_queue(worker.role, max(scheduled_s - timer.start_s, 0.0))
+            if not prefilled and out.new_token_ids and scheduled_s is not None:  # its prefill: peer fetch weighs it
+                prefilled = True
+                worker.note_prefill(out.num_prompt_tokens + len(request.prior_output_token_ids) - out.num_cached_tokens,
+                                    time.monotonic() - scheduled_s)
             faults.drop_stream(request.faults, timer.num_tokens, resumed=bool(request.prior_output_token_ids))
             timer.on_tokens(len(out.new_token_ids))
             yield TokenDelta(out.new_token_ids, out.text_delta,

@@ -49,6 +49,31 @@ def _counters(cluster, name: str, key: str, at_least: int, wait_s: float = 10.0)
         time.sleep(0.25)
 
 
+def _wait_indexed(cluster, holder: str, seed: int, wait_s: float = 60.0) -> None:
+    """Until the index lists ``holder`` with PROMPT's 20 full blocks (its publisher flushes every 20 ms;
+    the deadline is a hang guard)."""
+    import asyncio
+
+    from pdcluster.prefix_store.hashing import hash_prompt_blocks
+    from pdcluster.prefix_store.index import make_index
+
+    cfg = cluster.config
+    hashes = hash_prompt_blocks(seed, PROMPT, 16)[:20]
+
+    async def matched() -> int:
+        index = make_index(cfg.index_url, cluster=cfg.cluster_name, model=cfg.served_model_name)
+        try:
+            found = await index.lookup(hashes)
+        finally:
+            await index.close()
+        return found.matched_blocks.get(holder, 0)
+
+    deadline = time.monotonic() + wait_s
+    while (got := asyncio.run(matched())) < 20:
+        assert time.monotonic() < deadline, f"the index lists {got} of the prompt's 20 blocks on {holder}"
+        time.sleep(0.05)
+
+
 def test_a_prefix_cached_on_one_replica_is_pulled_by_the_others_with_the_same_tokens(cluster):
     before = {s["name"]: s for s in wait_no_leaks(cluster)}
     first, second = sorted(n for n, s in before.items() if s["role"] == "prefill")
@@ -57,7 +82,7 @@ def test_a_prefix_cached_on_one_replica_is_pulled_by_the_others_with_the_same_to
 
     computed, cached = _generate("prefill", first)  # nobody holds it: computed in full
     assert cached == 0 and len(computed) == 8
-    time.sleep(1.0)  # the replica's KV events reach the index
+    _wait_indexed(cluster, first, before[first]["hash_seed"])  # its KV events reached the index
 
     on_decode, cached = _generate("decode", None)  # a decode-local prefill
     assert on_decode == computed

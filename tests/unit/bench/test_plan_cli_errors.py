@@ -33,6 +33,8 @@ BAD_INPUTS = [
     (["--memory-gib", "0"], "argument --memory-gib"),
     (["--tflops", "0"], "argument --tflops"),
     (["--tp", "0"], "argument --tp: must be an integer in [1, 1,024]"),
+    (["--model", "llama-3.1-8b", "--tp", "3"], "--tp 3 does not divide the 32 query heads of llama-3.1-8b"),
+    (["--heads", "12", "--kv-heads", "4", "--tp", "6"], "--tp 6 neither divides the 4 KV heads"),
     (["--heads", "0"], "argument --heads"),
     (["--layers", "2.5"], "argument --layers: must be an integer"),
     (["--reserve-fraction", "1"], "argument --reserve-fraction: must be a number in [0, 1)"),
@@ -114,3 +116,9 @@ def test_a_bad_cluster_config_is_one_line_and_exit_2(capsys, tmp_path, text, mes
     captured = capsys.readouterr()
     assert captured.out == "" and len(captured.err.splitlines()) == 1, captured.err
     assert message in captured.err
+
+
+@pytest.mark.parametrize("tp", ["2", "8", "16", "32"])
+def test_a_tp_that_splits_or_copies_whole_kv_heads_is_planned(capsys, tp):
+    """llama-3.1-8b: 32 query heads, 8 KV heads; 16 and 32 devices hold a copy of one KV head each."""
+    assert main([*BASE, "--model", "llama-3.1-8b", "--tp", tp]) == 0, capsys.readouterr().err

@@ -179,20 +179,22 @@ async def test_long_prompts_are_tokenized_off_the_event_loop(client, backend, en
 
 
 async def test_a_slow_prompt_does_not_stall_other_requests(client, backend, tokenizer, monkeypatch):
-    entered, real = threading.Event(), tokenizer.encode
+    entered, release, real = threading.Event(), threading.Event(), tokenizer.encode
 
     def slow_for_long_text(text, *args, **kwargs):
         if len(text) > OFF_LOOP_PROMPT_SIZE:
             entered.set()
-            time.sleep(4.0)      # holds its worker thread, not the event loop
+            release.wait(120)    # holds its worker thread, not the event loop, until the small one is answered
         return real(text, *args, **kwargs)
 
     monkeypatch.setattr(tokenizer, "encode", slow_for_long_text)
     big = asyncio.create_task(client.post(C, json={"prompt": "a " * OFF_LOOP_PROMPT_SIZE, "max_tokens": 1}))
     while not entered.is_set():
         await asyncio.sleep(0.005)
-    start = time.perf_counter()
-    small = await client.post(CC, json={"messages": CHAT, "max_tokens": 2})
-    assert small.status_code == 200 and time.perf_counter() - start < 2.5  # not behind the 4 s prompt
-    assert not big.done()
+    try:
+        small = await client.post(CC, json={"messages": CHAT, "max_tokens": 2})  # answered while the big one waits
+        assert small.status_code == 200
+        assert not big.done()
+    finally:
+        release.set()
     assert (await big).status_code in (200, 400)

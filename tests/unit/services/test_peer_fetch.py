@@ -22,6 +22,7 @@ from pdcluster.prefix_store.events import EventBatch
 from pdcluster.prefix_store.hashing import hash_prompt_blocks
 from pdcluster.prefix_store.memory_index import InMemoryPrefixIndex
 from pdcluster.prefix_store.worker_id import WorkerId
+from pdcluster.router.peer_fetch import DEFAULT_PULL_S_PER_BLOCK
 from pdcluster.router.routing_header import RoutingHeader
 from pdcluster.services.engine.engine import Engine
 from pdcluster.services.engine.kv_cache import KVCache, KVCacheSpec
@@ -30,6 +31,7 @@ from pdcluster.services.engine.peer_import import PeerImports
 from pdcluster.services.engine.sampling_params import SamplingParams
 from pdcluster.services.messages import GenerateRequest
 from pdcluster.services.pools.peer_fetch import PeerFetcher, lend_prefix
+from pdcluster.services.pools.pull_estimate import PullEstimate
 from pdcluster.services.pools.worker import WorkerCounters
 from pdcluster.transfer import KVLayout, create_backend
 
@@ -77,6 +79,7 @@ class _Replica:
     transfer: object
     index: InMemoryPrefixIndex
     counters: WorkerCounters = field(default_factory=WorkerCounters)
+    pull_estimate: PullEstimate = field(default_factory=lambda: PullEstimate(DEFAULT_PULL_S_PER_BLOCK))
     _prefill_rate_tps: float = 100.0  # a slow prefill: 24 tokens take 0.24 s, a pull is worth it
 
     def __post_init__(self):
