@@ -13,7 +13,7 @@ The whole rule:
     choose  argmin over eligible i of
             (cost_s(i), -cached_tokens(i), running_requests(i), affinity_rank(prefix, i))
 
-* ``ttft_s`` is DESIGN.md's estimate.  ``cached_tokens`` counts blocks in
+* ``ttft_s`` is the queue and the uncached prompt at the measured prefill rate.  ``cached_tokens`` counts blocks in
   every tier of the replica (device pool, host memory, disk); those in a
   lower tier add their load time (``tier_load_s``), not a recompute.  ``cost_s`` adds a charge for
   recomputing tokens another replica already caches: that work delays every

@@ -17,10 +17,14 @@ nothing else; the block hashes in it are computed once, at the gateway
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pdcluster.router.routing_header import RoutingHeader
 from pdcluster.services.engine.logprobs import TokenLogprob
 from pdcluster.services.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pdcluster.services.engine.outputs import RequestOutput
 
 
 @dataclass(frozen=True)
@@ -77,6 +81,24 @@ class TokenDelta:
     prompt_logprobs: list[TokenLogprob] | None = None  # on a choice's first delta, with params.prompt_logprobs
     worker_name: str = ""          # on a choice's first delta: the replica that prefilled it
     streamed_by: str = ""          # the replica streaming this delta: the one a failover moves away from
+
+    @classmethod
+    def of_output(cls, out: "RequestOutput", streamed_by: str, worker_name: str = "",
+                  num_cached_tokens: int | None = None) -> "TokenDelta":
+        """An engine output as the delta a replica streams (the one place this is written).
+        ``num_cached_tokens``: a hand-off's decode side reports what the prefill replica found cached."""
+        return cls(out.new_token_ids, out.text_delta, out.finish_reason.value if out.finished else None,
+                   num_prompt_tokens=out.num_prompt_tokens,
+                   num_cached_tokens=out.num_cached_tokens if num_cached_tokens is None else num_cached_tokens,
+                   logprobs=out.logprobs, prompt_logprobs=out.prompt_logprobs, worker_name=worker_name,
+                   streamed_by=streamed_by)
+
+    @classmethod
+    def of_prefill(cls, pre: "PrefillResponse") -> "TokenDelta":
+        """The prefill replica's first token, as the first delta of a hand-off's stream."""
+        return cls([pre.first_token_id], pre.text, pre.finish_reason, num_prompt_tokens=pre.num_tokens,
+                   num_cached_tokens=pre.num_cached_tokens, logprobs=pre.logprobs,
+                   prompt_logprobs=pre.prompt_logprobs, worker_name=pre.worker_name)
 
 
 @dataclass(frozen=True)

@@ -292,10 +292,7 @@ class ClusterBackend(Backend):
         # that pull ended (a release from here could free blocks a one-sided READ still reads).
         taken = False
         try:
-            yield TokenDelta([pre.first_token_id], pre.text, pre.finish_reason,
-                             num_prompt_tokens=pre.num_tokens, num_cached_tokens=pre.num_cached_tokens,
-                             logprobs=pre.logprobs, prompt_logprobs=pre.prompt_logprobs,
-                             worker_name=pre.worker_name)
+            yield TokenDelta.of_prefill(pre)
             if pre.finish_reason is not None:
                 return
             # The decode call goes where the router puts it (free KV), not where choice 0 prefilled.

@@ -176,11 +176,8 @@ class DecodeServer(WorkerEndpoints):
                     self.worker.aengine.inject_fault("stall", faults.seconds(req.faults, "stall_decode"))
                 if first and faults.has(req.faults, "kill_decode_engine"):
                     self.worker.aengine.inject_fault("kill")
-                yield TokenDelta(out.new_token_ids, out.text_delta,
-                                 out.finish_reason.value if out.finished else None,
-                                 num_prompt_tokens=out.num_prompt_tokens,
-                                 num_cached_tokens=req.handoff.num_cached_tokens,
-                                 logprobs=out.logprobs, streamed_by=self.worker.name)
+                yield TokenDelta.of_output(out, streamed_by=self.worker.name,
+                                           num_cached_tokens=req.handoff.num_cached_tokens)
                 first = False
 
     def _release_remote(self, req: GenerateRequest) -> None:

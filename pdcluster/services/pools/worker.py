@@ -263,11 +263,7 @@ async def stream_whole_request(worker: Worker, request: GenerateRequest, capacit
                                     time.monotonic() - scheduled_s)
             faults.drop_stream(request.faults, timer.num_tokens, resumed=bool(request.prior_output_token_ids))
             timer.on_tokens(len(out.new_token_ids))
-            yield TokenDelta(out.new_token_ids, out.text_delta,
-                             out.finish_reason.value if out.finished else None,
-                             num_prompt_tokens=out.num_prompt_tokens, num_cached_tokens=out.num_cached_tokens,
-                             logprobs=out.logprobs, prompt_logprobs=out.prompt_logprobs, worker_name=worker.name,
-                             streamed_by=worker.name)
+            yield TokenDelta.of_output(out, streamed_by=worker.name, worker_name=worker.name)
     timer.finish()
 
 
