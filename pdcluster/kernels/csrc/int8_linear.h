@@ -17,8 +17,8 @@
  *                                    a tile met by more rows than one micro-kernel pass takes is widened
  *                                    once into a per-thread buffer and read from there (the same bf16
  *                                    values, the same instructions per row: the same bits)
- *     AVX2 + FMA (cpu_kernels_avx2.c)  codes widened to fp32, FMAs over k pairs (even and odd k summed
- *                                    apart within a group, then added), likewise from registers or a buffer
+ *     AVX2 (cpu_kernels_avx2.c)      x in int16 per (row, group), codes widened to int16, exact int32
+ *                                    dot_g by VPMADDWD, then dot_g * s scaled in fp32 (see below)
  *
  * Packed weight (kernels/int8_linear.py pack_int8_weight writes it), per
  * 32-column tile j, per group g, 1152 bytes:
@@ -36,10 +36,10 @@
 #define G32_GROUP_BYTES 1152   /* codes, then d[32] and m[32] in fp16 */
 
 /* Per-thread scratch kept between calls (a fresh malloc of a prefill's rows is an mmap and page faults on every
- * call): slot 0 the rows' group sums, 1 fp32 rows (AVX2), 2 a widened tile (AVX-512). */
+ * call): slot 0 the rows' group sums, 1 and 3 int16 rows and their scales (AVX2), 2 a widened tile. */
 static void *g32_scratch(int slot, size_t bytes) {
-    static __thread void *buf[3];
-    static __thread size_t cap[3];
+    static __thread void *buf[4];
+    static __thread size_t cap[4];
     if (bytes > cap[slot]) {
         free(buf[slot]);
         cap[slot] = (bytes + bytes / 4 + 63) / 64 * 64;
@@ -52,7 +52,8 @@ typedef struct {
     const bf16 *x, *bias;
     const int8_t *w;
     float *xsum;  /* [M, G] */
-    float *xf;    /* [M, K] fp32 rows: AVX2 only */
+    int16_t *xq;  /* AVX2 only: [M, K] rows in int16 per group, and [M, G] their scales */
+    float *xs;
     bf16 *y;
     float *yf;
     int64_t M, N, K, G, tiles;
@@ -68,8 +69,20 @@ static void g32_rows_prepare(void *arg, int64_t begin, int64_t end) {
             for (int k = 0; k < G32_K; k++) s += to_f32(x[g * G32_K + k]);
             a->xsum[r * a->G + g] = s;
         }
-        if (a->xf)
-            for (int64_t k = 0; k < a->K; k++) a->xf[r * a->K + k] = to_f32(x[k]);
+        for (int64_t g = 0; a->xq && g < a->G; g++) {
+            float amax = 0.f;
+            for (int k = 0; k < G32_K; k++) {
+                const float v = fabsf(to_f32(x[g * G32_K + k]));
+                amax = v > amax ? v : amax;
+            }
+            const float inv = amax > 0.f ? 32767.f / amax : 0.f;
+            a->xs[r * a->G + g] = amax / 32767.f;
+            for (int k = 0; k < G32_K; k++) {
+                float q = nearbyintf(to_f32(x[g * G32_K + k]) * inv);
+                q = q > 32767.f ? 32767.f : q < -32767.f ? -32767.f : q;
+                a->xq[r * a->K + g * G32_K + k] = (int16_t)q;
+            }
+        }
     }
 }
 
@@ -143,49 +156,54 @@ static inline __attribute__((always_inline)) void g32_tile(
 #define G32_CASE(n) case n: if (from_wide) g32_tile(n, 1, x, ldx, xsum, G, wt, wide, bias, y, yf, ldy); \
                             else g32_tile(n, 0, x, ldx, xsum, G, wt, wide, bias, y, yf, ldy); break;
 #else
-/* AVX2: the codes widened to fp32 (exact), 16 columns per pass.  A k pair's x values broadcast as
- * [x0, x1, x0, x1, ...] against 4 columns x (k0, k1) of codes, so each of a group's 4 sums per row holds
- * 4 columns' even-k and odd-k parts, added (HADDPS, lanes put back in order) when the group ends, before
- * d and m apply.  Rows of one or two widen the codes in registers; more rows widen the tile once into a
- * per-thread buffer and read it from there: the same fp32 codes, the same instructions per row. */
-#define G32_MR 2
+/* AVX2: integer products.  Each row's group of 32 x values is scaled to int16 (s = max |x| / 32767: a step
+ * of 2^-15 of the group's largest value, far below bf16's own 2^-8 rounding of each value), the codes are
+ * widened to int16, and VPMADDWD sums a k pair per column exactly in int32 (|x q| <= 32767 * 128, 32 of
+ * them < 2^31); per group then, in fp32: acc = (float(dot) * s) * d + acc, acc = m * xsum + acc.  Integer
+ * sums have no order, so rows of any batch get the same bits.  Rows of one or two widen the codes in
+ * registers; more rows widen the tile once into a per-thread buffer (K * 64 bytes, as a bf16 tile). */
+#define G32_MR 3
 
-/* 4 columns x (k0, k1) of one k pair: 8 codes -> fp32 */
-static inline __m256 g32_widen4(const int8_t *c) {
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)c)));
+/* 8 columns x (k0, k1) of one k pair: 16 codes -> int16 */
+static inline __m256i g32_widen8(const int8_t *c) {
+    return _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)c));
 }
 
-/* One tile widened: wide[g][p][32 columns x 2] fp32 (the codes' order), K * 128 bytes */
-static void g32_widen_tile(const int8_t *wt, int64_t G, float *wide) {
+/* One tile widened: wide[g][p][32 columns x 2] int16 (the codes' order) */
+static void g32_widen_tile(const int8_t *wt, int64_t G, int16_t *wide) {
     for (int64_t g = 0; g < G; g++)
-        for (int i = 0; i < G32_CODE_BYTES / 8; i++)
-            _mm256_storeu_ps(wide + g * G32_CODE_BYTES + 8 * i, g32_widen4(wt + g * G32_GROUP_BYTES + 8 * i));
+        for (int i = 0; i < G32_CODE_BYTES / 16; i++)
+            _mm256_storeu_si256((__m256i *)(wide + g * G32_CODE_BYTES + 16 * i),
+                                g32_widen8(wt + g * G32_GROUP_BYTES + 16 * i));
 }
 
-/* MR fp32 rows times the 16 columns from col0 of one tile; from_wide: the codes come from ``wide`` */
+/* MR rows (int16 xq, their group scales xs and sums xsum) times the 16 columns from col0 of one tile */
 static inline __attribute__((always_inline)) void g32_half(
-    const int MR, const int from_wide, const float *xf, int64_t ldx, const float *xsum, int64_t G,
-    const int8_t *wt, const float *wide, int col0, const bf16 *bias, bf16 *y, float *yf, int64_t ldy) {
+    const int MR, const int from_wide, const int16_t *xq, int64_t ldx, const float *xs, const float *xsum,
+    int64_t G, const int8_t *wt, const int16_t *wide, int col0, const bf16 *bias, bf16 *y, float *yf, int64_t ldy) {
     __m256 acc[G32_MR][2];
     for (int r = 0; r < MR; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     for (int64_t g = 0; g < G; g++) {
         const int8_t *grp = wt + g * G32_GROUP_BYTES;
         if (!from_wide) _mm_prefetch((const char *)grp + PREFETCH_BYTES, _MM_HINT_T0),
                         _mm_prefetch((const char *)grp + PREFETCH_BYTES + 64 * 9, _MM_HINT_T0);
-        __m256 t[G32_MR][4];
-        for (int r = 0; r < MR; r++)
-            for (int q = 0; q < 4; q++) t[r][q] = _mm256_setzero_ps();
+        __m256i t[G32_MR][2];
+        for (int r = 0; r < MR; r++) t[r][0] = t[r][1] = _mm256_setzero_si256();
+#pragma GCC unroll 4
         for (int p = 0; p < 16; p++) {
             if (!from_wide && (p & 3) == 0)
                 _mm_prefetch((const char *)grp + PREFETCH_BYTES + 64 * (p / 4 + 1), _MM_HINT_T0);
-            __m256 xb[G32_MR];
-            for (int r = 0; r < MR; r++)
-                xb[r] = _mm256_castpd_ps(_mm256_broadcast_sd((const double *)(xf + r * ldx + g * G32_K + 2 * p)));
-#pragma GCC unroll 4
-            for (int q = 0; q < 4; q++) {
-                const int at = p * 64 + 2 * col0 + 8 * q;
-                const __m256 w = from_wide ? _mm256_loadu_ps(wide + g * G32_CODE_BYTES + at) : g32_widen4(grp + at);
-                for (int r = 0; r < MR; r++) t[r][q] = _mm256_fmadd_ps(xb[r], w, t[r][q]);
+            const int at = p * 64 + 2 * col0;
+            __m256i w[2];
+            for (int q = 0; q < 2; q++)
+                w[q] = from_wide ? _mm256_loadu_si256((const __m256i *)(wide + g * G32_CODE_BYTES + at + 16 * q))
+                                 : g32_widen8(grp + at + 16 * q);
+            for (int r = 0; r < MR; r++) {
+                int32_t pair;
+                memcpy(&pair, xq + r * ldx + g * G32_K + 2 * p, 4);
+                const __m256i xb = _mm256_set1_epi32(pair);
+                t[r][0] = _mm256_add_epi32(t[r][0], _mm256_madd_epi16(w[0], xb));
+                t[r][1] = _mm256_add_epi32(t[r][1], _mm256_madd_epi16(w[1], xb));
             }
         }
         const uint16_t *h = (const uint16_t *)(grp + G32_CODE_BYTES) + col0;
@@ -193,9 +211,7 @@ static inline __attribute__((always_inline)) void g32_half(
             const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + 8 * b)));
             const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + 32 + 8 * b)));
             for (int r = 0; r < MR; r++) {
-                /* hadd: [c0, c1, c4, c5, c2, c3, c6, c7] -> columns in order */
-                const __m256 dot = _mm256_castpd_ps(_mm256_permute4x64_pd(
-                    _mm256_castps_pd(_mm256_hadd_ps(t[r][2 * b], t[r][2 * b + 1])), 0xD8));
+                const __m256 dot = _mm256_mul_ps(_mm256_cvtepi32_ps(t[r][b]), _mm256_set1_ps(xs[r * G + g]));
                 acc[r][b] = _mm256_fmadd_ps(m, _mm256_set1_ps(xsum[r * G + g]), _mm256_fmadd_ps(dot, d, acc[r][b]));
             }
         }
@@ -238,20 +254,23 @@ static void g32_linear_chunk(void *arg, int64_t begin, int64_t end) {
             }
         }
 #else
-        const int from_wide = m_end - m0 > G32_MR;
-        float *wide = NULL;
-        if (from_wide) g32_widen_tile(wt, G, wide = (float *)g32_scratch(2, (size_t)K * 128));
+        const int from_wide = m_end - m0 > 2;
+        int16_t *wide = NULL;
+        if (from_wide) g32_widen_tile(wt, G, wide = (int16_t *)g32_scratch(2, (size_t)K * 64));
         for (int64_t m = m0; m < m_end; m += G32_MR) {
+            const int rows = m_end - m < G32_MR ? (int)(m_end - m) : G32_MR;
             const int64_t at = m * a->N + j * 32;
             bf16 *y = a->y ? a->y + at : NULL;
             float *yf = a->yf ? a->yf + at : NULL;
-            const float *xf = a->xf + m * K, *xsum = a->xsum + m * G;
+            const int16_t *xq = a->xq + m * K;
+            const float *xs = a->xs + m * G, *xsum = a->xsum + m * G;
             for (int col0 = 0; col0 < 32; col0 += 16) {
-                if (m_end - m == 1) {
-                    if (from_wide) g32_half(1, 1, xf, K, xsum, G, wt, wide, col0, bias, y, yf, a->N);
-                    else g32_half(1, 0, xf, K, xsum, G, wt, wide, col0, bias, y, yf, a->N);
-                } else if (from_wide) g32_half(2, 1, xf, K, xsum, G, wt, wide, col0, bias, y, yf, a->N);
-                else g32_half(2, 0, xf, K, xsum, G, wt, wide, col0, bias, y, yf, a->N);
+#define G32_HALF(n) if (from_wide) g32_half(n, 1, xq, K, xs, xsum, G, wt, wide, col0, bias, y, yf, a->N); \
+                    else g32_half(n, 0, xq, K, xs, xsum, G, wt, wide, col0, bias, y, yf, a->N);
+                if (rows == 1) { G32_HALF(1) }
+                else if (rows == 2) { G32_HALF(2) }
+                else { G32_HALF(3) }
+#undef G32_HALF
             }
         }
 #endif
@@ -262,10 +281,11 @@ static void g32_linear_chunk(void *arg, int64_t begin, int64_t end) {
  * Needs N % 32 == 0 and K % 32 == 0. */
 void pd_linear_int8(const bf16 *x, const int8_t *w, const bf16 *bias, bf16 *y, float *yf, int64_t M, int64_t N,
                     int64_t K, int nthreads) {
-    g32_job job = {x, bias, w, NULL, NULL, y, yf, M, N, K, K / G32_K, N / 32};
+    g32_job job = {x, bias, w, NULL, NULL, NULL, y, yf, M, N, K, K / G32_K, N / 32};
     job.xsum = (float *)g32_scratch(0, sizeof(float) * (size_t)(M * job.G));
 #if !defined(__AVX512BF16__)
-    job.xf = (float *)g32_scratch(1, sizeof(float) * (size_t)(M * K));
+    job.xq = (int16_t *)g32_scratch(1, sizeof(int16_t) * (size_t)(M * K));
+    job.xs = (float *)g32_scratch(3, sizeof(float) * (size_t)(M * job.G));
 #endif
     if (M * K >= 65536) pool_run(g32_rows_prepare, &job, M, pool_chunk(M, nthreads, 2), nthreads);
     else g32_rows_prepare(&job, 0, M);
