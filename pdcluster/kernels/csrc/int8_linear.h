@@ -177,37 +177,38 @@ static void g32_widen_tile(const int8_t *wt, int64_t G, int16_t *wide) {
                                 g32_widen8(wt + g * G32_GROUP_BYTES + 16 * i));
 }
 
-/* MR rows (int16 xq, their group scales xs and sums xsum) times the 16 columns from col0 of one tile */
+/* MR rows (int16 xq, their group scales xs and sums xsum) times NQ x 8 columns from col0 of one tile */
 static inline __attribute__((always_inline)) void g32_half(
-    const int MR, const int from_wide, const int16_t *xq, int64_t ldx, const float *xs, const float *xsum,
+    const int MR, const int NQ, const int from_wide, const int16_t *xq, int64_t ldx, const float *xs, const float *xsum,
     int64_t G, const int8_t *wt, const int16_t *wide, int col0, const bf16 *bias, bf16 *y, float *yf, int64_t ldy) {
-    __m256 acc[G32_MR][2];
-    for (int r = 0; r < MR; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    __m256 acc[G32_MR][4];
+    for (int r = 0; r < MR; r++)
+        for (int q = 0; q < NQ; q++) acc[r][q] = _mm256_setzero_ps();
     for (int64_t g = 0; g < G; g++) {
         const int8_t *grp = wt + g * G32_GROUP_BYTES;
         if (!from_wide) _mm_prefetch((const char *)grp + PREFETCH_BYTES, _MM_HINT_T0),
                         _mm_prefetch((const char *)grp + PREFETCH_BYTES + 64 * 9, _MM_HINT_T0);
-        __m256i t[G32_MR][2];
-        for (int r = 0; r < MR; r++) t[r][0] = t[r][1] = _mm256_setzero_si256();
+        __m256i t[G32_MR][4];
+        for (int r = 0; r < MR; r++)
+            for (int q = 0; q < NQ; q++) t[r][q] = _mm256_setzero_si256();
 #pragma GCC unroll 4
         for (int p = 0; p < 16; p++) {
             if (!from_wide && (p & 3) == 0)
                 _mm_prefetch((const char *)grp + PREFETCH_BYTES + 64 * (p / 4 + 1), _MM_HINT_T0);
             const int at = p * 64 + 2 * col0;
-            __m256i w[2];
-            for (int q = 0; q < 2; q++)
+            __m256i w[4];
+            for (int q = 0; q < NQ; q++)
                 w[q] = from_wide ? _mm256_loadu_si256((const __m256i *)(wide + g * G32_CODE_BYTES + at + 16 * q))
                                  : g32_widen8(grp + at + 16 * q);
             for (int r = 0; r < MR; r++) {
                 int32_t pair;
                 memcpy(&pair, xq + r * ldx + g * G32_K + 2 * p, 4);
                 const __m256i xb = _mm256_set1_epi32(pair);
-                t[r][0] = _mm256_add_epi32(t[r][0], _mm256_madd_epi16(w[0], xb));
-                t[r][1] = _mm256_add_epi32(t[r][1], _mm256_madd_epi16(w[1], xb));
+                for (int q = 0; q < NQ; q++) t[r][q] = _mm256_add_epi32(t[r][q], _mm256_madd_epi16(w[q], xb));
             }
         }
         const uint16_t *h = (const uint16_t *)(grp + G32_CODE_BYTES) + col0;
-        for (int b = 0; b < 2; b++) {
+        for (int b = 0; b < NQ; b++) {
             const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + 8 * b)));
             const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + 32 + 8 * b)));
             for (int r = 0; r < MR; r++) {
@@ -217,7 +218,7 @@ static inline __attribute__((always_inline)) void g32_half(
         }
     }
     for (int r = 0; r < MR; r++)
-        for (int b = 0; b < 2; b++) {
+        for (int b = 0; b < NQ; b++) {
             const int64_t col = col0 + 8 * b;
             const __m256 v = bias ? _mm256_add_ps(acc[r][b], load8(bias + col)) : acc[r][b];
             if (yf) _mm256_storeu_ps(yf + r * ldy + col, v);
@@ -264,9 +265,13 @@ static void g32_linear_chunk(void *arg, int64_t begin, int64_t end) {
             float *yf = a->yf ? a->yf + at : NULL;
             const int16_t *xq = a->xq + m * K;
             const float *xs = a->xs + m * G, *xsum = a->xsum + m * G;
+            if (rows == 1 && !from_wide) {  /* decode: the whole tile in one pass over its codes */
+                g32_half(1, 4, 0, xq, K, xs, xsum, G, wt, wide, 0, bias, y, yf, a->N);
+                continue;
+            }
             for (int col0 = 0; col0 < 32; col0 += 16) {
-#define G32_HALF(n) if (from_wide) g32_half(n, 1, xq, K, xs, xsum, G, wt, wide, col0, bias, y, yf, a->N); \
-                    else g32_half(n, 0, xq, K, xs, xsum, G, wt, wide, col0, bias, y, yf, a->N);
+#define G32_HALF(n) if (from_wide) g32_half(n, 2, 1, xq, K, xs, xsum, G, wt, wide, col0, bias, y, yf, a->N); \
+                    else g32_half(n, 2, 0, xq, K, xs, xsum, G, wt, wide, col0, bias, y, yf, a->N);
                 if (rows == 1) { G32_HALF(1) }
                 else if (rows == 2) { G32_HALF(2) }
                 else { G32_HALF(3) }
