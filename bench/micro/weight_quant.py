@@ -1,4 +1,6 @@
-"""Weights in 8 bits (issue 35): int8 projections against bf16 in one run.
+"""Weights in 8 bits (issue 35): int8 weights (codes in groups of 32 with fp16
+scale and offset: the GGUF's own Q4_1/Q8_0 blocks; bf16 activations) against
+bf16 in one run.
 
 Speed (the engine, both models loaded side by side, sides alternated every
 round, the median of the per-round ratios):
@@ -12,7 +14,8 @@ Quality (no timing):
                           when that gap is small (the gap from bf16's final hidden state through the LM head
                           in fp32: its bf16 logits are 0.125 apart near 20; both are printed)
 Kernels (--kernels): the 120 projections of SmolLM2-135M streamed from memory, per build that runs here
-(AVX-512 VNNI, AVX2; AMX where present): bf16 packed linear vs int8 W8A8 vs int8 weight-only.
+(AVX-512 BF16 and AMX where present, AVX2): bf16 packed linear vs int8 in groups of 32; then the LM head
+(49152 x 576) alone at batch 1, bf16 vs int8.
 
     python -m bench.micro.weight_quant [--threads 2] [--rounds 5] [--kernels] [--quick]
     PDCLUSTER_CPU_KERNELS=avx2 python -m bench.micro.weight_quant     # the engine on the AVX2 build
@@ -94,10 +97,10 @@ def fp32_head_logits(model, ids: list[int], all_positions: bool = False) -> torc
 
     head, real = model.lm_head_weight, llama.ops.linear
 
-    def linear(x, weight, bias=None, w_scale=None):
+    def linear(x, weight, bias=None, w_scales=None):
         if weight is head:
             return x.float() @ ops.unpack_linear_weight(weight).float().T
-        return real(x, weight, bias, w_scale)
+        return real(x, weight, bias, w_scales)
 
     llama.ops.linear = linear
     try:
@@ -171,46 +174,62 @@ def prefill_tok_s(engine: Engine, rng: random.Random) -> float:
 
 # ---- kernels -----------------------------------------------------------------
 
+def _timed(fn, repeats: int = 5) -> float:
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return 1e3 * statistics.median(times)
+
+
 def kernel_table(threads: int, rows: tuple[int, ...]) -> None:
-    """ms for the 120 projections of SmolLM2-135M (weights far larger than the caches), per build."""
+    """ms for the 120 projections of SmolLM2-135M (weights far larger than the caches), per build; then the
+    LM head alone at batch 1."""
     from pdcluster.kernels import cpu_native
     from pdcluster.kernels import int8_linear as il
 
     shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30
     gen = torch.Generator().manual_seed(0)
     plain = [torch.randn(n, k, generator=gen).bfloat16() for n, k in shapes]
-    int8 = [il.pack_int8_weight(*il.quantize_weight(w)) for w in plain]
+    int8 = [il.pack_int8_weight(*il.quantize_groups(w)) for w in plain]
+    head = torch.randn(49152, 576, generator=gen).bfloat16()
+    head8 = il.pack_int8_weight(*il.quantize_groups(head))
     p = cpu_native._p
     print(f"\n# kernels: 120 SmolLM2-135M projections, {threads} threads, ms (median of 5); ratio vs bf16")
-    print(f"{'build':>12} {'M':>5} | {'bf16':>8} | {'int8 w8a8':>15} | {'int8 weight-only':>16}")
+    print(f"{'build':>12} {'M':>5} | {'bf16':>8} | {'int8 g32':>15}")
     for variant in cpu_native.supported_variants():
         lib = ctypes.CDLL(str(cpu_native.build(which=variant)))
         for name, argtypes in cpu_native._SIGNATURES.items():
             getattr(lib, name).argtypes = argtypes
-        bf16 = [torch.empty(w.shape[0] // 32, w.shape[1] // 2, 32, 2, dtype=torch.bfloat16) for w in plain]
-        for w, out in zip(plain, bf16):
+
+        def packed_bf16(w: torch.Tensor) -> torch.Tensor:
+            out = torch.empty(w.shape[0] // 32, w.shape[1] // 2, 32, 2, dtype=torch.bfloat16)
             lib.pd_pack_weight_bf16(p(w), p(out), *w.shape)
+            return out
+
+        bf16 = [packed_bf16(w) for w in plain]
         for m in rows:
             xs = {k: torch.randn(m, k, generator=gen).bfloat16() for k in (576, 1536)}
             ys = {n: torch.empty(m, n, dtype=torch.bfloat16) for n in (960, 576, 3072)}
 
-            def run(kind: str) -> float:
-                times = []
-                for _ in range(5):
-                    t = time.perf_counter()
-                    for (n, k), wb, wi in zip(shapes, bf16, int8):
-                        if kind == "bf16":
-                            lib.pd_linear_packed_bf16(p(xs[k]), p(wb), None, p(ys[n]), m, n, k, threads)
-                        else:
-                            lib.pd_linear_int8(p(xs[k]), p(wi), None, p(ys[n]), None, m, n, k,
-                                               int(kind == "weight_only"), threads)
-                    times.append(time.perf_counter() - t)
-                return 1e3 * statistics.median(times)
+            def run_bf16() -> None:
+                for (n, k), w in zip(shapes, bf16):
+                    lib.pd_linear_packed_bf16(p(xs[k]), p(w), None, p(ys[n]), m, n, k, threads)
 
-            b, q, wo = run("bf16"), run("w8a8"), run("weight_only")
-            b = min(b, run("bf16"))
-            print(f"{variant.name:>12} {m:>5} | {b:8.2f} | {q:8.2f} ({q / b:.2f}x) | {wo:9.2f} ({wo / b:.2f}x)",
-                  flush=True)
+            def run_int8() -> None:
+                for (n, k), w in zip(shapes, int8):
+                    lib.pd_linear_int8(p(xs[k]), p(w), None, p(ys[n]), None, m, n, k, threads)
+
+            b, q = _timed(run_bf16), _timed(run_int8)
+            b, q = min(b, _timed(run_bf16)), min(q, _timed(run_int8))
+            print(f"{variant.name:>12} {m:>5} | {b:8.2f} | {q:8.2f} ({q / b:.2f}x)", flush=True)
+        hb, x1, y1 = packed_bf16(head), torch.randn(1, 576, generator=gen).bfloat16(), torch.empty(1, 49152).bfloat16()
+        run_head = lambda w, fn: lambda: fn(p(x1), p(w), None, p(y1), *((None,) if w is head8 else ()),  # noqa: E731
+                                            1, 49152, 576, threads)
+        b = min(_timed(run_head(hb, lib.pd_linear_packed_bf16)) for _ in range(2))
+        q = min(_timed(run_head(head8, lib.pd_linear_int8)) for _ in range(2))
+        print(f"{variant.name:>12} LM head 49152x576, M=1: bf16 {b:.2f} ms, int8 {q:.2f} ms ({q / b:.2f}x)", flush=True)
 
 
 # ---- main --------------------------------------------------------------------
@@ -225,9 +244,9 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     print_fingerprint()
     from pdcluster.kernels import ops
-    print(f"# int8 weights (per-channel int8 projections and LM head after activation smoothing, per-token int8 "
-          f"activations; embedding rows and norms bf16) vs bf16, {args.threads} threads, native build "
-          f"{ops.native_variant()}")
+    print(f"# int8 weights (projections and LM head as int8 codes in groups of 32 with fp16 scale and offset: the "
+          f"GGUF's Q4_1/Q8_0 blocks exactly; bf16 activations; embedding rows and norms bf16) vs bf16, "
+          f"{args.threads} threads, native build {ops.native_variant()}")
     forced = os.environ.get("PDCLUSTER_CPU_KERNELS")
     print("# reproduce: " + (f"PDCLUSTER_CPU_KERNELS={forced} " if forced else "") + "python -m bench.micro.weight_quant"
           + (f" --threads {args.threads}" if args.threads != 2 else "") + (" --kernels" if args.kernels else "")
