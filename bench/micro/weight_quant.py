@@ -193,11 +193,14 @@ def kernel_table(threads: int, rows: tuple[int, ...]) -> None:
     gen = torch.Generator().manual_seed(0)
     plain = [torch.randn(n, k, generator=gen).bfloat16() for n, k in shapes]
     int8 = [il.pack_int8_weight(*il.quantize_groups(w)) for w in plain]
+    # Q4_1's codes (0..15) as the default model's projections hold them: packed 4 bits a code
+    nibbles = [il.pack_int8_weight(torch.randint(0, 16, w.shape, generator=gen, dtype=torch.int8),
+                                   il.quantize_groups(w)[1]) for w in plain]
     head = torch.randn(49152, 576, generator=gen).bfloat16()
     head8 = il.pack_int8_weight(*il.quantize_groups(head))
     p = cpu_native._p
     print(f"\n# kernels: 120 SmolLM2-135M projections, {threads} threads, ms (median of 5); ratio vs bf16")
-    print(f"{'build':>12} {'M':>5} | {'bf16':>8} | {'int8 g32':>15}")
+    print(f"{'build':>12} {'M':>5} | {'bf16':>8} | {'int8 g32, 8-bit codes':>21} | {'4-bit codes (Q4_1)':>18}")
     for variant in cpu_native.supported_variants():
         lib = ctypes.CDLL(str(cpu_native.build(which=variant)))
         for name, argtypes in cpu_native._SIGNATURES.items():
@@ -217,18 +220,26 @@ def kernel_table(threads: int, rows: tuple[int, ...]) -> None:
                 for (n, k), w in zip(shapes, bf16):
                     lib.pd_linear_packed_bf16(p(xs[k]), p(w), None, p(ys[n]), m, n, k, threads)
 
-            def run_int8() -> None:
-                for (n, k), w in zip(shapes, int8):
-                    lib.pd_linear_int8(p(xs[k]), p(w), None, p(ys[n]), None, m, n, k, threads)
+            def run_int8(weights: list[torch.Tensor], bits: int):
+                def run() -> None:
+                    for (n, k), w in zip(shapes, weights):
+                        lib.pd_linear_int8(p(xs[k]), p(w), None, p(ys[n]), None, m, n, k, bits, threads)
+                return run
 
-            b, q = _timed(run_bf16), _timed(run_int8)
-            b, q = min(b, _timed(run_bf16)), min(q, _timed(run_int8))
-            print(f"{variant.name:>12} {m:>5} | {b:8.2f} | {q:8.2f} ({q / b:.2f}x)", flush=True)
+            b, q, h = _timed(run_bf16), _timed(run_int8(int8, 8)), _timed(run_int8(nibbles, 4))
+            b, q, h = min(b, _timed(run_bf16)), min(q, _timed(run_int8(int8, 8))), min(h, _timed(run_int8(nibbles, 4)))
+            print(f"{variant.name:>12} {m:>5} | {b:8.2f} | {q:12.2f} ({q / b:.2f}x) | {h:9.2f} ({h / b:.2f}x)",
+                  flush=True)
         hb, x1, y1 = packed_bf16(head), torch.randn(1, 576, generator=gen).bfloat16(), torch.empty(1, 49152).bfloat16()
-        run_head = lambda w, fn: lambda: fn(p(x1), p(w), None, p(y1), *((None,) if w is head8 else ()),  # noqa: E731
-                                            1, 49152, 576, threads)
-        b = min(_timed(run_head(hb, lib.pd_linear_packed_bf16)) for _ in range(2))
-        q = min(_timed(run_head(head8, lib.pd_linear_int8)) for _ in range(2))
+
+        def head_bf16() -> None:
+            lib.pd_linear_packed_bf16(p(x1), p(hb), None, p(y1), 1, 49152, 576, threads)
+
+        def head_int8() -> None:
+            lib.pd_linear_int8(p(x1), p(head8), None, p(y1), None, 1, 49152, 576, 8, threads)
+
+        b = min(_timed(head_bf16) for _ in range(2))
+        q = min(_timed(head_int8) for _ in range(2))
         print(f"{variant.name:>12} LM head 49152x576, M=1: bf16 {b:.2f} ms, int8 {q:.2f} ms ({q / b:.2f}x)", flush=True)
 
 
@@ -245,12 +256,13 @@ def main(argv: list[str] | None = None) -> int:
     print_fingerprint()
     from pdcluster.kernels import ops
     print(f"# int8 weights (projections and LM head as int8 codes in groups of 32 with fp16 scale and offset: the "
-          f"GGUF's Q4_1/Q8_0 blocks exactly; bf16 activations; embedding rows and norms bf16) vs bf16, "
+          f"GGUF's Q4_1/Q8_0 blocks exactly; activations bf16 on AVX-512 BF16, int16 per group of 32 on AVX2; "
+          f"embedding rows and norms bf16) vs bf16, "
           f"{args.threads} threads, native build {ops.native_variant()}")
     forced = os.environ.get("PDCLUSTER_CPU_KERNELS")
     print("# reproduce: " + (f"PDCLUSTER_CPU_KERNELS={forced} " if forced else "") + "python -m bench.micro.weight_quant"
           + (f" --threads {args.threads}" if args.threads != 2 else "") + (" --kernels" if args.kernels else "")
-          + (" --quick" if args.quick else ""))
+          + (f" --rounds {args.rounds}" if args.rounds != 5 else "") + (" --quick" if args.quick else ""))
     engines = {}
     for wd in ("auto", "int8"):
         print(f"... loading the {wd} engine", file=sys.stderr, flush=True)

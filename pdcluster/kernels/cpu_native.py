@@ -136,7 +136,7 @@ _SIGNATURES = {
     "pd_write_kv_bf16": [_ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _i64],
     "pd_hadamard_rows_bf16": [_ptr, _i64, _i64, _i64, _i64],
     # int8 weights (csrc/int8_linear.h; pdcluster/kernels/int8_linear.py)
-    "pd_linear_int8": [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int],
+    "pd_linear_int8": [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int, _int],
     # 8-bit KV pools (csrc/kv8_kernels.h): the bf16 signatures plus the pool's kind (and the write's K shift,
     # and prefill's chunk K/V: pdcluster/kernels/prefill_attention.py ChunkKV)
     "pd_write_kv_q8": [_ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _int, _ptr],
@@ -150,8 +150,8 @@ _SIGNATURES = {
 _AMX_SIGNATURES = {"pd_amx_ready": [], "pd_linear_uses_amx": [_i64, _i64, _i64]}
 
 # How a DecoderStack's projections are packed (PD_WEIGHTS_* in csrc/portable_kernels.h): bf16 by
-# pack_weight, int8 (codes in groups of 32) by pdcluster/kernels/int8_linear.pack_int8_weight.
-WEIGHT_KINDS = {"bf16": 0, "int8": 1}
+# pack_weight, int8 (codes in groups of 32, 8 or 4 bits a code) by pdcluster/kernels/int8_linear.pack_int8_weight.
+WEIGHT_KINDS = {"bf16": 0, "int8": 1, "int8_4bit": 2}
 
 # The KV pool formats the native kernels read and write (PD_KV_* in csrc/kv8_kernels.h).
 KV_KINDS = {torch.bfloat16: 0, torch.int8: 1, torch.float8_e4m3fn: 2}

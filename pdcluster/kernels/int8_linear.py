@@ -32,7 +32,6 @@ from pdcluster.kernels import cpu_native
 
 GROUP = 32  # k per group (G32_K in the C source)
 TILE = 32  # output columns per packed tile
-GROUP_BYTES = 1152  # one group of one tile: 1024 codes, 32 d and 32 m in fp16 (G32_GROUP_BYTES)
 
 # GGUF block types this scheme holds exactly: ggml type id -> (bytes per block, has an offset m)
 _Q4_1, _Q8_0 = 3, 8
@@ -104,23 +103,47 @@ def packable(codes: torch.Tensor) -> bool:
     return codes.dim() == 2 and codes.shape[0] % TILE == 0 and codes.shape[1] % GROUP == 0
 
 
-def pack_int8_weight(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """(int8 [N, K], fp16 [N, K/32, 2]) -> int8 [N / 32, K / 32, 1152]: tile j's group g is its codes as
-    [16 k pairs][32 columns][2], then the 32 columns' d, then their m (fp16)."""
+def code_bits(codes: torch.Tensor) -> int:
+    """4 when every code fits a nibble (0..15: a GGUF's Q4_1 tensor), else 8: the bits a packed code takes."""
+    return 4 if codes.numel() and int(codes.min()) >= 0 and int(codes.max()) <= 15 else 8
+
+
+def group_bytes(bits: int) -> int:
+    """One group of one packed tile: its codes, then 32 d and 32 m in fp16 (g32_group_bytes in the C source)."""
+    return 1024 * bits // 8 + 128
+
+
+def pack_int8_weight(codes: torch.Tensor, scales: torch.Tensor, bits: int | None = None) -> torch.Tensor:
+    """(int8 [N, K], fp16 [N, K/32, 2]) -> int8 [N / 32, K / 32, group_bytes(bits)]: tile j's group g is its
+    codes as [16 k pairs][32 columns][2] (8 bits), or those 1024 codes two to a byte (4 bits: byte i of a k
+    pair's 32 holds its codes i and 32 + i), then the 32 columns' d, then their m (fp16).  ``bits``: default
+    :func:`code_bits`'s answer."""
     if not packable(codes):
         raise ValueError(f"int8 packing needs N % {TILE} == 0 and K % {GROUP} == 0, got {tuple(codes.shape)}")
+    bits = bits or code_bits(codes)
     n, k = codes.shape
     tiles, groups = n // TILE, k // GROUP
-    q = codes.view(tiles, TILE, groups, GROUP // 2, 2).permute(0, 2, 3, 1, 4).reshape(tiles, groups, 1024)
+    q = codes.view(tiles, TILE, groups, GROUP // 2, 2).permute(0, 2, 3, 1, 4).reshape(tiles, groups, 16, 64)
+    if bits == 4:
+        if code_bits(codes) != 4:
+            raise ValueError("4-bit packing needs every code in 0..15")
+        q = (q[..., :32] | (q[..., 32:] << 4))
     s = scales.half().view(tiles, TILE, groups, 2).permute(0, 2, 3, 1).contiguous()  # [tiles, groups, (d, m), 32]
-    return torch.cat([q, s.view(torch.int8).reshape(tiles, groups, 128)], dim=2).contiguous()
+    return torch.cat([q.reshape(tiles, groups, -1), s.view(torch.int8).reshape(tiles, groups, 128)], dim=2).contiguous()
+
+
+def packed_bits(packed: torch.Tensor) -> int:
+    return 4 if packed.shape[-1] == group_bytes(4) else 8
 
 
 def unpack_int8_weight(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The (codes, scales) that :func:`pack_int8_weight` packed."""
-    tiles, groups, _ = packed.shape
-    codes = packed[..., :1024].reshape(tiles, groups, GROUP // 2, TILE, 2).permute(0, 3, 1, 2, 4)
-    s = packed[..., 1024:].contiguous().view(torch.float16).view(tiles, groups, 2, TILE).permute(0, 3, 1, 2)
+    tiles, groups, size = packed.shape
+    raw = packed[..., :size - 128].reshape(tiles, groups, 16, -1)
+    if packed_bits(packed) == 4:
+        raw = torch.cat([raw & 0x0F, (raw >> 4) & 0x0F], dim=-1)
+    codes = raw.reshape(tiles, groups, GROUP // 2, TILE, 2).permute(0, 3, 1, 2, 4)
+    s = packed[..., size - 128:].contiguous().view(torch.float16).view(tiles, groups, 2, TILE).permute(0, 3, 1, 2)
     return codes.reshape(tiles * TILE, groups * GROUP), s.reshape(tiles * TILE, groups, 2)
 
 
@@ -144,5 +167,5 @@ def linear_native(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     p = cpu_native._p
     (lib or cpu_native.library()).pd_linear_int8(p(x2), p(packed), p(b), None if fp32_out else p(y),
                                                  p(y) if fp32_out else None, x2.shape[0], n, k,
-                                                 threads or cpu_native.num_threads())
+                                                 packed_bits(packed), threads or cpu_native.num_threads())
     return y.view(*x.shape[:-1], n)

@@ -272,7 +272,9 @@ def _weight_kind(projections: list[torch.Tensor]) -> int | None:
     if all(w.dim() == 4 and w.dtype == torch.bfloat16 for w in projections):
         return cpu_native.WEIGHT_KINDS["bf16"]
     if all(int8_linear.is_packed_int8(w) for w in projections):
-        return cpu_native.WEIGHT_KINDS["int8"]
+        bits = {int8_linear.packed_bits(w) for w in projections}
+        if len(bits) == 1:
+            return cpu_native.WEIGHT_KINDS["int8_4bit" if bits == {4} else "int8"]
     return None
 
 
