@@ -130,14 +130,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def _int8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                  w_scales: torch.Tensor | None) -> torch.Tensor:
-    """The native kernel for packed weights and bf16 CPU rows, else the torch reference (no Triton kernel
-    for this scheme yet: CUDA runs the reference too)."""
+    """The native kernel for packed weights and bf16 CPU rows, the Triton kernel on CUDA, else the torch
+    reference."""
     if int8_linear.is_packed_int8(weight):
         if int8_linear.native_takes(x):
             return int8_linear.linear_native(x, weight, bias)
         weight, w_scales = int8_linear.unpack_int8_weight(weight)
     if w_scales is None:
         raise ValueError("an int8 [N, K] weight needs its w_scales [N, K/32, 2]")
+    if _on_cuda(x):
+        return _triton("int8_linear", "int8_linear_triton")(x, weight, w_scales, bias)
     return int8_linear.int8_linear_ref(x, weight, w_scales, bias)
 
 

@@ -28,6 +28,7 @@ ELEMENTWISE_TOL = {torch.float32: (1e-6, 1e-6), torch.float16: (1e-3, 1e-3), tor
 TRITON_MODULES = (
     "pdcluster.kernels.triton_common", "pdcluster.kernels.triton_kv8", "pdcluster.kernels.triton_paged_decode_attention", "pdcluster.kernels.triton_prefill_attention",
     "pdcluster.kernels.triton_kv_write", "pdcluster.kernels.triton_block_copy", "pdcluster.kernels.triton_rmsnorm", "pdcluster.kernels.triton_rope",
+    "pdcluster.kernels.triton_int8_linear",
 )
 
 

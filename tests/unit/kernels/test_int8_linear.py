@@ -184,3 +184,15 @@ def test_a_row_is_the_same_in_any_batch_and_on_any_threads(build, n, k, bits):
             for r, want in zip((0, 2, 15, 256), alone):
                 if r < rows:
                     assert torch.equal(batch[r:r + 1], want), (rows, threads, r)
+
+
+@pytest.mark.parametrize("m,n,k", [(3, 64, 64), (17, 96, 96)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_triton_int8_linear_matches_the_reference(tk, m, n, k, with_bias):
+    codes, scales = il.quantize_groups(torch.randn(n, k))
+    x = torch.randn(m, k)
+    bias = torch.randn(n) if with_bias else None
+    got = tk.int8_linear.int8_linear_triton(x, codes, scales, bias)
+    torch.testing.assert_close(got, il.int8_linear_ref(x, codes, scales, bias), rtol=1e-5, atol=1e-5)
+    alone = tk.int8_linear.int8_linear_triton(x[1:2], codes, scales, bias)
+    assert torch.equal(alone, got[1:2])  # a row's groups add up alike in any batch
