@@ -62,11 +62,22 @@ def _hf_state(model) -> dict[str, torch.Tensor]:
     return state
 
 
-def tiny_int8_model():
+def _q4_groups(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_1's arithmetic: per group of 32, d = range / 15, m = the least value, codes 0..15."""
+    n, k = w.shape
+    g = w.float().view(n, k // 32, 32)
+    lo, hi = g.amin(-1), g.amax(-1)
+    d, m = ((hi - lo) / 15).half(), lo.half()
+    codes = torch.round((g - m.float()[..., None]) / d.float()[..., None]).clamp(0, 15).to(torch.int8)
+    return codes.view(n, k), torch.stack([d, m], dim=-1)
+
+
+def tiny_int8_model(q4: bool = False):
+    """tiny_model's weights in groups of 32: 8-bit codes (quantize_groups), or Q4_1's 4-bit ones (``q4``)."""
     model = tiny_model()
     state = _hf_state(model)
-    model.quantize_projections(quantize_state(lambda name: int8_linear.quantize_groups(state[name]), model.cfg),
-                               "int8")
+    groups = _q4_groups if q4 else int8_linear.quantize_groups
+    model.quantize_projections(quantize_state(lambda name: groups(state[name]), model.cfg), "int8")
     model.pack_weights()
     return model
 
@@ -95,9 +106,11 @@ def test_a_checkpoint_directory_is_quantized_at_load(tmp_path):
 
 @pytest.mark.skipif(not cpu_native.available(), reason="needs the native kernels")
 @pytest.mark.parametrize("chunks", [(37,), (21, 16)])
-def test_the_native_stack_runs_int8_bit_for_bit_as_the_per_op_path(chunks):
-    model = tiny_int8_model()
-    assert model.native_stack is not None and model.native_stack.weight_kind == cpu_native.WEIGHT_KINDS["int8"]
+@pytest.mark.parametrize("q4", [False, True], ids=["8-bit", "4-bit"])
+def test_the_native_stack_runs_int8_bit_for_bit_as_the_per_op_path(chunks, q4):
+    model = tiny_int8_model(q4)
+    kind = cpu_native.WEIGHT_KINDS["int8_4bit" if q4 else "int8"]
+    assert model.native_stack is not None and model.native_stack.weight_kind == kind
     assert int8_linear.is_packed_int8(model.layers[0].qkv_proj.weight) and int8_linear.is_packed_int8(model.lm_head_int8)
     assert model.embed_tokens.weight.dtype == torch.bfloat16  # the tied embedding keeps its rows
     pool = lambda: torch.zeros(10, 3, 2, BS, 2, 32, dtype=torch.bfloat16)  # noqa: E731
