@@ -1,10 +1,13 @@
 """int8 linears in groups of 32 (pdcluster/kernels/int8_linear.py, csrc/int8_linear.h): the scheme (GGUF's
 Q4_1 and Q8_0 blocks exactly, other weights per group), the packed layout, and that every native build that
-runs here matches the torch reference on odd shapes and gives a row the same bits in any batch and on any
-number of threads."""
+runs here (and, on an AVX-512 CPU without AVX-512 BF16, that build with its three BF16 instructions emulated:
+emulated_bf16.c) matches the torch reference on odd shapes and gives a row the same bits in any batch and on
+any number of threads; the Triton kernel under the interpreter likewise."""
 
 import ctypes
 import shutil
+import subprocess
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,19 +20,44 @@ BF16 = torch.bfloat16
 SHAPES = [(1, 960, 576), (2, 32, 32), (3, 64, 96), (5, 96, 64), (9, 3072, 576), (17, 576, 1536), (260, 96, 64)]
 
 
-def _runnable_builds():
-    if not (shutil.which("cc") or shutil.which("gcc")):
+EMULATED = "avx512_bf16_emulated"  # the AVX-512 BF16 build with its BF16 instructions emulated (emulated_bf16.c)
+
+
+def _cc() -> str | None:
+    return shutil.which("cc") or shutil.which("gcc")
+
+
+def _runnable_builds() -> list:
+    if not _cc():
         return []
-    return cpu_native.supported_variants()
+    builds = [v.name for v in cpu_native.supported_variants()]
+    flags = cpu_native._cpu_flags()
+    if "avx512_bf16" not in builds and {"avx512f", "avx512bw", "avx512vl", "f16c", "fma"} <= flags:
+        builds.append(EMULATED)
+    return builds
 
 
-@pytest.fixture(scope="module", params=_runnable_builds(), ids=lambda v: v.name)
-def build(request):
-    """(variant name, that build's library), each loaded on its own."""
-    lib = ctypes.CDLL(str(cpu_native.build(which=request.param)))
+def _emulated_library(tmp: Path) -> Path:
+    out = tmp / "emulated_bf16.so"
+    here = Path(__file__).with_name("emulated_bf16.c")
+    done = subprocess.run([_cc(), "-O2", "-std=gnu11", "-fPIC", "-shared", "-pthread", "-fno-math-errno", "-mavx512f",
+                           "-mavx512bw", "-mavx512vl", "-mfma", "-mf16c", f"-I{cpu_native.CSRC}", str(here), "-o",
+                           str(out), "-lm"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    return out
+
+
+@pytest.fixture(scope="module", params=_runnable_builds())
+def build(request, tmp_path_factory):
+    """(variant name, that build's library), each loaded on its own; on an AVX-512 CPU without BF16 also the
+    AVX-512 BF16 build with those instructions emulated, so its int8 code runs here too."""
+    if request.param == EMULATED:
+        lib = ctypes.CDLL(str(_emulated_library(tmp_path_factory.mktemp("emulated"))))
+    else:
+        lib = ctypes.CDLL(str(cpu_native.build(which=next(v for v in cpu_native.VARIANTS if v.name == request.param))))
     fn = lib.pd_linear_int8
     fn.argtypes, fn.restype = cpu_native._SIGNATURES["pd_linear_int8"], None
-    return request.param.name, lib
+    return request.param, lib
 
 
 # ---- the scheme ----------------------------------------------------------------
