@@ -34,7 +34,9 @@ linear in the same run):
 
 The LM head (49152 x 576, Q8_0's codes, 8 bits) at batch 1: bf16 3.28 ms,
 int8 1.43 ms (0.44x; 0.54x in an earlier run), so the head runs in int8.
-The AVX-512 BF16 path is compiled but has not run on hardware here.
+The AVX-512 BF16 micro-kernels (csrc/int8_linear_avx512.h) have not run on
+BF16 hardware: the tests run them here with the BF16 instructions emulated
+(tests/unit/kernels/emulated_bf16.c), for correctness only.
 """
 
 from __future__ import annotations
