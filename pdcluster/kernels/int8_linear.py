@@ -5,7 +5,7 @@ scheme, the torch reference, the packed layout the native kernels read
     W[n, k] = d[n, g] * q[n, k] + m[n, g]      g = k // 32; q int8, d and m fp16 ("scales" [N, K/32, 2])
     y[r, n] = sum_g ( d[n, g] * (x[r, group g] . q[n, group g]) + m[n, g] * sum(x[r, group g]) ) + bias[n]
 
-Weight only: a GGUF's layout, a Q4_1 block (d, m fp16; 32 codes 0..15) and
+Weight only, in a GGUF's layout: a Q4_1 block (d, m fp16; 32 codes 0..15) and
 a Q8_0 block (d fp16; 32 codes -127..127; m = 0) are one group each, exactly
 (:func:`from_gguf_blocks`), so the default model's Q4_1 file runs as
 shipped, nearer to it than its bf16 copy.  Other checkpoints quantize per
@@ -49,7 +49,7 @@ from pdcluster.kernels import cpu_native
 GROUP = 32  # k per group (G32_K in the C source)
 TILE = 32  # output columns per packed tile
 
-# GGUF block types this scheme holds exactly: ggml type id -> (bytes per block, has an offset m)
+# The GGUF block types this scheme holds exactly (ggml type ids)
 _Q4_1, _Q8_0 = 3, 8
 
 
