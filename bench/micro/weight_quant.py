@@ -7,6 +7,8 @@ round, the median of the per-round ratios):
     batch-1 decode step   median step time of one request at ~256 tokens of context
     c16 output tok/s      16 requests (128-token prompts, 64 output tokens), closed loop, prefill included
     prefill tok/s         4 prompts x 512 tokens to their first tokens
+    (c16 and prefill: both engines get the same requests and step in turn, each step timed, so a burst of
+    the machine's other load lands on both sides alike)
 Quality (no timing):
     perplexity            bench/workloads/perplexity_text.txt (our own text, ~3k tokens), 512-token windows
     greedy departures     16 chat prompts x 64 tokens, greedy with each model; at the first token where int8
@@ -30,6 +32,7 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -154,22 +157,45 @@ def batch1_steps_ms(engines: dict[str, Engine], rng: random.Random, blocks: int,
     return {wd: 1e3 * statistics.median(ts) for wd, ts in times.items()}
 
 
-def c16_tok_s(engine: Engine, rng: random.Random, out_tokens: int) -> float:
-    for i in range(16):
-        engine.add_request(f"c16-{i}", random_prompt(rng, 128), greedy(out_tokens, ignore_eos=True))
-    produced, t = 0, time.perf_counter()
-    while engine.has_unfinished():
-        produced += sum(len(o.new_token_ids) for o in engine.step())
-    return produced / (time.perf_counter() - t)
+def taking_turns(engines: dict[str, Engine], add: Callable[[Engine], None]) -> dict[str, tuple[int, float]]:
+    """Each engine gets the same requests (``add``), then the engines step in turn (who goes first flips every
+    step) until all are done: per engine, (output tokens, seconds of its own steps).  Turn by turn, both
+    sides meet the machine's load alike (a shared machine's bursts otherwise land on one side's run)."""
+    for e in engines.values():
+        add(e)
+    produced, seconds = {wd: 0 for wd in engines}, {wd: 0.0 for wd in engines}
+    turn = 0
+    while any(e.has_unfinished() for e in engines.values()):
+        for wd in (list(engines) if turn % 2 == 0 else list(engines)[::-1]):
+            if engines[wd].has_unfinished():
+                t = time.perf_counter()
+                outs = engines[wd].step()
+                seconds[wd] += time.perf_counter() - t
+                produced[wd] += sum(len(o.new_token_ids) for o in outs)
+        turn += 1
+    return {wd: (produced[wd], seconds[wd]) for wd in engines}
 
 
-def prefill_tok_s(engine: Engine, rng: random.Random) -> float:
-    for i in range(4):
-        engine.add_request(f"prefill-{i}", random_prompt(rng, 512), greedy(1))
-    t = time.perf_counter()
-    while engine.has_unfinished():
-        engine.step()
-    return 4 * 512 / (time.perf_counter() - t)
+def c16_tok_s(engines: dict[str, Engine], seed: int, out_tokens: int) -> dict[str, float]:
+    """16 requests (128-token prompts, ``out_tokens`` each), prefill included: output tokens per second."""
+    prompts = [random_prompt(random.Random(seed * 100 + i), 128) for i in range(16)]
+
+    def add(e: Engine) -> None:
+        for i, prompt in enumerate(prompts):
+            e.add_request(f"c16-{i}", prompt, greedy(out_tokens, ignore_eos=True))
+
+    return {wd: n / s for wd, (n, s) in taking_turns(engines, add).items()}
+
+
+def prefill_tok_s(engines: dict[str, Engine], seed: int) -> dict[str, float]:
+    """4 prompts x 512 tokens to their first tokens: prompt tokens per second."""
+    prompts = [random_prompt(random.Random(seed * 100 + 50 + i), 512) for i in range(4)]
+
+    def add(e: Engine) -> None:
+        for i, prompt in enumerate(prompts):
+            e.add_request(f"prefill-{i}", prompt, greedy(1))
+
+    return {wd: 4 * 512 / s for wd, (_, s) in taking_turns(engines, add).items()}
 
 
 # ---- kernels -----------------------------------------------------------------
@@ -276,11 +302,10 @@ def main(argv: list[str] | None = None) -> int:
     for r in range(args.rounds):
         print(f"... round {r + 1}/{args.rounds}: batch-1 steps, both engines taking turns", file=sys.stderr, flush=True)
         step = batch1_steps_ms(engines, random.Random(r), blocks)
-        got = {}
-        for wd in (("auto", "int8") if r % 2 == 0 else ("int8", "auto")):
-            print(f"... round {r + 1}/{args.rounds}: c16 and prefill, {wd}", file=sys.stderr, flush=True)
-            rng = random.Random(r)
-            got[wd] = (step[wd], c16_tok_s(engines[wd], rng, out_tokens), prefill_tok_s(engines[wd], rng))
+        print(f"... round {r + 1}/{args.rounds}: c16 and prefill, the engines taking turns", file=sys.stderr,
+              flush=True)
+        c16, pre = c16_tok_s(engines, r, out_tokens), prefill_tok_s(engines, r)
+        got = {wd: (step[wd], c16[wd], pre[wd]) for wd in engines}
         print(f"round {r + 1}: batch-1 step bf16 {got['auto'][0]:.2f} ms, int8 {got['int8'][0]:.2f} ms; "
               f"c16 bf16 {got['auto'][1]:.1f} tok/s, int8 {got['int8'][1]:.1f}; "
               f"prefill bf16 {got['auto'][2]:.0f} tok/s, int8 {got['int8'][2]:.0f}", flush=True)
