@@ -3,7 +3,7 @@
 #ifndef PD_INT8_LINEAR_AVX2_H
 #define PD_INT8_LINEAR_AVX2_H
 
-#define G32_MR 3  /* rows per pass over 16 columns: 3 x 2 group sums + 3 x 2 accumulators of 16 registers */
+#define G32_MR 5  /* rows per pass over 16 columns: 5 x 2 group sums in registers, the accumulators in L1 */
 
 /* 16 codes at c (8 columns x (k0, k1) of one k pair) -> int16 */
 static inline __m256i g32_widen8(const int8_t *c) {
@@ -46,9 +46,9 @@ static inline __attribute__((always_inline)) void g32_half(
     const int MR, const int NQ, const int src, const int16_t *xq, int64_t ldx, const float *xs, const float *xsum,
     int64_t G, int64_t gb, const int8_t *wt, const int16_t *wide, int col0, const bf16 *bias, bf16 *y, float *yf,
     int64_t ldy) {
-    __m256 acc[G32_MR][4];
+    float acc[G32_MR][32] __attribute__((aligned(32)));  /* fp32 through memory: exact, and registers for t */
     for (int r = 0; r < MR; r++)
-        for (int q = 0; q < NQ; q++) acc[r][q] = _mm256_setzero_ps();
+        for (int q = 0; q < NQ; q++) _mm256_store_ps(acc[r] + 8 * q, _mm256_setzero_ps());
     for (int64_t g = 0; g < G; g++) {
         const int8_t *grp = wt + g * gb;
         if (src != G32_FROM_WIDE) _mm_prefetch((const char *)grp + PREFETCH_BYTES, _MM_HINT_T0),
@@ -75,14 +75,15 @@ static inline __attribute__((always_inline)) void g32_half(
             const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + 32 + 8 * b)));
             for (int r = 0; r < MR; r++) {
                 const __m256 dot = _mm256_mul_ps(_mm256_cvtepi32_ps(t[r][b]), _mm256_set1_ps(xs[r * G + g]));
-                acc[r][b] = _mm256_fmadd_ps(m, _mm256_set1_ps(xsum[r * G + g]), _mm256_fmadd_ps(dot, d, acc[r][b]));
+                _mm256_store_ps(acc[r] + 8 * b, _mm256_fmadd_ps(m, _mm256_set1_ps(xsum[r * G + g]),
+                                                                 _mm256_fmadd_ps(dot, d, _mm256_load_ps(acc[r] + 8 * b))));
             }
         }
     }
     for (int r = 0; r < MR; r++)
         for (int b = 0; b < NQ; b++) {
             const int64_t col = col0 + 8 * b;
-            const __m256 v = bias ? _mm256_add_ps(acc[r][b], load8(bias + col)) : acc[r][b];
+            const __m256 a = _mm256_load_ps(acc[r] + 8 * b), v = bias ? _mm256_add_ps(a, load8(bias + col)) : a;
             if (yf) _mm256_storeu_ps(yf + r * ldy + col, v);
             else store8(y + r * ldy + col, v);
         }
@@ -106,9 +107,13 @@ static void g32_rows(int rows, int src, const int16_t *xq, int64_t ldx, const fl
         if (src == G32_FROM_WIDE) g32_half(n, 2, G32_FROM_WIDE, xq, ldx, xs, xsum, G, gb, wt, wide, col0, bias, y, yf, ldy); \
         else if (src == G32_FROM_CODES8) g32_half(n, 2, G32_FROM_CODES8, xq, ldx, xs, xsum, G, gb, wt, NULL, col0, bias, y, yf, ldy); \
         else g32_half(n, 2, G32_FROM_NIBBLES, xq, ldx, xs, xsum, G, gb, wt, NULL, col0, bias, y, yf, ldy);
-        if (rows == 1) { G32_HALF(1) }
-        else if (rows == 2) { G32_HALF(2) }
-        else { G32_HALF(3) }
+        switch (rows) {
+        case 1: G32_HALF(1) break;
+        case 2: G32_HALF(2) break;
+        case 3: G32_HALF(3) break;
+        case 4: G32_HALF(4) break;
+        default: G32_HALF(5)
+        }
 #undef G32_HALF
     }
 }
