@@ -72,31 +72,49 @@ typedef struct {
     int bits;
 } g32_job;
 
-/* items: rows; each row's group sums in k order (and, for AVX2, its int16 groups and their scales) */
+/* 8 bf16 -> 8 fp32 (AVX2: both builds) */
+static inline __m256 g32_load8(const bf16 *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
+/* the 8 lanes of v added in a fixed order: (0+4, 1+5, 2+6, 3+7), then pairs */
+static inline float g32_hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+/* items: rows; each row's group sums (a fixed order: the four 8-wide quarters added pairwise, then across the
+ * lanes) and, for AVX2, its int16 groups and their scales */
 static void g32_rows_prepare(void *arg, int64_t begin, int64_t end) {
     const g32_job *a = (const g32_job *)arg;
-    for (int64_t r = begin; r < end; r++) {
-        const bf16 *x = a->x + r * a->K;
+    const __m256 sign = _mm256_set1_ps(-0.f), top = _mm256_set1_ps(32767.f), bottom = _mm256_set1_ps(-32767.f);
+    for (int64_t r = begin; r < end; r++)
         for (int64_t g = 0; g < a->G; g++) {
-            float s = 0.f;
-            for (int k = 0; k < G32_K; k++) s += to_f32(x[g * G32_K + k]);
-            a->xsum[r * a->G + g] = s;
-        }
-        for (int64_t g = 0; a->xq && g < a->G; g++) {
-            float amax = 0.f;
-            for (int k = 0; k < G32_K; k++) {
-                const float v = fabsf(to_f32(x[g * G32_K + k]));
-                amax = v > amax ? v : amax;
-            }
+            const bf16 *x = a->x + r * a->K + g * G32_K;
+            __m256 v[4];
+            for (int i = 0; i < 4; i++) v[i] = g32_load8(x + 8 * i);
+            a->xsum[r * a->G + g] = g32_hsum8(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
+            if (!a->xq) continue;
+            __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                                      _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+            const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
             const float inv = amax > 0.f ? 32767.f / amax : 0.f;
             a->xs[r * a->G + g] = amax / 32767.f;
-            for (int k = 0; k < G32_K; k++) {
-                float q = nearbyintf(to_f32(x[g * G32_K + k]) * inv);
-                q = q > 32767.f ? 32767.f : q < -32767.f ? -32767.f : q;
-                a->xq[r * a->K + g * G32_K + k] = (int16_t)q;
+            __m256i q[4];
+            for (int i = 0; i < 4; i++) {  /* round half to even, as nearbyintf */
+                const __m256 t = _mm256_round_ps(_mm256_mul_ps(v[i], _mm256_set1_ps(inv)),
+                                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                q[i] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(t, bottom), top));
             }
+            /* packs interleaves 128-bit lanes: put them back in k order */
+            const __m256i p01 = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[0], q[1]), 0xD8);
+            const __m256i p23 = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2], q[3]), 0xD8);
+            _mm256_storeu_si256((__m256i *)(a->xq + r * a->K + g * G32_K), p01);
+            _mm256_storeu_si256((__m256i *)(a->xq + r * a->K + g * G32_K + 16), p23);
         }
-    }
 }
 
 /* Where a micro-kernel's codes come from (a compile-time constant in each instance) */
