@@ -8,7 +8,7 @@
  *     y[r, n] = sum_g ( d[n, g] * dot_g(x[r], q[n]) + m[n, g] * xsum[r, g] ) + bias[n]
  *
  * dot_g: the group's 32 products summed; xsum[r, g]: the fp32 sum of x[r]
- * over the group (k order), once per row, shared by every column.  The
+ * over the group (in one fixed order), once per row, shared by every column.  The
  * groups add up in g order into one fp32 accumulator per (row, column), so
  * a row's output is the same bits in whatever batch it came and however the
  * threads split the columns (exact resume needs that):
