@@ -28,12 +28,14 @@ test run, so noisy by tens of percent; ms and ratio to the bf16 packed
 linear in the same run):
 
     build     M    bf16    int8, 8-bit codes   4-bit codes (Q4_1's)
-    avx2      1    9.69     7.25 (0.75x)        4.74 (0.49x)
-    avx2     16   58.36    48.39 (0.83x)       40.78 (0.70x)
-    avx2    256  697.73   399.54 (0.57x)      448.65 (0.64x)
+    avx2      1   16.55    11.32 (0.68x)        7.00 (0.42x)
+    avx2     16   71.87    50.30 (0.70x)       46.61 (0.65x)
+    avx2    256  873.13   643.23 (0.74x)      657.79 (0.75x)
 
-The LM head (49152 x 576, Q8_0's codes, 8 bits) at batch 1: bf16 3.28 ms,
-int8 1.43 ms (0.44x; 0.54x in an earlier run), so the head runs in int8.
+(Other runs of the same build the same afternoon: 4-bit 0.33x-0.49x at
+M=1, 0.58x-0.70x at 16, 0.64x-0.76x at 256.)  The LM head (49152 x 576,
+Q8_0's codes, 8 bits) at batch 1: bf16 3.56 ms, int8 1.59 ms (0.45x;
+0.18x-0.58x in other runs), so the head runs in int8.
 The AVX-512 BF16 micro-kernels (csrc/int8_linear_avx512.h) have not run on
 BF16 hardware: the tests run them here with the BF16 instructions emulated
 (tests/unit/kernels/emulated_bf16.c), for correctness only.

@@ -15,8 +15,9 @@ biases and the embedding rows are not touched.
 
 The LM head in int8: at batch 1 it streams 49152 x 576 weights, a fifth of
 a bf16 step's bytes; int8 reads 1.125 bytes a weight instead of 2, and
-measured 0.44x-0.54x of bf16's time at batch 1 (bench.micro.weight_quant
---kernels, the head's row; pdcluster/kernels/int8_linear.py).
+measured 0.18x-0.58x of bf16's time at batch 1 across runs on a noisy
+machine (bench.micro.weight_quant --kernels, the head's row;
+pdcluster/kernels/int8_linear.py).
 
 For a GGUF the tensors are made once and kept beside the converted copy
 (pdcluster/services/model_cache.py ``derived_file``), named by the scheme's id
