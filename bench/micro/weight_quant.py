@@ -1,10 +1,14 @@
-"""Weights in 8 bits (issue 35): int8 projections against bf16 in one run.
+"""Weights in 8 bits (issue 35): int8 weights (codes in groups of 32 with fp16
+scale and offset: the GGUF's own Q4_1/Q8_0 blocks; bf16 activations) against
+bf16 in one run.
 
 Speed (the engine, both models loaded side by side, sides alternated every
 round, the median of the per-round ratios):
     batch-1 decode step   median step time of one request at ~256 tokens of context
     c16 output tok/s      16 requests (128-token prompts, 64 output tokens), closed loop, prefill included
     prefill tok/s         4 prompts x 512 tokens to their first tokens
+    (c16 and prefill: both engines get the same requests and step in turn, each step timed, so a burst of
+    the machine's other load lands on both sides alike)
 Quality (no timing):
     perplexity            bench/workloads/perplexity_text.txt (our own text, ~3k tokens), 512-token windows
     greedy departures     16 chat prompts x 64 tokens, greedy with each model; at the first token where int8
@@ -12,7 +16,8 @@ Quality (no timing):
                           when that gap is small (the gap from bf16's final hidden state through the LM head
                           in fp32: its bf16 logits are 0.125 apart near 20; both are printed)
 Kernels (--kernels): the 120 projections of SmolLM2-135M streamed from memory, per build that runs here
-(AVX-512 VNNI, AVX2; AMX where present): bf16 packed linear vs int8 W8A8 vs int8 weight-only.
+(AVX-512 BF16 and AMX where present, AVX2): bf16 packed linear vs int8 in groups of 32; then the LM head
+(49152 x 576) alone at batch 1, bf16 vs int8.
 
     python -m bench.micro.weight_quant [--threads 2] [--rounds 5] [--kernels] [--quick]
     PDCLUSTER_CPU_KERNELS=avx2 python -m bench.micro.weight_quant     # the engine on the AVX2 build
@@ -27,6 +32,7 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -94,10 +100,10 @@ def fp32_head_logits(model, ids: list[int], all_positions: bool = False) -> torc
 
     head, real = model.lm_head_weight, llama.ops.linear
 
-    def linear(x, weight, bias=None, w_scale=None):
+    def linear(x, weight, bias=None, w_scales=None):
         if weight is head:
             return x.float() @ ops.unpack_linear_weight(weight).float().T
-        return real(x, weight, bias, w_scale)
+        return real(x, weight, bias, w_scales)
 
     llama.ops.linear = linear
     try:
@@ -151,66 +157,116 @@ def batch1_steps_ms(engines: dict[str, Engine], rng: random.Random, blocks: int,
     return {wd: 1e3 * statistics.median(ts) for wd, ts in times.items()}
 
 
-def c16_tok_s(engine: Engine, rng: random.Random, out_tokens: int) -> float:
-    for i in range(16):
-        engine.add_request(f"c16-{i}", random_prompt(rng, 128), greedy(out_tokens, ignore_eos=True))
-    produced, t = 0, time.perf_counter()
-    while engine.has_unfinished():
-        produced += sum(len(o.new_token_ids) for o in engine.step())
-    return produced / (time.perf_counter() - t)
+def taking_turns(engines: dict[str, Engine], add: Callable[[Engine], None]) -> dict[str, tuple[int, float]]:
+    """Each engine gets the same requests (``add``), then the engines step in turn (who goes first flips every
+    step) until all are done: per engine, (output tokens, seconds of its own steps).  Turn by turn, both
+    sides meet the machine's load alike (a shared machine's bursts otherwise land on one side's run)."""
+    for e in engines.values():
+        add(e)
+    produced, seconds = {wd: 0 for wd in engines}, {wd: 0.0 for wd in engines}
+    turn = 0
+    while any(e.has_unfinished() for e in engines.values()):
+        for wd in (list(engines) if turn % 2 == 0 else list(engines)[::-1]):
+            if engines[wd].has_unfinished():
+                t = time.perf_counter()
+                outs = engines[wd].step()
+                seconds[wd] += time.perf_counter() - t
+                produced[wd] += sum(len(o.new_token_ids) for o in outs)
+        turn += 1
+    return {wd: (produced[wd], seconds[wd]) for wd in engines}
 
 
-def prefill_tok_s(engine: Engine, rng: random.Random) -> float:
-    for i in range(4):
-        engine.add_request(f"prefill-{i}", random_prompt(rng, 512), greedy(1))
-    t = time.perf_counter()
-    while engine.has_unfinished():
-        engine.step()
-    return 4 * 512 / (time.perf_counter() - t)
+def c16_tok_s(engines: dict[str, Engine], seed: int, out_tokens: int) -> dict[str, float]:
+    """16 requests (128-token prompts, ``out_tokens`` each), prefill included: output tokens per second."""
+    prompts = [random_prompt(random.Random(seed * 100 + i), 128) for i in range(16)]
+
+    def add(e: Engine) -> None:
+        for i, prompt in enumerate(prompts):
+            e.add_request(f"c16-{i}", prompt, greedy(out_tokens, ignore_eos=True))
+
+    return {wd: n / s for wd, (n, s) in taking_turns(engines, add).items()}
+
+
+def prefill_tok_s(engines: dict[str, Engine], seed: int) -> dict[str, float]:
+    """4 prompts x 512 tokens to their first tokens: prompt tokens per second."""
+    prompts = [random_prompt(random.Random(seed * 100 + 50 + i), 512) for i in range(4)]
+
+    def add(e: Engine) -> None:
+        for i, prompt in enumerate(prompts):
+            e.add_request(f"prefill-{i}", prompt, greedy(1))
+
+    return {wd: 4 * 512 / s for wd, (_, s) in taking_turns(engines, add).items()}
 
 
 # ---- kernels -----------------------------------------------------------------
 
+def _timed(fn, repeats: int = 5) -> float:
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return 1e3 * statistics.median(times)
+
+
 def kernel_table(threads: int, rows: tuple[int, ...]) -> None:
-    """ms for the 120 projections of SmolLM2-135M (weights far larger than the caches), per build."""
+    """ms for the 120 projections of SmolLM2-135M (weights far larger than the caches), per build; then the
+    LM head alone at batch 1."""
     from pdcluster.kernels import cpu_native
     from pdcluster.kernels import int8_linear as il
 
     shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30
     gen = torch.Generator().manual_seed(0)
     plain = [torch.randn(n, k, generator=gen).bfloat16() for n, k in shapes]
-    int8 = [il.pack_int8_weight(*il.quantize_weight(w)) for w in plain]
+    int8 = [il.pack_int8_weight(*il.quantize_groups(w)) for w in plain]
+    # Q4_1's codes (0..15) as the default model's projections hold them: packed 4 bits a code
+    nibbles = [il.pack_int8_weight(torch.randint(0, 16, w.shape, generator=gen, dtype=torch.int8),
+                                   il.quantize_groups(w)[1]) for w in plain]
+    head = torch.randn(49152, 576, generator=gen).bfloat16()
+    head8 = il.pack_int8_weight(*il.quantize_groups(head))
     p = cpu_native._p
     print(f"\n# kernels: 120 SmolLM2-135M projections, {threads} threads, ms (median of 5); ratio vs bf16")
-    print(f"{'build':>12} {'M':>5} | {'bf16':>8} | {'int8 w8a8':>15} | {'int8 weight-only':>16}")
+    print(f"{'build':>12} {'M':>5} | {'bf16':>8} | {'int8 g32, 8-bit codes':>21} | {'4-bit codes (Q4_1)':>18}")
     for variant in cpu_native.supported_variants():
         lib = ctypes.CDLL(str(cpu_native.build(which=variant)))
         for name, argtypes in cpu_native._SIGNATURES.items():
             getattr(lib, name).argtypes = argtypes
-        bf16 = [torch.empty(w.shape[0] // 32, w.shape[1] // 2, 32, 2, dtype=torch.bfloat16) for w in plain]
-        for w, out in zip(plain, bf16):
+
+        def packed_bf16(w: torch.Tensor) -> torch.Tensor:
+            out = torch.empty(w.shape[0] // 32, w.shape[1] // 2, 32, 2, dtype=torch.bfloat16)
             lib.pd_pack_weight_bf16(p(w), p(out), *w.shape)
+            return out
+
+        bf16 = [packed_bf16(w) for w in plain]
         for m in rows:
             xs = {k: torch.randn(m, k, generator=gen).bfloat16() for k in (576, 1536)}
             ys = {n: torch.empty(m, n, dtype=torch.bfloat16) for n in (960, 576, 3072)}
 
-            def run(kind: str) -> float:
-                times = []
-                for _ in range(5):
-                    t = time.perf_counter()
-                    for (n, k), wb, wi in zip(shapes, bf16, int8):
-                        if kind == "bf16":
-                            lib.pd_linear_packed_bf16(p(xs[k]), p(wb), None, p(ys[n]), m, n, k, threads)
-                        else:
-                            lib.pd_linear_int8(p(xs[k]), p(wi), None, p(ys[n]), None, m, n, k,
-                                               int(kind == "weight_only"), threads)
-                    times.append(time.perf_counter() - t)
-                return 1e3 * statistics.median(times)
+            def run_bf16() -> None:
+                for (n, k), w in zip(shapes, bf16):
+                    lib.pd_linear_packed_bf16(p(xs[k]), p(w), None, p(ys[n]), m, n, k, threads)
 
-            b, q, wo = run("bf16"), run("w8a8"), run("weight_only")
-            b = min(b, run("bf16"))
-            print(f"{variant.name:>12} {m:>5} | {b:8.2f} | {q:8.2f} ({q / b:.2f}x) | {wo:9.2f} ({wo / b:.2f}x)",
+            def run_int8(weights: list[torch.Tensor], bits: int):
+                def run() -> None:
+                    for (n, k), w in zip(shapes, weights):
+                        lib.pd_linear_int8(p(xs[k]), p(w), None, p(ys[n]), None, m, n, k, bits, threads)
+                return run
+
+            b, q, h = _timed(run_bf16), _timed(run_int8(int8, 8)), _timed(run_int8(nibbles, 4))
+            b, q, h = min(b, _timed(run_bf16)), min(q, _timed(run_int8(int8, 8))), min(h, _timed(run_int8(nibbles, 4)))
+            print(f"{variant.name:>12} {m:>5} | {b:8.2f} | {q:12.2f} ({q / b:.2f}x) | {h:9.2f} ({h / b:.2f}x)",
                   flush=True)
+        hb, x1, y1 = packed_bf16(head), torch.randn(1, 576, generator=gen).bfloat16(), torch.empty(1, 49152).bfloat16()
+
+        def head_bf16() -> None:
+            lib.pd_linear_packed_bf16(p(x1), p(hb), None, p(y1), 1, 49152, 576, threads)
+
+        def head_int8() -> None:
+            lib.pd_linear_int8(p(x1), p(head8), None, p(y1), None, 1, 49152, 576, 8, threads)
+
+        b = min(_timed(head_bf16) for _ in range(2))
+        q = min(_timed(head_int8) for _ in range(2))
+        print(f"{variant.name:>12} LM head 49152x576, M=1: bf16 {b:.2f} ms, int8 {q:.2f} ms ({q / b:.2f}x)", flush=True)
 
 
 # ---- main --------------------------------------------------------------------
@@ -225,13 +281,14 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     print_fingerprint()
     from pdcluster.kernels import ops
-    print(f"# int8 weights (per-channel int8 projections and LM head after activation smoothing, per-token int8 "
-          f"activations; embedding rows and norms bf16) vs bf16, {args.threads} threads, native build "
-          f"{ops.native_variant()}")
+    print(f"# int8 weights (projections and LM head as int8 codes in groups of 32 with fp16 scale and offset: the "
+          f"GGUF's Q4_1/Q8_0 blocks exactly; activations bf16 on AVX-512 BF16, int16 per group of 32 on AVX2; "
+          f"embedding rows and norms bf16) vs bf16, "
+          f"{args.threads} threads, native build {ops.native_variant()}")
     forced = os.environ.get("PDCLUSTER_CPU_KERNELS")
     print("# reproduce: " + (f"PDCLUSTER_CPU_KERNELS={forced} " if forced else "") + "python -m bench.micro.weight_quant"
           + (f" --threads {args.threads}" if args.threads != 2 else "") + (" --kernels" if args.kernels else "")
-          + (" --quick" if args.quick else ""))
+          + (f" --rounds {args.rounds}" if args.rounds != 5 else "") + (" --quick" if args.quick else ""))
     engines = {}
     for wd in ("auto", "int8"):
         print(f"... loading the {wd} engine", file=sys.stderr, flush=True)
@@ -245,11 +302,10 @@ def main(argv: list[str] | None = None) -> int:
     for r in range(args.rounds):
         print(f"... round {r + 1}/{args.rounds}: batch-1 steps, both engines taking turns", file=sys.stderr, flush=True)
         step = batch1_steps_ms(engines, random.Random(r), blocks)
-        got = {}
-        for wd in (("auto", "int8") if r % 2 == 0 else ("int8", "auto")):
-            print(f"... round {r + 1}/{args.rounds}: c16 and prefill, {wd}", file=sys.stderr, flush=True)
-            rng = random.Random(r)
-            got[wd] = (step[wd], c16_tok_s(engines[wd], rng, out_tokens), prefill_tok_s(engines[wd], rng))
+        print(f"... round {r + 1}/{args.rounds}: c16 and prefill, the engines taking turns", file=sys.stderr,
+              flush=True)
+        c16, pre = c16_tok_s(engines, r, out_tokens), prefill_tok_s(engines, r)
+        got = {wd: (step[wd], c16[wd], pre[wd]) for wd in engines}
         print(f"round {r + 1}: batch-1 step bf16 {got['auto'][0]:.2f} ms, int8 {got['int8'][0]:.2f} ms; "
               f"c16 bf16 {got['auto'][1]:.1f} tok/s, int8 {got['int8'][1]:.1f}; "
               f"prefill bf16 {got['auto'][2]:.0f} tok/s, int8 {got['int8'][2]:.0f}", flush=True)

@@ -17,9 +17,10 @@ the prefill-vs-decode arithmetic: the engine's bench decodes).  Printed:
 
 A variant quantizes in fp32 torch (fake quantization: int8 codes times their
 scales; per-channel weights and per-token activations with the kernels' own
-rounding, pdcluster/kernels/int8_linear.py), from the checkpoint's fp32 values, with
-SmoothQuant factors as pdcluster/services/engine/model/weight_smoothing.py derives
-them (applied inline, x / s against W * s, not folded into the norms).
+rounding of the W8A8 kernels this study retired, ``quantize_rows`` below), from the checkpoint's fp32
+values, with SmoothQuant factors as bench/micro/weight_smoothing.py derives them (applied inline,
+x / s against W * s, not folded into the norms).  The first row measures whatever ``weight_dtype: int8``
+loads today: since issue 35's group-32 scheme, the GGUF's own blocks (weight-only), no longer W8A8.
 
 Measured (SmolLM2-135M-Instruct, the default model; 2-vCPU AMD EPYC,
 avx512_bf16 build, 1 thread; 4 minutes):
@@ -59,8 +60,9 @@ only one variant reaches the floor: 32-wide weight groups against bf16
 activations (W8A16, 0.157); 32-wide groups on both sides of W8A8 stop at
 0.184.  But weight-only runs 2.2x bf16's time at 16 rows and 256
 (pdcluster/kernels/int8_linear.py), and c16 and prefill owe their gain to W8A8's
-integer products on prompt chunks: with the kernels that exist, no mix
-meets the departure goal and the speed goals together.
+integer products on prompt chunks: with the kernels that existed then, no mix
+met the departure goal and the speed goals together.  (What followed:
+pdcluster/kernels/int8_linear.py's group-32 scheme with its own kernels.)
 
     python -m bench.micro.weight_quant_sensitivity [--threads 1]
 """
@@ -77,13 +79,12 @@ import torch
 
 from bench.fingerprint import print_fingerprint
 from bench.micro.weight_quant import CHAT_PROMPTS, forward_logits, fp32_head_logits, greedy_answers
-from pdcluster.kernels import int8_linear
 from pdcluster.services.engine.config import EngineConfig, SchedulerConfig
 from pdcluster.services.engine.engine import Engine
 from pdcluster.services.engine.model import llama
 from pdcluster.services.engine.model.k_smoothing import calibration_token_ids
 from pdcluster.services.engine.model.loader import load_model
-from pdcluster.services.engine.model.weight_smoothing import factors, input_maxima, o_factors
+from bench.micro.weight_smoothing import factors, input_maxima, o_factors
 from pdcluster.services.model_meta import safetensors_files
 
 OUT_TOKENS = 64
@@ -109,17 +110,26 @@ class Variant:
     head: Quant | None = None  # None: the model's bf16 LM head
 
 
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[M, K] -> (int8 [M, K], fp32 scale [M]), symmetric per row, as the retired W8A8 kernels rounded weights
+    (per output channel) and activations (per token): 127 / amax as one fp32 division, round half to even."""
+    xf = x.float()
+    amax = xf.abs().amax(dim=-1)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    return torch.round(xf * inv[:, None]).clamp(-127, 127).to(torch.int8), amax / 127
+
+
 def fake_quant(x: torch.Tensor, how: str | None, rows_are_weights: bool) -> torch.Tensor:
     """fp32 [M, K] -> its int8 codes times their scales, one scale per row ("channel" / "token": the kernels'
     rounding) or per 32 or 64 consecutive k of a row ("g32", "g64"); None: unchanged."""
     if how is None:
         return x
     if how in ("channel", "token"):
-        q, scale = (int8_linear.quantize_weight if rows_are_weights else int8_linear.quantize_tokens)(x)
+        q, scale = quantize_rows(x)
         return q.float() * scale[:, None]
     group = int(how[1:])
     m, k = x.shape
-    q, scale = int8_linear.quantize_tokens(x.reshape(m * k // group, group))
+    q, scale = quantize_rows(x.reshape(m * k // group, group))
     return (q.float() * scale[:, None]).view(m, k)
 
 
@@ -177,11 +187,11 @@ class Simulator:
                 return project(x, proj)
             return self._linear(x, (i, name), quant).to(x.dtype).view(*x.shape[:-1], -1)
 
-        def quantized_linear(x, weight, bias=None, w_scale=None):
+        def quantized_linear(x, weight, bias=None, w_scales=None):
             head = weight is model.embed_tokens.weight or (model.lm_head is not None and weight is model.lm_head.weight)
             if head and variant.head is not None:
                 return self._linear(x, "head", variant.head)
-            return linear(x, weight, bias, w_scale)
+            return linear(x, weight, bias, w_scales)
 
         llama._project, llama.ops.linear = quantized_project, quantized_linear
         try:

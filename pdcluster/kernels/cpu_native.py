@@ -93,14 +93,12 @@ class Variant:
         return [*COMMON_FLAGS, *self.isa_flags]
 
 
-# VNNI rides with AVX-512 BF16 (every CPU with one has the other: Cooper Lake, Sapphire Rapids, Zen 4):
-# the int8 linears' products (csrc/int8_linear.h); likewise AMX-int8 with AMX-bf16
-_AVX512_BF16 = (("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-mfma", "-mf16c"),
-                ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni"))
+# The int8 linears (csrc/int8_linear.h) widen their codes to bf16: no int8 products, no VNNI or AMX-int8 needed
+_AVX512_BF16 = (("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-mf16c"),
+                ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"))
 VARIANTS = (  # best first
-    Variant("amx_bf16", CSRC / "cpu_kernels.c", (*_AVX512_BF16[0], "-mamx-tile", "-mamx-bf16", "-mamx-int8",
-                                                      "-DPD_AMX"),
-            (*_AVX512_BF16[1], "amx_tile", "amx_bf16", "amx_int8")),
+    Variant("amx_bf16", CSRC / "cpu_kernels.c", (*_AVX512_BF16[0], "-mamx-tile", "-mamx-bf16", "-DPD_AMX"),
+            (*_AVX512_BF16[1], "amx_tile", "amx_bf16")),
     Variant("avx512_bf16", CSRC / "cpu_kernels.c", *_AVX512_BF16),
     Variant("avx2", CSRC / "cpu_kernels_avx2.c", ("-mavx2", "-mfma", "-mf16c"), ("avx2", "fma", "f16c")),
 )
@@ -152,8 +150,8 @@ _SIGNATURES = {
 _AMX_SIGNATURES = {"pd_amx_ready": [], "pd_linear_uses_amx": [_i64, _i64, _i64]}
 
 # How a DecoderStack's projections are packed (PD_WEIGHTS_* in csrc/portable_kernels.h): bf16 by
-# pack_weight, int8 by pdcluster/kernels/int8_linear.pack_int8_weight and run W8A8 or weight-only.
-WEIGHT_KINDS = {"bf16": 0, "int8": 1, "int8_weight_only": 2}
+# pack_weight, int8 (codes in groups of 32, 8 or 4 bits a code) by pdcluster/kernels/int8_linear.pack_int8_weight.
+WEIGHT_KINDS = {"bf16": 0, "int8": 1, "int8_4bit": 2}
 
 # The KV pool formats the native kernels read and write (PD_KV_* in csrc/kv8_kernels.h).
 KV_KINDS = {torch.bfloat16: 0, torch.int8: 1, torch.float8_e4m3fn: 2}
@@ -253,7 +251,6 @@ def _loaded() -> tuple[ctypes.CDLL, Variant] | None:
         for name, argtypes in _SIGNATURES.items():
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = argtypes, None
-        lib.pd_linear_int8_path.argtypes, lib.pd_linear_int8_path.restype = [_i64, _i64, _i64, _int], ctypes.c_int
         for name, argtypes in _AMX_SIGNATURES.items() if candidate.name == "amx_bf16" else ():
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = argtypes, ctypes.c_int

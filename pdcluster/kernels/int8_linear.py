@@ -1,128 +1,172 @@
-"""Linears over int8 weights (``weight_dtype: int8``): the torch references,
-the packed layout the native kernels read, and the call into them.
+"""Linears over int8 weights in groups of 32 (``weight_dtype: int8``): the
+scheme, the torch reference, the packed layout the native kernels read
+(csrc/int8_linear.h), and the call into them.
 
-    weights      per output channel, symmetric: scale[n] = max |W[n, :]| / 127,
-                 Wq = round(W / scale) in [-127, 127]           (quantize_weight, once per load)
-    W8A8         per token, dynamic: s[m] = max |x[m, :]| / 127, q = round(x * (127 / max |x[m, :]|));
-                 y = bf16(float(sum_k q Wq) * (s[m] * scale[n]) + bias)    (int8_linear_ref)
-    weight-only  y = bf16((x . Wq in fp32) * scale[n] + bias)              (weight_only_linear_ref)
+    W[n, k] = d[n, g] * q[n, k] + m[n, g]      g = k // 32; q int8, d and m fp16 ("scales" [N, K/32, 2])
+    y[r, n] = sum_g ( d[n, g] * (x[r, group g] . q[n, group g]) + m[n, g] * sum(x[r, group g]) ) + bias[n]
 
-The integer sums are exact on every native product (AMX-int8, AVX-512
-VNNI, AVX2: csrc/int8_linear.h), so W8A8 is bit for bit the reference's on
-each of them, whatever batch a row comes in.  Weight-only sums fp32 in k
-order: close to the reference, not equal.
+Weight only, in a GGUF's layout: a Q4_1 block (d, m fp16; 32 codes 0..15) and
+a Q8_0 block (d fp16; 32 codes -127..127; m = 0) are one group each, exactly
+(:func:`from_gguf_blocks`), so the default model's Q4_1 file runs as
+shipped, nearer to it than its bf16 copy.  Other checkpoints quantize per
+group asymmetrically (:func:`quantize_groups`, codes -128..127).  Packed
+(:func:`pack_int8_weight`), codes that all fit a nibble (Q4_1's) take 4 bits
+each, others 8; the products are the same either way.
 
-Which mode a model runs (``WEIGHT_MODE``) is decided by measurement
-(``python -m bench.micro.weight_quant --kernels``: the 120 projections of
-SmolLM2-135M, 2 threads, 2-vCPU AMD EPYC, ms and ratio to the bf16 linear):
+The activations: bf16 on AVX-512 BF16 (VDPBF16PS against the codes widened
+to bf16) and in the torch reference and Triton (fp32); the AVX2 build scales
+each row's group of 32 to int16 (steps of 2^-15 of the group's largest
+value, well under bf16's own rounding) for exact integer group sums
+(csrc/int8_linear.h).  A row's output does not depend on the batch it comes
+in nor on the threads (exact resume): each row sums its groups in k order
+on every path.
 
-    build         M   bf16     W8A8           weight-only
-    avx512_bf16   1     9.40    5.40 (0.57x)    6.12 (0.65x)
-    avx512_bf16  16    24.83   23.24 (0.94x)   54.74 (2.20x)
-    avx512_bf16 256   435.86  233.25 (0.54x)  953.04 (2.19x)
-    avx2          1    16.07   10.79 (0.67x)   12.77 (0.79x)
-    avx2         16    63.15   50.65 (0.80x)   74.28 (1.18x)
-    avx2        256   676.40  506.03 (0.75x)  904.06 (1.34x)
+Measured (``python -m bench.micro.weight_quant --kernels``: the 120
+projections of SmolLM2-135M, 2 threads, on a 2-vCPU Intel Xeon with AVX-512F
+and VNNI but no AVX-512 BF16, so the avx2 build; shared with another job's
+test run, so noisy by tens of percent; ms and ratio to the bf16 packed
+linear in the same run):
 
-W8A8 is ahead at every row count on both builds, so it runs everywhere:
-one mode for every row count in any case, because a row's output must not
-depend on the batch it came in (exact resume).  Weight-only is the more
-accurate (perplexity +0.35 % against W8A8's +1.37 %, projections only) and
-stays for that comparison.
+    build     M    bf16    int8, 8-bit codes   4-bit codes (Q4_1's)
+    avx2      1   16.55    11.32 (0.68x)        7.00 (0.42x)
+    avx2     16   71.87    50.30 (0.70x)       46.61 (0.65x)
+    avx2    256  873.13   643.23 (0.74x)      657.79 (0.75x)
+
+(Other runs of the same build the same afternoon: 4-bit 0.33x-0.49x at
+M=1, 0.58x-0.70x at 16, 0.64x-0.76x at 256.)  The LM head (49152 x 576,
+Q8_0's codes, 8 bits) at batch 1: bf16 3.56 ms, int8 1.59 ms (0.45x;
+0.18x-0.58x in other runs), so the head runs in int8.
+The AVX-512 BF16 micro-kernels (csrc/int8_linear_avx512.h) have not run on
+BF16 hardware: the tests run them here with the BF16 instructions emulated
+(tests/unit/kernels/emulated_bf16.c), for correctness only.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from pdcluster.kernels import cpu_native
 
-TILE = 32  # output columns per packed tile (TILE_N in the C source)
-QMAX = 127
-# The mode the model's int8 linears run in: "w8a8" | "weight_only" (see the module docstring).
-WEIGHT_MODE = "w8a8"
-_MODES = {"w8a8": 0, "weight_only": 1}
-_PATHS = {0: "dot", 1: "amx_int8", 2: "weight_only"}
+GROUP = 32  # k per group (G32_K in the C source)
+TILE = 32  # output columns per packed tile
+
+# The GGUF block types this scheme holds exactly (ggml type ids)
+_Q4_1, _Q8_0 = 3, 8
 
 
-def _qmax_over(amax: torch.Tensor) -> torch.Tensor:
-    """127 / amax as one fp32 division, as C's ``127.f / amax`` (torch's ``127 / t`` is ``t.reciprocal() * 127``:
-    another rounding)."""
-    return torch.full_like(amax, float(QMAX)) / amax
+# ---- the scheme ----------------------------------------------------------------
+
+def from_gguf_blocks(raw: np.ndarray, ggml_type: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A GGUF tensor's raw blocks (uint8 [rows, bytes], as ``gguf.GGUFReader`` gives them) of type Q4_1 (3) or
+    Q8_0 (8) -> (codes int8 [rows, K], scales fp16 [rows, K/32, 2]): every value exactly as the file's."""
+    rows = raw.shape[0]
+    if ggml_type == _Q4_1:
+        blocks = raw.reshape(rows, -1, 20)
+        dm = blocks[..., :4].copy().view(np.float16).reshape(rows, -1, 2)
+        nib = blocks[..., 4:]
+        codes = np.concatenate([nib & 0x0F, nib >> 4], axis=-1).astype(np.int8)  # elements 0..15, then 16..31
+    elif ggml_type == _Q8_0:
+        blocks = raw.reshape(rows, -1, 34)
+        d = blocks[..., :2].copy().view(np.float16)
+        dm = np.concatenate([d, np.zeros_like(d)], axis=-1)
+        codes = blocks[..., 2:].copy().view(np.int8)
+    else:
+        raise ValueError(f"ggml type {ggml_type} is not Q4_1 (3) or Q8_0 (8): quantize its values instead")
+    return (torch.from_numpy(codes.reshape(rows, -1).copy()),
+            torch.from_numpy(np.ascontiguousarray(dm)).reshape(rows, -1, 2))
 
 
-def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[N, K] float weight -> (int8 [N, K], fp32 scale [N]), symmetric per output channel."""
-    w = weight.float()
-    amax = w.abs().amax(dim=1)
-    scale = amax / QMAX
-    inv = torch.where(amax > 0, _qmax_over(amax), torch.zeros_like(amax))
-    q = torch.round(w * inv[:, None]).clamp(-QMAX, QMAX).to(torch.int8)
-    return q, scale
+def quantize_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] float weight (K % 32 == 0) -> (codes int8 [N, K], scales fp16 [N, K/32, 2]): per group,
+    m the midpoint of its range and d the range / 255, both rounded to fp16 before the codes are made."""
+    n, k = weight.shape
+    if k % GROUP:
+        raise ValueError(f"int8 weights come in groups of {GROUP} along K; this weight is {n}x{k}: "
+                         f"use weight_dtype: auto for this model")
+    w = weight.float().view(n, k // GROUP, GROUP)
+    lo, hi = w.amin(dim=-1), w.amax(dim=-1)
+    d = ((hi - lo) / 255).half()
+    m = ((hi + lo) / 2).half()
+    safe = torch.where(d > 0, d.float(), torch.ones_like(lo))
+    q = torch.round((w - m.float()[..., None]) / safe[..., None]).clamp(-128, 127)
+    q = torch.where((d > 0)[..., None], q, torch.zeros_like(q)).to(torch.int8)
+    return q.view(n, k), torch.stack([d, m], dim=-1)
 
 
-def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[M, K] activations -> (int8 [M, K], fp32 scale [M]), as the native kernels round them."""
-    xf = x.float()
-    amax = xf.abs().amax(dim=-1)
-    inv = torch.where(amax > 0, _qmax_over(amax), torch.zeros_like(amax))
-    q = torch.round(xf * inv[:, None]).clamp(-QMAX, QMAX).to(torch.int8)
-    return q, amax / QMAX
+def dequantize(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """fp32 [N, K]: d * q + m per group (exact in fp32 for GGUF's blocks: as gguf's own dequantize)."""
+    n, k = codes.shape
+    s = scales.float()
+    return (codes.float().view(n, -1, GROUP) * s[..., :1] + s[..., 1:]).view(n, k)
 
 
-def int8_accumulate(xq: torch.Tensor, wq: torch.Tensor) -> torch.Tensor:
-    """Exact int32 sums ``xq @ wq.T`` (int64 on the way: torch has no int8 matmul on every device)."""
-    return (xq.to(torch.int64) @ wq.to(torch.int64).T).to(torch.int32)
-
-
-def int8_linear_ref(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
+def int8_linear_ref(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
                     bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """W8A8: ``x`` [..., K], ``wq`` [N, K] int8, ``w_scale`` [N] fp32 -> [..., N] in x's dtype (or out_dtype)."""
-    x2 = x.reshape(-1, x.shape[-1])
-    xq, xs = quantize_tokens(x2)
-    y = int8_accumulate(xq, wq).float() * (xs[:, None] * w_scale[None, :].float())
+    """``x`` [..., K] times int8 ``codes`` [N, K] with ``scales`` [N, K/32, 2] -> [..., N] in x's dtype (or
+    out_dtype), the formula above in fp32: each group's dot product, then d and m applied."""
+    n, k = codes.shape
+    x2 = x.reshape(-1, k).float().view(-1, k // GROUP, GROUP)
+    dots = torch.einsum("rgk,ngk->rng", x2, codes.float().view(n, -1, GROUP))
+    s = scales.float()
+    y = (dots * s[None, ..., 0] + x2.sum(-1)[:, None, :] * s[None, ..., 1]).sum(-1)
     if bias is not None:
         y = y + bias.float()
-    return y.to(out_dtype or x.dtype).view(*x.shape[:-1], wq.shape[0])
+    return y.to(out_dtype or x.dtype).view(*x.shape[:-1], n)
 
 
-def weight_only_linear_ref(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
-                           bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Weight-only: the int8 weights widened, fp32 activations, one scale per output column."""
-    y = (x.float() @ wq.float().T) * w_scale.float()
-    if bias is not None:
-        y = y + bias.float()
-    return y.to(out_dtype or x.dtype)
+# ---- the packed layout (csrc/int8_linear.h) ------------------------------------
+
+def packable(codes: torch.Tensor) -> bool:
+    return codes.dim() == 2 and codes.shape[0] % TILE == 0 and codes.shape[1] % GROUP == 0
 
 
-def packable(wq: torch.Tensor) -> bool:
-    return wq.dim() == 2 and wq.shape[0] % TILE == 0 and wq.shape[1] % 4 == 0
+def code_bits(codes: torch.Tensor) -> int:
+    """4 when every code fits a nibble (0..15: a GGUF's Q4_1 tensor), else 8: the bits a packed code takes."""
+    return 4 if codes.numel() and int(codes.min()) >= 0 and int(codes.max()) <= 15 else 8
 
 
-def pack_int8_weight(wq: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
-    """(int8 [N, K], fp32 [N]) -> the packed tiles of csrc/int8_linear.h: int8
-    [N / 32, K / 4 + 2, 32, 4], tile j's weights then its 32 scales and 32
-    integer row sums (each 128 bytes: one [32, 4] row)."""
-    if not packable(wq):
-        raise ValueError(f"int8 packing needs N % {TILE} == 0 and K % 4 == 0, got {tuple(wq.shape)}")
-    n, k = wq.shape
-    tiles = wq.view(n // TILE, TILE, k // 4, 4).permute(0, 2, 1, 3)
-    scale = w_scale.float().contiguous().view(n // TILE, 1, TILE).view(torch.int8).view(n // TILE, 1, TILE, 4)
-    wsum = wq.to(torch.int32).sum(dim=1, dtype=torch.int32).view(n // TILE, 1, TILE).view(torch.int8).view(n // TILE, 1, TILE, 4)
-    return torch.cat([tiles, scale, wsum], dim=1).contiguous()
+def group_bytes(bits: int) -> int:
+    """One group of one packed tile: its codes, then 32 d and 32 m in fp16 (g32_group_bytes in the C source)."""
+    return 1024 * bits // 8 + 128
+
+
+def pack_int8_weight(codes: torch.Tensor, scales: torch.Tensor, bits: int | None = None) -> torch.Tensor:
+    """(int8 [N, K], fp16 [N, K/32, 2]) -> int8 [N / 32, K / 32, group_bytes(bits)]: tile j's group g is its
+    codes as [16 k pairs][32 columns][2] (8 bits), or those 1024 codes two to a byte (4 bits: byte i of a k
+    pair's 32 holds its codes i and 32 + i), then the 32 columns' d, then their m (fp16).  ``bits``: default
+    :func:`code_bits`'s answer."""
+    if not packable(codes):
+        raise ValueError(f"int8 packing needs N % {TILE} == 0 and K % {GROUP} == 0, got {tuple(codes.shape)}")
+    bits = bits or code_bits(codes)
+    n, k = codes.shape
+    tiles, groups = n // TILE, k // GROUP
+    q = codes.view(tiles, TILE, groups, GROUP // 2, 2).permute(0, 2, 3, 1, 4).reshape(tiles, groups, 16, 64)
+    if bits == 4:
+        if code_bits(codes) != 4:
+            raise ValueError("4-bit packing needs every code in 0..15")
+        q = (q[..., :32] | (q[..., 32:] << 4))
+    s = scales.half().view(tiles, TILE, groups, 2).permute(0, 2, 3, 1).contiguous()  # [tiles, groups, (d, m), 32]
+    return torch.cat([q.reshape(tiles, groups, -1), s.view(torch.int8).reshape(tiles, groups, 128)], dim=2).contiguous()
+
+
+def packed_bits(packed: torch.Tensor) -> int:
+    return 4 if packed.shape[-1] == group_bytes(4) else 8
 
 
 def unpack_int8_weight(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The (int8 [N, K], fp32 scale [N]) that :func:`pack_int8_weight` packed."""
-    tiles, rows, tile, _ = packed.shape
-    k = (rows - 2) * 4
-    wq = packed[:, :-2].permute(0, 2, 1, 3).reshape(tiles * tile, k)
-    scale = packed[:, -2].contiguous().view(torch.float32).reshape(tiles * tile)
-    return wq, scale
+    """The (codes, scales) that :func:`pack_int8_weight` packed."""
+    tiles, groups, size = packed.shape
+    raw = packed[..., :size - 128].reshape(tiles, groups, 16, -1)
+    if packed_bits(packed) == 4:
+        raw = torch.cat([raw & 0x0F, (raw >> 4) & 0x0F], dim=-1)
+    codes = raw.reshape(tiles, groups, GROUP // 2, TILE, 2).permute(0, 3, 1, 2, 4)
+    s = packed[..., size - 128:].contiguous().view(torch.float16).view(tiles, groups, 2, TILE).permute(0, 3, 1, 2)
+    return codes.reshape(tiles * TILE, groups * GROUP), s.reshape(tiles * TILE, groups, 2)
 
 
 def is_packed_int8(weight: torch.Tensor) -> bool:
-    return weight.dtype == torch.int8 and weight.dim() == 4
+    return weight.dtype == torch.int8 and weight.dim() == 3
 
 
 def native_takes(x: torch.Tensor) -> bool:
@@ -130,40 +174,16 @@ def native_takes(x: torch.Tensor) -> bool:
 
 
 def linear_native(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None,
-                  mode: str = WEIGHT_MODE, fp32_out: bool = False, lib=None) -> torch.Tensor:
+                  fp32_out: bool = False, lib=None, threads: int | None = None) -> torch.Tensor:
     """``x`` [..., K] bf16 on the CPU times a packed int8 weight; bf16 out (fp32 when ``fp32_out``).
     ``lib``: another loaded build of the kernels (tests run every variant); default the process's own."""
-    tiles, rows, tile, _ = packed.shape
-    n, k = tiles * tile, (rows - 2) * 4
+    tiles, groups, _ = packed.shape
+    n, k = tiles * TILE, groups * GROUP
     x2 = x.reshape(-1, k).contiguous()
     y = torch.empty(x2.shape[0], n, dtype=torch.float32 if fp32_out else x.dtype)
     b = None if bias is None else bias.to(torch.bfloat16).contiguous()
     p = cpu_native._p
     (lib or cpu_native.library()).pd_linear_int8(p(x2), p(packed), p(b), None if fp32_out else p(y),
-                                        p(y) if fp32_out else None, x2.shape[0], n, k, _MODES[mode],
-                                        cpu_native.num_threads())
+                                                 p(y) if fp32_out else None, x2.shape[0], n, k,
+                                                 packed_bits(packed), threads or cpu_native.num_threads())
     return y.view(*x.shape[:-1], n)
-
-
-def int8_linear_path(m: int, n: int, k: int, variant_name: str | None, amx_ready: bool = True,
-                     mode: str = WEIGHT_MODE) -> str:
-    """Which product ``pd_linear_int8`` runs for x [m, k] times a packed [n, k]
-    int8 weight: "amx_int8" (tiles: the amx build, tile state granted, k % 64
-    == 0), "avx512_vnni" or "avx2" (the variant's dot products), "weight_only",
-    or "torch" (no native kernels).  Mirrors ``pd_linear_int8_path``."""
-    if variant_name is None:
-        return "torch"
-    if mode == "weight_only":
-        return "weight_only"
-    if variant_name == "amx_bf16" and amx_ready and k % 64 == 0:
-        return "amx_int8"
-    return "avx2" if variant_name == "avx2" else "avx512_vnni"
-
-
-def native_path(m: int, n: int, k: int, mode: str = WEIGHT_MODE) -> str:
-    """The C side's own answer for this process's loaded kernels (tests check the mirror against it)."""
-    lib = cpu_native.library()
-    if lib is None:
-        return "torch"
-    path = _PATHS[lib.pd_linear_int8_path(m, n, k, _MODES[mode])]
-    return path if path != "dot" else ("avx2" if cpu_native.loaded_variant() == "avx2" else "avx512_vnni")

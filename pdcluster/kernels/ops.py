@@ -37,7 +37,9 @@ from pdcluster.kernels.activation import silu_mul_ref
 from pdcluster.kernels.block_copy import gather_blocks_ref, scatter_blocks_ref
 from pdcluster.kernels.cpu_native import DecoderStack
 from pdcluster.kernels.kv_quant import is_quantized
-from pdcluster.kernels.int8_linear import quantize_weight
+from pdcluster.kernels.int8_linear import dequantize as dequantize_int8_weight
+from pdcluster.kernels.int8_linear import from_gguf_blocks as int8_weight_from_gguf
+from pdcluster.kernels.int8_linear import quantize_groups as quantize_int8_weight
 from pdcluster.kernels.kv_rotation import rotate_heads, rotates
 from pdcluster.kernels.kv_write import write_kv_ref
 from pdcluster.kernels.paged_decode_attention import paged_decode_attention_ref
@@ -48,7 +50,8 @@ from pdcluster.kernels.rope import apply_rope_ref, rope_cos_sin
 __all__ = [
     "write_kv", "paged_decode_attention", "prefill_attention", "gather_blocks",
     "scatter_blocks", "rmsnorm", "fused_add_rmsnorm", "apply_rope", "linear", "linear_path", "pack_linear_weight",
-    "unpack_linear_weight", "pack_int8_linear_weight", "quantize_weight", "silu_mul", "triton_available", "rotate_heads", "rotates",
+    "unpack_linear_weight", "pack_int8_linear_weight", "quantize_int8_weight", "int8_weight_from_gguf",
+    "dequantize_int8_weight", "silu_mul", "triton_available", "rotate_heads", "rotates",
     "ChunkKV", "DecoderStack", "decoder_stack", "decoder_stack_takes", "set_native_threads", "native_variant", "rope_cos_sin",
 ]
 
@@ -114,38 +117,38 @@ def linear_path(m: int, n: int, k: int) -> str:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           w_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear``; ``weight`` as given or as returned by :func:`pack_linear_weight`, or int8
-    (``weight_dtype: int8``: pdcluster/kernels/int8_linear.py): [N, K] codes with ``w_scale`` [N], or as
-    :func:`pack_int8_linear_weight` packed them (their scales inside)."""
+           w_scales: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear``; ``weight`` as given or as returned by :func:`pack_linear_weight`, or int8 in groups of 32
+    (``weight_dtype: int8``: pdcluster/kernels/int8_linear.py): [N, K] codes with ``w_scales`` [N, K/32, 2]
+    (d, m), or as :func:`pack_int8_linear_weight` packed them (their scales inside)."""
     if weight.dtype == torch.int8:
-        return _int8_linear(x, weight, bias, w_scale)
+        return _int8_linear(x, weight, bias, w_scales)
     if weight.dim() == 4:
         return cpu_native.linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
 def _int8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                 w_scale: torch.Tensor | None) -> torch.Tensor:
+                 w_scales: torch.Tensor | None) -> torch.Tensor:
+    """The native kernel for packed weights and bf16 CPU rows, the Triton kernel on CUDA, else the torch
+    reference."""
     if int8_linear.is_packed_int8(weight):
         if int8_linear.native_takes(x):
             return int8_linear.linear_native(x, weight, bias)
-        weight, w_scale = int8_linear.unpack_int8_weight(weight)
-    if w_scale is None:
-        raise ValueError("an int8 [N, K] weight needs its w_scale [N]")
+        weight, w_scales = int8_linear.unpack_int8_weight(weight)
+    if w_scales is None:
+        raise ValueError("an int8 [N, K] weight needs its w_scales [N, K/32, 2]")
     if _on_cuda(x):
-        return _triton("int8_linear", "int8_linear_triton")(x, weight, w_scale, bias)
-    if int8_linear.WEIGHT_MODE == "weight_only":
-        return int8_linear.weight_only_linear_ref(x, weight, w_scale, bias)
-    return int8_linear.int8_linear_ref(x, weight, w_scale, bias)
+        return _triton("int8_linear", "int8_linear_triton")(x, weight, w_scales, bias)
+    return int8_linear.int8_linear_ref(x, weight, w_scales, bias)
 
 
-def pack_int8_linear_weight(wq: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+def pack_int8_linear_weight(codes: torch.Tensor, w_scales: torch.Tensor) -> torch.Tensor:
     """int8 codes [N, K] in the layout :func:`linear` runs fastest on here: packed with their
-    scales for the native CPU kernels when they take it, else unchanged (keep ``w_scale`` then)."""
-    if wq.is_cpu and cpu_native.available() and int8_linear.packable(wq):
-        return int8_linear.pack_int8_weight(wq, w_scale)
-    return wq
+    scales for the native CPU kernels when they take it, else unchanged (keep ``w_scales`` then)."""
+    if codes.is_cpu and cpu_native.available() and int8_linear.packable(codes):
+        return int8_linear.pack_int8_weight(codes, w_scales)
+    return codes
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -267,12 +270,13 @@ def decoder_stack(layers: Sequence[LayerTensors], hidden_size: int, intermediate
 
 
 def _weight_kind(projections: list[torch.Tensor]) -> int | None:
-    """The stack's ``weight_kind`` when every projection is packed one way (bf16, or int8 run in
-    int8_linear.WEIGHT_MODE), else None."""
+    """The stack's ``weight_kind`` when every projection is packed one way (bf16, or int8), else None."""
     if all(w.dim() == 4 and w.dtype == torch.bfloat16 for w in projections):
         return cpu_native.WEIGHT_KINDS["bf16"]
     if all(int8_linear.is_packed_int8(w) for w in projections):
-        return cpu_native.WEIGHT_KINDS["int8" if int8_linear.WEIGHT_MODE == "w8a8" else "int8_weight_only"]
+        bits = {int8_linear.packed_bits(w) for w in projections}
+        if len(bits) == 1:
+            return cpu_native.WEIGHT_KINDS["int8_4bit" if bits == {4} else "int8"]
     return None
 
 

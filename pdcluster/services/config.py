@@ -315,8 +315,9 @@ class ClusterConfig(_Strict):
     kv_cache_dtype: Literal["auto", "bf16", "int8", "fp8_e4m3"] = Field(
         "auto", description="KV pool dtype; auto: the model's dtype. 8-bit halves KV memory and transfer bytes")
     weight_dtype: Literal["auto", "int8"] = Field(
-        "auto", description="decoder projections' weights: auto (the model dtype) or int8 (per-channel int8 "
-        "weights and per-token int8 activations: half the bytes each decode step reads; needs dtype bfloat16)")
+        "auto", description="decoder projections' weights: auto (the model dtype) or int8 (int8 codes in "
+        "groups of 32 with fp16 scale and offset, a GGUF's Q4_1/Q8_0 blocks exactly, bf16 activations: about "
+        "half the bytes each decode step reads; needs dtype bfloat16)")
     block_size: int = 16
     max_model_len: int | None = None
     enable_prefix_caching: bool = True

@@ -53,7 +53,7 @@ K_ROTATION_ID = "k-hadamard-v1"
 _SMOOTHED_POOL_DTYPES = ("int8", "float8_e4m3fn")
 # weight_dtype -> the id of its quantization scheme (auto: the checkpoint in the model dtype, no id);
 # bump the version whenever the quantization changes
-WEIGHT_SCHEMES = {"int8": "int8-w8a8-smooth0.5-head-v2"}
+WEIGHT_SCHEMES = {"int8": "int8-g32-fp16dm-head-v1"}
 WEIGHT_DTYPES = ("auto", *WEIGHT_SCHEMES)
 
 

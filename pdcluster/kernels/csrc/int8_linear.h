@@ -1,43 +1,57 @@
-/* Linears over int8 weights (weight_dtype: int8): per-output-channel
- * symmetric int8 weights, and either dynamic per-token int8 activations with
- * exact int32 accumulation (W8A8), or the activations kept in fp32 and the
- * weights widened in registers (weight-only, W8A16).  Included by
- * portable_kernels.h, so both variants' sources carry it; the product runs on
+/* Linears over int8 weights in groups of 32 (weight_dtype: int8), weight
+ * only: int8 codes with an fp16 scale d and offset m per (output column, 32
+ * consecutive k), the layout of GGUF's Q4_1 (codes 0..15) and Q8_0 (codes
+ * -127..127, m = 0) blocks, so a GGUF's weights arrive exactly
+ * (kernels/int8_linear.py):
  *
- *     AMX-int8 tiles (TDPBSSD)   amx_bf16 build (-DPD_AMX -mamx-int8), K % 64 == 0: UNTESTED on hardware
- *     AVX-512 VNNI (VPDPBUSD)    cpu_kernels.c (avx512_bf16 and amx_bf16 builds)
- *     AVX2 (VPMADDUBSW + VPMADDWD, |x| against sign(x) w)    cpu_kernels_avx2.c
+ *     W[n, k] = d[n, g] * q[n, k] + m[n, g]                      g = k / 32
+ *     y[r, n] = sum_g ( d[n, g] * dot_g(x[r], q[n]) + m[n, g] * xsum[r, g] ) + bias[n]
  *
- * All three sum the same integers exactly, so their results are bit for bit
- * the same and the same as the torch reference (kernels/int8_linear.py),
- * whatever the batch a row came in (exact resume needs that).
+ * dot_g: the group's 32 products summed; xsum[r, g]: the fp32 sum of x[r]
+ * over the group (in one fixed order), once per row, shared by every column.  The
+ * groups add up in g order into one fp32 accumulator per (row, column), so
+ * a row's output is the same bits in whatever batch it came and however the
+ * threads split the columns (exact resume needs that):
  *
- * Packed weight, one 32-column tile after another (kernels/int8_linear.py
- * pack_int8_weight writes it):
+ *     AVX-512 BF16 (cpu_kernels.c)   codes widened to bf16 (exact: |q| <= 128), dot_g by VDPBF16PS on the
+ *                                    bf16 x pairs; acc = m * xsum + (dot_g * d + acc)
+ *     AVX2 (cpu_kernels_avx2.c)      each row's group of x scaled to int16 (s = max |x| / 32767: steps of
+ *                                    2^-15 of the group's largest value, far under bf16's own 2^-8 per
+ *                                    value), codes widened to int16, dot_g exact in int32 by VPMADDWD
+ *                                    (|x q| <= 32767 * 128, 32 of them < 2^31: no order to keep);
+ *                                    acc = m * xsum + ((float(dot_g) * s) * d + acc)
  *
- *     tile j:  int8   w[K / 4][32][4]   w[p][c][e] = Wq[32 j + c][4 p + e]    K / 4 x 128 bytes
- *              float  scale[32]         Wq * scale = W (per output column)    128 bytes
- *              int32  wsum[32]          sum_k Wq[32 j + c][k]                  128 bytes
+ * Rows of a tile few enough for one micro-kernel pass widen the codes in
+ * registers; more rows widen the tile once into a per-thread buffer and read
+ * it from there: the same values, the same instructions per row.
  *
- * A 64-byte row of w is 16 columns x 4 consecutive k: one VPDPBUSD operand,
- * one AMX B-tile row (TDPBSSD's k quads), two AVX2 registers.
+ * Packed weight (kernels/int8_linear.py pack_int8_weight writes it), per
+ * 32-column tile j, per group g:
  *
- * Activations (W8A8): per row, amax = max |x|, s = amax / 127, q = rne(x *
- * (127 / amax)) (0 when amax is 0); y = bf16(float(sum q Wq) * (s * scale) +
- * bias), the product and the bias added as two roundings (fp-contract off). */
+ *     8-bit codes (1152 bytes a group)
+ *     int8     q[16][32][2]     q[p][c][e] = Q[32 j + c][32 g + 2 p + e]     1024 bytes (VDPBF16PS's pair layout)
+ *     4-bit codes (640 bytes a group; every code in 0..15, as Q4_1's)
+ *     uint8    n[16][32]        n[p][i] = q[p][i / 2][i % 2] | q[p][16 + i / 2][i % 2] << 4    512 bytes
+ *     then, either way
+ *     fp16     d[32]            per column c                                  64 bytes
+ *     fp16     m[32]                                                          64 bytes
+ *
+ * Included by portable_kernels.h, so both variants' sources carry it. */
 #ifndef PD_INT8_LINEAR_H
 #define PD_INT8_LINEAR_H
 
-#define I8_TILE_BYTES(K) (((K) / 4 + 2) * 128)
+#define G32_K 32                /* k per group */
+#define G32_CODES 1024          /* codes in one group of one tile: 32 columns x 32 k */
+#define G32_SCALE_BYTES 128     /* d[32] and m[32] in fp16 */
 
-enum { PD_I8_W8A8 = 0, PD_I8_WEIGHT_ONLY = 1 };
-enum { PD_I8_PATH_DOT = 0, PD_I8_PATH_AMX = 1, PD_I8_PATH_WEIGHT_ONLY = 2 };
+/* bytes of one group of one tile with ``bits``-bit codes (8 or 4) */
+static inline int64_t g32_group_bytes(int bits) { return G32_CODES * bits / 8 + G32_SCALE_BYTES; }
 
 /* Per-thread scratch kept between calls (a fresh malloc of a prefill's rows is an mmap and page faults on every
- * call): slot 0 the quantized rows, 1 their scales, 2 fp32 rows (weight-only). Pool helpers only read it. */
-static void *i8_scratch(int slot, size_t bytes) {
-    static __thread void *buf[3];
-    static __thread size_t cap[3];
+ * call): slot 0 the rows' group sums, 1 and 3 int16 rows and their scales (AVX2), 2 a widened tile. */
+static void *g32_scratch(int slot, size_t bytes) {
+    static __thread void *buf[4];
+    static __thread size_t cap[4];
     if (bytes > cap[slot]) {
         free(buf[slot]);
         cap[slot] = (bytes + bytes / 4 + 63) / 64 * 64;
@@ -48,308 +62,129 @@ static void *i8_scratch(int slot, size_t bytes) {
 
 typedef struct {
     const bf16 *x, *bias;
-    const int8_t *wq, *xq;
-    const float *xs, *xf;
-    int8_t *xq_out;
-    float *xs_out, *xf_out;
+    const int8_t *w;
+    float *xsum;  /* [M, G] */
+    int16_t *xq;  /* AVX2 only: [M, K] rows in int16 per group, and [M, G] their scales */
+    float *xs;
     bf16 *y;
     float *yf;
-    int64_t M, N, K, tiles;
-    int flip;  /* 0x80: rows stored as q + 128 (unsigned bytes, VPDPBUSD's x), else as q */
-} i8_job;
+    int64_t M, N, K, G, tiles, group_bytes;
+    int bits;
+} g32_job;
 
-/* items: rows of x to quantize (W8A8) or widen to fp32 (weight-only, xq_out NULL) */
-static void i8_quantize_chunk(void *arg, int64_t begin, int64_t end) {
-    const i8_job *a = (const i8_job *)arg;
-    const int64_t K = a->K;
-    for (int64_t m = begin; m < end; m++) {
-        const bf16 *x = a->x + m * K;
-        if (!a->xq_out) {
-            for (int64_t k = 0; k < K; k++) a->xf_out[m * K + k] = to_f32(x[k]);
-            continue;
-        }
-        float amax = 0.f;
-        for (int64_t k = 0; k < K; k++) {
-            const float v = fabsf(to_f32(x[k]));
-            amax = v > amax ? v : amax;
-        }
-        const float inv = amax > 0.f ? 127.f / amax : 0.f;
-        a->xs_out[m] = amax / 127.f;
-        int8_t *q = a->xq_out + m * K;
-        for (int64_t k = 0; k < K; k++) {
-            float r = nearbyintf(to_f32(x[k]) * inv);  /* round half to even, as torch.round */
-            r = r > 127.f ? 127.f : r < -127.f ? -127.f : r;
-            q[k] = (int8_t)((uint8_t)(int8_t)r ^ (uint8_t)a->flip);
-        }
-    }
+/* 8 bf16 -> 8 fp32 (AVX2: both builds) */
+static inline __m256 g32_load8(const bf16 *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
 }
 
-#pragma GCC push_options
-#pragma GCC optimize("fp-contract=off")
-/* rows x 32 int32 sums (row stride 32) -> y (bf16) or yf (fp32): float(acc) * (row scale * column scale) + bias.
- * row_scale NULL: acc are already fp32 sums (weight-only), times the column scale. */
-static void i8_epilogue(int rows, const int32_t *acc, const float *facc, const float *row_scale,
-                        const float *col_scale, const bf16 *bias, bf16 *y, float *yf, int64_t ldy) {
-    for (int r = 0; r < rows; r++)
-        for (int c = 0; c < TILE_N; c++) {
-            const float s = row_scale ? row_scale[r] * col_scale[c] : col_scale[c];
-            float v = (facc ? facc[r * TILE_N + c] : (float)acc[r * TILE_N + c]) * s;
-            if (bias) v = v + to_f32(bias[c]);
-            if (yf) yf[r * ldy + c] = v;
-            else y[r * ldy + c] = to_bf16(v);
-        }
-}
-#pragma GCC pop_options
-
-#if defined(__AVX512VNNI__)
-#define I8_MR 8   /* x rows per micro-kernel pass: 8 x 2 accumulators */
-#else
-#define I8_MR 2   /* 2 x 4 accumulators of the 16 AVX2 registers */
-#endif
-
-#if defined(__AVX512VNNI__)
-/* MR quantized rows times one tile: VPDPBUSD takes unsigned x, so q + 128 goes in (stored so: job.flip) and
- * 128 * wsum comes out again: sum (q + 128) w - 128 sum w = sum q w, exactly. */
-static inline __attribute__((always_inline)) void i8_rows_dot(const int MR, const int8_t *xq, int64_t ldx,
-                                                               int64_t K, const int8_t *wt, int32_t *acc_out) {
-    __m512i acc[I8_MR][2];
-    for (int r = 0; r < MR; r++) acc[r][0] = acc[r][1] = _mm512_setzero_si512();
-    for (int64_t p = 0; p < K / 4; p++) {
-        const int8_t *w = wt + p * 128;
-        _mm_prefetch((const char *)w + PREFETCH_BYTES, _MM_HINT_T0);
-        _mm_prefetch((const char *)w + PREFETCH_BYTES + 64, _MM_HINT_T0);
-        const __m512i w0 = _mm512_loadu_si512(w), w1 = _mm512_loadu_si512(w + 64);
-        for (int r = 0; r < MR; r++) {
-            int32_t quad;
-            memcpy(&quad, xq + r * ldx + 4 * p, 4);
-            const __m512i xb = _mm512_set1_epi32(quad);
-            acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], xb, w0);
-            acc[r][1] = _mm512_dpbusd_epi32(acc[r][1], xb, w1);
-        }
-    }
-    const int32_t *wsum = (const int32_t *)(wt + K / 4 * 128 + 128);
-    const __m512i c0 = _mm512_slli_epi32(_mm512_loadu_si512(wsum), 7), c1 = _mm512_slli_epi32(_mm512_loadu_si512(wsum + 16), 7);
-    for (int r = 0; r < MR; r++) {
-        _mm512_storeu_si512(acc_out + r * TILE_N, _mm512_sub_epi32(acc[r][0], c0));
-        _mm512_storeu_si512(acc_out + r * TILE_N + 16, _mm512_sub_epi32(acc[r][1], c1));
-    }
+/* the 8 lanes of v added in a fixed order: (0+4, 1+5, 2+6, 3+7), then pairs */
+static inline float g32_hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
-/* Weight-only: MR fp32 rows times one tile, the int8 weights widened in registers (k quad e of each 32-bit lane:
- * shift it to the top byte, arithmetic shift back down), fp32 sums in k order. */
-static inline __attribute__((always_inline)) void i8_rows_wo(const int MR, const float *xf, int64_t ldx, int64_t K,
-                                                              const int8_t *wt, float *acc_out) {
-    __m512 acc[I8_MR][2];
-    for (int r = 0; r < MR; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-    for (int64_t p = 0; p < K / 4; p++) {
-        const int8_t *w = wt + p * 128;
-        _mm_prefetch((const char *)w + PREFETCH_BYTES, _MM_HINT_T0);
-        _mm_prefetch((const char *)w + PREFETCH_BYTES + 64, _MM_HINT_T0);
-        const __m512i w0 = _mm512_loadu_si512(w), w1 = _mm512_loadu_si512(w + 64);
-#pragma GCC unroll 4
-        for (int e = 0; e < 4; e++) {
-            const __m512 f0 = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(w0, 24 - 8 * e), 24));
-            const __m512 f1 = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(w1, 24 - 8 * e), 24));
-            for (int r = 0; r < MR; r++) {
-                const __m512 xb = _mm512_set1_ps(xf[r * ldx + 4 * p + e]);
-                acc[r][0] = _mm512_fmadd_ps(xb, f0, acc[r][0]);
-                acc[r][1] = _mm512_fmadd_ps(xb, f1, acc[r][1]);
+/* items: rows; each row's group sums (a fixed order: the four 8-wide quarters added pairwise, then across the
+ * lanes) and, for AVX2, its int16 groups and their scales */
+static void g32_rows_prepare(void *arg, int64_t begin, int64_t end) {
+    const g32_job *a = (const g32_job *)arg;
+    const __m256 sign = _mm256_set1_ps(-0.f), top = _mm256_set1_ps(32767.f), bottom = _mm256_set1_ps(-32767.f);
+    for (int64_t r = begin; r < end; r++)
+        for (int64_t g = 0; g < a->G; g++) {
+            const bf16 *x = a->x + r * a->K + g * G32_K;
+            __m256 v[4];
+            for (int i = 0; i < 4; i++) v[i] = g32_load8(x + 8 * i);
+            a->xsum[r * a->G + g] = g32_hsum8(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
+            if (!a->xq) continue;
+            __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                                      _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+            const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+            const float inv = amax > 0.f ? 32767.f / amax : 0.f;
+            a->xs[r * a->G + g] = amax / 32767.f;
+            __m256i q[4];
+            for (int i = 0; i < 4; i++) {  /* round half to even, as nearbyintf */
+                const __m256 t = _mm256_round_ps(_mm256_mul_ps(v[i], _mm256_set1_ps(inv)),
+                                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                q[i] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(t, bottom), top));
             }
+            /* packs interleaves 128-bit lanes: put them back in k order */
+            const __m256i p01 = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[0], q[1]), 0xD8);
+            const __m256i p23 = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2], q[3]), 0xD8);
+            _mm256_storeu_si256((__m256i *)(a->xq + r * a->K + g * G32_K), p01);
+            _mm256_storeu_si256((__m256i *)(a->xq + r * a->K + g * G32_K + 16), p23);
         }
-    }
-    for (int r = 0; r < MR; r++) {
-        _mm512_storeu_ps(acc_out + r * TILE_N, acc[r][0]);
-        _mm512_storeu_ps(acc_out + r * TILE_N + 16, acc[r][1]);
-    }
 }
+
+/* Where a micro-kernel's codes come from (a compile-time constant in each instance) */
+enum { G32_FROM_WIDE = 0, G32_FROM_CODES8 = 1, G32_FROM_NIBBLES = 2 };
+
+/* 32 bytes of a group's 4-bit codes (one k pair p) -> the 64 8-bit codes of that pair: lo holds q[p] bytes
+ * 0..31 (columns 0..15), hi bytes 32..63 (columns 16..31) */
+static inline void g32_nibbles(const int8_t *n, __m256i *lo, __m256i *hi) {
+    const __m256i v = _mm256_loadu_si256((const __m256i *)n), low4 = _mm256_set1_epi8(0x0F);
+    *lo = _mm256_and_si256(v, low4);
+    *hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+}
+
+#if defined(__AVX512BF16__)
+#include "int8_linear_avx512.h"
 #else
-/* AVX2: VPMADDUBSW multiplies unsigned by signed bytes into saturating int16 pairs; |q| against sign(q) w keeps
- * every pair within 2 x 127 x 127 = 32258 (q and w both in [-127, 127]), so nothing saturates and VPMADDWD
- * widens the pairs to exact int32 sums. */
-static inline __attribute__((always_inline)) void i8_rows_dot(const int MR, const int8_t *xq, int64_t ldx,
-                                                               int64_t K, const int8_t *wt, int32_t *acc_out) {
-    __m256i acc[I8_MR][4];
-    const __m256i ones = _mm256_set1_epi16(1);
-    for (int r = 0; r < MR; r++)
-        for (int g = 0; g < 4; g++) acc[r][g] = _mm256_setzero_si256();
-    for (int64_t p = 0; p < K / 4; p++) {
-        const int8_t *w = wt + p * 128;
-        _mm_prefetch((const char *)w + PREFETCH_BYTES, _MM_HINT_T0);
-        _mm_prefetch((const char *)w + PREFETCH_BYTES + 64, _MM_HINT_T0);
-        __m256i wv[4];
-        for (int g = 0; g < 4; g++) wv[g] = _mm256_loadu_si256((const __m256i *)(w + 32 * g));
-        for (int r = 0; r < MR; r++) {
-            int32_t quad;
-            memcpy(&quad, xq + r * ldx + 4 * p, 4);
-            const __m256i xb = _mm256_set1_epi32(quad), ax = _mm256_sign_epi8(xb, xb);
-            for (int g = 0; g < 4; g++)
-                acc[r][g] = _mm256_add_epi32(acc[r][g], _mm256_madd_epi16(
-                    _mm256_maddubs_epi16(ax, _mm256_sign_epi8(wv[g], xb)), ones));
-        }
-    }
-    for (int r = 0; r < MR; r++)
-        for (int g = 0; g < 4; g++) _mm256_storeu_si256((__m256i *)(acc_out + r * TILE_N + 8 * g), acc[r][g]);
-}
-
-static inline __attribute__((always_inline)) void i8_rows_wo(const int MR, const float *xf, int64_t ldx, int64_t K,
-                                                              const int8_t *wt, float *acc_out) {
-    __m256 acc[I8_MR][4];
-    for (int r = 0; r < MR; r++)
-        for (int g = 0; g < 4; g++) acc[r][g] = _mm256_setzero_ps();
-    for (int64_t p = 0; p < K / 4; p++) {
-        const int8_t *w = wt + p * 128;
-        _mm_prefetch((const char *)w + PREFETCH_BYTES, _MM_HINT_T0);
-        _mm_prefetch((const char *)w + PREFETCH_BYTES + 64, _MM_HINT_T0);
-        for (int g = 0; g < 4; g++) {
-            const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + 32 * g));
-#pragma GCC unroll 4
-            for (int e = 0; e < 4; e++) {
-                const __m256 f = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(wv, 24 - 8 * e), 24));
-                for (int r = 0; r < MR; r++)
-                    acc[r][g] = _mm256_fmadd_ps(_mm256_set1_ps(xf[r * ldx + 4 * p + e]), f, acc[r][g]);
-            }
-        }
-    }
-    for (int r = 0; r < MR; r++)
-        for (int g = 0; g < 4; g++) _mm256_storeu_ps(acc_out + r * TILE_N + 8 * g, acc[r][g]);
-}
+#include "int8_linear_avx2.h"
 #endif
-
-/* Up to I8_MR rows with MR a compile-time constant */
-static void i8_rows_dispatch(int rows, int weight_only, const int8_t *xq, const float *xf, int64_t K,
-                             const int8_t *wt, int32_t *acc, float *facc) {
-    switch (rows) {
-#define I8_CASE(n) case n: if (weight_only) i8_rows_wo(n, xf, K, K, wt, facc); else i8_rows_dot(n, xq, K, K, wt, acc); break;
-    I8_CASE(1)
-#if I8_MR > 2
-    I8_CASE(2) I8_CASE(3) I8_CASE(4) I8_CASE(5) I8_CASE(6) I8_CASE(7)
-#endif
-    default: if (weight_only) i8_rows_wo(I8_MR, xf, K, K, wt, facc); else i8_rows_dot(I8_MR, xq, K, K, wt, acc);
-#undef I8_CASE
-    }
-}
 
 /* items: (block of M_BLOCK rows, 32-column tile), tile-major within a block, as the bf16 linear */
-static void i8_linear_chunk(void *arg, int64_t begin, int64_t end) {
-    const i8_job *a = (const i8_job *)arg;
-    const int weight_only = a->xq == NULL;
-    int32_t acc[I8_MR * TILE_N] __attribute__((aligned(64)));
-    float facc[I8_MR * TILE_N] __attribute__((aligned(64)));
+static void g32_linear_chunk(void *arg, int64_t begin, int64_t end) {
+    const g32_job *a = (const g32_job *)arg;
+    const int64_t K = a->K, G = a->G, gb = a->group_bytes;
     for (int64_t item = begin; item < end; item++) {
         const int64_t mb = item / a->tiles, j = item % a->tiles;
-        const int8_t *wt = a->wq + j * I8_TILE_BYTES(a->K);
-        const float *col_scale = (const float *)(wt + a->K / 4 * 128);
-        const bf16 *bj = a->bias ? a->bias + j * TILE_N : NULL;
-        const int64_t m_end = (mb + 1) * M_BLOCK < a->M ? (mb + 1) * M_BLOCK : a->M;
-        for (int64_t m = mb * M_BLOCK; m < m_end; m += I8_MR) {
-            const int rows = m_end - m < I8_MR ? (int)(m_end - m) : I8_MR;
-            i8_rows_dispatch(rows, weight_only, weight_only ? NULL : a->xq + m * a->K,
-                             weight_only ? a->xf + m * a->K : NULL, a->K, wt, acc, facc);
-            const int64_t at = m * a->N + j * TILE_N;
-            i8_epilogue(rows, acc, weight_only ? facc : NULL, weight_only ? NULL : a->xs + m, col_scale, bj,
-                        a->y ? a->y + at : NULL, a->yf ? a->yf + at : NULL, a->N);
+        const int8_t *wt = a->w + j * G * gb;
+        const bf16 *bias = a->bias ? a->bias + j * 32 : NULL;
+        const int64_t m0 = mb * M_BLOCK, m_end = m0 + M_BLOCK < a->M ? m0 + M_BLOCK : a->M;
+#if defined(__AVX512BF16__)
+        bf16 *wide = NULL;
+#define G32_WIDE_AFTER G32_MR
+#else
+        int16_t *wide = NULL;
+#define G32_WIDE_AFTER 2
+#endif
+        int src = a->bits == 4 ? G32_FROM_NIBBLES : G32_FROM_CODES8;
+        if (m_end - m0 > G32_WIDE_AFTER) {
+            wide = g32_scratch(2, (size_t)K * 64);
+            g32_widen_tile(wt, G, a->bits, wide);
+            src = G32_FROM_WIDE;
+        }
+#undef G32_WIDE_AFTER
+        for (int64_t m = m0; m < m_end; m += G32_MR) {
+            const int rows = m_end - m < G32_MR ? (int)(m_end - m) : G32_MR;
+            const int64_t at = m * a->N + j * 32;
+            bf16 *y = a->y ? a->y + at : NULL;
+            float *yf = a->yf ? a->yf + at : NULL;
+#if defined(__AVX512BF16__)
+            g32_rows(rows, src, a->x + m * K, K, a->xsum + m * G, G, gb, wt, wide, bias, y, yf, a->N);
+#else
+            g32_rows(rows, src, a->xq + m * K, K, a->xs + m * G, a->xsum + m * G, G, gb, wt, wide, bias, y, yf, a->N);
+#endif
         }
     }
 }
 
-#if defined(PD_AMX) && defined(__AMX_INT8__)
-/* W8A8 on AMX-int8 tiles (TDPBSSD: signed x signed bytes, exact int32 sums), the tile geometry of the bf16
- * path (amx_linear.h: C0..C3 = tmm0..3, A0 A1 = tmm4 5, B0 B1 = tmm6 7, every row 64 bytes) with 64 k per
- * A row.  Written to the ISA reference and the bf16 path beside it; NOT yet run on an AMX machine. */
-#define I8_AMX_K 64
-
-static void i8_amx_block(const int8_t *xq, int64_t ldx, int64_t K, const int8_t *wt, int32_t *c, int r0, int r1) {
-    _tile_zero(0);
-    _tile_zero(1);
-    if (r1) {
-        _tile_zero(2);
-        _tile_zero(3);
-    }
-    for (int64_t k0 = 0; k0 < K; k0 += I8_AMX_K) {
-        const int8_t *b = wt + (k0 / 4) * 128;  /* 16 k quads x 16 columns, rows 128 bytes apart */
-        _tile_loadd(6, b, 128);
-        _tile_loadd(7, b + 64, 128);
-        _tile_loadd(4, xq + k0, ldx);
-        _tile_dpbssd(0, 4, 6);
-        _tile_dpbssd(1, 4, 7);
-        if (r1) {
-            _tile_loadd(5, xq + AMX_ROWS * ldx + k0, ldx);
-            _tile_dpbssd(2, 5, 6);
-            _tile_dpbssd(3, 5, 7);
-        }
-    }
-    const int64_t stride = TILE_N * (int64_t)sizeof(int32_t);
-    _tile_stored(0, c, stride);
-    _tile_stored(1, c + 16, stride);
-    if (r1) {
-        _tile_stored(2, c + AMX_ROWS * TILE_N, stride);
-        _tile_stored(3, c + AMX_ROWS * TILE_N + 16, stride);
-    }
-}
-
-static void i8_amx_chunk(void *arg, int64_t begin, int64_t end) {
-    const i8_job *a = (const i8_job *)arg;
-    int32_t c[2 * AMX_ROWS * TILE_N] __attribute__((aligned(64)));
-    int cfg[2] = {-1, -1};
-    for (int64_t item = begin; item < end; item++) {
-        const int64_t mb = item / a->tiles, j = item % a->tiles;
-        const int8_t *wt = a->wq + j * I8_TILE_BYTES(a->K);
-        const float *col_scale = (const float *)(wt + a->K / 4 * 128);
-        const bf16 *bj = a->bias ? a->bias + j * TILE_N : NULL;
-        const int64_t m_end = (mb + 1) * AMX_M_BLOCK < a->M ? (mb + 1) * AMX_M_BLOCK : a->M;
-        for (int64_t m = mb * AMX_M_BLOCK; m < m_end; m += 2 * AMX_ROWS) {
-            const int64_t left = m_end - m;
-            const int r0 = left < AMX_ROWS ? (int)left : AMX_ROWS;
-            const int r1 = left - r0 < AMX_ROWS ? (int)(left - r0) : AMX_ROWS;
-            if (r0 != cfg[0] || r1 != cfg[1]) amx_configure(cfg[0] = r0, cfg[1] = r1);
-            i8_amx_block(a->xq + m * a->K, a->K, a->K, wt, c, r0, r1);
-            const int64_t at = m * a->N + j * TILE_N;
-            i8_epilogue(r0 + r1, c, NULL, a->xs + m, col_scale, bj, a->y ? a->y + at : NULL,
-                        a->yf ? a->yf + at : NULL, a->N);
-        }
-    }
-    _tile_release();
-}
+/* y[m, n] (bf16; or yf, fp32, when given) = x[m, :] . W[n, :] + bias[n] with W packed as drawn above, its
+ * codes ``bits`` (8 or 4) wide.  Needs N % 32 == 0 and K % 32 == 0. */
+void pd_linear_int8(const bf16 *x, const int8_t *w, const bf16 *bias, bf16 *y, float *yf, int64_t M, int64_t N,
+                    int64_t K, int bits, int nthreads) {
+    g32_job job = {x, bias, w, NULL, NULL, NULL, y, yf, M, N, K, K / G32_K, N / 32, g32_group_bytes(bits), bits};
+    job.xsum = (float *)g32_scratch(0, sizeof(float) * (size_t)(M * job.G));
+#if !defined(__AVX512BF16__)
+    job.xq = (int16_t *)g32_scratch(1, sizeof(int16_t) * (size_t)(M * K));
+    job.xs = (float *)g32_scratch(3, sizeof(float) * (size_t)(M * job.G));
 #endif
-
-/* Which product pd_linear_int8 runs for M x K -> N in ``mode`` (PD_I8_PATH_*); kernels/int8_linear.py
- * int8_linear_path mirrors it. */
-int pd_linear_int8_path(int64_t M, int64_t N, int64_t K, int mode) {
-    (void)M;
-    (void)N;
-    if (mode == PD_I8_WEIGHT_ONLY) return PD_I8_PATH_WEIGHT_ONLY;
-#if defined(PD_AMX) && defined(__AMX_INT8__)
-    if (K % I8_AMX_K == 0 && pd_amx_ready()) return PD_I8_PATH_AMX;
-#endif
-    return PD_I8_PATH_DOT;
-}
-
-/* y[m, n] (bf16; or yf, fp32, when given) = x[m, :] . W[n, :] + bias[n] with W packed as drawn above.
- * Needs N % 32 == 0 and K % 4 == 0. */
-void pd_linear_int8(const bf16 *x, const int8_t *wq, const bf16 *bias, bf16 *y, float *yf, int64_t M, int64_t N,
-                    int64_t K, int mode, int nthreads) {
-    const int path = pd_linear_int8_path(M, N, K, mode);
-    i8_job job = {x, bias, wq, NULL, NULL, NULL, NULL, NULL, NULL, y, yf, M, N, K, N / TILE_N, 0};
-#if defined(__AVX512VNNI__)
-    job.flip = path == PD_I8_PATH_DOT ? 0x80 : 0;
-#endif
-    if (path == PD_I8_PATH_WEIGHT_ONLY) {
-        job.xf = job.xf_out = (float *)i8_scratch(2, sizeof(float) * (size_t)(M * K));
-    } else {
-        job.xq = job.xq_out = (int8_t *)i8_scratch(0, (size_t)(M * K));
-        job.xs = job.xs_out = (float *)i8_scratch(1, sizeof(float) * (size_t)M);
-    }
-    if (M * K >= 65536) pool_run(i8_quantize_chunk, &job, M, pool_chunk(M, nthreads, 2), nthreads);
-    else i8_quantize_chunk(&job, 0, M);
-#if defined(PD_AMX) && defined(__AMX_INT8__)
-    if (path == PD_I8_PATH_AMX) {
-        const int64_t items = (M + AMX_M_BLOCK - 1) / AMX_M_BLOCK * job.tiles;
-        pool_run(i8_amx_chunk, &job, items, pool_chunk(items, nthreads, 8), nthreads);
-        return;
-    }
-#endif
+    if (M * K >= 65536) pool_run(g32_rows_prepare, &job, M, pool_chunk(M, nthreads, 2), nthreads);
+    else g32_rows_prepare(&job, 0, M);
     const int64_t items = (M + M_BLOCK - 1) / M_BLOCK * job.tiles;
-    pool_run(i8_linear_chunk, &job, items, pool_chunk(items, nthreads, 8), nthreads);
+    pool_run(g32_linear_chunk, &job, items, pool_chunk(items, nthreads, 8), nthreads);
 }
 
 #endif

@@ -118,7 +118,7 @@ typedef struct {
     int64_t weight_kind;  /* PD_WEIGHTS_*: how the projections are packed (int8: int8_linear.h) */
 } pd_layer_step;
 
-enum { PD_WEIGHTS_BF16 = 0, PD_WEIGHTS_INT8 = 1, PD_WEIGHTS_INT8_WEIGHT_ONLY = 2 };
+enum { PD_WEIGHTS_BF16 = 0, PD_WEIGHTS_INT8 = 1, PD_WEIGHTS_INT8_4BIT = 2 };  /* int8: groups of 32, int8_linear.h */
 
 /* One projection of the stack, in the step's weight format. */
 static void layer_linear(const pd_layer_step *s, const bf16 *x, const bf16 *w, const bf16 *bias, bf16 *y,
@@ -126,8 +126,8 @@ static void layer_linear(const pd_layer_step *s, const bf16 *x, const bf16 *w, c
     if (s->weight_kind == PD_WEIGHTS_BF16)
         pd_linear_packed_bf16(x, w, bias, y, s->T, N, K, s->nthreads);
     else
-        pd_linear_int8(x, (const int8_t *)w, bias, y, NULL, s->T, N, K,
-                       s->weight_kind == PD_WEIGHTS_INT8 ? PD_I8_W8A8 : PD_I8_WEIGHT_ONLY, s->nthreads);
+        pd_linear_int8(x, (const int8_t *)w, bias, y, NULL, s->T, N, K, s->weight_kind == PD_WEIGHTS_INT8_4BIT ? 4 : 8,
+                       s->nthreads);
 }
 
 static void decoder_layer(const pd_layer_weights *w, const pd_layer_step *s, bf16 *kv, int64_t layer,

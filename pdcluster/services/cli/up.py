@@ -35,7 +35,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                                   "address needs an API key (PDCLUSTER_API_KEY, api_keys, api_key_file)")
     p.add_argument("--port", type=int)
     p.add_argument("--weight-dtype", choices=["auto", "int8"],
-                   help="decoder projections in int8 (per-channel weights, per-token int8 activations) or as "
+                   help="decoder projections and LM head in int8 (groups of 32 with fp16 scale and offset, bf16 "
+                        "activations; a GGUF's Q4_1/Q8_0 blocks exactly) or as "
                         "the model dtype (auto, the default); overrides the config's weight_dtype")
     p.add_argument("--insecure-no-auth", action="store_true",
                    help="serve a non-loopback --host without any API key (anyone who reaches it may use it)")

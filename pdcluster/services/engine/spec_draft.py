@@ -133,7 +133,7 @@ class DraftModel:
         for i, layer in enumerate(self.layers):
             if i > 0:
                 x, residual = ops.fused_add_rmsnorm(x, residual, layer.input_layernorm, eps)
-            qkv = ops.linear(x, layer.qkv_proj.weight, layer.qkv_proj.bias, getattr(layer.qkv_proj, "w_scale", None))
+            qkv = ops.linear(x, layer.qkv_proj.weight, layer.qkv_proj.bias, getattr(layer.qkv_proj, "w_scales", None))
             q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
             q = q.reshape(t, cfg.num_heads, cfg.head_dim)
             k = k.reshape(t, cfg.num_kv_heads, cfg.head_dim)
@@ -144,12 +144,12 @@ class DraftModel:
             attn = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=mask,
                                                   scale=layer.scale, enable_gqa=True)
             attn = ops.linear(attn.transpose(0, 1).reshape(t, cfg.q_size), layer.o_proj.weight, None,
-                              getattr(layer.o_proj, "w_scale", None))
+                              getattr(layer.o_proj, "w_scales", None))
             x, residual = ops.fused_add_rmsnorm(attn, residual, layer.post_attention_layernorm, eps)
             x = layer.mlp(x)
         cache.token_ids.extend(token_ids)
         x, _ = ops.fused_add_rmsnorm(x[-1:].contiguous(), residual[-1:].contiguous(), m.norm, eps)
-        return ops.linear(x, m.lm_head_weight, None, m.lm_head_scale).float()[0]  # int8 weights: their scales
+        return ops.linear(x, m.lm_head_weight, None, m.lm_head_scales).float()[0]  # int8 weights: their scales
 
 
 class DraftProposer:

@@ -1,8 +1,9 @@
 """weight_dtype int8 (pdcluster/services/engine/model/weight_quant.py): config checks,
 the block-hash seed per weight scheme, a tiny model's projections swapped
-for int8 (the fused native stack bit for bit the per-op path, logits close
-to bf16's, every path's product the reference's), the quantized file made
-once beside a GGUF's converted copy, and the real model's greedy answer."""
+for int8 in groups of 32 (the fused native stack bit for bit the per-op
+path, logits close to bf16's, the torch path's product the reference's),
+the quantized file made once beside a GGUF's converted copy and holding
+the file's own values exactly, and the real model's greedy answer."""
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ import torch
 from pdcluster.kernels import cpu_native, int8_linear
 from pdcluster.services.engine.config import EngineConfig
 from pdcluster.services.engine.model.llama import PROJECTION_NAMES
-from pdcluster.services.engine.model.weight_quant import quantize_state
+from pdcluster.services.engine.model.weight_quant import quantize_state, quantized_weights
 from pdcluster.services.model_meta import block_hash_seed, model_hash_seed
 
 from test_kv8_engine import BS, prefill_then_decode, tiny_model
@@ -61,60 +62,57 @@ def _hf_state(model) -> dict[str, torch.Tensor]:
     return state
 
 
-def tiny_int8_model(smoothed: bool = True):
-    from pdcluster.services.engine.model.weight_smoothing import input_maxima
+def _q4_groups(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_1's arithmetic: per group of 32, d = range / 15, m = the least value, codes 0..15."""
+    n, k = w.shape
+    g = w.float().view(n, k // 32, 32)
+    lo, hi = g.amin(-1), g.amax(-1)
+    d, m = ((hi - lo) / 15).half(), lo.half()
+    codes = torch.round((g - m.float()[..., None]) / d.float()[..., None]).clamp(0, 15).to(torch.int8)
+    return codes.view(n, k), torch.stack([d, m], dim=-1)
 
+
+def tiny_int8_model(q4: bool = False):
+    """tiny_model's weights in groups of 32: 8-bit codes (quantize_groups), or Q4_1's 4-bit ones (``q4``)."""
     model = tiny_model()
-    maxima = input_maxima(model, [(7 * p + 3) % 320 for p in range(40)]) if smoothed else None
-    model.quantize_projections(quantize_state(_hf_state(model), model.cfg, maxima), "int8")
+    state = _hf_state(model)
+    groups = _q4_groups if q4 else int8_linear.quantize_groups
+    model.quantize_projections(quantize_state(lambda name: groups(state[name]), model.cfg), "int8")
     model.pack_weights()
     return model
 
 
-def test_smoothing_leaves_each_layer_the_same_function():
-    """x / s through the norm (or v, or up), W * s in the projection: the float product is unchanged."""
-    from pdcluster.services.engine.model.weight_smoothing import smooth_layer
-
-    torch.manual_seed(1)
-    h, inter, heads, kvh, d = 16, 24, 4, 2, 4
-    w = {"qkv_proj": torch.randn((heads + 2 * kvh) * d, h), "o_proj": torch.randn(h, heads * d),
-         "gate_up_proj": torch.randn(2 * inter, h), "down_proj": torch.randn(h, inter),
-         "input_layernorm": torch.rand(h) + 0.5, "post_attention_layernorm": torch.rand(h) + 0.5,
-         "qkv_bias": torch.randn((heads + 2 * kvh) * d)}
-    maxima = {"qkv_proj": torch.rand(h) * 10, "o_proj": torch.rand(heads * d) * 10,
-              "gate_up_proj": torch.rand(h) * 10, "down_proj": torch.rand(inter) * 10}
-    s = smooth_layer(w, maxima, heads, kvh, d)
-    x = torch.randn(5, h)
-    ln = lambda t, g: t * g  # noqa: E731  (the norm's scaling part; the rest is the same on both sides)
-    qkv_w = ln(x, w["input_layernorm"]) @ w["qkv_proj"].T + w["qkv_bias"]
-    qkv_s = ln(x, s["input_layernorm"]) @ s["qkv_proj"].T + s["qkv_bias"]
-    assert torch.allclose(qkv_s[:, :-kvh * d], qkv_w[:, :-kvh * d], rtol=1e-4, atol=1e-4)  # q, k unchanged
-    assert not torch.allclose(qkv_s[:, -kvh * d:], qkv_w[:, -kvh * d:])  # v carries o's division
-    v_w, v_s = qkv_w[:, -kvh * d:].view(5, kvh, 1, d), qkv_s[:, -kvh * d:].view(5, kvh, 1, d)
-    attn = lambda v: v.expand(5, kvh, heads // kvh, d).reshape(5, heads * d)  # noqa: E731  (P = identity)
-    assert torch.allclose(attn(v_s) @ s["o_proj"].T, attn(v_w) @ w["o_proj"].T, rtol=1e-4, atol=1e-4)
-    gu_w, gu_s = ln(x, w["post_attention_layernorm"]) @ w["gate_up_proj"].T, ln(x, s["post_attention_layernorm"]) @ s["gate_up_proj"].T
-    assert torch.allclose(gu_s[:, :inter], gu_w[:, :inter], rtol=1e-4, atol=1e-4)  # gate untouched
-    act = lambda gu: torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]  # noqa: E731
-    assert torch.allclose(act(gu_s) @ s["down_proj"].T, act(gu_w) @ w["down_proj"].T, rtol=1e-4, atol=1e-4)
-
-
-@pytest.mark.parametrize("smoothed", [False, True])
-def test_tiny_model_int8_logits_are_close_to_bf16(smoothed):
+def test_tiny_model_int8_logits_are_close_to_bf16():
     pool = lambda: torch.zeros(10, 3, 2, BS, 2, 32, dtype=torch.bfloat16)  # noqa: E731
     want = prefill_then_decode(tiny_model(), pool())
-    got = prefill_then_decode(tiny_int8_model(smoothed), pool())
+    got = prefill_then_decode(tiny_int8_model(), pool())
     err = (got - want).abs().max() / want.abs().max()
     assert err < 0.05, err
     assert (got.argmax(-1) == want.argmax(-1)).all()
 
 
+def test_a_checkpoint_directory_is_quantized_at_load(tmp_path):
+    """Not a GGUF: every projection and the head quantized per group from the checkpoint's values."""
+    model = tiny_model()
+    state = _hf_state(model)
+    out = quantized_weights(tmp_path, state, model.cfg, "int8")
+    assert not list(tmp_path.iterdir())  # nothing cached for a directory
+    codes, scales = out["layers.1.gate_up_proj.codes"], out["layers.1.gate_up_proj.scales"]
+    assert codes.shape == (512, 128) and scales.shape == (512, 4, 2)
+    want = torch.cat([state["model.layers.1.mlp.gate_proj.weight"], state["model.layers.1.mlp.up_proj.weight"]])
+    assert torch.equal(codes, int8_linear.quantize_groups(want)[0])
+    assert out["lm_head.codes"].shape == (320, 128)  # tied: from the embedding
+
+
 @pytest.mark.skipif(not cpu_native.available(), reason="needs the native kernels")
 @pytest.mark.parametrize("chunks", [(37,), (21, 16)])
-def test_the_native_stack_runs_int8_bit_for_bit_as_the_per_op_path(chunks):
-    model = tiny_int8_model()
-    assert model.native_stack is not None and model.native_stack.weight_kind == cpu_native.WEIGHT_KINDS["int8"]
+@pytest.mark.parametrize("q4", [False, True], ids=["8-bit", "4-bit"])
+def test_the_native_stack_runs_int8_bit_for_bit_as_the_per_op_path(chunks, q4):
+    model = tiny_int8_model(q4)
+    kind = cpu_native.WEIGHT_KINDS["int8_4bit" if q4 else "int8"]
+    assert model.native_stack is not None and model.native_stack.weight_kind == kind
     assert int8_linear.is_packed_int8(model.layers[0].qkv_proj.weight) and int8_linear.is_packed_int8(model.lm_head_int8)
+    assert model.embed_tokens.weight.dtype == torch.bfloat16  # the tied embedding keeps its rows
     pool = lambda: torch.zeros(10, 3, 2, BS, 2, 32, dtype=torch.bfloat16)  # noqa: E731
     fused = prefill_then_decode(model, pool(), chunks)
     model.native_stack = None
@@ -122,25 +120,29 @@ def test_the_native_stack_runs_int8_bit_for_bit_as_the_per_op_path(chunks):
 
 
 def test_the_torch_path_takes_unpacked_int8_weights():
-    """Where the native kernels do not run, [N, K] codes and w_scale go to the reference."""
+    """Where the native kernels do not run, [N, K] codes and w_scales go to the reference."""
     from pdcluster.kernels import ops
 
-    q, scale = int8_linear.quantize_weight(torch.randn(64, 40))
-    x = torch.randn(3, 40).bfloat16()
-    assert torch.equal(ops.linear(x, q, None, scale), int8_linear.int8_linear_ref(x, q, scale))
-    with pytest.raises(ValueError, match="w_scale"):
-        ops.linear(x, q)
-    packed = int8_linear.pack_int8_weight(q, scale)
-    assert torch.equal(ops.linear(x.float(), packed), int8_linear.int8_linear_ref(x.float(), q, scale))
+    codes, scales = int8_linear.quantize_groups(torch.randn(64, 64))
+    x = torch.randn(3, 64).bfloat16()
+    assert torch.equal(ops.linear(x, codes, None, scales), int8_linear.int8_linear_ref(x, codes, scales))
+    with pytest.raises(ValueError, match="w_scales"):
+        ops.linear(x, codes)
+    packed = int8_linear.pack_int8_weight(codes, scales)
+    assert torch.equal(ops.linear(x.float(), packed), int8_linear.int8_linear_ref(x.float(), codes, scales))
 
 
-def test_quantized_weights_are_made_once_beside_the_converted_copy(tmp_path, monkeypatch):
+def test_quantized_weights_are_made_once_beside_the_converted_copy_and_are_the_gguf_exactly(monkeypatch):
+    """The int8 file holds the GGUF's own values: dequantized, every projection (q and k rows in our order)
+    and the head equal the converted copy's fp32 tensors (gguf's own dequantization), bit for bit."""
     from pdcluster.services.engine.model import weight_quant
     from pdcluster.services.engine.model.default import resolve_model_path
+    from pdcluster.services.engine.model.loader import _load_tensors
     from pdcluster.services.model_cache import converted
+    from pdcluster.services.model_meta import WEIGHT_SCHEMES, read_model_config
 
     path = resolve_model_path(None)
-    conv = converted(path)  # the shared cache: converting again would take a minute
+    conv, cfg = converted(path), read_model_config(path)  # the shared cache: converting again would take a minute
     made = []
     real = weight_quant.quantize_state
 
@@ -149,21 +151,25 @@ def test_quantized_weights_are_made_once_beside_the_converted_copy(tmp_path, mon
         return real(*args)
 
     monkeypatch.setattr(weight_quant, "quantize_state", counting)
-    from pdcluster.services.engine.model.k_smoothing import calibration_token_ids
-    from pdcluster.services.engine.model.loader import _load_tensors, load_model
-
-    loaded = load_model(None, "bfloat16")
-    state, ids = _load_tensors(path), calibration_token_ids(loaded.tokenizer)
-    first = weight_quant.quantized_weights(path, state, loaded.model, ids, "int8")
-    again = weight_quant.quantized_weights(path, state, loaded.model, ids, "int8")
-    assert len(made) <= 1 and (conv / "weights-int8-w8a8-smooth0.5-head-v2.safetensors").is_file()
-    assert first["lm_head.wq"].shape == (49152, 576) and first["norm"].shape == (576,)
-    wq, scale = first["layers.0.qkv_proj.wq"], first["layers.0.qkv_proj.scale"]
-    assert wq.dtype == torch.int8 and wq.shape == (960, 576) and scale.shape == (960,)
-    assert first["layers.0.input_layernorm"].shape == (576,)
-    assert torch.equal(again["layers.29.down_proj.wq"], first["layers.29.down_proj.wq"])
+    state = _load_tensors(path)
+    first = quantized_weights(path, state, cfg, "int8")
+    again = quantized_weights(path, state, cfg, "int8")
+    assert len(made) <= 1 and (conv / f"weights-{WEIGHT_SCHEMES['int8']}.safetensors").is_file()
+    assert WEIGHT_SCHEMES["int8"] != "int8-w8a8-smooth0.5-head-v2"  # the W8A8 file is never read as this one
+    codes, scales = first["layers.0.qkv_proj.codes"], first["layers.0.qkv_proj.scales"]
+    assert codes.dtype == torch.int8 and codes.shape == (960, 576) and scales.shape == (960, 18, 2)
+    assert 0 <= codes.min() and codes.max() <= 15  # Q4_1
+    p = "model.layers.0."
+    for name, parts in (("qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+                        ("down_proj", ("mlp.down_proj",))):
+        want = torch.cat([state[f"{p}{part}.weight"] for part in parts])
+        got = int8_linear.dequantize(first[f"layers.0.{name}.codes"], first[f"layers.0.{name}.scales"])
+        assert torch.equal(got, want), name
+    head = int8_linear.dequantize(first["lm_head.codes"], first["lm_head.scales"])
+    assert torch.equal(head, state["model.embed_tokens.weight"])  # Q8_0
+    assert torch.equal(again["layers.29.down_proj.codes"], first["layers.29.down_proj.codes"])
     with pytest.raises(ValueError, match="weight scheme"):
-        weight_quant.quantized_weights(path, state, loaded.model, ids, "int4")
+        quantized_weights(path, state, cfg, "int4")
 
 
 def test_the_default_model_in_int8_answers_as_bf16_does():
@@ -184,7 +190,7 @@ def test_the_default_model_in_int8_answers_as_bf16_does():
     assert clear >= 3, gaps  # the prompt is chosen so that bf16 is sure of its first tokens
     assert engine.loaded.model.layers[0].qkv_proj.weight.dtype == torch.int8
     assert engine.loaded.model.embed_tokens.weight.dtype == torch.bfloat16  # the embedding rows stay bf16
-    assert engine.loaded.model.lm_head_int8.dtype == torch.int8  # the head has its own int8 copy
+    assert engine.loaded.model.lm_head_int8.dtype == torch.int8  # the head has its own int8 copy (Q8_0's codes)
     assert engine.hash_seed == model_hash_seed(engine.loaded.path, "bfloat16", "auto", 16, "int8")
     assert answers["int8"][:clear] == answers["auto"][:clear]
 

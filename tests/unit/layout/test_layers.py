@@ -149,9 +149,8 @@ def test_no_import_circles():
 KV_FORMAT_NAMES = {"pool_dtype", "kv_dtype_label", "row_width", "pool_head_dim", "is_quantized", "SCALE_BYTES",
                    "KV_CACHE_DTYPES", "QUANTIZED_DTYPES"}
 # A kernel benchmark times each op against its torch reference, which lives beside the kernel
-# (weight_quant's --kernels table times every native build's int8 and bf16 linears; weight_quant_sensitivity
-# simulates int8 with the references' own rounding).
-MAY_REACH_INTO_KERNELS = {"bench.micro.kernel_speed", "bench.micro.weight_quant", "bench.micro.weight_quant_sensitivity"}
+# (weight_quant's --kernels table times every native build's int8 and bf16 linears).
+MAY_REACH_INTO_KERNELS = {"bench.micro.kernel_speed", "bench.micro.weight_quant"}
 
 
 def _kernel_imports(module: str) -> list[tuple[str, tuple[str, ...]]]:

@@ -72,8 +72,8 @@ PROJECTION_NAMES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
 def _project(x: torch.Tensor, proj: nn.Linear) -> torch.Tensor:
-    """One projection; an int8 one carries its per-channel scales as ``w_scale``."""
-    return ops.linear(x, proj.weight, proj.bias, getattr(proj, "w_scale", None))
+    """One projection; an int8 one carries its group scales as ``w_scales`` (until packed: then inside)."""
+    return ops.linear(x, proj.weight, proj.bias, getattr(proj, "w_scales", None))
 
 
 class LlamaModel(nn.Module):
@@ -107,34 +107,29 @@ class LlamaModel(nn.Module):
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     lm_head_packed: torch.Tensor | None = None
-    # weight_dtype int8: the LM head's own int8 copy (codes [vocab, hidden] or packed) and its scales
+    # weight_dtype int8: the LM head's own int8 copy (codes [vocab, hidden] or packed) and its group scales
     lm_head_int8: torch.Tensor | None = None
-    lm_head_scale: torch.Tensor | None = None
+    lm_head_scales: torch.Tensor | None = None
 
     weight_scheme: str | None = None  # None: the model dtype's weights; else e.g. "int8" (weight_quant.py)
 
     @torch.no_grad()
     def quantize_projections(self, quantized: dict[str, torch.Tensor], scheme: str) -> None:
-        """Swaps every decoder projection for its int8 codes and per-channel scales, and the norms
-        (and qkv bias) for their smoothed values (the tensors pdcluster/services/engine/model/weight_quant.py
-        draws); embeddings and the LM head keep the model dtype."""
+        """Swaps every decoder projection for its int8 codes and group scales (the tensors
+        pdcluster/services/engine/model/weight_quant.py draws), and gives the LM head its own int8 copy when
+        the file has one; the embedding rows and the norms keep the model dtype."""
         for i, layer in enumerate(self.layers):
             for name, proj in zip(PROJECTION_NAMES, layer.projections()):
-                wq, scale = quantized[f"layers.{i}.{name}.wq"], quantized[f"layers.{i}.{name}.scale"]
-                if tuple(wq.shape) != (proj.out_features, proj.in_features):
-                    raise ValueError(f"quantized layers.{i}.{name} is {tuple(wq.shape)}, the model's is "
+                codes, scales = quantized[f"layers.{i}.{name}.codes"], quantized[f"layers.{i}.{name}.scales"]
+                if tuple(codes.shape) != (proj.out_features, proj.in_features):
+                    raise ValueError(f"quantized layers.{i}.{name} is {tuple(codes.shape)}, the model's is "
                                      f"{(proj.out_features, proj.in_features)}: stale quantized weights")
-                proj.weight = nn.Parameter(wq.to(proj.weight.device), requires_grad=False)
-                proj.register_buffer("w_scale", scale.to(proj.weight.device, torch.float32))
-            layer.input_layernorm.copy_(quantized[f"layers.{i}.input_layernorm"])
-            layer.post_attention_layernorm.copy_(quantized[f"layers.{i}.post_attention_layernorm"])
-            if layer.qkv_proj.bias is not None:
-                layer.qkv_proj.bias.copy_(quantized[f"layers.{i}.qkv_bias"])
-        if "lm_head.wq" in quantized:  # the head's own copy; a tied embedding keeps its bf16 rows
+                proj.weight = nn.Parameter(codes.to(proj.weight.device), requires_grad=False)
+                proj.register_buffer("w_scales", scales.to(proj.weight.device, torch.float16))
+        if "lm_head.codes" in quantized:  # the head's own copy; a tied embedding keeps its bf16 rows
             device = self.embed_tokens.weight.device
-            self.lm_head_int8 = quantized["lm_head.wq"].to(device)
-            self.lm_head_scale = quantized["lm_head.scale"].to(device, torch.float32)
-            self.norm.copy_(quantized["norm"])
+            self.lm_head_int8 = quantized["lm_head.codes"].to(device)
+            self.lm_head_scales = quantized["lm_head.scales"].to(device, torch.float16)
         self.weight_scheme = scheme
 
     @torch.no_grad()
@@ -145,13 +140,13 @@ class LlamaModel(nn.Module):
         for layer in self.layers:
             for proj in layer.projections():
                 if proj.weight.dtype == torch.int8:
-                    packed = ops.pack_int8_linear_weight(proj.weight, proj.w_scale)
+                    packed = ops.pack_int8_linear_weight(proj.weight, proj.w_scales)
                 else:
                     packed = ops.pack_linear_weight(proj.weight)
                 proj.weight = nn.Parameter(packed, requires_grad=False)
         if self.lm_head_int8 is not None:
             if self.lm_head_int8.dim() == 2:
-                self.lm_head_int8 = ops.pack_int8_linear_weight(self.lm_head_int8, self.lm_head_scale)
+                self.lm_head_int8 = ops.pack_int8_linear_weight(self.lm_head_int8, self.lm_head_scales)
         elif self.lm_head is not None:
             self.lm_head.weight = nn.Parameter(ops.pack_linear_weight(self.lm_head.weight), requires_grad=False)
         elif self.lm_head_packed is None:
@@ -215,7 +210,7 @@ class LlamaModel(nn.Module):
         residual = residual.index_select(0, batch.logits_indices)
         x = x.index_select(0, batch.logits_indices)
         x, _ = ops.fused_add_rmsnorm(x, residual, self.norm, eps)
-        return ops.linear(x, self.lm_head_weight, None, self.lm_head_scale).float()
+        return ops.linear(x, self.lm_head_weight, None, self.lm_head_scales).float()
 
     def load_hf_state(self, state: dict[str, torch.Tensor]) -> None:
         """Loads weights named as in Hugging Face checkpoints, fusing q/k/v and

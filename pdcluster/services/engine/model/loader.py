@@ -72,9 +72,7 @@ def load_model(model: str | None = None, dtype: str | torch.dtype = "bfloat16",
     net.eval().requires_grad_(False)
     tokenizer = Tokenizer.from_path(path, cfg)
     if weight_dtype != "auto":
-        from pdcluster.services.engine.model.k_smoothing import calibration_token_ids
         from pdcluster.services.engine.model.weight_quant import quantized_weights
-        net.quantize_projections(quantized_weights(path, state, net, calibration_token_ids(tokenizer), weight_dtype),
-                                 weight_dtype)
+        net.quantize_projections(quantized_weights(path, state, cfg, weight_dtype), weight_dtype)
     return LoadedModel(cfg, net, tokenizer, path, path.stem if path.is_file() else path.name, weights_id(path),
                        weight_dtype)

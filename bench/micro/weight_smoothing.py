@@ -1,5 +1,6 @@
-"""Activation smoothing for int8 projections (SmoothQuant's migration,
-alpha 0.5): per-token int8 activations lose the small channels of a row
+"""Activation smoothing for W8A8 int8 projections (SmoothQuant's migration,
+alpha 0.5), as the retired W8A8 scheme used it: bench/micro/weight_quant_sensitivity.py
+still simulates it, nothing in the product does.  Per-token int8 activations lose the small channels of a row
 whose scale one outlier channel sets (SmolLM2's attention input: its qkv
 projection alone cost 2.4 % perplexity, per-token int8 against weight-only;
 gate_up 0.8, down 0.8, o 0.4).  Dividing each input channel k by
@@ -19,8 +20,7 @@ and evens the channels out.  The division folds into whatever made x:
 ``max |x_k|`` comes from one causal prefill of the K-smoothing calibration
 chat (pdcluster/services/engine/model/k_smoothing.py: built in, never a benchmark's
 text) in float64 on the weights rounded to bf16, so every replica derives the
-same factors.  Their derivation is part of the weight scheme's id
-(pdcluster/services/model_meta.py WEIGHT_SCHEMES): change it and bump the id."""
+same factors."""
 
 from __future__ import annotations
 
