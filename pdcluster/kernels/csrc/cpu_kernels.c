@@ -6,7 +6,7 @@
  * uint16_t, accumulation is fp32, and rounding back to bf16 is
  * round-to-nearest-even, as torch does.
  *
- * KV pool layout (block-major, see DESIGN.md):
+ * KV pool layout (block-major, see pdcluster/services/engine/kv_cache.py):
  *     kv[num_blocks, num_layers, 2 (K|V), block_size, kv_heads, head_dim]
  */
 #include <immintrin.h>

@@ -10,7 +10,7 @@
  * with the torch references); the products may differ from it in the last
  * fp32 bits (summation order).
  *
- * KV pool layout (block-major, see DESIGN.md):
+ * KV pool layout (block-major, see pdcluster/services/engine/kv_cache.py):
  *     kv[num_blocks, num_layers, 2 (K|V), block_size, kv_heads, head_dim]
  */
 #include <immintrin.h>
