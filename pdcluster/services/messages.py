@@ -40,7 +40,8 @@ class PrefillResponse:
     worker_name: str
     prefill_s: float
     lease_deadline_unix: float = 0.0  # time.time() after which the owner refuses reads of block_ids
-    block_checksums: tuple[int, ...] = ()  # one per block_ids entry (pdcluster/transfer/checksum.py): the puller checks them
+    # one per block_ids entry (pdcluster/transfer/checksum.py): the puller checks them
+    block_checksums: tuple[int, ...] = ()
     # The first token is sampled here, so its logprobs (and the prompt's) come from here too.
     logprobs: list[TokenLogprob] | None = None         # the first token's, with params.logprobs
     prompt_logprobs: list[TokenLogprob] | None = None  # entry j = prompt token j+1, with params.prompt_logprobs

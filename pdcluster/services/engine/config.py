@@ -102,7 +102,7 @@ class KVTierConfig:
 class EngineConfig:
     model: str | None = None            # None -> the bundled SmolLM2-135M-Instruct GGUF
     dtype: str = "bfloat16"
-    kv_cache_dtype: str = "auto"        # auto (the model's dtype) | bf16 | int8 | fp8_e4m3 (pdcluster/kernels/kv_quant.py)
+    kv_cache_dtype: str = "auto"        # auto (the model's dtype) | bf16 | int8 | fp8_e4m3 (kernels/kv_quant.py)
     weight_dtype: str = "auto"          # auto (the model's dtype) | int8 (decoder projections: model/weight_quant.py)
     device: str = "cpu"
     block_size: int = 16

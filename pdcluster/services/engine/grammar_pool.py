@@ -84,8 +84,8 @@ class _Worker:
 
     def __init__(self, tokenizer_info_json: str):
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-        self.proc = subprocess.Popen([sys.executable, "-m", "pdcluster.services.engine.grammar_pool"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, env=env, bufsize=0)
+        self.proc = subprocess.Popen([sys.executable, "-m", "pdcluster.services.engine.grammar_pool"],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, bufsize=0)
         try:
             _write_frame(self.proc.stdin, tokenizer_info_json.encode())
             ready = _read_frame(self.proc.stdout, time.monotonic() + WORKER_START_TIMEOUT_S)

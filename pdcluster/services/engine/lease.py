@@ -32,7 +32,8 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
-EXPIRY_GRACE_S = 1.0  # blocks are freed this long after a lease's deadline (pdcluster.transfer.lease_guard.OWNER_FREE_GRACE_S)
+# Blocks are freed this long after a lease's deadline (pdcluster.transfer.lease_guard.OWNER_FREE_GRACE_S).
+EXPIRY_GRACE_S = 1.0
 
 
 @dataclass(frozen=True)

@@ -128,7 +128,8 @@ class ClusterBackend(Backend):
         self.prefill_retries = 0
 
     def _prefill_at_zero(self) -> bool:
-        """The prefill pool is scaled to zero on purpose (pdcluster/services/pools/pool_targets.py), as of the last read."""
+        """The prefill pool is scaled to zero on purpose (pdcluster/services/pools/pool_targets.py), as of the
+        last read."""
         return self.liveness is not None and self.liveness.cached_scaled_to_zero("prefill")
 
     async def _admit(self, req: GenerateRequest) -> Ticket:
