@@ -23,6 +23,9 @@ the Ray dashboard and its Prometheus endpoint, as ``ray_<name>`` (counters
                                                                            decode pool in disaggregated mode;
                                                                            short_prompt | no_prefill_replica
     pdcluster_admission_rejections       counter    reason                 gateway: slo | in_flight_cap
+    pdcluster_seat_waits                 counter    pool                   gateway: offers of an admitted request
+                                                                           that every place's queue was too full
+                                                                           to take (offered again, never a 429)
     pdcluster_deadlines_exceeded         counter    kind                   gateway: request | inter_token
     pdcluster_lease_events               counter    event                  prefill: late_notification (a release
                                                                            for a lease already gone)
@@ -97,6 +100,8 @@ SPECS: dict[str, MetricSpec] = {
     "pdcluster_admission_rejections": MetricSpec(
         "counter", "Requests refused at the gateway (predicted TTFT over the SLO, or the in-flight cap)",
         ("reason",)),
+    "pdcluster_seat_waits": MetricSpec(
+        "counter", "Admitted requests offered again because the pools' queues were full", ("pool",)),
     "pdcluster_deadlines_exceeded": MetricSpec("counter", "Requests aborted at a deadline", ("kind",)),
     "pdcluster_lease_events": MetricSpec(
         "counter", "KV lease outcomes on prefill replicas besides a pull's release", ("event",)),
@@ -241,6 +246,10 @@ def count_decode_pool_prefill(reason: str) -> None:
 
 def count_admission_rejection(reason: str) -> None:
     _inc("pdcluster_admission_rejections", 1, reason=reason)
+
+
+def count_seat_wait(pool: str) -> None:
+    _inc("pdcluster_seat_waits", 1, pool=pool)
 
 
 def count_deadline(kind: str) -> None:

@@ -68,6 +68,7 @@ _REPLICA_DIED = (ray_exceptions.RayActorError, ray_exceptions.ActorUnavailableEr
 _RELEASE_TIMEOUT_S = 5.0
 _HANDOFF_RETRY_S = 0.25       # between offers of a hand-off to a full decode pool
 _HANDOFF_LEASE_MARGIN_S = 2.0  # stop offering it this long before its lease runs out
+_SEAT_RETRY_FIRST_S, _SEAT_RETRY_MAX_S = 0.05, 0.5  # offers of a request no place had a seat for
 
 
 def backend_error(exc: BaseException) -> BaseException:
@@ -78,6 +79,12 @@ def backend_error(exc: BaseException) -> BaseException:
     if isinstance(exc, ray_exceptions.RayTaskError) and isinstance(cause, BackendError):
         return cause
     return exc
+
+
+def seat_retry_delay_s(waits: int) -> float:
+    """The pause before offering a request again that no place had a seat for
+    (``waits`` offers already refused): 50 ms, doubling, at most 0.5 s."""
+    return min(_SEAT_RETRY_FIRST_S * 2 ** min(waits, 8), _SEAT_RETRY_MAX_S)
 
 
 def prefill_locally(prompt_tokens: int, local_prefill_max_tokens: int) -> bool:
@@ -114,6 +121,7 @@ class ClusterBackend(Backend):
         self.first_token_timeout_s = first_token_timeout_s  # raised to 3x a request's predicted TTFT when longer
         self.num_lease_releases = 0
         self.num_handoff_waits = 0
+        self.num_seat_waits = 0  # offers of an admitted request that no place had a seat for yet
         self.handoff_wait_s = handoff_wait_s  # longest wait for a decode seat after the first token went out
         self._background: set[asyncio.Task] = set()
         self.local_prefill_max_tokens = local_prefill_max_tokens
@@ -251,6 +259,31 @@ class ClusterBackend(Backend):
 
     async def _generate(self, req: GenerateRequest, placement: Placement,
                         progress: StreamProgress | None = None) -> AsyncIterator[TokenDelta]:
+        """The request on its place.  Admission already predicted it within
+        the SLO, so a full queue before its first token (every place it can
+        go to refused a seat: Serve's max_queue, a replica's in-flight
+        limit, no free KV) is a wait, not a 429: it is offered again until
+        it is taken or its first-token deadline passes (then 504)."""
+        waits = 0
+        while True:
+            sent = False
+            try:
+                async with aclosing(self._on_place(req, placement, progress)) as chunks:  # closed with us
+                    async for chunk in chunks:
+                        sent = True
+                        yield chunk
+                return
+            except BackendOverloaded:
+                if sent:
+                    raise
+            metrics.count_seat_wait(self.mode if self.mode == "colocated" else placement.pool or DECODE)
+            self.num_seat_waits += 1
+            await asyncio.sleep(seat_retry_delay_s(waits))
+            waits += 1
+
+    async def _on_place(self, req: GenerateRequest, placement: Placement,
+                        progress: StreamProgress | None = None) -> AsyncIterator[TokenDelta]:
+        """One offer of the request to its place (the decode pool when the prefill pool cannot take it)."""
         if self.mode == "colocated":
             async for chunk in self._whole_request("colocated", "generate", req, progress):
                 yield chunk

@@ -18,6 +18,7 @@ from pdcluster.router.snapshot import affinity_rank
 
 pytestmark = pytest.mark.integration
 BLOCK = 16
+STATS_RATE, STATS_FREE_KV = 1000.0, 64  # every replica's routing stats
 
 
 def build_app(index_url: str, model: str):
@@ -26,7 +27,10 @@ def build_app(index_url: str, model: str):
     @serve.deployment(num_replicas=3, max_ongoing_requests=4, ray_actor_options={"num_cpus": 0},
                       request_router_config=request_router_config(
                           "prefill", index_url=index_url, cluster="test", model=model,
-                          stats_period_s=0.5, lookup_timeout_s=2.0))  # a loaded CI machine: no fallback
+                          stats_period_s=0.5, lookup_timeout_s=2.0,  # a loaded CI machine: no fallback
+                          # what the replicas report, so a replica whose stats have not reached the
+                          # router yet looks the same as one whose have: ties stay ties (issue 39)
+                          default_prefill_tokens_per_s=STATS_RATE, default_free_kv_blocks=STATS_FREE_KV))
     class FakePrefill:
         async def __init__(self, index_url: str, model: str):
             from pdcluster.prefix_store.index import make_index
@@ -39,8 +43,8 @@ def build_app(index_url: str, model: str):
 
         def record_routing_stats(self) -> dict:
             from pdcluster.router.replica_stats import ReplicaStats
-            return ReplicaStats(worker_name=self.name, prefill_tokens_per_s=1000.0,
-                                free_kv_blocks=64).to_routing_stats()
+            return ReplicaStats(worker_name=self.name, prefill_tokens_per_s=STATS_RATE,
+                                free_kv_blocks=STATS_FREE_KV).to_routing_stats()
 
         def record_replica_metadata(self) -> dict:
             return {"worker_name": self.name}

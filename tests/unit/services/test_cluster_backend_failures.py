@@ -12,12 +12,13 @@ import inspect
 import pytest
 
 from ray.exceptions import ActorDiedError
+from ray.serve.exceptions import BackPressureError
 
 from pdcluster.services.backend import BackendKVTransferFailed, BackendOverloaded, BackendTimeout
 from pdcluster.services.gateway.failover import FailoverReason, ReplicaLost, decode_call_over
 from pdcluster.router.routing_header import RoutingHeader
 from pdcluster.services.messages import GenerateRequest
-from pdcluster.services.gateway.cluster_backend import ClusterBackend, with_deadlines
+from pdcluster.services.gateway.cluster_backend import ClusterBackend, seat_retry_delay_s, with_deadlines
 from pdcluster.services.engine.sampling_params import greedy
 from pdcluster.services.messages import TokenDelta
 from tests.unit.services.serve_fakes import HANDOFF, SERVERS, FakeResponse, FakeStream
@@ -42,6 +43,8 @@ class _Handles:
                         inspect.signature(getattr(SERVERS[name], method)).bind(None, *args, **kwargs)
                         handles.calls.append((f"{name}.{method}", args, kwargs))
                         if method == "prefill":
+                            if getattr(handles, "prefill_errors", None):
+                                return FakeResponse(None, handles.prefill_errors.pop(0))
                             return FakeResponse(HANDOFF)
                         if method == "release":
                             return FakeResponse(True)
@@ -94,6 +97,37 @@ async def test_a_full_decode_replica_is_offered_the_hand_off_again_not_an_error_
     await _settle(backend)
     assert [c.text for c in chunks] == ["a", "b", "c"] and backend.num_handoff_waits == 2
     assert _releases(fake) == []  # the third offer pulled it
+
+
+async def test_an_admitted_request_no_queue_can_take_yet_waits_for_a_seat_instead_of_a_429():
+    # A burst beyond every pool's queue (issue 32): admission predicted it within the SLO, so Serve's
+    # BackPressureError (prefill) and a full decode replica (its whole-request fallback) mean "offer it
+    # again", never a refusal that no measured prediction made.
+    backend, fake = _backend(None)
+    fake.prefill_errors = [BackPressureError(num_queued_requests=8, max_queued_requests=8)] * 2
+    fake.next_streams = [FakeStream(error=BackendOverloaded("decode full")),
+                         FakeStream(error=BackendOverloaded("decode full")),
+                         FakeStream([TokenDelta([6], "b"), TokenDelta([7], "c", "length")])]
+    chunks = await _drain(backend)
+    await _settle(backend)
+    assert [c.text for c in chunks] == ["a", "b", "c"] and backend.num_seat_waits == 2
+    assert [name for name, *_ in fake.calls] == [
+        "prefill.prefill", "decode.generate_colocated", "prefill.prefill", "decode.generate_colocated",
+        "prefill.prefill", "decode.generate"]
+    assert backend.admission.in_flight == 0
+
+
+def test_seat_offers_back_off_from_50_ms_to_half_a_second():
+    assert [seat_retry_delay_s(n) for n in (0, 1, 2, 3, 4, 50)] == [0.05, 0.1, 0.2, 0.4, 0.5, 0.5]
+
+
+async def test_an_overload_after_the_first_token_is_not_offered_again():
+    streams = [FakeStream([TokenDelta([6], "b")], error=BackendOverloaded("full"))]
+    backend, fake = _backend(None, handoff_wait_s=0.0)
+    fake.next_streams = streams
+    with pytest.raises(BackendOverloaded):
+        await _drain(backend)
+    assert backend.num_seat_waits == 0
 
 
 async def test_client_gone_after_the_first_token_releases():
