@@ -361,6 +361,13 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0
 
+    def set_compute_threads(self, n: int) -> None:
+        """Threads the native kernels compute with from their next call on
+        (a prefill replica borrowing idle cores: pdcluster/services/pools/core_lending.py).
+        The kernels split work by output rows, so results do not depend on it."""
+        if self._native:
+            ops.set_native_threads(max(int(n), 1))
+
     # ---- one step ----------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedules, runs and post-processes one batch.  A step that raises

@@ -34,6 +34,7 @@ from pdcluster.services.messages import GenerateRequest, PrefixLease, PrefixLeas
 from pdcluster.router.peer_fetch import DEFAULT_PULL_S_PER_BLOCK
 from pdcluster.services.pools.peer_fetch import PeerFetcher, lend_prefix
 from pdcluster.services.pools.pull_estimate import PullEstimate
+from pdcluster.services.pools.core_lending import borrow_forever, host_id
 from pdcluster.services.pools.status_board import publish_forever
 from pdcluster.services.supervisor import RestartPolicy, Supervisor
 from pdcluster.transfer import KVLayout, create_backend
@@ -105,6 +106,8 @@ class Worker:
         self.in_flight = 0
         self._prefill_rate_tps = 0.0
         self.supervisor = Supervisor(self.name)  # its background tasks: logged, counted, restarted
+        self.host = host_id()  # replicas on one host lend each other idle cores (core_lending.py)
+        self.compute_threads = self.pool.num_threads
         self._started = False
 
     async def start(self) -> None:
@@ -120,6 +123,10 @@ class Worker:
         if self.index_url and self.index_url.startswith("redis"):
             self.supervisor.start("status_board", lambda: publish_forever(
                 self.index_url, self.config.cluster_name, self.name, self.status))
+            if self.role == "prefill" and self.pool.borrow_idle_cores:
+                self.supervisor.start("core_lending", lambda: borrow_forever(
+                    self.index_url, self.config.cluster_name, self.name, self.pool.num_threads,
+                    self._compute_with))
         if self.transfer is not None:
             self.supervisor.start("lease_notifications", self._release_on_notification)
         frozen = freeze_startup_heap()   # start-up's objects out of every later collection (gc_pauses.py)
@@ -214,8 +221,15 @@ class Worker:
             "queue_time_s": metrics.queue_times(self.role).snapshot(),
             "transfer_backend": self.transfer.name if self.transfer else None,
             "internal_address": self.internal_address,
+            "host": self.host, "threads": self.pool.num_threads, "compute_threads": self.compute_threads,
             "time": time.time(),
         }
+
+    def _compute_with(self, threads: int) -> None:
+        """The core lender's decision: the engine's native kernels use ``threads`` from now on."""
+        log.info("%s computes with %d threads (own %d)", self.name, threads, self.pool.num_threads)
+        self.engine.set_compute_threads(threads)
+        self.compute_threads = threads
 
     async def drain_leases(self) -> None:
         """Waits (at most one lease TTL) until decode replicas have pulled every
