@@ -105,3 +105,24 @@ def int8_linear_mirror(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tenso
     if bias is not None:
         y = y + bias.float()
     return y if fp32_out else y.to(torch.bfloat16)
+
+
+def triton_mirror(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
+    """triton_int8_linear.py's steps in fp32 (no fused multiply-adds: the interpreter runs each numpy op
+    alone), each group's dot and sum of x rounded once from exact.  Bit for bit the interpreter's only
+    where those sums are exact in fp32 in any order (its tl.dot is numpy's matmul, its tl.sum numpy's
+    sum: orders of their own), as for x on a 2^-6 grid below 2: every partial sum a multiple of 2^-6
+    under 2^13."""
+    n, k = codes.shape
+    xg = x.reshape(-1, k).float().view(-1, k // GROUP, GROUP)
+    qg = codes.view(n, k // GROUP, GROUP).double()
+    dots = torch.einsum("rgk,ngk->rng", xg.double(), qg).float()
+    xsum = xg.double().sum(-1).float()
+    d, m = scales.float().unbind(-1)
+    acc = torch.zeros(dots.shape[:2])
+    for g in range(dots.shape[2]):
+        acc = acc + (dots[..., g] * d[None, :, g] + xsum[:, None, g] * m[None, :, g])
+    if bias is not None:
+        acc = acc + bias.float()
+    return acc.to(x.dtype)
