@@ -38,7 +38,9 @@ Q8_0's codes, 8 bits) at batch 1: bf16 3.56 ms, int8 1.59 ms (0.45x;
 0.18x-0.58x in other runs), so the head runs in int8.
 The AVX-512 BF16 micro-kernels (csrc/int8_linear_avx512.h) have not run on
 BF16 hardware: the tests run them here with the BF16 instructions emulated
-(tests/unit/kernels/emulated_bf16.c), for correctness only.
+(tests/unit/kernels/emulated_bf16.c), for correctness only.  Every build that
+runs equals, bit for bit, a torch mirror of its own arithmetic (the integer
+sums exact, the fp32 steps in its order: tests/unit/kernels/int8_mirror.py).
 """
 
 from __future__ import annotations

@@ -1,16 +1,18 @@
 /* cpu_kernels.c's AVX-512 BF16 build for a CPU with AVX-512F/BW/VL but not AVX-512 BF16: the three BF16
  * instructions the kernels use emulated with AVX-512F (VDPBF16PS as two FMAs on the widened halves, the
- * conversions as round-to-nearest-even), so tests/unit/kernels/test_int8_linear.py can run that build's
- * int8 paths here.  A correctness harness: its rounding is not the hardware's, its speed means nothing. */
+ * conversions as round-to-nearest-even), so tests/unit/kernels/test_int8_linear*.py can run that build's
+ * int8 paths here.  A correctness harness: its roundings are those of Intel's pseudocode (not checked
+ * against BF16 hardware; no DAZ/FTZ, so denormals differ), its speed means nothing. */
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
 static inline __m512 emu_bf16_lo(__m512i v) { return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)); }
 static inline __m512 emu_bf16_hi(__m512i v) { return _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xFFFF0000u))); }
+/* the odd element of each pair first, then the even one, as Intel's pseudocode for VDPBF16PS (no DAZ/FTZ here) */
 static inline __m512 emu_dpbf16_ps(__m512 acc, __m512bh a, __m512bh b) {
     const __m512i ai = (__m512i)a, bi = (__m512i)b;
-    acc = _mm512_fmadd_ps(emu_bf16_lo(ai), emu_bf16_lo(bi), acc);
-    return _mm512_fmadd_ps(emu_bf16_hi(ai), emu_bf16_hi(bi), acc);
+    acc = _mm512_fmadd_ps(emu_bf16_hi(ai), emu_bf16_hi(bi), acc);
+    return _mm512_fmadd_ps(emu_bf16_lo(ai), emu_bf16_lo(bi), acc);
 }
 static inline __m256i emu_round16(__m512 v) {  /* fp32 -> bf16 round to nearest even (no NaN care) */
     __m512i u = _mm512_castps_si512(v);

@@ -1,63 +1,18 @@
 """int8 linears in groups of 32 (pdcluster/kernels/int8_linear.py, csrc/int8_linear.h): the scheme (GGUF's
 Q4_1 and Q8_0 blocks exactly, other weights per group), the packed layout, and that every native build that
-runs here (and, on an AVX-512 CPU without AVX-512 BF16, that build with its three BF16 instructions emulated:
-emulated_bf16.c) matches the torch reference on odd shapes and gives a row the same bits in any batch and on
-any number of threads; the Triton kernel under the interpreter likewise."""
-
-import ctypes
-import shutil
-import subprocess
-from pathlib import Path
+runs here (the int8_build fixture, conftest.py: on an AVX-512 CPU without AVX-512 BF16 also that build with
+its three BF16 instructions emulated, emulated_bf16.c) is near the scheme's fp32 reference on odd shapes and
+gives a row the same bits in any batch and on any number of threads; the Triton kernel under the interpreter
+likewise.  Each kernel's own arithmetic, bit for bit: test_int8_linear_exact.py."""
 
 import numpy as np
 import pytest
 import torch
 
-from pdcluster.kernels import cpu_native
 from pdcluster.kernels import int8_linear as il
 
 BF16 = torch.bfloat16
 SHAPES = [(1, 960, 576), (2, 32, 32), (3, 64, 96), (5, 96, 64), (9, 3072, 576), (17, 576, 1536), (260, 96, 64)]
-
-
-EMULATED = "avx512_bf16_emulated"  # the AVX-512 BF16 build with its BF16 instructions emulated (emulated_bf16.c)
-
-
-def _cc() -> str | None:
-    return shutil.which("cc") or shutil.which("gcc")
-
-
-def _runnable_builds() -> list:
-    if not _cc():
-        return []
-    builds = [v.name for v in cpu_native.supported_variants()]
-    flags = cpu_native._cpu_flags()
-    if "avx512_bf16" not in builds and {"avx512f", "avx512bw", "avx512vl", "f16c", "fma"} <= flags:
-        builds.append(EMULATED)
-    return builds
-
-
-def _emulated_library(tmp: Path) -> Path:
-    out = tmp / "emulated_bf16.so"
-    here = Path(__file__).with_name("emulated_bf16.c")
-    done = subprocess.run([_cc(), "-O2", "-std=gnu11", "-fPIC", "-shared", "-pthread", "-fno-math-errno", "-mavx512f",
-                           "-mavx512bw", "-mavx512vl", "-mfma", "-mf16c", f"-I{cpu_native.CSRC}", str(here), "-o",
-                           str(out), "-lm"], capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
-    return out
-
-
-@pytest.fixture(scope="module", params=_runnable_builds())
-def build(request, tmp_path_factory):
-    """(variant name, that build's library), each loaded on its own; on an AVX-512 CPU without BF16 also the
-    AVX-512 BF16 build with those instructions emulated, so its int8 code runs here too."""
-    if request.param == EMULATED:
-        lib = ctypes.CDLL(str(_emulated_library(tmp_path_factory.mktemp("emulated"))))
-    else:
-        lib = ctypes.CDLL(str(cpu_native.build(which=next(v for v in cpu_native.VARIANTS if v.name == request.param))))
-    fn = lib.pd_linear_int8
-    fn.argtypes, fn.restype = cpu_native._SIGNATURES["pd_linear_int8"], None
-    return request.param, lib
 
 
 # ---- the scheme ----------------------------------------------------------------
@@ -152,8 +107,8 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> None:
 
 @pytest.mark.parametrize("m,n,k", SHAPES)
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_native_matches_the_reference(build, m, n, k, with_bias):
-    _, lib = build
+def test_native_matches_the_reference(int8_build, m, n, k, with_bias):
+    _, lib = int8_build
     codes, scales = il.quantize_groups(torch.randn(n, k))
     packed = il.pack_int8_weight(codes, scales)
     x = torch.randn(m, k).to(BF16)
@@ -165,10 +120,10 @@ def test_native_matches_the_reference(build, m, n, k, with_bias):
 
 
 @pytest.mark.parametrize("m", [1, 2, 4, 40])
-def test_native_takes_gguf_codes(build, m):
+def test_native_takes_gguf_codes(int8_build, m):
     """Q4_1 codes (0..15, an offset m; packed 4 bits a code, bit for bit the 8-bit packing's result) and Q8_0
     codes (-127..127, no offset) as the file holds them."""
-    _, lib = build
+    _, lib = int8_build
     gen = np.random.default_rng(1)
     x = torch.randn(m, 576).to(BF16)
     for kind, make in ((3, _q4_1_blocks), (8, _q8_0_blocks)):
@@ -181,9 +136,9 @@ def test_native_takes_gguf_codes(build, m):
         assert torch.equal(got, il.linear_native(x, il.pack_int8_weight(codes, scales, bits=8), fp32_out=True, lib=lib))
 
 
-def test_extreme_codes_and_activations_do_not_overflow(build):
+def test_extreme_codes_and_activations_do_not_overflow(int8_build):
     """Codes at -128 / 127 and every x at the group's largest value: the integer sums at their bound."""
-    _, lib = build
+    _, lib = int8_build
     n, k = 32, 1536
     codes = torch.full((n, k), 127, dtype=torch.int8)
     codes[::2] = -128
@@ -196,9 +151,9 @@ def test_extreme_codes_and_activations_do_not_overflow(build):
 
 
 @pytest.mark.parametrize("n,k,bits", [(960, 576, 8), (96, 1536, 8), (960, 576, 4)])
-def test_a_row_is_the_same_in_any_batch_and_on_any_threads(build, n, k, bits):
+def test_a_row_is_the_same_in_any_batch_and_on_any_threads(int8_build, n, k, bits):
     """Exact resume: a row alone, or among 3, 16 or 257 rows, on 1 or 2 threads, gives the same bits."""
-    _, lib = build
+    _, lib = int8_build
     codes, scales = il.quantize_groups(torch.randn(n, k))
     if bits == 4:
         codes = codes.abs().clamp(max=15)
