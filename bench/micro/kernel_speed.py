@@ -12,6 +12,11 @@ the GPU's peak HBM bandwidth.  Bandwidth counts the bytes an op must move at
 least (inputs read once, outputs written once), not what an implementation
 happens to copy.
 
+On the CPU it ends with issue 34's targets: our linear against torch's
+oneDNN bf16 linear at prefill row counts, and a lone 3k-token prompt's
+prefill on the default prefill engine against its FLOPs at the
+fingerprint's GEMM rate (bench/micro/lone_prompt.py).
+
     .venv/bin/python -m bench.micro.kernel_speed [--device cpu|cuda] [--threads N] [--min-time-s 0.2] [--prefill-only]
 """
 
@@ -25,6 +30,8 @@ from typing import Callable
 import torch
 
 from bench.fingerprint import print_fingerprint
+from bench.micro import lone_prompt
+from bench.targets import print_target
 from pdcluster.kernels import ops
 from pdcluster.kernels.block_copy import gather_blocks_ref, scatter_blocks_ref
 from pdcluster.kernels.kv_write import write_kv_ref
@@ -39,7 +46,9 @@ ELT = 2  # bytes per bf16
 DECODE_BATCHES, DECODE_CONTEXTS, PREFILL_TOKENS = (1, 16, 64), (256, 1024, 2048), (256, 1024)
 DECODE_TARGET = (64, 2048, 0.60)  # batch, context, fraction of peak HBM
 LINEAR_SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}  # name: (N, K)
-LINEAR_ROWS = (1, 16, 256, 1024)  # decode batch 1 and 16, prefill chunks
+LINEAR_ROWS = (1, 16, 256, 1024, 3072)  # decode batch 1 and 16, prefill chunks
+PREFILL_TARGET_ROWS = (256, 1024, 3072)  # issue 34: ours >= torch's oneDNN bf16 linear at these row counts
+LONE_PROMPT_TOKENS, LONE_PROMPT_GOAL = 3072, 1.5  # issue 34: a lone prompt's prefill within 1.5x FLOPs / GEMM rate
 PREFILL_FIGURE_ROWS = 1024  # the prompt length the prefill linear and attention figures are quoted at
 COMMAND = ".venv/bin/python -m bench.micro.kernel_speed"
 
@@ -173,7 +182,7 @@ def block_copy_cases(pool: torch.Tensor) -> list[Case]:
     ]
 
 
-def linear_table(min_time_s: float, copy_peak: float) -> None:
+def linear_table(min_time_s: float, copy_peak: float) -> dict[int, float]:
     """The projections of one layer at decode and prefill row counts: the
     torch bf16 linear (oneDNN; on AMX CPUs its tile kernels), torch fp32 on an
     upcast copy of the weights (x upcast and y rounded per call), and
@@ -181,8 +190,10 @@ def linear_table(min_time_s: float, copy_peak: float) -> None:
     products, ``cpu_native.linear_path``); weight GB/s against copy_ tells how
     close a decode GEMV is to its bandwidth floor.  Ends with the prefill
     figure the AMX work is judged by: TFLOP/s of the layer's projections at
-    PREFILL_FIGURE_ROWS tokens, ours next to torch bf16's."""
+    PREFILL_FIGURE_ROWS tokens, ours next to torch bf16's.  Returns, per row
+    count, torch bf16's time over ours summed over the layer's projections."""
     cpu = torch.device("cpu")
+    per_rows: dict[int, list[float]] = {}
     print(f"linear (y = x W^T, bf16; {ops.native_variant() or 'no native'} kernels vs torch):")
     print(f"{'shape M x K -> N':<28}{'torch bf16':>11}{'torch fp32':>11}{'ours ms':>9}{'path':>6}{'vs bf16':>9}"
           f"{'vs fp32':>9}{'GFLOP/s':>9}{'torch':>8}{'W GB/s':>8}{'of copy_':>9}")
@@ -197,6 +208,9 @@ def linear_table(min_time_s: float, copy_peak: float) -> None:
             ours_s = _time_s(lambda: ops.linear(x, packed), cpu, min_time_s)
             w_gbs, flop = n * k * ELT / ours_s / 1e9, 2 * m * n * k
             path = ops.linear_path(m, n, k)
+            per_rows.setdefault(m, [0.0, 0.0])
+            per_rows[m][0] += bf16_s
+            per_rows[m][1] += ours_s
             print(f"{name + f' {m} x {k} -> {n}':<28}{bf16_s * 1e3:>11.3f}{fp32_s * 1e3:>11.3f}{ours_s * 1e3:>9.3f}"
                   f"{path:>6}{bf16_s / ours_s:>8.2f}x{fp32_s / ours_s:>8.2f}x{flop / ours_s / 1e9:>9.1f}"
                   f"{flop / bf16_s / 1e9:>8.1f}{w_gbs:>8.1f}{w_gbs / copy_peak:>9.0%}", flush=True)
@@ -208,6 +222,7 @@ def linear_table(min_time_s: float, copy_peak: float) -> None:
         ours, theirs = prefill["flop"] / prefill["ours"] / 1e12, prefill["flop"] / prefill["torch"] / 1e12
         print(f"prefill linear at {PREFILL_FIGURE_ROWS} tokens ({' + '.join(LINEAR_SHAPES)}, {torch.get_num_threads()} "
               f"threads): ours {ours:.2f} TFLOP/s, torch bf16 {theirs:.2f} TFLOP/s ({ours / theirs:.2f}x)")
+    return {m: torch_s / ours_s for m, (torch_s, ours_s) in per_rows.items()}
 
 
 def copy_gbps(device: torch.device, min_time_s: float) -> float:
@@ -234,7 +249,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prefill-only", action="store_true",
                         help="CPU: only the linear table and the prefill attention figure")
     args = parser.parse_args(argv)
-    print_fingerprint()
+    fp = print_fingerprint()
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -259,8 +274,18 @@ def main(argv: list[str] | None = None) -> None:
         cases = decode_cases(pool) + prefill_cases(pool) + elementwise_cases(pool) + block_copy_cases(pool)
         print_targets(run_cases(cases, device, on_gpu, peak, args.min_time_s), on_gpu, peak)
     if not on_gpu:
-        linear_table(args.min_time_s, peak)
+        vs_torch = linear_table(args.min_time_s, peak)
         prefill_attention_vs_sdpa(pool, args.min_time_s)
+        lone = lone_prompt.measure(LONE_PROMPT_TOKENS)
+        rate = max(fp.torch_bf16_gemm_tflops, fp.ours_bf16_gemm_tflops)
+        print(f"lone prompt: {lone.tokens} tokens in {lone.seconds:.2f} s on {lone.threads} threads "
+              f"(the default prefill engine, idle host: its own thread + the ones it borrows); "
+              f"{lone.flops / 1e12:.2f} TFLOP at the fingerprint's best GEMM rate {rate * 1e3:.1f} GFLOP/s "
+              f"= {lone.flops / (rate * 1e12):.2f} s")
+        for m in PREFILL_TARGET_ROWS:
+            print_target(f"prefill_linear_vs_onednn_m{m}", vs_torch[m], ">=", 1.0)
+        print_target(f"lone_{LONE_PROMPT_TOKENS}_token_prefill_vs_flops_at_gemm_rate", lone.ratio(rate), "<=",
+                     LONE_PROMPT_GOAL)
 
 
 def run_cases(cases: list[Case], device: torch.device, on_gpu: bool, peak: float,
