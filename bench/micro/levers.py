@@ -55,7 +55,7 @@ SNIPPETS = [
     "def fib(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n\n\n"
     "def fact(n):\n    return 1 if n < 2 else n * fact(n - 1)\n",
 ]
-DRAFT_LAYERS = 12  # not tuned yet: no depth sweep has finished on this machine (README, Levers)
+DRAFT_LAYERS = 12  # not tuned yet: no depth sweep has finished on this machine (docs/engine.md, Levers)
 QUESTIONS = [
     "Why do some birds migrate south for the winter while others stay?",
     "Give me three ideas for a birthday party for a seven year old.",
@@ -173,7 +173,7 @@ def print_spec(results: dict, draft_layers: int) -> dict[str, float]:
     """The table, and the TPOT ratios (with / without drafts) by workload and
     concurrency: n-gram's as ``{workload}_c{conc}``, the draft model's as
     ``draft_{workload}_c{conc}``.  The draft's cost per drafted token in
-    plain TPOTs is c for `pdcluster plan --spec-cost` (README, Levers)."""
+    plain TPOTs is c for `pdcluster plan --spec-cost` (docs/engine.md, Levers)."""
     print(f"# draft: the default model's first {draft_layers} layers + final norm + LM head (early exit)")
     print(f"{'workload':<14} {'conc':>4} {'spec':<6} {'out tok/s':>10} {'TPOT p50 ms':>12} "
           f"{'accept':>7} {'tok/verify-step':>15}")

@@ -7,7 +7,7 @@ bubble, cost at capacity, instances from measured per-instance facts).
 Traffic and SLOs default to a workload's (``--workload mixed``); explicit
 flags override them.  Every printed figure shows its rule with the inputs
 substituted; ``--explain`` walks through them one by one, ``--json -``
-prints them as JSON (schema in README.md, "Capacity planning")."""
+prints them as JSON (schema in docs/planning.md, "Capacity planning")."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Prints a plan: one table per section, every figure beside its rule with
 the inputs substituted, then warnings and the command that reproduces it;
 or (``--explain``) the same figures as a walk through the arithmetic; or
-the JSON document described in README.md ("Capacity planning")."""
+the JSON document described in docs/planning.md ("Capacity planning")."""
 
 from __future__ import annotations
 
@@ -164,7 +164,7 @@ def _finite(value):
 
 
 def plan_json(plan: Plan, profile: Profile | None, inputs: dict | None = None, reproduce: str = "") -> dict:
-    """The plan as JSON; the keys are documented in README.md ("Capacity planning")."""
+    """The plan as JSON; the keys are documented in docs/planning.md ("Capacity planning")."""
     def pool(size) -> dict:
         return {**asdict(size), "binding": size.binding}
 

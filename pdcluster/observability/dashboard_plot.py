@@ -1,6 +1,6 @@
 """The Grafana dashboard (deploy/grafana/pdcluster.json) drawn without
 Grafana: every panel's queries run through a Prometheus's range API and
-plotted on one PNG, a panel per subplot.  For the README and for a quick
+plotted on one PNG, a panel per subplot.  For docs/operating.md and for a quick
 look where no Grafana runs:
 
     python -m pdcluster.observability.dashboard_plot --prometheus http://127.0.0.1:9090 \\

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 SNIPPET = """\
 ready in {ready:.0f} s: {mode} cluster serving {model}
   OpenAI API    http://{host}:{port}/v1     (GET /v1/models, POST /v1/chat/completions, /v1/completions)
-  Monitoring    http://{host}:{port}/metrics (vLLM's names too)  probes: /live, /ready  (README "Monitoring")
+  Monitoring    http://{host}:{port}/metrics (vLLM's names too)  probes: /live, /ready  (docs/operating.md)
 {dashboard}{auth}try:
   curl -s http://{host}:{port}/v1/chat/completions -H 'content-type: application/json'{curl_auth} \\
     -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "What is the capital of France?"}}], "max_tokens": 32}}'

@@ -7,7 +7,7 @@ idle cluster it can serve all of it.
 Opt-in (``PDCLUSTER_PEER_TESTS=1``, tests/integration/conftest.py); skipped when the peer
 venv is absent (nothing here installs vLLM): build it with ``../shared/peer/vllm-cpu.sh setup``.
 Not met on every machine class: on a 2-vCPU Intel Xeon without AVX-512 BF16 (Dec 3) 20 of 48
-and 1 of 24 completed, the rest refused by the SLO rule (README, "Load shedding by SLO")."""
+and 1 of 24 completed, the rest refused by the SLO rule (docs/operating.md, "Load shedding by SLO")."""
 
 from __future__ import annotations
 

@@ -96,5 +96,5 @@ def test_every_dashboard_panel_returns_data(prometheus, client):
     assert moved, "the requests never showed in Prometheus"
     empty = [(title, expr) for title, expr in queries if not query(prometheus, expr)]
     assert not empty, "panels without data:\n" + "\n".join(f"  {t}: {e}" for t, e in empty)
-    if os.environ.get("PDCLUSTER_DASHBOARD_PNG"):   # the README's picture, drawn from this very data
+    if os.environ.get("PDCLUSTER_DASHBOARD_PNG"):   # docs/operating.md's picture, drawn from this very data
         assert render(prometheus, Path(os.environ["PDCLUSTER_DASHBOARD_PNG"]), MODEL, minutes=2) > 0

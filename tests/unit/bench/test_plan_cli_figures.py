@@ -2,8 +2,8 @@
 its flags: each test runs the CLI (``main(argv)``, JSON on stdout) and checks
 the figure against the value worked by hand from the formula.
 
-The three worked examples of README.md ("Capacity planning") are
-EXAMPLE_1..3 below; their numbers are the ones the README shows."""
+The three worked examples of docs/planning.md ("Capacity planning") are
+EXAMPLE_1..3 below; their numbers are the ones that page shows."""
 
 import json
 import math
