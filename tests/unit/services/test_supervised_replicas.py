@@ -51,6 +51,7 @@ def bare_worker() -> Worker:
     w = Worker.__new__(Worker)
     w.name, w.role, w._started = "prefill-7", "prefill", False
     w.config = SimpleNamespace(cluster_name="test")
+    w.pool = SimpleNamespace(num_threads=1, borrow_idle_cores=True)  # a prefill replica lends/borrows cores
     w.index_url = "redis://127.0.0.1:1/0"  # nothing listens: the board task keeps retrying, as in an outage
     w.publisher, w.aengine, w.transfer = FakePublisher(), FakeEngine(), FakeTransfer()
     w.supervisor = Supervisor(w.name, sleep=_yield_once)
@@ -66,7 +67,7 @@ async def test_every_worker_task_killed_is_restarted_and_health_holds(monkeypatc
     await w.start()
     await _turns()
     names = set(w.supervisor.tasks)
-    assert names == {"kv_event_publisher", "gauge_exporter", "status_board", "lease_notifications"}
+    assert names == {"kv_event_publisher", "gauge_exporter", "status_board", "core_lending", "lease_notifications"}
     for name in sorted(names):
         before = w.supervisor.tasks[name].attempt
         w.supervisor.kill(name)
