@@ -34,12 +34,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from bench.plan import figures as fig
-from bench.plan.perf_model import PrefillModel, StepModel, roofline_prefill, roofline_step
-from bench.plan.figures import Figure, g, need
-from bench.plan.fleet import FleetSize, fleet_instances, fleet_needs
-from bench.plan.inputs import Accelerator, Deployment, ModelShape, Questions, Slos, Traffic
-from bench.plan.memory import memory_figures
+from pdcluster.planning import figures as fig
+from pdcluster.planning.perf_model import PrefillModel, StepModel, roofline_prefill, roofline_step
+from pdcluster.planning.figures import Figure, g, need
+from pdcluster.planning.fleet import FleetSize, fleet_instances, fleet_needs
+from pdcluster.planning.inputs import Accelerator, Deployment, ModelShape, Questions, Slos, Traffic
+from pdcluster.planning.memory import memory_figures
 
 __all__ = ["Figure", "Plan", "PoolSize", "final_instances", "make_plan"]
 

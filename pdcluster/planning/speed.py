@@ -1,7 +1,7 @@
 """The speed model of one replica: decode step time vs batch, prefill time
 vs prompt length.  Shared by admission and placement (pdcluster/services/gateway),
-the autoscaler (pdcluster/services/autoscale) and the planner (bench/plan, which fits
-and rooflines them in bench/plan/perf_model.py).
+the autoscaler (pdcluster/services/autoscale) and the planner (planner.py, which fits
+and rooflines them in perf_model.py).
 
     step(B)    = max(base_s + per_seq_s x B, compute_per_seq_s x B)
     prefill(n) = overhead_s + per_token_s x n + per_token2_s x n^2

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.plan.cli import main
+from pdcluster.services.cli.plan import main
 
 REPO = Path(__file__).resolve().parents[3]
 BASE = ["--model", "default", "--rps", "5", "--input-mean", "100", "--output-mean", "50"]

@@ -19,8 +19,8 @@ from typing import Sequence
 
 import numpy as np
 
-from bench.plan.inputs import Accelerator, Deployment, ModelShape
-from pdcluster.services.speed.model import PrefillModel, StepModel  # noqa: F401 - re-exported
+from pdcluster.planning.inputs import Accelerator, Deployment, ModelShape
+from pdcluster.planning.speed import PrefillModel, StepModel  # noqa: F401 - re-exported
 
 def roofline_step(
     m: ModelShape, a: Accelerator, d: Deployment, weights_dev_bytes: float, kv_dev_bytes: float, decode_context: float
