@@ -1,7 +1,7 @@
 """Planning: how fast one replica runs and how many of them a load needs.
 
-    speed.py        the speed model of one replica (decode step vs batch, prefill vs prompt)
-    perf_model.py   its two sources: datasheet rooflines, or a fit to measurements
+    speed.py        the speed model of one replica (decode step vs batch, prefill vs prompt), from
+                    datasheet rooflines or fitted to measurements
     calibration.py  how the gateway keeps it true to the traffic it sees
     inputs.py       the planner's inputs (model shape, accelerator, deployment, traffic, SLOs)
     figures.py      one capacity figure with its rule; memory.py, fleet.py: the memory and fleet figures

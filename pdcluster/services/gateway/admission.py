@@ -26,12 +26,12 @@ from collections import deque
 from dataclasses import replace
 
 from pdcluster.observability import metrics
+from pdcluster.planning.calibration import Calibration, RatioCalibration
 from pdcluster.services.backend import BackendOverloaded, for_client
 from pdcluster.services.config import AutoscaleSpeed
 from pdcluster.services.engine.sampling_params import DEFAULT_TENANT
 from pdcluster.services.gateway.fair_share import Class, may_take_seat, tokens_ahead
 from pdcluster.services.gateway.placement import DECODE, PREFILL, PlaceLoad, Placement, Rules, Snapshot, place
-from pdcluster.planning.calibration import Calibration, RatioCalibration
 
 MIN_SAMPLES = 4  # first tokens measured (any place) before a prediction may refuse
 ACTIVE_S = 30.0  # a tenant that sent a request this recently shares the decode seats

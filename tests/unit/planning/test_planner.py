@@ -11,7 +11,7 @@ import math
 
 import pytest
 
-from pdcluster.planning.perf_model import PrefillModel, StepModel, fit_prefill, fit_step
+from pdcluster.planning.speed import PrefillModel, StepModel, fit_prefill, fit_step
 from pdcluster.planning.fleet import fleet_instances, fleet_needs
 from pdcluster.planning.inputs import (
     Accelerator, Deployment, ModelShape, PerInstance, Pipeline, PrefixCache, Questions, Slos, Speculation, Traffic,
