@@ -31,7 +31,6 @@ from dataclasses import dataclass
 from bench.fingerprint import print_fingerprint
 from bench.machine_load import OtherLoad
 from bench.load.loadgen import run_workload
-from bench.plan.inputs import read_model_shape
 from bench.plan.closed_loop import EngineLimits, Speeds
 from bench.plan.predict import (
     JITTER_RUNS, ContextCost, Gaps, Overlap, Prediction, fit_context_cost, predict_closed_loop, prefill_beyond, speeds,
@@ -41,6 +40,7 @@ from bench.plan.profiling import Profile, ProfileSettings, profile_endpoint
 from bench.targets import print_target
 from bench.tokenizer import load_tokenizer
 from bench.workload import Bucket, Closed, Fixed, RequestOptions, Stop, Workload
+from pdcluster.services.model_meta import read_model_shape
 
 GOAL = 0.2
 PROFILE = ProfileSettings(prompt_lengths=(32, 64, 128, 256), repeats=3, batches=(1, 2, 4), decode_prompt_tokens=32,

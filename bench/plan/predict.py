@@ -56,7 +56,7 @@ from typing import Sequence
 import numpy as np
 
 from bench.plan.closed_loop import EngineLimits, Speeds, Workload, simulate
-from bench.plan.perf_model import PrefillModel, StepModel
+from pdcluster.planning.speed import PrefillModel, StepModel
 
 
 @dataclass(frozen=True)

@@ -29,12 +29,12 @@ from rich.progress import Progress
 
 from bench.load.client import RequestRecord, endpoint_url, request_body, send_request
 from bench.load.loadgen import resolve_model
-from bench.plan.perf_model import PrefillModel, StepModel, fit_prefill, fit_step
-from bench.plan.predict import way_in
 from bench.load.prompts import Prompt, words_text
 from bench.load.schedule import RequestPlan
+from bench.plan.predict import way_in
 from bench.tokenizer import TextTokenizer
 from bench.workload import RequestOptions
+from pdcluster.planning.speed import PrefillModel, StepModel, fit_prefill, fit_step
 
 _PROFILE_STREAM = 3
 

@@ -12,9 +12,9 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
+from pdcluster.planning.speed import PrefillModel, StepModel
 from pdcluster.services.engine.config import EngineConfig, KVTierConfig, SchedulerConfig, SpeculativeConfig
 from pdcluster.services.engine.sampling_params import DEFAULT_TENANT  # noqa: F401 - re-exported
-from pdcluster.services.speed.model import PrefillModel, StepModel
 from pdcluster.services.topology import TopologySettings, internal_exposure_problem, is_loopback  # noqa: F401 - re-exported
 
 
@@ -241,7 +241,7 @@ class AutoscalePoolBounds(_Strict):
 
 class AutoscaleSpeed(_Strict):
     """One replica's speed, the model admission, placement, the autoscaler and
-    the planner share (pdcluster/services/speed/model.py): the `measured` lines
+    the planner share (pdcluster/planning/speed.py): the `measured` lines
     `pdcluster plan --profile URL` prints.  The defaults are a 1-thread
     replica of the bundled model (bf16) measured on a 2-core AMD EPYC
     (avx512_bf16) CI machine, Dec 2: engine prefill 0.041 s at 32 tokens,

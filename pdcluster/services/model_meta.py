@@ -3,7 +3,7 @@
 pdcluster/services/model_cache.py), its parameter count, the id of
 its weights and the seed of its block-hash chains.
 
-The gateway, the CLI and the planner read models through here; the engine's
+The gateway, the CLI and `pdcluster plan` read models through here; the engine's
 loader (pdcluster/services/engine/model/loader.py) reads the same config and seed from
 here and adds the tensors.
 
@@ -36,6 +36,7 @@ import struct
 from collections.abc import Iterable
 from pathlib import Path
 
+from pdcluster.planning.inputs import MODEL_PRESETS, ModelShape, model_preset
 from pdcluster.prefix_store.hashing import model_fingerprint
 from pdcluster.services.engine.model.config import ModelConfig
 from pdcluster.services.model_cache import cached_config, tensors_file
@@ -99,6 +100,24 @@ def count_parameters(path: Path) -> float | None:
                 total += count
     return float(total)
 
+
+
+def read_model_shape(spec: str | None) -> ModelShape:
+    """The planner's shape of a model (pdcluster/planning/inputs.py): a preset name, "default" (or nothing)
+    for the bundled model, a .gguf file, or a Hugging Face model directory."""
+    if (preset := model_preset(spec)) is not None:
+        return preset
+    path = Path(spec)
+    if not ((path.suffix == ".gguf" and path.is_file()) or (path.is_dir() and (path / "config.json").is_file())):
+        raise FileNotFoundError(f"--model {spec!r}: not 'default', a preset ({', '.join(MODEL_PRESETS)}), "
+                                f"a .gguf file, or a directory with config.json")
+    config = read_model_config(path)
+    params = count_parameters(path)
+    if params is None:
+        raise ValueError(f"{path} has no *.safetensors to count parameters: pass --params")
+    return ModelShape(name=path.stem if path.is_file() else path.name, params=params, num_layers=config.num_layers,
+                      num_heads=config.num_heads, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
+                      max_context=config.max_position_embeddings)
 
 # ---- identity --------------------------------------------------------------
 

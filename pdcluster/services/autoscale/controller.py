@@ -23,7 +23,6 @@ at its next change."""
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -70,7 +69,8 @@ def http_metrics_fetcher(config: ClusterConfig) -> Callable[[], str]:
 
 
 class Autoscaler:
-    """``cluster``: a started pdcluster.services.cli.cluster_runtime.LocalCluster."""
+    """``cluster``: a started cluster: ``config`` and ``apply(config)`` (the CLI's LocalCluster), so the
+    autoscaler never imports the CLI that starts it."""
 
     def __init__(self, cluster, settings: AutoscalingSettings | None = None, *,
                  fetch: Callable[[], str] | None = None, clock: Callable[[], float] = time.monotonic):
@@ -123,18 +123,7 @@ class Autoscaler:
         config = self.cluster.config
         updates = {pool: getattr(config, pool).model_copy(update={"num_replicas": n, "autoscaling": None})
                    for pool, n in targets.items()}
-        self.cluster.apply(config.model_copy(update=updates))
-        self._update_state_file()
-
-    def _update_state_file(self) -> None:
-        from pdcluster.services.cli.cluster_runtime import STATE_FILE, write_state
-
-        try:
-            state = json.loads(STATE_FILE.read_text())
-            state["config"] = self.cluster.config.model_dump()
-            write_state(state)
-        except (OSError, ValueError) as exc:
-            log.debug("state file not updated: %s", exc)
+        self.cluster.apply(config.model_copy(update=updates))  # which keeps `pdcluster status`'s state file current
 
     def _record(self, decisions: list[PoolDecision], m: Measurements) -> None:
         from pdcluster.services.autoscale import log as autoscale_log

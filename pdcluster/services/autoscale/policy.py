@@ -1,5 +1,5 @@
 """How many replicas each pool should have: a pure function of live
-measurements, the planner's speed model (bench/plan/perf_model.py) and the
+measurements, the planner's speed model (pdcluster/planning/speed.py) and the
 previous decision's state.  No I/O, no clock: ``now_s`` comes in with the
 measurements, so every scenario replays exactly in a unit test.
 

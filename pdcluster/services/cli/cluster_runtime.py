@@ -13,6 +13,7 @@ inheritance, never in Ray's runtime_env, which Ray writes to its logs."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from pdcluster.services.config import ClusterConfig
 from pdcluster.services.cli.processes import reap
 from pdcluster.services.pools import pool_targets
 
+log = logging.getLogger("pdcluster.cli")
 STATE_FILE = Path("runs/cluster.json")
 APP_NAME = "pdcluster"
 DASHBOARD_PORT = 8265
@@ -199,6 +201,17 @@ class LocalCluster:
         their replica count and rolls the deployments whose arguments changed."""
         redeploy(self.config, config)
         self.config = config
+        self._update_state_config()
+
+    def _update_state_config(self) -> None:
+        """Keeps the state file's config the one running, for `pdcluster status` (the autoscaler applies
+        new replica counts through apply)."""
+        try:
+            state = json.loads(STATE_FILE.read_text())
+            state["config"] = self.config.model_dump()
+            write_state(state)
+        except (OSError, ValueError) as exc:
+            log.debug("state file not updated: %s", exc)
 
     def drain(self, timeout_s: float) -> dict:
         """drain_gateway; call before stop()."""

@@ -12,9 +12,9 @@ own counters are exact and current, unlike stats polled from the replicas:
     decode busy                             decode-side prefill seconds placed in the last window
     calibration                             (modelled, measured) TTFT of each place's recent first tokens
 
-The speed model (pdcluster/services/speed/model.py) starts from the configured
+The speed model (pdcluster/planning/speed.py) starts from the configured
 profile (autoscaling.speed, what `pdcluster plan --profile` measures) and is
-calibrated online from the measured TTFTs (pdcluster/services/speed/calibration.py).
+calibrated online from the measured TTFTs (pdcluster/planning/calibration.py).
 Nothing is refused on a prediction before MIN_SAMPLES first tokens were
 measured.  ``place`` decides and counts; the ``Ticket`` it returns gives
 the counts back."""
@@ -26,12 +26,12 @@ from collections import deque
 from dataclasses import replace
 
 from pdcluster.observability import metrics
+from pdcluster.planning.calibration import Calibration, RatioCalibration
 from pdcluster.services.backend import BackendOverloaded, for_client
 from pdcluster.services.config import AutoscaleSpeed
 from pdcluster.services.engine.sampling_params import DEFAULT_TENANT
 from pdcluster.services.gateway.fair_share import Class, may_take_seat, tokens_ahead
 from pdcluster.services.gateway.placement import DECODE, PREFILL, PlaceLoad, Placement, Rules, Snapshot, place
-from pdcluster.services.speed.calibration import Calibration, RatioCalibration
 
 MIN_SAMPLES = 4  # first tokens measured (any place) before a prediction may refuse
 ACTIVE_S = 30.0  # a tenant that sent a request this recently shares the decode seats

@@ -10,7 +10,7 @@ snapshot of the gateway's own counters:
     steps      = ceil(per_rep / prompt tokens one step takes there)
     modelled   = steps x (step overhead [+ a decode step of the streams beside it, on decode])
                  + per_token x per_rep + per_token2 x prompt^2
-    ttft_p     = calibrated(modelled)          (pdcluster/services/speed/calibration.py: measured vs modelled)
+    ttft_p     = calibrated(modelled)          (pdcluster/planning/calibration.py: measured vs modelled)
 
 The decode replica may prefill only while its streams keep their TPOT:
 
@@ -41,7 +41,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable
 
-from pdcluster.services.speed.model import PrefillModel, StepModel
+from pdcluster.planning.speed import PrefillModel, StepModel
 
 PREFILL, DECODE = "prefill", "decode"
 

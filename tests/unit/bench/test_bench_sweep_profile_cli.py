@@ -8,13 +8,12 @@ import pytest
 from bench_fake_server import FakeConfig, fake_server
 
 from bench.load import cli as cli_bench
-
-from bench.plan import cli as cli_plan
 from bench.plan.profiling import ProfileSettings, profile_endpoint
 from bench.load.report import GroupReport, Report, SloCheck
 from bench.load.sweep import find_knee, parse_sweep, run_sweep
 from bench.tokenizer import WhitespaceTokenizer
 from bench.workload import Sweep, load_workload
+from pdcluster.services.cli import plan as cli_plan
 
 TOKENIZER = WhitespaceTokenizer()
 

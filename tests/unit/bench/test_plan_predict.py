@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from bench.plan.closed_loop import Speeds
-from bench.plan.perf_model import PrefillModel, StepModel
+from pdcluster.planning.speed import PrefillModel, StepModel
 from bench.plan.predict import (
     ContextCost, Gaps, Overlap, PrefillBeyond, decode_step_at, fit_context_cost, predict_closed_loop, prefill_at,
     prefill_beyond, speeds, way_in,

@@ -2,7 +2,11 @@
 
 - the libraries under the services (router, prefix_store, transfer, kernels,
   observability) never import ``services``, not even lazily;
-- no import circle among modules, lazy imports inside functions included;
+- and issue 39's: nothing under pdcluster/ imports ``bench`` (a command that
+  runs it loads it by name through pdcluster/services/cli/checkout.py, the one
+  door); ``pdcluster.planning`` imports neither ``services`` nor ``bench``;
+- no import circle among modules, lazy imports inside functions included, and
+  none among packages (bench, pdcluster.planning, pdcluster.services.<room>);
 - outside pdcluster/kernels/, kernels are reached only through ``pdcluster.kernels.ops`` (and
   ``pdcluster.kernels.kv_quant`` for the KV pool's format names, see below);
 - no bench module is named like a standard-library module or a top-level
@@ -19,7 +23,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[3]
 ROOT = "pdcluster"  # the one import root of the product (issue 39): no generic top-level names
-PRODUCT = ("services", "router", "prefix_store", "transfer", "kernels", "observability")
+PRODUCT = ("services", "planning", "router", "prefix_store", "transfer", "kernels", "observability")
 PACKAGES = tuple(f"{ROOT}/{p}" for p in PRODUCT) + ("bench",)
 LIBRARIES = tuple(f"{ROOT}.{p}" for p in ("router", "prefix_store", "transfer", "kernels", "observability"))
 
@@ -87,6 +91,77 @@ def test_libraries_never_import_services():
     offenders = sorted(f"{m} imports {dep}" for m in MODULES if _room(m) in LIBRARIES
                        for dep in _imports(m, top_level_only=False) if _room(dep) == f"{ROOT}.services")
     assert not offenders, "\n".join(offenders)
+
+
+def test_nothing_in_pdcluster_imports_bench():
+    offenders = sorted(f"{m} imports {dep}" for m in MODULES if m.split(".")[0] == ROOT
+                       for dep in _imports(m, top_level_only=False) if _room(dep) == "bench")
+    assert not offenders, "load bench through pdcluster.services.cli.checkout.bench_module:\n" + "\n".join(offenders)
+
+
+# Modules under pdcluster/ that import by name: the door to bench, the CLI's main (the one subcommand a
+# command line names, so that `pdcluster --help` imports none; bench's through the door) and the kernels'
+# dispatch (its own triton_* modules).
+IMPORTS_BY_NAME = {f"{ROOT}.services.cli.checkout", f"{ROOT}.services.cli.main", f"{ROOT}.kernels.ops"}
+
+
+def _imports_by_name(module: str) -> bool:
+    for node in ast.walk(ast.parse(MODULES[module].read_text())):
+        if isinstance(node, ast.Call):
+            f = node.func
+            name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
+            if name in ("import_module", "__import__", "run_module", "run_path"):
+                return True
+    return False
+
+
+def test_bench_has_one_door():
+    """A string naming a bench module is harmless; importing by name is not, outside the door."""
+    offenders = sorted(m for m in MODULES if m.split(".")[0] == ROOT and m not in IMPORTS_BY_NAME
+                       and _imports_by_name(m))
+    assert not offenders, "import by name only in " + ", ".join(sorted(IMPORTS_BY_NAME)) + ":\n" + "\n".join(offenders)
+
+
+def test_planning_imports_neither_services_nor_bench():
+    offenders = sorted(f"{m} imports {dep}" for m in MODULES if _room(m) == f"{ROOT}.planning"
+                       for dep in _imports(m, top_level_only=False) if _room(dep) in (f"{ROOT}.services", "bench"))
+    assert not offenders, "planning is pure: pass values in, or move pure types here:\n" + "\n".join(offenders)
+
+
+def _package(module: str) -> str:
+    """The package whose imports are weighed: ``pdcluster.services.<room>`` in the serving layer (its
+    rooms are packages of their own: autoscale, cli, gateway, ...), ``pdcluster.<x>`` elsewhere, ``bench``."""
+    parts = module.split(".")
+    if parts[0] != ROOT:
+        return parts[0]
+    return ".".join(parts[:3] if len(parts) > 2 and parts[1] == "services" else parts[:2])
+
+
+def _package_graph() -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {}
+    for m in MODULES:
+        deps = graph.setdefault(_package(m), set())
+        deps.update(p for p in map(_package, _imports(m, top_level_only=False)) if p != _package(m))
+    return graph
+
+
+# Package circles there are, to untangle: the engine's loader reads model_meta, which reads the converted
+# model's config through model_cache, which converts with the engine's model code.
+KNOWN_PACKAGE_CIRCLES = [[f"{ROOT}.services.engine", f"{ROOT}.services.model_cache", f"{ROOT}.services.model_meta"]]
+
+
+def test_no_package_circles():
+    """bench -> services, never back; the CLI starts the autoscaler, which never reaches into the CLI."""
+    circles = _cycles(_package_graph())
+    assert [c for c in circles if c not in KNOWN_PACKAGE_CIRCLES] == [], circles
+
+
+def test_issue_39_pairs_are_apart():
+    graph = _package_graph()
+    for a, b in (("bench", f"{ROOT}.services.cli"), ("bench", f"{ROOT}.services.gateway"),
+                 (f"{ROOT}.services.autoscale", f"{ROOT}.services.cli"), (f"{ROOT}.planning", f"{ROOT}.services.gateway")):
+        together = [c for c in _cycles(graph) if a in c and b in c]
+        assert not together, together
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:

@@ -9,8 +9,8 @@ import pytest
 from pdcluster.services.backend import BackendOverloaded
 from pdcluster.services.gateway.admission import MIN_SAMPLES, Admission
 from pdcluster.services.gateway.placement import DECODE, PREFILL, Rules
-from pdcluster.services.speed.calibration import MAX_SLOPE, Calibration, Line, fit
-from pdcluster.services.speed.model import PrefillModel, StepModel
+from pdcluster.planning.calibration import MAX_SLOPE, Calibration, Line, fit
+from pdcluster.planning.speed import PrefillModel, StepModel
 
 RULES = Rules(prefill=PrefillModel(0.02, 0.001), step=StepModel(0.02, 0.002), max_local_prefill_s=1.0)
 

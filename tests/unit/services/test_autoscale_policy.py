@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from bench.plan.perf_model import PrefillModel, StepModel
+from pdcluster.planning.speed import PrefillModel, StepModel
 from pdcluster.services.autoscale.policy import (
     Measurements, PoolMeasurement, PoolState, ScalerState, ScalingRules, decide, decode_batch, decode_need,
     prefill_need,

@@ -10,7 +10,7 @@ from pdcluster.services.backend import BackendOverloaded
 from pdcluster.services.gateway.admission import MIN_SAMPLES, Admission
 from pdcluster.services.gateway.fair_share import may_take_seat, tokens_ahead
 from pdcluster.services.gateway.placement import PREFILL, Rules
-from pdcluster.services.speed.model import PrefillModel, StepModel
+from pdcluster.planning.speed import PrefillModel, StepModel
 
 
 @pytest.mark.parametrize("queued, tenant, priority, prompt, weights, ahead", [

@@ -24,7 +24,7 @@ from tests.unit.services.serve_fakes import FakeResponse
 
 
 def test_the_gateway_cli_and_planner_read_models_without_torch():
-    code = ("import sys, pdcluster.services.model_meta, pdcluster.services.gateway.deployment, pdcluster.services.cli.model, bench.plan.inputs; "
+    code = ("import sys, pdcluster.services.model_meta, pdcluster.services.gateway.deployment, pdcluster.services.cli.model, pdcluster.planning.inputs; "
             "assert 'torch' not in sys.modules, [m for m in sys.modules if m.startswith('torch')][:5]")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 

@@ -8,7 +8,7 @@ import pytest
 
 from pdcluster.services.gateway.placement import (DECODE, PREFILL, PlaceLoad, Rules, Snapshot, decode_keeps_tpot,
                                         modelled_ttft_s, place)
-from pdcluster.services.speed.model import PrefillModel, StepModel
+from pdcluster.planning.speed import PrefillModel, StepModel
 
 # Round figures: 1 ms per prompt token, 20 ms per step, no attention term; a 20 ms + 2 ms/seq decode step.
 RULES = Rules(prefill=PrefillModel(0.02, 0.001), step=StepModel(0.02, 0.002), ttft_slo_s=2.0, tpot_slo_s=0.1,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.plan.cli import main
+from pdcluster.services.cli.plan import main
 
 REPO = Path(__file__).resolve().parents[3]
 BASE = ["--model", "default", "--rps", "5", "--input-mean", "100", "--output-mean", "50"]
@@ -35,6 +35,7 @@ BAD_INPUTS = [
     (["--tp", "0"], "argument --tp: must be an integer in [1, 1,024]"),
     (["--model", "llama-3.1-8b", "--tp", "3"], "--tp 3 does not divide the 32 query heads of llama-3.1-8b"),
     (["--heads", "12", "--kv-heads", "4", "--tp", "6"], "--tp 6 neither divides the 4 KV heads"),
+    (["--heads", "24", "--kv-heads", "8", "--tp", "3"], "--tp 3 neither divides the 8 KV heads"),
     (["--heads", "0"], "argument --heads"),
     (["--layers", "2.5"], "argument --layers: must be an integer"),
     (["--reserve-fraction", "1"], "argument --reserve-fraction: must be a number in [0, 1)"),

@@ -21,14 +21,19 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Sequence
 
-from bench.plan.args import add_arguments, fail, one_line_errors
-from bench.plan.inputs import (
+from pdcluster.planning.inputs import (
     ACCELERATOR_PRESETS, DTYPE_BYTES, GB, GiB, KV_SCALE_BYTES, MODEL_PRESETS, Deployment, PerInstance, Pipeline, PrefixCache,
-    Questions, Slos, Speculation, Traffic, read_model_shape, tp_problem,
+    Questions, Slos, Speculation, Traffic, tp_problem,
 )
+from pdcluster.services.cli.checkout import BenchMissing, bench_module
+from pdcluster.services.cli.plan_args import add_arguments, fail, one_line_errors
+from pdcluster.services.model_meta import read_model_shape
 
 # Heavier imports (rich, numpy, aiohttp, transformers) happen inside the
-# functions so that registering the subcommand keeps `pdcluster` fast.
+# functions so that registering the subcommand keeps `pdcluster` fast.  A
+# workload's traffic and a profile of an endpoint come from bench/, which
+# only a checkout has (checkout.py): traffic and SLOs given as flags plan
+# without it.
 
 DEFAULT_RESERVE_FRACTION = Deployment().reserve_fraction
 
@@ -41,7 +46,7 @@ def register(subparsers) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """`pdcluster plan` on its own (tests, ``python -m bench.plan.cli``)."""
+    """`pdcluster plan` on its own (tests, ``python -m pdcluster.services.cli.plan``)."""
     p = one_line_errors(argparse.ArgumentParser(prog="pdcluster plan", description=__doc__,
                                                 formatter_class=argparse.RawDescriptionHelpFormatter))
     add_arguments(p)
@@ -117,23 +122,34 @@ def deployment(args) -> Deployment:
     )
 
 
+def _from_bench(name: str, why: str):
+    try:
+        return bench_module(name)
+    except BenchMissing as exc:
+        raise BenchMissing(f"{why}: {exc}") from None
+
+
 @functools.lru_cache(maxsize=8)
 def _workload_stats(name: str):
-    from bench.load.schedule import traffic_stats
-    from bench.workload import load_workload
+    return bench_module("bench.load.schedule").traffic_stats(bench_module("bench.workload").load_workload(name))
 
-    return traffic_stats(load_workload(name))
+
+def _traffic_source(args) -> str:
+    given = None not in (args.rps, args.input_mean, args.output_mean, args.ttft, args.tpot)
+    return "from flags" if given else f"workload {args.workload} unless overridden"
 
 
 def traffic_and_slos(args) -> tuple[Traffic, Slos, list[str]]:
-    """Flags over the workload's values; the notes say where each came from when it is not obvious."""
-    from bench.workload import Poisson, load_workload
-
-    workload = load_workload(args.workload)
+    """Flags over the workload's values (read only when a flag is missing); the notes say where each came
+    from when it is not obvious."""
+    workload = None
+    if _traffic_source(args) != "from flags":
+        workload = _from_bench("bench.workload", f"--workload {args.workload} (or give --rps, --input-mean, "
+                                                 f"--output-mean, --ttft and --tpot)").load_workload(args.workload)
     notes = []
     rps = args.rps
     if rps is None:
-        if not isinstance(workload.arrival, Poisson):
+        if workload.arrival.kind != "poisson":
             raise ValueError(f"workload {workload.name} has no poisson rate: pass --rps")
         rps = workload.arrival.rate_rps
     lengths = {}
@@ -182,16 +198,16 @@ def questions(args) -> Questions:
 
 
 def _profile(args, console):
-    from bench.plan.view import print_profile
-    from bench.plan.profiling import ProfileSettings, profile_endpoint
-    from bench.tokenizer import load_tokenizer
+    profiling = _from_bench("bench.plan.profiling", "--profile")
+    ProfileSettings, profile_endpoint = profiling.ProfileSettings, profiling.profile_endpoint
+    load_tokenizer = bench_module("bench.tokenizer").load_tokenizer
 
     settings = ProfileSettings(prompt_lengths=args.profile_prompts, batches=tuple(args.profile_batches),
                                decode_tokens=args.profile_tokens,
                                prefill_max_tokens=min(ProfileSettings.prefill_max_tokens, args.profile_tokens))
     console.print(f"profiling {args.profile} (prefill at {list(settings.prompt_lengths)} tokens, decode at batches {list(settings.batches)}) ...")
     profile = asyncio.run(profile_endpoint(args.profile, load_tokenizer(args.tokenizer), settings))
-    print_profile(profile, console)
+    bench_module("bench.plan.profile_view").print_profile(profile, console)
     return profile
 
 
@@ -221,7 +237,7 @@ def input_lines(args, shape, hw, dep, traffic, slos, profiled: bool) -> list[str
         f"reserve {dep.reserve_fraction:g} + {dep.reserve_bytes / GiB:g} GiB; "
         f"speeds from {'profile of ' + args.profile if profiled else 'datasheet rooflines'}",
         f"traffic: {traffic.peak_rps:g} req/s; input mean {traffic.input_mean:,.0f} p95 {traffic.input_p95:,.0f}; "
-        f"output mean {traffic.output_mean:,.0f} p95 {traffic.output_p95:,.0f} (workload {args.workload} unless overridden)",
+        f"output mean {traffic.output_mean:,.0f} p95 {traffic.output_p95:,.0f} ({_traffic_source(args)})",
         f"SLOs: TTFT {slos.ttft_s:g} s, TPOT {slos.tpot_s:g} s",
     ]
 
@@ -238,8 +254,8 @@ def main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
             return int(exc.code or 0)
     from rich.console import Console
 
-    from bench.plan.view import plan_json, print_explain, print_plan, print_verification
-    from bench.plan.planner import make_plan
+    from pdcluster.planning.planner import make_plan
+    from pdcluster.planning.view import plan_json, print_explain, print_plan
 
     json_only = args.json is not None and str(args.json) == "-"
     console = Console(stderr=json_only)
@@ -274,7 +290,7 @@ def main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
             return fail(f"--json {args.json}: {exc}")
     (print_explain if args.explain else print_plan)(plan, console, inputs, command)
     if profile:
-        print_verification(plan, profile, console)
+        bench_module("bench.plan.profile_view").print_verification(plan, profile, console)
     if args.json is not None:
         console.print(f"json: {args.json}")
     return 0

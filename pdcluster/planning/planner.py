@@ -6,7 +6,7 @@ from measured per-instance facts.
 
 Memory (plan_memory.py): weights/device, KV bytes/token, the KV budget, KV
 capacity and the max and safe concurrency it allows (< 1 request: an error).
-Speed (see perf_model.py for the roofline and the measured models):
+Speed (see speed.py for the roofline and the measured models):
     step(B) decode step time at batch B; prefill(n) time for an n-token prompt
     decode ceiling, batch 1 = bandwidth / weights per device
     prefill tok/s = input_mean / (prefill(input_mean) - per-request overhead)
@@ -34,12 +34,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from bench.plan import figures as fig
-from bench.plan.perf_model import PrefillModel, StepModel, roofline_prefill, roofline_step
-from bench.plan.figures import Figure, g, need
-from bench.plan.fleet import FleetSize, fleet_instances, fleet_needs
-from bench.plan.inputs import Accelerator, Deployment, ModelShape, Questions, Slos, Traffic
-from bench.plan.memory import memory_figures
+from pdcluster.planning import figures as fig
+from pdcluster.planning.figures import Figure, g, need
+from pdcluster.planning.fleet import FleetSize, fleet_instances, fleet_needs
+from pdcluster.planning.inputs import Accelerator, Deployment, ModelShape, Questions, Slos, Traffic
+from pdcluster.planning.memory import memory_figures
+from pdcluster.planning.speed import PrefillModel, StepModel, roofline_prefill, roofline_step
 
 __all__ = ["Figure", "Plan", "PoolSize", "final_instances", "make_plan"]
 

@@ -1,6 +1,8 @@
 """The planner's inputs: model shape, accelerator, deployment, traffic, SLOs
 and the optional questions (prefix cache, speculation, pipeline, per-instance
-facts), with datasheet presets and a reader for a model's own files.
+facts), with datasheet presets.  A model's own files are read by
+pdcluster/services/model_meta.py (``read_model_shape``), which builds a
+ModelShape: the planner never opens a model.
 
 Every input type checks its own values and raises ``ValueError`` naming the
 `pdcluster plan` flag that sets it, so a bad plan never gets as far as the
@@ -10,9 +12,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from pathlib import Path
-
-from pdcluster.services.model_meta import count_parameters, read_model_config
 
 GiB = 1024**3  # memory sizes as runtimes report them
 GB = 1e9  # bandwidths and datasheet sizes are decimal
@@ -245,23 +244,6 @@ ACCELERATOR_PRESETS = {
 }
 
 
-def _file_shape(path: Path) -> ModelShape:
-    """The shape of a .gguf file or an HF directory (pdcluster/services/model_meta.py)."""
-    config = read_model_config(path)
-    params = count_parameters(path)
-    if params is None:
-        raise ValueError(f"{path} has no *.safetensors to count parameters: pass --params")
-    return ModelShape(
-        name=path.stem if path.is_file() else path.name,
-        params=params,
-        num_layers=config.num_layers,
-        num_heads=config.num_heads,
-        num_kv_heads=config.num_kv_heads,
-        head_dim=config.head_dim,
-        max_context=config.max_position_embeddings,
-    )
-
-
 # The bundled default model (pdcluster/services/engine/model/default.py ships its GGUF):
 # SmolLM2-135M: 30 layers, hidden 576, 9 heads, 3 KV heads, head_dim 64,
 # vocab 49,152, tied embeddings -> 49,152 x 576 + 30 x 3,540,096 + 576 params.
@@ -269,17 +251,9 @@ DEFAULT_MODEL_ALIASES = ("default", "SmolLM2-135M-Instruct")
 DEFAULT_MODEL_PRESET = "smollm2-135m"
 
 
-def read_model_shape(spec: str | None) -> ModelShape:
-    """A preset name, "default" (or nothing) for the bundled model, a .gguf
-    file, or a Hugging Face model directory."""
+def model_preset(spec: str | None) -> ModelShape | None:
+    """The preset ``spec`` names: "default" (or nothing) for the bundled model, or a preset's name; None
+    for anything else (a model's files: pdcluster/services/model_meta.py read_model_shape)."""
     if spec is None or spec in DEFAULT_MODEL_ALIASES:
         return MODEL_PRESETS[DEFAULT_MODEL_PRESET]
-    if spec in MODEL_PRESETS:
-        return MODEL_PRESETS[spec]
-    path = Path(spec)
-    if (path.suffix == ".gguf" and path.is_file()) or (path.is_dir() and (path / "config.json").is_file()):
-        return _file_shape(path)
-    raise FileNotFoundError(
-        f"--model {spec!r}: not 'default', a preset ({', '.join(MODEL_PRESETS)}), a .gguf file, "
-        f"or a directory with config.json"
-    )
+    return MODEL_PRESETS.get(spec)

@@ -11,14 +11,14 @@ import math
 
 import pytest
 
-from bench.plan.perf_model import PrefillModel, StepModel, fit_prefill, fit_step
-from bench.plan.fleet import fleet_instances, fleet_needs
-from bench.plan.inputs import (
+from pdcluster.planning.speed import PrefillModel, StepModel, fit_prefill, fit_step
+from pdcluster.planning.fleet import fleet_instances, fleet_needs
+from pdcluster.planning.inputs import (
     Accelerator, Deployment, ModelShape, PerInstance, Pipeline, PrefixCache, Questions, Slos, Speculation, Traffic,
-    read_model_shape,
 )
-from bench.plan.planner import Figure, final_instances, make_plan
-from bench.tokenizer import locate_default_gguf
+from pdcluster.planning.planner import Figure, final_instances, make_plan
+from pdcluster.services.engine.model.default import default_model_path
+from pdcluster.services.model_meta import read_model_shape
 
 MODEL = ModelShape("toy-gqa", 1e9, num_layers=10, num_heads=8, num_kv_heads=2, head_dim=64)
 DEVICE = Accelerator("toy", memory_bytes=12e9, bandwidth_bytes_s=1e12, flops=1e15)
@@ -59,7 +59,7 @@ def test_8bit_kv_rows_carry_their_scale():
 
 
 def test_planner_scale_bytes_are_the_engines():
-    from bench.plan.inputs import KV_SCALE_BYTES
+    from pdcluster.planning.inputs import KV_SCALE_BYTES
     from pdcluster.kernels.kv_quant import SCALE_BYTES
 
     assert KV_SCALE_BYTES == {"int8": SCALE_BYTES, "fp8": SCALE_BYTES}
@@ -169,7 +169,7 @@ def test_fits_recover_exact_lines():
 
 
 def test_reads_the_default_gguf_shape():
-    shape = read_model_shape(str(locate_default_gguf()))
+    shape = read_model_shape(str(default_model_path()))
     assert (shape.params, shape.num_layers, shape.num_heads, shape.num_kv_heads, shape.head_dim) == (134_515_008, 30, 9, 3, 64)
     assert shape.max_context == 8192
 

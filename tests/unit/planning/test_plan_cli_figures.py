@@ -10,9 +10,10 @@ import math
 
 import pytest
 
-from bench.plan.cli import main
-from bench.plan.inputs import GiB, MODEL_PRESETS, read_model_shape
-from bench.plan.view import JSON_SCHEMA
+from pdcluster.planning.inputs import GiB, MODEL_PRESETS
+from pdcluster.planning.view import JSON_SCHEMA
+from pdcluster.services.cli.plan import main
+from pdcluster.services.model_meta import read_model_shape
 
 EXAMPLE_1 = ("--model llama-3.1-8b --accelerator h100-sxm --rps 10 --input-mean 2000 --output-mean 500 "
              "--context 8192 --concurrency 32").split()

@@ -16,7 +16,7 @@ import sys
 import types
 from pathlib import Path
 
-from bench.plan.inputs import ACCELERATOR_PRESETS, DTYPE_BYTES, MODEL_PRESETS, Deployment
+from pdcluster.planning.inputs import ACCELERATOR_PRESETS, DTYPE_BYTES, MODEL_PRESETS, Deployment
 
 
 def _bound(x: float) -> str:
@@ -90,7 +90,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--config", help="a cluster config (deploy/*.yaml): its model, dtype, kv_cache_dtype, block_size "
                                     "and speculative.num_tokens become the defaults of --model, --weight-dtype, "
                                     "--kv-dtype, --block-size and --spec-k (flags given win)")
-    # None: from --config, else the default in bench/plan/cli.py CONFIG_DEFAULTS
+    # None: from --config, else the default in pdcluster/services/cli/plan.py CONFIG_DEFAULTS
     m.add_argument("--weight-dtype", choices=DTYPE_BYTES, help="(default: the config's dtype, else bf16)")
     m.add_argument("--kv-dtype", choices=DTYPE_BYTES, help="(default: the config's kv_cache_dtype, else bf16)")
 

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import math
 
-from bench.plan.figures import Figure, g, kv_for_concurrency, kv_per_request
-from bench.plan.inputs import Accelerator, Deployment, ModelShape, Traffic
+from pdcluster.planning.figures import Figure, g, kv_for_concurrency, kv_per_request
+from pdcluster.planning.inputs import Accelerator, Deployment, ModelShape, Traffic
 
 
 def weights_per_device(m: ModelShape, d: Deployment) -> Figure:

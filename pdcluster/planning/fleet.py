@@ -19,8 +19,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from bench.plan.figures import Figure, g, need
-from bench.plan.inputs import Deployment, PerInstance
+from pdcluster.planning.figures import Figure, g, need
+from pdcluster.planning.inputs import Deployment, PerInstance
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from bench.plan.inputs import Accelerator, Deployment, ModelShape, PrefixCache, Slos, Speculation, Traffic
+from pdcluster.planning.inputs import Accelerator, Deployment, ModelShape, PrefixCache, Slos, Speculation, Traffic
 
 
 @dataclass(frozen=True)
