@@ -253,7 +253,8 @@ def run_clusters(args, w: ChatWorkload, frame: ChatFrame, tokenizer, pool_bytes:
                 computed = sum(row["prompt_tokens_computed"] for row in per_replica.values())
                 r = RunResult(mode, prompt_tokens_computed=computed, ttft_s=ttfts)
                 results[mode].append(r)
-                print(f"{args.cluster} tiers {'off' if mode == 'off' else 'on '}: prompt tokens computed "
+                label = "off" if not on else "on " + ("" if args.no_peer_fetch else "+ peer fetch")
+                print(f"{args.cluster} tiers {label}: prompt tokens computed "
                       f"{computed}; TTFT p50 {r.ttft_p50_s:.3f} s, p90 {np.percentile(ttfts, 90):.3f} s; "
                       f"replica tiers {tiers}", flush=True)
                 for name, row in sorted(per_replica.items()):
