@@ -17,17 +17,19 @@ tokens cost to recompute (the off run's prefill seconds per token).
 
 With ``--cluster 1p1d`` (1 prefill + 1 decode) or ``--cluster colocated``
 (2 replicas) the same sessions go through the gateway of a local cluster
-instead, tiers off vs on (bench/load/prefix_tiers_cluster.py), each
-replica's KV pool a quarter of the working set.
+instead (bench/load/prefix_tiers_cluster.py), each replica's KV pool a
+quarter of the working set: tiers and peer fetch off, vs tiers and peer
+prefix fetch on (``--no-peer-fetch``: tiers alone), vs vLLM-CPU with prefix
+caching on and a KV pool of one replica's tokens (``--no-vllm`` skips it).
+Peer fetch belongs to the tiers-on row because in 1p1d the decode replica
+generated each reply and alone caches its K/V, while the next turn, whose
+prompt carries that reply, is prefilled by the prefill replica.
 
 With ``--peer`` it measures peer prefix fetch instead
 (bench/load/prefix_tiers_peer.py): on a local cluster of 2 prefill + 1
 decode replicas, each session's turns run on prefill replica A and its last
 turn is replica B's first request of the session: the share of that prompt
 B computed (the rest pulled from A), judged against the issue's 0.2.
-
-Not measured here (its target line says ``nan ... missed``): vLLM-CPU
-with prefix caching on the same workload.
 
     python -m bench.load.prefix_tiers [--sessions 64 --turns 6 --repeats 1] [--cluster 1p1d]
     python -m bench.load.prefix_tiers --peer [--sessions 8 --turns 4]
@@ -172,6 +174,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--cluster", choices=("1p1d", "colocated"), default=None,
                     help="through the gateway of a local cluster of this shape (tiers off vs on)")
+    ap.add_argument("--no-vllm", action="store_true", help="with --cluster: skip the vLLM-CPU row")
+    ap.add_argument("--no-peer-fetch", action="store_true",
+                    help="with --cluster: tiers on without peer prefix fetch (the replicas' own tiers only)")
+    ap.add_argument("--peer-script", default=str(Path(__file__).resolve().parents[3] / "shared" / "peer" / "vllm-cpu.sh"),
+                    help="with --cluster: vLLM-CPU's launcher (bench/load/servers.py PeerServer)")
     ap.add_argument("--peer", action="store_true",
                     help="peer prefix fetch on a 2 prefill + 1 decode cluster instead (prefix_tiers_peer.py)")
     args = ap.parse_args(argv)
@@ -194,10 +201,14 @@ def main(argv: list[str] | None = None) -> int:
                  f"--rate {w.session_rate_rps} --think {w.think_s} --pool-fraction {args.pool_fraction} "
                  f"--repeats {args.repeats}")
     if args.cluster:
+        on = "tiers on (host tier = the pool, disk tier for the rest)" + \
+            ("" if args.no_peer_fetch else " + peer prefix fetch")
         print(f"# compares: a local cluster ({args.cluster}, 1 thread per replica, bf16) through its gateway, "
-              "tiers off vs on (host tier = the pool, disk tier for the rest), alternating")
-        print(reproduce + f" --cluster {args.cluster}")
-        return run_clusters(args, w, frame, loaded.tokenizer, pool_blocks * block_bytes)
+              f"tiers and peer fetch off vs {on}" + ("" if args.no_vllm else " vs vLLM-CPU (prefix caching on, "
+                                                   "a KV pool of one replica's tokens)") + ", alternating")
+        print(reproduce + f" --cluster {args.cluster}" + " --no-peer-fetch" * args.no_peer_fetch
+              + " --no-vllm" * args.no_vllm)
+        return run_clusters(args, w, frame, loaded.tokenizer, pool_blocks * block_bytes, pool_blocks * 16)
     print("# compares: one replica's engine (bf16, native kernels, "
           f"{args.threads} thread), tiers off vs on, alternating: {', '.join(args.modes.split(','))}")
     print(reproduce + f" --threads {args.threads}")
@@ -218,22 +229,36 @@ def main(argv: list[str] | None = None) -> int:
     return report(results, host_us, disk_us)
 
 
-def run_clusters(args, w: ChatWorkload, frame: ChatFrame, tokenizer, pool_bytes: int) -> int:
-    from bench.load.prefix_tiers_cluster import run_cluster
+def run_clusters(args, w: ChatWorkload, frame: ChatFrame, tokenizer, pool_bytes: int, pool_tokens: int) -> int:
+    from bench.load.prefix_tiers_cluster import run_cluster, run_vllm
 
     kv_mib = max(1, -(-pool_bytes // 2**20))  # whole MiB, rounded up: the longest request must fit
-    results: dict[str, list[RunResult]] = {"off": [], "disk": []}
+    max_model_len = -(-(w.final_prompt_tokens(frame.num_tokens) + w.output_tokens + 64) // 128) * 128
+    results: dict[str, list[RunResult]] = {"off": [], "disk": []} | ({} if args.no_vllm else {"vllm": []})
     with tempfile.TemporaryDirectory(prefix="prefix-tiers-", dir=Path("runs").resolve()
                                      if Path("runs").is_dir() else None) as tmp:
         for rep in range(args.repeats):
             for mode in results:
-                ttfts, computed, tiers = run_cluster(args.cluster, mode != "off", w, frame, tokenizer, kv_mib,
-                                                     Path(tmp) / f"{mode}-{rep}")
+                if mode == "vllm":
+                    ttfts, computed, flags = run_vllm(Path(args.peer_script), w, frame, tokenizer, pool_tokens,
+                                                      max_model_len)
+                    r = RunResult(mode, prompt_tokens_computed=computed, ttft_s=ttfts)
+                    results[mode].append(r)
+                    print(f"vLLM-CPU      : prompt tokens computed {computed}; TTFT p50 {r.ttft_p50_s:.3f} s, "
+                          f"p90 {np.percentile(ttfts, 90):.3f} s; vllm serve {' '.join(flags)}", flush=True)
+                    continue
+                on = mode != "off"
+                ttfts, per_replica, tiers = run_cluster(args.cluster, on, w, frame, tokenizer, kv_mib,
+                                                        Path(tmp) / f"{mode}-{rep}", on and not args.no_peer_fetch)
+                computed = sum(row["prompt_tokens_computed"] for row in per_replica.values())
                 r = RunResult(mode, prompt_tokens_computed=computed, ttft_s=ttfts)
                 results[mode].append(r)
-                print(f"{args.cluster} tiers {'off' if mode == 'off' else 'on '}: prompt tokens computed "
+                label = "off" if not on else "on " + ("" if args.no_peer_fetch else "+ peer fetch")
+                print(f"{args.cluster} tiers {label}: prompt tokens computed "
                       f"{computed}; TTFT p50 {r.ttft_p50_s:.3f} s, p90 {np.percentile(ttfts, 90):.3f} s; "
                       f"replica tiers {tiers}", flush=True)
+                for name, row in sorted(per_replica.items()):
+                    print(f"#   {name}: {row}", flush=True)
     return report(results, float("nan"), float("nan"))
 
 
@@ -296,11 +321,16 @@ def report(results: dict[str, list[RunResult]], host_us: float, disk_us: float) 
     ok = "off" in results and "disk" in results
     prefill_ratio = total("disk", "prompt_tokens_computed") / total("off", "prompt_tokens_computed") if ok else nan
     ttft_ratio = p50("disk") / p50("off") if ok else nan
+    vllm_ratio = p50("disk") / p50("vllm") if "disk" in results and "vllm" in results else nan
+    if "vllm" in results and "disk" in results:
+        print(f"# vLLM-CPU: prefill tokens computed {total('vllm', 'prompt_tokens_computed'):.0f} "
+              f"(tiers on {total('disk', 'prompt_tokens_computed') / max(1, total('vllm', 'prompt_tokens_computed')):.2f}x it), "
+              f"TTFT p50 {p50('vllm'):.3f} s (tiers on {vllm_ratio:.2f}x it)")
     print("# targets judged on tiers on with a disk tier ('disk': host tier = the pool, disk tier for the rest); "
-          "vLLM-CPU was not measured by this script, peer fetch only with --peer (nan)")
+          "vLLM-CPU only with --cluster (else nan), peer fetch only with --peer (nan)")
     print_target("prefill_tokens_tiers_on_vs_off", prefill_ratio, "<=", GOAL_PREFILL_RATIO)
     print_target("ttft_p50_tiers_on_vs_off", ttft_ratio, "<=", GOAL_TTFT_RATIO)
-    print_target("ttft_p50_tiers_on_vs_vllm", nan, "<=", GOAL_VLLM_RATIO)
+    print_target("ttft_p50_tiers_on_vs_vllm", vllm_ratio, "<=", GOAL_VLLM_RATIO)
     print_target("peer_fetch_computed_share_of_prompt", nan, "<=", GOAL_PEER_SHARE)
     return 0
 
