@@ -32,7 +32,7 @@ class Measured:
     rss_gib: list[float] = field(default_factory=list)
     failed: dict[str, Counter] = field(default_factory=dict)      # workload key -> error kind -> count, all rounds
     short: dict[str, int] = field(default_factory=dict)           # served but fewer tokens than asked
-    start_failure: str | None = None                              # why it never served (then it is skipped)
+    failure: str | None = None    # "did not start: ..." / "stopped serving in (a): ...": left out of the tables
 
 
 @dataclass(frozen=True)
@@ -140,8 +140,8 @@ def race_order(names: list[str], rounds: int) -> list[tuple[int, str]]:
 
 def failure_line(name: str, m: Measured) -> str:
     """Failed or refused requests per workload (never counted in tok/s), and short answers."""
-    if m.start_failure is not None:
-        return f"# {name}: did not start: {m.start_failure}"
+    if m.failure is not None:
+        return f"# {name}: {m.failure}"
     parts = []
     for key in WORKLOAD_KEYS:
         kinds = m.failed.get(key, Counter())

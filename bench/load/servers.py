@@ -93,9 +93,11 @@ class OurServer:
         try:
             wait_ready(self.url + self.ready_path, self._proc, timeout_s)
         except (RuntimeError, TimeoutError) as exc:
-            tail = last_line(self.log.read_text(errors="replace"))
-            raise RuntimeError(f"{exc}; {self.log}'s last line: {tail}") from exc
+            raise RuntimeError(f"{exc}; {self.log}'s last line: {self.log_tail()}") from exc
         self.launch_to_ready_s = time.monotonic() - t0
+
+    def log_tail(self) -> str:
+        return last_line(self.log.read_text(errors="replace")) if self.log.is_file() else "(no log)"
 
     def rss_bytes(self) -> int:
         return tree_rss_bytes(self._proc.pid) if self._proc else 0

@@ -82,25 +82,35 @@ WARMUP = workload("warmup", 64, 8, 4, 8)
 
 def run_round(server, tokenizer, workloads: dict[str, Workload], into: Measured) -> None:
     """Starts ``server``, runs the warm-up and each workload, records into ``into``, stops it.
-    A server that does not start is recorded with its reason (and skipped after)."""
+    A server that does not start, or stops answering mid-run, is recorded with why (and skipped after)."""
     print(f"... {server.name}: launching", file=sys.stderr, flush=True)
     try:
         server.start()
     except Exception as exc:  # noqa: BLE001 - any start failure is a row, not a crashed bench
         server.stop()
-        into.start_failure = str(exc)
-        print(f"... {server.name}: did not start: {into.start_failure}", file=sys.stderr, flush=True)
+        into.failure = f"did not start: {exc}"
+        print(f"... {server.name}: {into.failure}", file=sys.stderr, flush=True)
         return
     into.ready_s.append(server.launch_to_ready_s)
     print(f"... {server.name}: ready in {server.launch_to_ready_s:.1f} s", file=sys.stderr, flush=True)
     try:
         asyncio.run(run_workload(server.url, WARMUP, tokenizer, show_progress=False))
         for key, wl in workloads.items():
-            result = asyncio.run(run_workload(server.url, wl, tokenizer, label=f"{server.name} {key}"))
+            try:
+                result = asyncio.run(run_workload(server.url, wl, tokenizer, label=f"{server.name} {key}"))
+            except RuntimeError as exc:  # the server stopped answering (run_workload could not list models)
+                into.failure = f"stopped serving in ({key}): {exc}" + _log_tail(server)
+                print(f"... {server.name}: {into.failure}", file=sys.stderr, flush=True)
+                return
             record_workload(key, result.records, result.duration_s, into)
         into.rss_gib.append(server.rss_bytes() / 2**30)
     finally:
         server.stop()
+
+
+def _log_tail(server) -> str:
+    tail = getattr(server, "log_tail", None)
+    return f"; log's last line: {tail()}" if tail else ""
 
 
 def record_workload(key: str, records: list, duration_s: float, into: Measured) -> None:
@@ -167,7 +177,7 @@ def reproduce_command(args) -> str:
 
 
 def report(results: dict[str, Measured], order: list[str]) -> None:
-    summaries = {name: summarize(results[name]) for name in order if results[name].start_failure is None}
+    summaries = {name: summarize(results[name]) for name in order if results[name].failure is None}
     print()
     for line in server_table([(name, summaries[name]) for name in order if name in summaries]):
         print(line)
@@ -180,7 +190,7 @@ def report(results: dict[str, Measured], order: list[str]) -> None:
     for name in order:
         m = results[name]
         per_round = "; ".join(f"{k} {[round(x) for x in m.tok_s.get(k, [])]}" for k in ("a", "b", "c"))
-        print(failure_line(name, m) + ("" if m.start_failure else f"; tok/s per round: {per_round}"))
+        print(failure_line(name, m) + ("" if m.failure else f"; tok/s per round: {per_round}"))
     if any(sum(sum(c.values()) for c in m.failed.values()) for m in results.values()):
         print("# failed/refused requests are left out of tok/s and latency: a figure counts only what was served "
               "(runs/vs_peer_*.log and the peers' serve.log say why)")
@@ -227,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     servers = dict(chosen)
     results = {name: Measured() for name in order}
     for r, name in race_order(order, args.rounds):
-        if results[name].start_failure is None:
+        if results[name].failure is None:
             print(f"... round {r + 1}/{args.rounds}: {name}", file=sys.stderr, flush=True)
             run_round(servers[name], tokenizer, workloads, results[name])
     report(results, order)

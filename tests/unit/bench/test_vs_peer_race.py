@@ -93,7 +93,7 @@ def test_refusals_are_counted_apart_and_never_as_throughput():
 
 
 def test_a_server_that_did_not_start_says_why():
-    m = Measured(start_failure="llama-server q4_1 did not start; log's last line: Segmentation fault")
+    m = Measured(failure="did not start: llama-server q4_1 did not start; log's last line: Segmentation fault")
     assert failure_line("llama.cpp q4_1", m) == (
         "# llama.cpp q4_1: did not start: llama-server q4_1 did not start; log's last line: Segmentation fault")
 
