@@ -14,7 +14,9 @@ Workloads (greedy, ignore EOS, the same prompts of real tokens from one seed):
     c  1024 in / 32 out, 8 concurrent        output tok/s, TTFT p50
 
 plus launch-to-ready seconds and resident memory (RSS summed over each
-server's process tree, after its runs).  Failed and refused requests (our
+server's process tree, after its runs).  Every request opens its own
+connection, for every server alike: llama-server closes kept-alive connections
+that the client then reuses, which failed requests.  Failed and refused requests (our
 admission answers 429 when the predicted TTFT passes 2 s) are counted per
 server and workload and never count as throughput.
 
@@ -94,10 +96,11 @@ def run_round(server, tokenizer, workloads: dict[str, Workload], into: Measured)
     into.ready_s.append(server.launch_to_ready_s)
     print(f"... {server.name}: ready in {server.launch_to_ready_s:.1f} s", file=sys.stderr, flush=True)
     try:
-        asyncio.run(run_workload(server.url, WARMUP, tokenizer, show_progress=False))
+        asyncio.run(run_workload(server.url, WARMUP, tokenizer, show_progress=False, fresh_connections=True))
         for key, wl in workloads.items():
             try:
-                result = asyncio.run(run_workload(server.url, wl, tokenizer, label=f"{server.name} {key}"))
+                result = asyncio.run(run_workload(server.url, wl, tokenizer, label=f"{server.name} {key}",
+                                                  fresh_connections=True))
             except RuntimeError as exc:  # the server stopped answering (run_workload could not list models)
                 into.failure = f"stopped serving in ({key}): {exc}" + _log_tail(server)
                 print(f"... {server.name}: {into.failure}", file=sys.stderr, flush=True)
