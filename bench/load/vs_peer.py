@@ -15,10 +15,10 @@ Workloads (greedy, ignore EOS, the same prompts of real tokens from one seed):
 
 plus launch-to-ready seconds and resident memory (RSS summed over each
 server's process tree, after its runs).  Every request opens its own
-connection, for every server alike: llama-server closes kept-alive connections
-that the client then reuses, which failed requests.  Failed and refused requests (our
-admission answers 429 when the predicted TTFT passes 2 s) are counted per
-server and workload and never count as throughput.
+connection, for every server alike (llama-server closed kept-alive
+connections as the client reused them, failing requests).  Failed and refused
+requests (our admission answers 429 when the predicted TTFT passes 2 s) are
+counted per server and workload and never count as throughput.
 
 Extra columns, each optional: ``--tuned-config deploy/race.yaml`` (a tuned
 config, its own column, no targets); ours with ``--weight-dtype int8``
