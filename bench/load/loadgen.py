@@ -142,10 +142,13 @@ async def run_workload(
     show_progress: bool = True,
     label: str | None = None,
     api_key: str | None = None,
+    fresh_connections: bool = False,
 ) -> RunResult:
     """Run ``workload`` against ``base_url`` and return every request's record
-    (``api_key``: sent as a bearer token; it names the tenant on a cluster with tenants)."""
-    connector = aiohttp.TCPConnector(limit=0)
+    (``api_key``: sent as a bearer token; it names the tenant on a cluster with tenants).
+    ``fresh_connections``: one TCP connection per request, no keep-alive; for servers that close an idle
+    kept-alive connection as the client reuses it (llama-server: "Can not write request body")."""
+    connector = aiohttp.TCPConnector(limit=0, force_close=fresh_connections)
     headers = {"authorization": f"Bearer {api_key}"} if api_key else None
     async with aiohttp.ClientSession(connector=connector, headers=headers) as session:
         model = workload.model or await resolve_model(session, base_url)

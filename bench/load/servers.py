@@ -1,5 +1,6 @@
 """Servers a benchmark starts and stops itself: our cluster through
-``pdcluster up`` and the vLLM-CPU reference through its script, each timed
+``pdcluster up`` (with a config, or none: the default cluster) and the vLLM-CPU
+reference through its script (llama.cpp: llamacpp_server.py), each timed
 from launch to ready and measured for resident memory.
 
     launch --(poll GET /v1/models every 0.25 s)--> ready  (launch_to_ready_s)
@@ -38,6 +39,12 @@ def wait_ready(url: str, proc: subprocess.Popen | None, timeout_s: float) -> Non
     raise TimeoutError(f"{url} not ready after {timeout_s:.0f} s")
 
 
+def last_line(text: str) -> str:
+    """The last non-blank line, stripped (what a crash log ends with)."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[-1] if lines else "(empty)"
+
+
 def tree_rss_bytes(pid: int) -> int:
     """RSS of ``pid`` and all its descendants (shared pages counted per process)."""
     try:
@@ -54,15 +61,23 @@ def tree_rss_bytes(pid: int) -> int:
     return total
 
 
+def up_command(config: Path | None, port: int, extra_args: tuple[str, ...] = ()) -> list[str]:
+    """The ``pdcluster up`` command line; no --config when ``config`` is None."""
+    with_config = ["--config", str(config)] if config is not None else []
+    return [sys.executable, "-m", "pdcluster.services.cli.main", "up", *with_config, "--port", str(port), *extra_args]
+
+
 @dataclass
 class OurServer:
-    """``pdcluster up --config CONFIG --port PORT`` in its own session."""
-    config: Path
+    """``pdcluster up [--config CONFIG] --port PORT [EXTRA...]`` in its own session;
+    no config is what a user gets from a bare ``pdcluster up``."""
+    config: Path | None
     port: int
     log: Path
     name: str = "pdcluster"
     launch_to_ready_s: float = 0.0
     ready_path: str = "/v1/models"   # /health where the config sets API keys
+    extra_args: tuple[str, ...] = ()  # more `pdcluster up` flags, e.g. ("--weight-dtype", "int8")
     _proc: subprocess.Popen | None = field(default=None, repr=False)
 
     @property
@@ -73,10 +88,16 @@ class OurServer:
         t0 = time.monotonic()
         with open(self.log, "w") as log:
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", "pdcluster.services.cli.main", "up", "--config", str(self.config), "--port", str(self.port)],
-                cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        wait_ready(self.url + self.ready_path, self._proc, timeout_s)
+                up_command(self.config, self.port, self.extra_args), cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True)
+        try:
+            wait_ready(self.url + self.ready_path, self._proc, timeout_s)
+        except (RuntimeError, TimeoutError) as exc:
+            raise RuntimeError(f"{exc}; {self.log}'s last line: {self.log_tail()}") from exc
         self.launch_to_ready_s = time.monotonic() - t0
+
+    def log_tail(self) -> str:
+        return last_line(self.log.read_text(errors="replace")) if self.log.is_file() else "(no log)"
 
     def rss_bytes(self) -> int:
         return tree_rss_bytes(self._proc.pid) if self._proc else 0

@@ -1,40 +1,63 @@
-"""pdcluster vs the vLLM-CPU reference on the same cores, end to end through
+"""pdcluster vs vLLM-CPU and llama.cpp on the same cores, end to end through
 each server's own OpenAI API, driven identically by our load generator.
 
-One server runs at a time; the order alternates (ours, vLLM, ours, vLLM for
-``--rounds 2``) and each figure is the median over rounds.  Workloads (greedy,
-ignore EOS, prompts of real tokens from the same seed for both):
+Ours is what a bare ``pdcluster up`` starts (no config: the default
+disaggregated cluster, SLO admission on), issue 34.  The peers: vLLM-CPU 0.32
+bf16 (``../shared/peer/vllm-cpu.sh``) and llama.cpp's llama-server bf16
+(``../shared/peer/llamacpp.sh``, 2 threads, 16 slots).  One server runs at a
+time; every round runs each server once in the same order (ours, vLLM,
+llama.cpp bf16, then the extras) and each figure is the median over rounds.
+Workloads (greedy, ignore EOS, the same prompts of real tokens from one seed):
 
     a  256 in / 128 out, 16 concurrent       output tok/s
     b  256 in / 128 out, 1 at a time         output tok/s, TPOT p50
     c  1024 in / 32 out, 8 concurrent        output tok/s, TTFT p50
 
 plus launch-to-ready seconds and resident memory (RSS summed over each
-server's process tree, after its runs).  Needs ``vllm-cpu.sh setup`` once
-(done here when missing: ~4 GB).  An extra column races our cluster with
-``weight_dtype: int8`` (``--int8-config``, deploy/race_int8.yaml; issue 35)
-against the same vLLM (bf16) runs; ``--no-int8`` leaves it out.  The targets
-stay bf16's.
+server's process tree, after its runs).  Every request opens its own
+connection, for every server alike (llama-server closed kept-alive
+connections as the client reused them, failing requests).  Failed and refused
+requests (our admission answers 429 when the predicted TTFT passes 2 s) are
+counted per server and workload and never count as throughput.
 
-    python -m bench.load.vs_peer [--rounds 2] [--config deploy/race.yaml] [--int8-config deploy/race_int8.yaml]
+Extra columns, each optional: ``--tuned-config deploy/race.yaml`` (a tuned
+config, its own column, no targets); ours with ``--weight-dtype int8``
+(issue 35; ``--no-int8``) against vLLM bf16 and llama.cpp Q8_0; llama.cpp
+q4_1 (what its users run; ``--no-q4-1``) and Q8_0 (made here from the bf16
+GGUF with the built llama-quantize; ``--no-q8-0``).  A peer that is not
+installed or does not start is skipped with its reason, and its targets print
+as ``n/a ... missed``.  The targets are issue 34's, for the default cluster.
+
+    python -m bench.load.vs_peer [--rounds 2] [--tuned-config deploy/race.yaml] [--no-llamacpp] [--smoke]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import math
+import shlex
 import statistics
 import sys
-from dataclasses import dataclass, field
+from collections import Counter
 from pathlib import Path
 
 from bench.fingerprint import print_fingerprint
+from bench.load.llamacpp_server import LlamaCppServer, ensure_q8_0, llamacpp_dir, missing_reason
 from bench.load.loadgen import run_workload
+from bench.load.race_table import (TARGETS_VS_LLAMACPP, TARGETS_VS_VLLM, Measured, failure_line, race_order,
+                                   ratio_table, ratios, server_table, summarize, target_lines)
 from bench.load.report import metric_samples
 from bench.load.servers import REPO, OurServer, PeerServer
 from bench.tokenizer import load_tokenizer
 from bench.workload import Workload
 from pdcluster.prefix_store.redis_server import free_service_port
+
+SHARED_PEER = REPO.parent / "shared" / "peer"
+# (ratio column, numerator, denominator), printed when both ran
+COMPARISONS = (("ours/vLLM", "ours", "vLLM"), ("ours/llama.cpp bf16", "ours", "llama.cpp bf16"),
+               ("ours/llama.cpp q4_1", "ours", "llama.cpp q4_1"), ("tuned/vLLM", "ours tuned", "vLLM"),
+               ("int8/vLLM", "ours int8", "vLLM"), ("int8/llama.cpp q8_0", "ours int8", "llama.cpp q8_0"))
 
 
 def workload(name: str, input_tokens: int, output_tokens: int, concurrency: int, num_requests: int) -> Workload:
@@ -48,119 +71,179 @@ def workload(name: str, input_tokens: int, output_tokens: int, concurrency: int,
     })
 
 
-WORKLOADS = {
-    "a": workload("a_256in_128out_c16", 256, 128, 16, 48),
-    "b": workload("b_256in_128out_c1", 256, 128, 1, 6),
-    "c": workload("c_1024in_32out_c8", 1024, 32, 8, 24),
-}
+def race_workloads(scale: float = 1.0) -> dict[str, Workload]:
+    """The three workloads; ``scale`` < 1 sends fewer requests (at least 1 each), same shapes."""
+    n = lambda full: max(1, math.ceil(full * scale))  # noqa: E731
+    return {"a": workload("a_256in_128out_c16", 256, 128, 16, n(48)),
+            "b": workload("b_256in_128out_c1", 256, 128, 1, n(6)),
+            "c": workload("c_1024in_32out_c8", 1024, 32, 8, n(24))}
+
+
 WARMUP = workload("warmup", 64, 8, 4, 8)
 
 
-@dataclass
-class Measured:
-    tok_s: dict[str, list[float]] = field(default_factory=dict)
-    tpot_p50_b: list[float] = field(default_factory=list)
-    ttft_p50_c: list[float] = field(default_factory=list)
-    ready_s: list[float] = field(default_factory=list)
-    rss_gib: list[float] = field(default_factory=list)
-    errors: int = 0
-
-
-def run_round(server, tokenizer, into: Measured) -> None:
+def run_round(server, tokenizer, workloads: dict[str, Workload], into: Measured) -> None:
+    """Starts ``server``, runs the warm-up and each workload, records into ``into``, stops it.
+    A server that does not start, or stops answering mid-run, is recorded with why (and skipped after)."""
     print(f"... {server.name}: launching", file=sys.stderr, flush=True)
-    server.start()
+    try:
+        server.start()
+    except Exception as exc:  # noqa: BLE001 - any start failure is a row, not a crashed bench
+        server.stop()
+        into.failure = f"did not start: {exc}"
+        print(f"... {server.name}: {into.failure}", file=sys.stderr, flush=True)
+        return
     into.ready_s.append(server.launch_to_ready_s)
     print(f"... {server.name}: ready in {server.launch_to_ready_s:.1f} s", file=sys.stderr, flush=True)
     try:
-        asyncio.run(run_workload(server.url, WARMUP, tokenizer, show_progress=False))
-        for key, wl in WORKLOADS.items():
-            result = asyncio.run(run_workload(server.url, wl, tokenizer, label=f"{server.name} {key}"))
-            recs = result.records
-            into.errors += sum(not r.ok for r in recs)
-            into.tok_s.setdefault(key, []).append(sum(r.output_tokens for r in recs if r.ok) / result.duration_s)
-            if key == "b":
-                into.tpot_p50_b.append(statistics.median(metric_samples(recs, "tpot")))
-            if key == "c":
-                into.ttft_p50_c.append(statistics.median(metric_samples(recs, "ttft")))
+        asyncio.run(run_workload(server.url, WARMUP, tokenizer, show_progress=False, fresh_connections=True))
+        for key, wl in workloads.items():
+            try:
+                result = asyncio.run(run_workload(server.url, wl, tokenizer, label=f"{server.name} {key}",
+                                                  fresh_connections=True))
+            except RuntimeError as exc:  # the server stopped answering (run_workload could not list models)
+                into.failure = f"stopped serving in ({key}): {exc}" + _log_tail(server)
+                print(f"... {server.name}: {into.failure}", file=sys.stderr, flush=True)
+                return
+            record_workload(key, result.records, result.duration_s, into)
         into.rss_gib.append(server.rss_bytes() / 2**30)
     finally:
         server.stop()
 
 
-def med(xs: list[float]) -> float:
-    return statistics.median(xs)
+def _log_tail(server) -> str:
+    tail = getattr(server, "log_tail", None)
+    return f"; log's last line: {tail()}" if tail else ""
 
 
-def target(name: str, measured: float, op: str, goal: float) -> str:
-    ok = measured >= goal if op == ">=" else measured <= goal
-    return f"target {name}: {measured:.2f} (goal {op} {goal}) {'met' if ok else 'missed'}"
+def record_workload(key: str, records: list, duration_s: float, into: Measured) -> None:
+    """Served output tokens per second; failures by kind; TPOT/TTFT p50 over served requests only."""
+    served = [r for r in records if r.ok]
+    into.failed.setdefault(key, Counter()).update(r.error for r in records if not r.ok)
+    into.short[key] = into.short.get(key, 0) + sum(r.output_tokens < r.planned_output_tokens for r in served)
+    into.tok_s.setdefault(key, []).append(sum(r.output_tokens for r in served) / duration_s if duration_s > 0 else 0.0)
+    tpot, ttft = metric_samples(records, "tpot"), metric_samples(records, "ttft")
+    if key == "b" and tpot:
+        into.tpot_p50_b_s.append(statistics.median(tpot))
+    if key == "c" and ttft:
+        into.ttft_p50_c_s.append(statistics.median(ttft))
 
 
-def print_int8_rows(i: Measured, v: Measured) -> None:
-    """The weight_dtype int8 column: our int8 cluster against the same vLLM (bf16) runs."""
-    print(f"\n{'weight_dtype int8':34} | {'ours int8':>10} | {'vLLM':>10} | {'int8/vLLM':>9}")
-    rows = [("(a) 256/128 c16 output tok/s", med(i.tok_s["a"]), med(v.tok_s["a"])),
-            ("(b) TPOT p50 ms", 1e3 * med(i.tpot_p50_b), 1e3 * med(v.tpot_p50_b)),
-            ("(c) 1024/32 c8 output tok/s", med(i.tok_s["c"]), med(v.tok_s["c"])),
-            ("(c) TTFT p50 ms", 1e3 * med(i.ttft_p50_c), 1e3 * med(v.ttft_p50_c)),
-            ("resident memory GiB (process tree RSS)", med(i.rss_gib), med(v.rss_gib))]
-    for label, ours_v, theirs in rows:
-        print(f"{label:34} | {ours_v:10.1f} | {theirs:10.1f} | {ours_v / theirs:8.2f}x")
-    print(f"# int8 request errors: {i.errors}")
+def contestants(args) -> tuple[list[tuple[str, object]], list[str]]:
+    """(column name, server) in race order, and one note per server left out."""
+    runs = REPO / "runs"
+    runs.mkdir(parents=True, exist_ok=True)
+    chosen: list[tuple[str, object]] = [("ours", OurServer(None, free_service_port(), runs / "vs_peer_ours.log"))]
+    skipped: list[str] = []
+    if args.no_vllm:
+        skipped.append("vLLM: left out (--no-vllm)")
+    else:
+        vllm = PeerServer(Path(args.peer_script), free_service_port())
+        vllm.setup()
+        chosen.append(("vLLM", vllm))
+    llama = llamacpp_contestants(args)
+    chosen += [(name, server) for name, server, _ in llama if name == "llama.cpp bf16" and server]
+    if args.tuned_config:
+        chosen.append(("ours tuned", OurServer(Path(args.tuned_config), free_service_port(),
+                                                runs / "vs_peer_ours_tuned.log", name="pdcluster tuned")))
+    if not args.no_int8:
+        config = Path(args.int8_config) if args.int8_config else None
+        chosen.append(("ours int8", OurServer(config, free_service_port(), runs / "vs_peer_ours_int8.log",
+                                               name="pdcluster int8", extra_args=("--weight-dtype", "int8"))))
+    chosen += [(name, server) for name, server, _ in llama if name != "llama.cpp bf16" and server]
+    skipped += [f"{name}: {why}" for name, server, why in llama if server is None]
+    return chosen, skipped
+
+
+def llamacpp_contestants(args) -> list[tuple[str, LlamaCppServer | None, str]]:
+    """(column, server or None, why not) for each llama.cpp variant asked for."""
+    peer_dir = llamacpp_dir()
+    if args.no_llamacpp:
+        return [("llama.cpp", None, "left out (--no-llamacpp)")]
+    variants = ["bf16"] + ([] if args.no_q4_1 else ["q4_1"]) + ([] if args.no_q8_0 else ["q8_0"])
+    out: list[tuple[str, LlamaCppServer | None, str]] = []
+    for variant in variants:
+        why = missing_reason(peer_dir, "bf16") or (ensure_q8_0(peer_dir) if variant == "q8_0" else None) \
+            or missing_reason(peer_dir, variant)
+        server = None if why else LlamaCppServer(Path(args.llamacpp_script), free_service_port(), variant, peer_dir)
+        out.append((f"llama.cpp {variant}", server, why or ""))
+    return out
+
+
+def reproduce_command(args) -> str:
+    flags = [f"--rounds {args.rounds}"]
+    flags += [f"--tuned-config {shlex.quote(args.tuned_config)}"] if args.tuned_config else []
+    flags += [f"--int8-config {shlex.quote(args.int8_config)}"] if args.int8_config else []
+    flags += [f"--{name.replace('_', '-')}" for name in ("no_vllm", "no_llamacpp", "no_int8", "no_q4_1", "no_q8_0",
+                                                         "smoke") if getattr(args, name)]
+    return "python -m bench.load.vs_peer " + " ".join(flags)
+
+
+def report(results: dict[str, Measured], order: list[str]) -> None:
+    summaries = {name: summarize(results[name]) for name in order if results[name].failure is None}
+    print()
+    for line in server_table([(name, summaries[name]) for name in order if name in summaries]):
+        print(line)
+    pairs = [(label, ratios(summaries[a], summaries[b])) for label, a, b in COMPARISONS
+             if a in summaries and b in summaries]
+    if pairs:
+        print()
+        for line in ratio_table(pairs):
+            print(line)
+    for name in order:
+        m = results[name]
+        per_round = "; ".join(f"{k} {[round(x) for x in m.tok_s.get(k, [])]}" for k in ("a", "b", "c"))
+        print(failure_line(name, m) + ("" if m.failure else f"; tok/s per round: {per_round}"))
+    if any(sum(sum(c.values()) for c in m.failed.values()) for m in results.values()):
+        print("# failed/refused requests are left out of tok/s and latency: a figure counts only what was served "
+              "(runs/vs_peer_*.log and the peers' serve.log say why)")
+    ours = summaries.get("ours")
+    for targets, peer in ((TARGETS_VS_VLLM, "vLLM"), (TARGETS_VS_LLAMACPP, "llama.cpp bf16")):
+        both = ours is not None and peer in summaries
+        for line in target_lines(targets, ratios(ours, summaries[peer]) if both else None):
+            print(line)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=2, help="rounds of every server in turn (>= 2 for the record)")
+    ap.add_argument("--tuned-config", help="a tuned cluster config raced as its own column (e.g. deploy/race.yaml)")
+    ap.add_argument("--int8-config", help="config for the int8 column (default: none, i.e. `pdcluster up "
+                                          "--weight-dtype int8`)")
+    ap.add_argument("--peer-script", default=str(SHARED_PEER / "vllm-cpu.sh"))
+    ap.add_argument("--llamacpp-script", default=str(SHARED_PEER / "llamacpp.sh"))
+    ap.add_argument("--no-vllm", action="store_true", help="leave vLLM-CPU out")
+    ap.add_argument("--no-llamacpp", action="store_true", help="leave every llama.cpp column out")
+    ap.add_argument("--no-int8", action="store_true", help="leave out ours with --weight-dtype int8")
+    ap.add_argument("--no-q4-1", action="store_true", help="leave out llama.cpp q4_1")
+    ap.add_argument("--no-q8-0", action="store_true", help="leave out llama.cpp Q8_0")
+    ap.add_argument("--smoke", action="store_true", help="a quarter of the requests: checks the columns work; "
+                                                          "not a measurement")
+    return ap.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=2, help="alternations ours/vLLM (>= 2 for the record)")
-    ap.add_argument("--config", default=str(REPO / "deploy" / "race.yaml"), help="our cluster's config")
-    ap.add_argument("--peer-script", default=str(REPO.parent / "shared" / "peer" / "vllm-cpu.sh"))
-    ap.add_argument("--int8-config", default=str(REPO / "deploy" / "race_int8.yaml"),
-                    help="our cluster with weight_dtype int8: the extra column")
-    ap.add_argument("--no-int8", action="store_true", help="race bf16 only")
-    args = ap.parse_args(argv)
+    args = parse_args(argv)
     print_fingerprint()
-    print(f"# pdcluster ({Path(args.config).name}) vs vLLM-CPU 0.32 (vllm-cpu.sh), SmolLM2-135M-Instruct bf16, "
-          f"same 2 cores, one server at a time, {args.rounds} alternations")
-    print(f"# reproduce: python -m bench.load.vs_peer --rounds {args.rounds} --config {args.config}"
-          + (" --no-int8" if args.no_int8 else f" --int8-config {args.int8_config}"))
-    ours = OurServer(Path(args.config), free_service_port(), REPO / "runs" / "vs_peer_ours.log")
-    ours.log.parent.mkdir(parents=True, exist_ok=True)
-    ours_int8 = None if args.no_int8 else OurServer(Path(args.int8_config), free_service_port(),
-                                                     REPO / "runs" / "vs_peer_ours_int8.log", name="pdcluster int8")
-    peer = PeerServer(Path(args.peer_script), free_service_port())
-    peer.setup()
+    chosen, skipped = contestants(args)
+    order = [name for name, _ in chosen]
+    print(f"# compares: ours = `pdcluster up` with no config (disaggregated, SLO admission on) against vLLM-CPU "
+          f"0.32 bf16 and llama.cpp llama-server bf16 (2 threads, 16 slots); SmolLM2-135M-Instruct, the same cores, "
+          f"one server at a time, {args.rounds} round(s) of: {', '.join(order)}")
+    for note in skipped:
+        print(f"# skipped {note}")
+    print(f"# reproduce: {reproduce_command(args)}")
+    if args.smoke:
+        print("# SMOKE: a quarter of the requests; these figures are not a measurement")
     tokenizer = load_tokenizer(None)
-    results = {"ours": Measured(), "vllm": Measured(), "int8": Measured()}
-    for r in range(args.rounds):
-        print(f"... round {r + 1}/{args.rounds}", file=sys.stderr, flush=True)
-        run_round(ours, tokenizer, results["ours"])
-        if ours_int8 is not None:
-            run_round(ours_int8, tokenizer, results["int8"])
-        run_round(peer, tokenizer, results["vllm"])
-    o, v = results["ours"], results["vllm"]
-
-    print(f"\n{'':34} | {'pdcluster':>10} | {'vLLM':>10} | {'ours/vLLM':>9}")
-    rows = [(f"(a) 256/128 c16 output tok/s", med(o.tok_s["a"]), med(v.tok_s["a"])),
-            (f"(b) 256/128 c1 output tok/s", med(o.tok_s["b"]), med(v.tok_s["b"])),
-            (f"(b) TPOT p50 ms", 1e3 * med(o.tpot_p50_b), 1e3 * med(v.tpot_p50_b)),
-            (f"(c) 1024/32 c8 output tok/s", med(o.tok_s["c"]), med(v.tok_s["c"])),
-            (f"(c) TTFT p50 ms", 1e3 * med(o.ttft_p50_c), 1e3 * med(v.ttft_p50_c)),
-            ("launch to ready s", med(o.ready_s), med(v.ready_s)),
-            ("resident memory GiB (process tree RSS)", med(o.rss_gib), med(v.rss_gib))]
-    for label, ours_v, theirs in rows:
-        print(f"{label:34} | {ours_v:10.1f} | {theirs:10.1f} | {ours_v / theirs:8.2f}x")
-    for key in WORKLOADS:
-        print(f"# {key} per round, tok/s: ours {[round(x) for x in o.tok_s[key]]}, vLLM {[round(x) for x in v.tok_s[key]]}")
-    print(f"# request errors: ours {o.errors}, vLLM {v.errors}")
-    if ours_int8 is not None:
-        print_int8_rows(results["int8"], v)
-    if o.errors or v.errors:
-        print("# WARNING: failed requests are left out of tok/s, so a figure above counts only what was served; "
-              "see runs/vs_peer_ours.log and the peer's log for why")
-    print(target("a_c16_tok_s_ratio", med(o.tok_s["a"]) / med(v.tok_s["a"]), ">=", 1.2))
-    print(target("b_c1_tpot_p50_ratio", med(o.tpot_p50_b) / med(v.tpot_p50_b), "<=", 1.0))
-    print(target("c_c8_tok_s_ratio", med(o.tok_s["c"]) / med(v.tok_s["c"]), ">=", 1.0))
-    print(target("launch_to_ready_ratio", med(o.ready_s) / med(v.ready_s), "<=", 0.5))
+    workloads = race_workloads(0.25 if args.smoke else 1.0)
+    servers = dict(chosen)
+    results = {name: Measured() for name in order}
+    for r, name in race_order(order, args.rounds):
+        if results[name].failure is None:
+            print(f"... round {r + 1}/{args.rounds}: {name}", file=sys.stderr, flush=True)
+            run_round(servers[name], tokenizer, workloads, results[name])
+    report(results, order)
     return 0
 
 
