@@ -80,6 +80,7 @@ class DecodeStages(_Stages):
         self.scheduled_s: float | None = None
         self.timer = metrics.RequestTimer("decode", start_s=self.entered_s, clock=time.monotonic)
         self.finish_reason: str | None = None
+        self.finished_s: float | None = None  # when the engine produced the last token
         self.drafted = self.accepted = 0
 
     def reserved(self) -> None:
@@ -102,11 +103,15 @@ class DecodeStages(_Stages):
         self.timer.on_tokens(len(out.new_token_ids))
         if out.finished and out.finish_reason is not None:
             self.finish_reason = out.finish_reason.value
+        if out.finished:
+            self.finished_s = time.monotonic()
         self.drafted = getattr(out, "num_draft_tokens", 0)            # running totals (spec_decode.py)
         self.accepted = getattr(out, "num_accepted_draft_tokens", 0)
 
     def finish(self, error: BaseException | None = None) -> None:
-        now = time.monotonic()
+        # A finished decode's span ends with its last token, not when the generator is closed:
+        # the gateway may end its own span (the parent) before the replica's ``finally`` runs.
+        now = self.finished_s if error is None and self.finished_s is not None else time.monotonic()
         if self.pulled_s is None:  # failed (or was cancelled) before the KV arrived
             self._record("kv.transfer", self.entered_s, now, error=error)
             return

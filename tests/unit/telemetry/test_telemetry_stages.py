@@ -74,6 +74,24 @@ def test_decode_stages_in_order(span_file: Path, observed: list) -> None:
     assert "observe_ttft" not in [name for name, _ in observed]  # the prefill pool's number
 
 
+def test_decode_generate_ends_with_the_last_token_not_the_generator_close(span_file: Path, observed: list) -> None:
+    # The gateway ends its span (the parent) when it has the last token; the replica's
+    # ``finally`` may run later. The span ends at the output that finished the decode.
+    tracing.setup_tracing("pdcluster-decode", jsonl_path=span_file)
+    stages = DecodeStages({}, "decode-1", 16, "socket")
+    stats = SimpleNamespace(num_bytes=1, seconds=0.001, gbytes_per_s=0.001)
+    stages.pulled(SimpleNamespace(num_cached_blocks=0), stats, 1)
+    stages.on_output(_out([5], time.monotonic()))
+    stages.on_output(_out([6], None, FinishReason.STOP))
+    last_token_s = time.monotonic()
+    time.sleep(0.05)
+    closed_s = time.monotonic()
+    stages.finish()
+    gen = finished_spans(span_file)["decode.generate"]
+    assert gen["end_ns"] <= tracing.mono_to_ns(last_token_s, stages._offset_ns) < \
+        tracing.mono_to_ns(closed_s, stages._offset_ns)
+
+
 def test_decode_stage_failure_before_pull_is_an_error_kv_span(span_file: Path, observed: list) -> None:
     tracing.setup_tracing("pdcluster-decode", jsonl_path=span_file)
     DecodeStages({}, "decode-2", 16, "socket").finish(RuntimeError("transfer failed"))
