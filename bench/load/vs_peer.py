@@ -22,7 +22,8 @@ counted per server and workload and never count as throughput.
 
 Extra columns, each optional: ``--tuned-config deploy/race.yaml`` (a tuned
 config, its own column, no targets); ours with ``--weight-dtype int8``
-(issue 35; ``--no-int8``) against vLLM bf16 and llama.cpp Q8_0; llama.cpp
+(issue 35; ``--no-int8``; in the tuned config when there is one, so that it
+compares weights on the same admitted load) against vLLM bf16 and llama.cpp Q8_0; llama.cpp
 q4_1 (what its users run; ``--no-q4-1``) and Q8_0 (made here from the bf16
 GGUF with the built llama-quantize; ``--no-q8-0``).  A peer that is not
 installed or does not start is skipped with its reason, and its targets print
@@ -147,7 +148,8 @@ def contestants(args) -> tuple[list[tuple[str, object]], list[str]]:
         chosen.append(("ours tuned", OurServer(Path(args.tuned_config), free_service_port(),
                                                 runs / "vs_peer_ours_tuned.log", name="pdcluster tuned")))
     if not args.no_int8:
-        config = Path(args.int8_config) if args.int8_config else None
+        named = args.int8_config or args.tuned_config
+        config = Path(named) if named else None
         chosen.append(("ours int8", OurServer(config, free_service_port(), runs / "vs_peer_ours_int8.log",
                                                name="pdcluster int8", extra_args=("--weight-dtype", "int8"))))
     chosen += [(name, server) for name, server, _ in llama if name != "llama.cpp bf16" and server]
@@ -208,8 +210,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=2, help="rounds of every server in turn (>= 2 for the record)")
     ap.add_argument("--tuned-config", help="a tuned cluster config raced as its own column (e.g. deploy/race.yaml)")
-    ap.add_argument("--int8-config", help="config for the int8 column (default: none, i.e. `pdcluster up "
-                                          "--weight-dtype int8`)")
+    ap.add_argument("--int8-config", help="config for the int8 column (default: --tuned-config's, else none, i.e. "
+                                          "`pdcluster up --weight-dtype int8`)")
     ap.add_argument("--peer-script", default=str(SHARED_PEER / "vllm-cpu.sh"))
     ap.add_argument("--llamacpp-script", default=str(SHARED_PEER / "llamacpp.sh"))
     ap.add_argument("--no-vllm", action="store_true", help="leave vLLM-CPU out")
@@ -230,6 +232,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# compares: ours = `pdcluster up` with no config (disaggregated, SLO admission on) against vLLM-CPU "
           f"0.32 bf16 and llama.cpp llama-server bf16 (2 threads, 16 slots); SmolLM2-135M-Instruct, the same cores, "
           f"one server at a time, {args.rounds} round(s) of: {', '.join(order)}")
+    if "ours int8" in order:
+        int8 = args.int8_config or args.tuned_config
+        print(f"# ours int8 = `pdcluster up --weight-dtype int8{f' --config {int8}' if int8 else ''}`")
     for note in skipped:
         print(f"# skipped {note}")
     print(f"# reproduce: {reproduce_command(args)}")

@@ -119,9 +119,9 @@ class PoolConfig(_Strict):
                                                    "every prompt themselves")
     num_cpus: float = Field(1.0, gt=0, description="logical Ray CPUs per replica")
     num_threads: int = Field(1, ge=1, description="torch intra-op threads per replica")
-    borrow_idle_cores: bool = Field(True, description="prefill replicas only: while every other replica on the "
-                                                      "host is idle, compute with their threads too (given back "
-                                                      "within a fraction of a second of them getting work)")
+    borrow_idle_cores: bool = Field(True, description="while no other replica on the host has a request in "
+                                                      "flight, compute with their threads too (given back before "
+                                                      "the next engine step once one gets a request)")
     kv_cache_mib: int = Field(512, ge=1)
     max_queue: int = Field(64, ge=1, description="requests waiting per replica before 429")
     max_ongoing_requests: int = Field(128, ge=1)

@@ -18,7 +18,7 @@ import dataclasses
 import logging
 import time
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
@@ -87,8 +87,12 @@ class Engine:
         # The native kernels run on their own work pool; torch's OpenMP team
         # would spin beside it, so torch ops inside a native step get one thread.
         self._native = self.loaded.model.native_stack is not None
+        self.compute_threads = config.num_threads or torch.get_num_threads()
+        # Asked before every step for the native kernels' threads (a replica borrowing idle
+        # cores: pdcluster/services/pools/core_lending.py); None: compute_threads stays.
+        self.threads_source: Callable[[], int] | None = None
         if self._native:
-            ops.set_native_threads(config.num_threads or torch.get_num_threads())
+            ops.set_native_threads(self.compute_threads)
         self.tokenizer = self.loaded.tokenizer
         mc = self.loaded.config
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
@@ -363,10 +367,11 @@ class Engine:
 
     def set_compute_threads(self, n: int) -> None:
         """Threads the native kernels compute with from their next call on
-        (a prefill replica borrowing idle cores: pdcluster/services/pools/core_lending.py).
+        (a replica borrowing idle cores: pdcluster/services/pools/core_lending.py).
         The kernels split work by output rows, so results do not depend on it."""
+        self.compute_threads = max(int(n), 1)
         if self._native:
-            ops.set_native_threads(max(int(n), 1))
+            ops.set_native_threads(self.compute_threads)
 
     # ---- one step ----------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -381,6 +386,10 @@ class Engine:
         return outputs
 
     def _step_native_threads(self) -> list[RequestOutput]:
+        if self.threads_source is not None:
+            wanted = self.threads_source()
+            if wanted != self.compute_threads:
+                self.set_compute_threads(wanted)
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:

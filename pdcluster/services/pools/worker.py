@@ -34,7 +34,8 @@ from pdcluster.services.messages import GenerateRequest, PrefixLease, PrefixLeas
 from pdcluster.router.peer_fetch import DEFAULT_PULL_S_PER_BLOCK
 from pdcluster.services.pools.peer_fetch import PeerFetcher, lend_prefix
 from pdcluster.services.pools.pull_estimate import PullEstimate
-from pdcluster.services.pools.core_lending import borrow_forever, host_id
+from pdcluster.services.pools.busy_flag import BusyFlag, flag_path
+from pdcluster.services.pools.core_lending import Lending, ThreadChooser, borrow_forever, host_id
 from pdcluster.services.pools.status_board import publish_forever
 from pdcluster.services.supervisor import RestartPolicy, Supervisor
 from pdcluster.transfer import KVLayout, create_backend
@@ -107,7 +108,8 @@ class Worker:
         self._prefill_rate_tps = 0.0
         self.supervisor = Supervisor(self.name)  # its background tasks: logged, counted, restarted
         self.host = host_id()  # replicas on one host lend each other idle cores (core_lending.py)
-        self.compute_threads = self.pool.num_threads
+        self.busy_flag: BusyFlag | None = None  # set while a request is in flight (busy_flag.py)
+        self.threads = ThreadChooser(self.pool.num_threads, config.cluster_name)
         self._started = False
 
     async def start(self) -> None:
@@ -123,10 +125,12 @@ class Worker:
         if self.index_url and self.index_url.startswith("redis"):
             self.supervisor.start("status_board", lambda: publish_forever(
                 self.index_url, self.config.cluster_name, self.name, self.status))
-            if self.role == "prefill" and self.pool.borrow_idle_cores:
+            self._open_busy_flag()
+            if self.pool.borrow_idle_cores and self.busy_flag is not None:
+                self.engine.threads_source = self.threads
                 self.supervisor.start("core_lending", lambda: borrow_forever(
                     self.index_url, self.config.cluster_name, self.name, self.pool.num_threads,
-                    self._compute_with))
+                    self._may_borrow))
         if self.transfer is not None:
             self.supervisor.start("lease_notifications", self._release_on_notification)
         frozen = freeze_startup_heap()   # start-up's objects out of every later collection (gc_pauses.py)
@@ -167,10 +171,14 @@ class Worker:
                 f"(limit {capacity}); retry shortly", retry_after_s=1.0)
         self.counters.requests += 1
         self.in_flight += 1
+        if self.busy_flag is not None:
+            self.busy_flag.set(True)
         try:
             yield
         finally:
             self.in_flight -= 1
+            if self.busy_flag is not None and self.in_flight == 0:
+                self.busy_flag.set(False)
 
     def prompt_hashes(self, request: GenerateRequest) -> tuple[int, ...]:
         """The gateway's hashes of the prompt's full blocks, for the engine to
@@ -221,15 +229,25 @@ class Worker:
             "queue_time_s": metrics.queue_times(self.role).snapshot(),
             "transfer_backend": self.transfer.name if self.transfer else None,
             "internal_address": self.internal_address,
-            "host": self.host, "threads": self.pool.num_threads, "compute_threads": self.compute_threads,
+            "host": self.host, "threads": self.pool.num_threads, "compute_threads": self.engine.compute_threads,
+            "thread_changes": self.threads.num_changes,
             "time": time.time(),
         }
 
-    def _compute_with(self, threads: int) -> None:
-        """The core lender's decision: the engine's native kernels use ``threads`` from now on."""
-        log.info("%s computes with %d threads (own %d)", self.name, threads, self.pool.num_threads)
-        self.engine.set_compute_threads(threads)
-        self.compute_threads = threads
+    def _open_busy_flag(self) -> None:
+        try:
+            self.busy_flag = BusyFlag(flag_path(self.config.cluster_name, self.name))
+        except OSError as exc:  # no shared memory to write: lend nothing, borrow nothing
+            log.warning("%s: no busy flag (%s): this replica neither lends nor borrows cores", self.name, exc)
+            return
+        self.busy_flag.set(self.in_flight > 0)
+
+    def _may_borrow(self, lend: Lending) -> None:
+        """The board reader's view: what this replica may borrow, before each step."""
+        if lend.extra != self.threads.lend.extra:
+            log.info("%s may compute with %d threads (own %d) while %s idle", self.name,
+                     self.pool.num_threads + lend.extra, self.pool.num_threads, ", ".join(lend.neighbours) or "-")
+        self.threads.update(lend)
 
     async def drain_leases(self) -> None:
         """Waits (at most one lease TTL) until decode replicas have pulled every
@@ -248,6 +266,9 @@ class Worker:
         await self.supervisor.stop()
         await self.publisher.stop()
         await self.aengine.shutdown()
+        self.threads.reader.close()
+        if self.busy_flag is not None:
+            self.busy_flag.close()
         self.engine.close()  # the tiers' workers; the disk tier's directory goes with them
         if self.transfer is not None:
             self.transfer.close()

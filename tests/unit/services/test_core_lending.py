@@ -1,6 +1,7 @@
-"""A prefill replica borrows idle neighbours' cores (pdcluster/services/pools/core_lending.py):
-the rule as a table, the board reader against a real redis-server, and the
-engine's results unchanged by the thread count it computes with."""
+"""A replica borrows idle neighbours' cores (pdcluster/services/pools/core_lending.py,
+busy_flag.py): the rule as a table, the busy bytes in real shared-memory files,
+the board reader against a real redis-server, and the engine's results
+unchanged by the thread count it computes with, even when it changes every step."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ import json
 import pytest
 import torch
 
-from pdcluster.services.pools.core_lending import borrow_forever, borrowed_threads, host_id, is_idle
+from pdcluster.services.pools.busy_flag import BusyFlag, FlagReader, flag_path
+from pdcluster.services.pools.core_lending import (NOTHING, Lending, ThreadChooser, borrow_forever, borrowed_threads,
+                                                  host_id, is_idle, lending, threads_now)
 
 IDLE = {"engine_alive": True, "running": 0, "waiting": 0, "awaiting_kv": 0, "in_flight": 0}
 
@@ -49,11 +52,52 @@ def redis_server():
         yield server
 
 
+@pytest.mark.parametrize("lend, busy, want", [
+    (NOTHING, False, 1),                                   # nothing to borrow
+    (Lending(1, ("dec",), board_idle=False), False, 2),    # the byte says idle: the board's lag does not matter
+    (Lending(1, ("dec",), board_idle=True), True, 1),      # the byte says busy: given back at once
+    (Lending(1, ("dec",), board_idle=True), None, 2),      # no byte to read: the board decides
+    (Lending(1, ("dec",), board_idle=False), None, 1),
+])
+def test_threads_for_the_next_step(lend, busy, want):
+    assert threads_now(1, lend, busy) == want
+
+
+def test_what_the_board_lends():
+    board = [entry("me"), entry("dec", threads=3, running=1), entry("far", host="h2")]
+    assert lending(1, "me", "h1", board, 2) == Lending(1, ("dec",), board_idle=False)
+    assert lending(1, "me", "h1", [entry("me")], 2) == NOTHING
+
+
+def test_busy_bytes_in_shared_memory_give_the_cores_back_before_the_next_step(tmp_path):
+    flag = BusyFlag(flag_path("c/1", "dec", tmp_path))
+    chooser = ThreadChooser(1, "c/1", tmp_path)
+    try:
+        assert chooser() == 1                                        # nothing lent yet
+        chooser.update(Lending(1, ("dec",), board_idle=False))
+        assert chooser() == 2                                        # its byte says idle
+        flag.set(True)
+        assert chooser() == 1                                        # a request arrived there
+        flag.set(False)
+        assert chooser() == 2 and chooser.num_changes == 3
+        chooser.update(Lending(1, ("gone",), board_idle=False))
+        assert chooser() == 1                                        # no file: the board's view (busy)
+    finally:
+        flag.close()
+        chooser.reader.close()
+    assert not flag.path.exists() and FlagReader().any_busy([flag.path]) is None
+
+
 async def test_the_borrower_follows_the_board_and_gives_the_threads_back(redis_server):
     import redis.asyncio as aioredis
 
     client = aioredis.from_url(redis_server.url)
+    lends: list[Lending] = []
     applied: list[int] = []
+
+    def apply(lend: Lending) -> None:
+        lends.append(lend)
+        applied.append(threads_now(1, lend, None))
     host = host_id()
 
     async def put(**load):
@@ -67,7 +111,7 @@ async def test_the_borrower_follows_the_board_and_gives_the_threads_back(redis_s
         raise AssertionError(f"never applied {n}: {applied}")
 
     await put()
-    task = asyncio.create_task(borrow_forever(redis_server.url, "lend", "me", 1, applied.append, period_s=0.01))
+    task = asyncio.create_task(borrow_forever(redis_server.url, "lend", "me", 1, apply, period_s=0.01))
     try:
         await until(2)               # the neighbour idles: two threads
         await put(running=1)
@@ -79,7 +123,7 @@ async def test_the_borrower_follows_the_board_and_gives_the_threads_back(redis_s
         with pytest.raises(asyncio.CancelledError):
             await task
         await client.aclose()
-    assert applied[-1] == 1          # cancelled while borrowing: own threads again
+    assert applied[-1] == 1 and lends[-1] == NOTHING  # cancelled while borrowing: own threads again
 
 
 def test_the_engine_computes_the_same_logits_on_one_thread_and_on_two():
@@ -100,3 +144,35 @@ def test_the_engine_computes_the_same_logits_on_one_thread_and_on_two():
     engine.set_compute_threads(1)
     assert len(prompt) > 100
     assert runs[0] == runs[1] == runs[2]
+
+
+def test_a_thread_count_that_changes_every_step_changes_no_token_or_logprob():
+    from pdcluster.services.engine.config import EngineConfig
+    from pdcluster.services.engine.engine import Engine
+    from pdcluster.services.engine.sampling_params import SamplingParams
+
+    engine = Engine(EngineConfig(num_kv_blocks=96, num_threads=1, enable_prefix_caching=False))
+    if not engine._native:
+        pytest.skip("the native kernels do not build here: the thread count is torch's")
+    prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": q}]) for q in
+               ("Name three rivers.", "Why is the sky blue? " * 8, "Count to five.")]
+    params = SamplingParams(max_tokens=10, temperature=0, logprobs=2)
+
+    def run():
+        return [(o.new_token_ids, [lp.top for lp in o.logprobs]) for o in engine.generate(prompts, params)]
+
+    fixed = run()
+    asked: list[int] = []
+
+    def one_then_two() -> int:
+        asked.append(1 + len(asked) % 2)
+        return asked[-1]
+
+    engine.threads_source = one_then_two
+    try:
+        flipping = run()
+    finally:
+        engine.threads_source = None
+        engine.set_compute_threads(1)
+    assert len(asked) >= 10          # asked before every step: a batch of three decoding together
+    assert flipping == fixed

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from pdcluster.services.pools.core_lending import ThreadChooser
 from pdcluster.services.pools.worker import Worker
 from pdcluster.services.supervisor import SupervisedTaskDied, Supervisor
 
@@ -55,6 +56,8 @@ def bare_worker() -> Worker:
     w.index_url = "redis://127.0.0.1:1/0"  # nothing listens: the board task keeps retrying, as in an outage
     w.publisher, w.aengine, w.transfer = FakePublisher(), FakeEngine(), FakeTransfer()
     w.supervisor = Supervisor(w.name, sleep=_yield_once)
+    w.in_flight, w.busy_flag = 0, None
+    w.threads, w.engine = ThreadChooser(1, "test"), SimpleNamespace(threads_source=None)
     return w
 
 
@@ -77,6 +80,8 @@ async def test_every_worker_task_killed_is_restarted_and_health_holds(monkeypatc
         assert state.attempt is not before and not state.attempt.done(), f"{name} was not restarted"
     w.check_health()
     await w.supervisor.stop()
+    assert w.engine.threads_source is w.threads and w.busy_flag is not None
+    w.busy_flag.close()
 
 
 async def test_the_gateways_http_server_killed_fails_its_health_check():
