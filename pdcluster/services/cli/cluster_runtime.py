@@ -25,6 +25,7 @@ from pdcluster.services.cluster_secret import CLUSTER_SECRET_ENV, cluster_secret
 from pdcluster.services.config import ClusterConfig
 from pdcluster.services.cli.processes import reap
 from pdcluster.services.pools import pool_targets
+from pdcluster.services.pools.busy_flag import remove_flags
 
 log = logging.getLogger("pdcluster.cli")
 STATE_FILE = Path("runs/cluster.json")
@@ -229,6 +230,7 @@ class LocalCluster:
             if self.started_ray and ray.is_initialized():
                 ray.shutdown()
                 reap(started)  # ray.shutdown() leaves its dashboard and runtime-env agents at times
+                remove_flags(self.config.cluster_name)  # a killed replica's busy byte (busy_flag.py)
             elif self.address is not None and ray.is_initialized():
                 ray.shutdown()  # disconnects; the nodes belong to `ray start`
             if self.redis is not None:

@@ -10,9 +10,11 @@ flight; a borrower reads its neighbours' bytes before every engine step:
 
     /dev/shm/pdcluster-<cluster>-<replica>.busy     1 while in_flight > 0, else 0
 
-The file is created by its replica and removed when the replica stops; a
-file that is missing (a replica of another host, or one that died without
-removing it is not on the board) reads as unknown, never as idle."""
+The file is created by its replica and removed when the replica stops (and
+every flag of a cluster when the `pdcluster up` that started its Ray stops:
+a killed replica cannot remove its own); a file that is missing (a replica
+of another host) reads as unknown, never as idle, and a dead replica's is
+never read (it is not on the board)."""
 
 from __future__ import annotations
 
@@ -33,6 +35,15 @@ def flag_dir() -> Path:
 def flag_path(cluster: str, replica: str, directory: Path | None = None) -> Path:
     """The flag file of ``replica`` of ``cluster`` (names reduced to file-name characters)."""
     return (directory or flag_dir()) / f"pdcluster-{_SAFE.sub('_', cluster)}-{_SAFE.sub('_', replica)}.busy"
+
+
+def remove_flags(cluster: str, directory: Path | None = None) -> int:
+    """Removes every replica's flag of ``cluster`` on this host; how many."""
+    removed = 0
+    for path in (directory or flag_dir()).glob(f"pdcluster-{_SAFE.sub('_', cluster)}-*.busy"):
+        path.unlink(missing_ok=True)
+        removed += 1
+    return removed
 
 
 class BusyFlag:

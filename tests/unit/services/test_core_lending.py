@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 
-from pdcluster.services.pools.busy_flag import BusyFlag, FlagReader, flag_path
+from pdcluster.services.pools.busy_flag import BusyFlag, FlagReader, flag_path, remove_flags
 from pdcluster.services.pools.core_lending import (NOTHING, Lending, ThreadChooser, borrow_forever, borrowed_threads,
                                                   host_id, is_idle, lending, threads_now)
 
@@ -86,6 +86,15 @@ def test_busy_bytes_in_shared_memory_give_the_cores_back_before_the_next_step(tm
         flag.close()
         chooser.reader.close()
     assert not flag.path.exists() and FlagReader().any_busy([flag.path]) is None
+
+
+def test_a_stopped_cluster_leaves_no_flag_of_its_own(tmp_path):
+    mine = [BusyFlag(flag_path("c1", name, tmp_path)) for name in ("prefill-a", "decode-b")]
+    other = BusyFlag(flag_path("c2", "decode-c", tmp_path))
+    mine[0].set(True)                          # a replica killed with a request in flight never clears its byte
+    assert remove_flags("c1", tmp_path) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == [other.path.name]
+    other.close()
 
 
 async def test_the_borrower_follows_the_board_and_gives_the_threads_back(redis_server):
