@@ -83,10 +83,15 @@ class FlagReader:
         None if a flag cannot be read (then the caller cannot know)."""
         busy = False
         for path in paths:
-            m = self._maps.get(path) or self._open(path)
+            m = self._maps.get(path)
+            if m is None:
+                m = self._open(path)
             if m is None:
                 return None
-            busy = busy or m[0] != 0
+            try:
+                busy = busy or m[0] != 0
+            except ValueError:  # unmapped meanwhile by forget_others (the board reader's thread)
+                return None
         return busy
 
     def forget_others(self, keep: Iterable[Path]) -> None:

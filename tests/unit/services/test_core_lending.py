@@ -88,6 +88,16 @@ def test_busy_bytes_in_shared_memory_give_the_cores_back_before_the_next_step(tm
     assert not flag.path.exists() and FlagReader().any_busy([flag.path]) is None
 
 
+def test_a_flag_unmapped_while_the_engine_reads_it_reads_as_unknown(tmp_path):
+    # The board reader (event loop) unmaps a departed neighbour's flag while the engine thread may hold it.
+    flag = BusyFlag(flag_path("c", "dec", tmp_path))
+    reader = FlagReader()
+    assert reader.any_busy([flag.path]) is False
+    reader._maps[flag.path].close()
+    assert reader.any_busy([flag.path]) is None
+    flag.close()
+
+
 def test_a_stopped_cluster_leaves_no_flag_of_its_own(tmp_path):
     mine = [BusyFlag(flag_path("c1", name, tmp_path)) for name in ("prefill-a", "decode-b")]
     other = BusyFlag(flag_path("c2", "decode-c", tmp_path))
