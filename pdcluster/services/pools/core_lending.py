@@ -91,11 +91,6 @@ def threads_now(own: int, lend: Lending, neighbours_busy: bool | None) -> int:
     return own + lend.extra if lend.extra and idle else own
 
 
-def borrowed_threads(own: int, me: str, host: str, board: list[dict], cpus: int) -> int:
-    """The threads by the board alone (pure; see the module docstring)."""
-    return threads_now(own, lending(own, me, host, board, cpus), None)
-
-
 class ThreadChooser:
     """The engine's ``threads_source``: called before every step (engine
     thread); ``lend`` is replaced by the board reader (event loop)."""
@@ -103,19 +98,24 @@ class ThreadChooser:
     def __init__(self, own: int, cluster: str, flag_directory: Path | None = None):
         self.own, self.cluster, self._dir = own, cluster, flag_directory
         self.reader = FlagReader()
-        self.lend = NOTHING
-        self._paths: tuple[Path, ...] = ()
+        # One assignment: the engine thread never sees a lending with another's flag paths.
+        self._state: tuple[Lending, tuple[Path, ...]] = (NOTHING, ())
         self.num_changes = 0
         self._last = own
 
+    @property
+    def lend(self) -> Lending:
+        return self._state[0]
+
     def update(self, lend: Lending) -> None:
-        if lend != self.lend:
-            self._paths = tuple(flag_path(self.cluster, n, self._dir) for n in lend.neighbours)
-            self.reader.forget_others(self._paths)
-            self.lend = lend
+        old, paths = self._state
+        if lend.neighbours != old.neighbours:
+            paths = tuple(flag_path(self.cluster, n, self._dir) for n in lend.neighbours)
+            self.reader.forget_others(paths)
+        self._state = (lend, paths)
 
     def __call__(self) -> int:
-        lend, paths = self.lend, self._paths
+        lend, paths = self._state
         n = threads_now(self.own, lend, self.reader.any_busy(paths) if lend.extra else False)
         if n != self._last:
             self.num_changes += 1

@@ -12,10 +12,15 @@ import pytest
 import torch
 
 from pdcluster.services.pools.busy_flag import BusyFlag, FlagReader, flag_path, remove_flags
-from pdcluster.services.pools.core_lending import (NOTHING, Lending, ThreadChooser, borrow_forever, borrowed_threads,
+from pdcluster.services.pools.core_lending import (NOTHING, Lending, ThreadChooser, borrow_forever,
                                                   host_id, is_idle, lending, threads_now)
 
 IDLE = {"engine_alive": True, "running": 0, "waiting": 0, "awaiting_kv": 0, "in_flight": 0}
+
+
+def borrowed_threads(own: int, me: str, host: str, board: list[dict], cpus: int) -> int:
+    """The threads by the board alone (no busy byte to read)."""
+    return threads_now(own, lending(own, me, host, board, cpus), None)
 
 
 def entry(name: str, host: str = "h1", threads: int = 1, **load) -> dict:
