@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from pdcluster.router.routing_header import RoutingHeader
 from pdcluster.services.engine.logprobs import TokenLogprob
-from pdcluster.services.engine.sampling_params import SamplingParams
+from pdcluster.services.engine.sampling_params import SamplingParams, StreamDraw
 
 if TYPE_CHECKING:
     from pdcluster.services.engine.outputs import RequestOutput
@@ -59,6 +59,14 @@ class GenerateRequest:
     # takes them as the request's output so far, not as prompt (pdcluster/services/gateway/resume.py).
     prior_output_token_ids: tuple[int, ...] = ()
     handoff: PrefillResponse | None = None  # on the decode call: the prefilled prompt's KV and first token
+    # This stream's seed and prompt logprobs where they differ from ``params`` (choice k of n,
+    # a gateway-drawn seed): data beside the params, which are never rebuilt.  Read ``draw``.
+    own_draw: StreamDraw | None = None
+
+    @property
+    def draw(self) -> StreamDraw:
+        """The seed this stream draws with and the prompt logprobs it reports."""
+        return self.own_draw if self.own_draw is not None else StreamDraw.of(self.params)
 
     @property
     def block_hashes(self) -> tuple[int, ...]:

@@ -37,7 +37,7 @@ from pdcluster.services.engine.errors import EngineDeadError, EngineError, Inval
 from pdcluster.services.engine.outputs import EngineStats, ExternalKVAllocation, RequestOutput
 from pdcluster.services.engine.request import Request
 from pdcluster.services.engine.reservation_line import ReservationLine
-from pdcluster.services.engine.sampling_params import SamplingParams
+from pdcluster.services.engine.sampling_params import SamplingParams, StreamDraw
 from pdcluster.services.engine.turn_clock import TurnClock
 
 log = logging.getLogger(__name__)
@@ -142,10 +142,11 @@ class AsyncEngine:
     # ---- requests ------------------------------------------------------
     async def generate(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
                        prefill_only: bool = False, prior_output_token_ids: Sequence[int] = (),
-                       block_hashes: Sequence[int] = ()) -> AsyncIterator[RequestOutput]:
+                       block_hashes: Sequence[int] = (), draw: StreamDraw | None = None
+                       ) -> AsyncIterator[RequestOutput]:
         """Streams a request's outputs; leaving before its last one aborts it.
         A request the engine failed raises RequestFailedError; a dead loop,
-        EngineDeadError.  ``prior_output_token_ids``, ``block_hashes``: see Engine.add_request."""
+        EngineDeadError.  ``prior_output_token_ids``, ``block_hashes``, ``draw``: see Engine.add_request."""
         queue = self._open_stream(request_id)
         added = ended = False
         try:
@@ -155,6 +156,7 @@ class AsyncEngine:
                 extra["prior_output_token_ids"] = tuple(prior_output_token_ids)
             if block_hashes:
                 extra["block_hashes"] = tuple(block_hashes)
+            _add_draw(extra, params, draw)
             await self._call(lambda: self.engine.add_request(request_id, prompt, params, prefill_only, **extra),
                              undo=self._abort_added)
             added = True
@@ -171,8 +173,8 @@ class AsyncEngine:
 
     async def reserve_external(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                                ttl_s: float | None = None, block_hashes: Sequence[int] = (),
-                               prior_output_token_ids: Sequence[int] = (), wait_s: float = 0.0
-                               ) -> ExternalKVAllocation | None:
+                               prior_output_token_ids: Sequence[int] = (), wait_s: float = 0.0,
+                               draw: StreamDraw | None = None) -> ExternalKVAllocation | None:
         """Blocks for a prompt (and a resumed request's prior output) whose K/V
         comes from outside (see Engine.reserve_external); freed unless
         committed within ``ttl_s``.  When the pool cannot hold it now: None, or
@@ -182,6 +184,7 @@ class AsyncEngine:
         # Only a resumed request passes its prior output (engines without resume need not know it).
         if prior_output_token_ids:
             extra["prior_output_token_ids"] = tuple(prior_output_token_ids)
+        _add_draw(extra, params, draw)
 
         def attempt() -> ExternalKVAllocation | None:
             return self.engine.reserve_external(request_id, prompt_token_ids, params, ttl_s, block_hashes, **extra)
@@ -420,3 +423,10 @@ def _failure(why: str) -> EngineError:
     """The typed error a failed request's stream raises: the request's own
     fault (InvalidRequestReason) is a 400, anything else a retryable failure."""
     return InvalidRequestError(why) if isinstance(why, InvalidRequestReason) else RequestFailedError(why)
+
+
+def _add_draw(extra: dict[str, Any], params: SamplingParams, draw: StreamDraw | None) -> None:
+    """Only a stream whose draw differs from its params' passes it (engines without choices
+    or failover need not know it)."""
+    if draw is not None and draw != StreamDraw.of(params):
+        extra["draw"] = draw

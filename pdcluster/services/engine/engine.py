@@ -43,7 +43,7 @@ from pdcluster.services.engine.outputs import EngineStats, ExternalKVAllocation,
 from pdcluster.services.engine.request import FinishReason, Request
 from pdcluster.services.engine.runner import ModelRunner
 from pdcluster.services.engine.sampler import SampleResult
-from pdcluster.services.engine.sampling_params import SamplingParams
+from pdcluster.services.engine.sampling_params import SamplingParams, StreamDraw
 from pdcluster.services.engine.scheduler import Scheduler, SchedulerOutput
 from pdcluster.services.engine.spec_decode import Speculator
 from pdcluster.services.engine.spec_draft import build_draft_proposer
@@ -149,13 +149,15 @@ class Engine:
 
     # ---- intake --------------------------------------------------------
     def _make_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
-                      prefill_only: bool = False, block_hashes: Sequence[int] = (), grammar: Any = None) -> Request:
+                      prefill_only: bool = False, block_hashes: Sequence[int] = (), grammar: Any = None,
+                      draw: StreamDraw | None = None) -> Request:
         """``block_hashes``: the prompt's full blocks' hashes as the gateway
         computed them (same seed and block size: the gateway checks the seed at
         start-up); taken as they are for lookup, the rest is hashed here on
         demand.  A hit is used only when the cached block's tokens equal the
         prompt's (kv_cache.py): a wrong or colliding hash costs a recompute.
-        ``grammar``: ``params.guided`` compiled (see grammar_for)."""
+        ``grammar``: ``params.guided`` compiled (see grammar_for).  ``draw``: this stream's
+        seed and prompt logprobs where they differ from ``params`` (StreamDraw)."""
         if request_id in self.requests or request_id in self.awaiting_kv:
             raise InvalidRequestError(f"request id {request_id!r} is already in use; pick a unique id")
         if prefill_only and self.leases.get(request_id) is not None:
@@ -168,7 +170,7 @@ class Engine:
             raise InvalidRequestError(f"{len(block_hashes)} block hashes for a prompt of {len(ids)} tokens "
                                       f"({len(ids) // self.kv_spec.block_size} full blocks): hash full blocks only")
         return Request(request_id, ids, params, prefill_only=prefill_only, block_hashes=list(block_hashes),
-                       grammar=grammar)
+                       grammar=grammar, draw=draw)
 
     def grammar_for(self, params: SamplingParams, grammar: Any = None) -> Any:
         """The compiled grammar a guided request carries: the one its caller
@@ -209,13 +211,13 @@ class Engine:
 
     def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
                     prefill_only: bool = False, prior_output_token_ids: Sequence[int] = (),
-                    block_hashes: Sequence[int] = (), grammar: Any = None) -> Request:
+                    block_hashes: Sequence[int] = (), grammar: Any = None, draw: StreamDraw | None = None) -> Request:
         """``prior_output_token_ids``: a resumed request's output so far (another
         replica generated it); it counts as output, not prompt (output_history.py).
-        ``block_hashes``, ``grammar``: see _make_request."""
+        ``block_hashes``, ``grammar``, ``draw``: see _make_request."""
         if prior_output_token_ids:
             check_prior_output(prior_output_token_ids, params.max_tokens, self.loaded.config.vocab_size)
-        req = self._make_request(request_id, prompt, params, prefill_only, block_hashes, grammar)
+        req = self._make_request(request_id, prompt, params, prefill_only, block_hashes, grammar, draw)
         self.requests[request_id] = req
         self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop)
         replay_prior_output(self._detok[request_id], prior_output_token_ids, params.ignore_eos,
@@ -226,8 +228,8 @@ class Engine:
     # ---- disaggregation: K/V written from outside ------------------------
     def reserve_external(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                          ttl_s: float | None = None, block_hashes: Sequence[int] = (),
-                         prior_output_token_ids: Sequence[int] = (), grammar: Any = None
-                         ) -> ExternalKVAllocation | None:
+                         prior_output_token_ids: Sequence[int] = (), grammar: Any = None,
+                         draw: StreamDraw | None = None) -> ExternalKVAllocation | None:
         """Allocates blocks for a prompt whose K/V someone else computed.
         None if the pool cannot hold it now (retry later).  Unless committed
         within ``ttl_s`` (default ``reservation_ttl_s``), the reservation is
@@ -238,7 +240,8 @@ class Engine:
             raise InvalidRequestError(f"ttl_s must be a finite number of seconds > 0, got {ttl_s!r}")
         if prior_output_token_ids:
             check_prior_output(prior_output_token_ids, params.max_tokens, self.loaded.config.vocab_size)
-        req = self._make_request(request_id, prompt_token_ids, params, block_hashes=block_hashes, grammar=grammar)
+        req = self._make_request(request_id, prompt_token_ids, params, block_hashes=block_hashes, grammar=grammar,
+                                 draw=draw)
         req.output_token_ids.extend(prior_output_token_ids)  # a fresh request: the scheduler reserves all its tokens
         num_cached_blocks = self.scheduler.reserve_external(req)
         if num_cached_blocks is None:

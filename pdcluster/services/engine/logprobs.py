@@ -111,7 +111,7 @@ def prompt_span(request, start: int, end: int) -> PromptSpan | None:
     """The prompt-logprob positions of a chunk covering positions
     ``[start, end)``, or None if the request did not ask or has them all
     (a request that already has an output token never recomputes them)."""
-    if request.params.prompt_logprobs is None or request.output_token_ids:
+    if request.draw.prompt_logprobs is None or request.output_token_ids:
         return None
     count = min(end, request.num_prompt_tokens - 1) - start
     return PromptSpan(request, start, count) if count > 0 else None
@@ -125,7 +125,7 @@ def record_prompt_logprobs(logits: torch.Tensor, spans: Sequence[PromptSpan]) ->
     for s in spans:
         ids = s.request.prompt_token_ids
         targets.extend(ids[s.start + 1:s.start + 1 + s.count])
-        ks.extend([s.request.params.prompt_logprobs] * s.count)
+        ks.extend([s.request.draw.prompt_logprobs] * s.count)
     scored = token_logprobs(logits, targets, ks)
     done = 0
     for s in spans:

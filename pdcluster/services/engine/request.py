@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdcluster.services.engine.sampling_params import SamplingParams
+from pdcluster.services.engine.sampling_params import SamplingParams, StreamDraw
 
 
 class RequestStatus(enum.Enum):
@@ -53,11 +53,18 @@ class Request:
     fair_tag: float = 0.0  # start tag among its tenant's and the others' (fair_queue.py), set when queued
     first_scheduled_s: float | None = None
     first_token_s: float | None = None
-    # With params.prompt_logprobs: entry j scores prompt token j+1 (logprobs.py), filled chunk by chunk.
+    # With draw.prompt_logprobs: entry j scores prompt token j+1 (logprobs.py), filled chunk by chunk.
     prompt_logprobs: list = field(default_factory=list)
     # With params.guided: its compiled grammar, compiled off the engine thread before the request
     # came in (grammar.py); held here so the grammar cache's eviction never reaches a live request.
     grammar: Any = None
+    # The seed it draws with and the prompt logprobs it reports (StreamDraw): params' unless
+    # the gateway gave this stream its own (choice k of n, a gateway-drawn seed).
+    draw: StreamDraw | None = None
+
+    def __post_init__(self) -> None:
+        if self.draw is None:
+            self.draw = StreamDraw.of(self.params)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -96,7 +96,7 @@ class ModelRunner:
 
         def place(s: ScheduledRequest, start: int, end: int, samples: bool) -> None:
             r = s.request
-            span = prompt_span(r, start, end) if r.params.prompt_logprobs is not None else None
+            span = prompt_span(r, start, end) if r.draw.prompt_logprobs is not None else None
             if span is not None:
                 spans.append(span)
                 prompt_rows.extend(range(len(ids), len(ids) + span.count))
@@ -174,12 +174,12 @@ class ModelRunner:
     def _sample(self, logits: torch.Tensor, to_sample: list[Request]) -> SampleResult:
         request_ids, params = [r.request_id for r in to_sample], [r.params for r in to_sample]
         asked = SampledLogprobs.of(logits, request_ids, params)  # the raw logits, before the sampler's changes
-        result = self.sampler.sample_batch(logits, request_ids, params)
+        result = self.sampler.sample_batch(logits, request_ids, params, [r.draw.seed for r in to_sample])
         if asked is not None:
             result = dataclasses.replace(result, logprobs=asked.score(result.token_ids))
-        if any(p.prompt_logprobs is not None for p in params):
+        if any(r.draw.prompt_logprobs is not None for r in to_sample):
             # Their prompt is done this step: its logprobs leave with the first token.
             done = {r.request_id: list(r.prompt_logprobs) for r in to_sample
-                    if r.params.prompt_logprobs is not None and not r.output_token_ids}
+                    if r.draw.prompt_logprobs is not None and not r.output_token_ids}
             result = dataclasses.replace(result, prompt_logprobs=done)
         return result

@@ -67,7 +67,7 @@ class Sampler:
         self.penalties.forget(request_id)
         self.grammar.forget(request_id)
 
-    def _generator(self, request_id: str, params: SamplingParams, device: torch.device,
+    def _generator(self, request_id: str, seed: int | None, device: torch.device,
                    position: int) -> torch.Generator:
         """The request's generator, ready for the draw of output token
         ``position``.  Seeded: reseeded from (seed, position) before every
@@ -76,11 +76,11 @@ class Sampler:
         g = self._generators.get(request_id)
         if g is None:
             g = torch.Generator(device=device)  # multinomial wants it where the probabilities are
-            if params.seed is None:
+            if seed is None:
                 g.seed()
             self._generators[request_id] = g
-        if params.seed is not None:
-            g.manual_seed(position_seed(params.seed, position))
+        if seed is not None:
+            g.manual_seed(position_seed(seed, position))
         return g
 
     def _output_position(self, request_id: str) -> int:
@@ -89,9 +89,10 @@ class Sampler:
         history = self.penalties.histories.get(request_id)
         return len(history.output_token_ids) if history is not None else 0
 
-    def sample_batch(self, logits: torch.Tensor, request_ids: list[str],
-                     params: list[SamplingParams]) -> SampleResult:
-        """``logits``: fp32 [N, vocab], one row per request."""
+    def sample_batch(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams],
+                     seeds: Sequence[int | None] | None = None) -> SampleResult:
+        """``logits``: fp32 [N, vocab], one row per request; ``seeds``: each row's
+        (its stream's draw, StreamDraw), else its params'."""
         finite = torch.isfinite(logits).all(dim=-1)
         if any(p.adjusts_logits for p in params):
             logits = self.penalties.apply(logits, request_ids, params)
@@ -106,13 +107,14 @@ class Sampler:
             return self.grammar.accept(result) if guided else result
         tokens: dict[str, int] = {}
         failed: dict[str, str] = {}
+        seeds = [p.seed for p in params] if seeds is None else seeds
         for row, (rid, p) in enumerate(zip(request_ids, params)):
             if best[row] < 0:
                 failed[rid] = NONFINITE_LOGITS
             elif p.greedy:
                 tokens[rid] = best[row]
             else:
-                token = self._draw(logits[row], rid, p)
+                token = self._draw(logits[row], rid, p, seeds[row])
                 if isinstance(token, str):
                     failed[rid] = token
                 else:
@@ -120,7 +122,7 @@ class Sampler:
         result = SampleResult(tokens, failed)
         return self.grammar.accept(result) if guided else result
 
-    def _draw(self, row: torch.Tensor, request_id: str, p: SamplingParams) -> int | str:
+    def _draw(self, row: torch.Tensor, request_id: str, p: SamplingParams, seed: int | None) -> int | str:
         """A sampled token, or why none could be drawn."""
         why = (f"numerical error sampling this request (temperature={p.temperature!r}, top_p={p.top_p!r}, "
                f"top_k={p.top_k}) gave no valid probabilities; retry, or use temperature 0")
@@ -128,7 +130,7 @@ class Sampler:
             probs = probabilities(row, p)
             if not bool(torch.isfinite(probs).all()) or not float(probs.sum()) > 0:
                 return why
-            g = self._generator(request_id, p, row.device, self._output_position(request_id))
+            g = self._generator(request_id, seed, row.device, self._output_position(request_id))
             return int(torch.multinomial(probs, 1, generator=g).item())
         except RuntimeError as exc:  # multinomial's own check, or a generator that will not seed
             return f"{why} ({exc})"
@@ -153,7 +155,7 @@ class Sampler:
             elif p.greedy:
                 verified[rid] = emitted_tokens(best[row:row + n], s.spec_token_ids)
             else:
-                tokens = self._verify_draws(logits[row:row + n], rid, p, s.spec_token_ids)
+                tokens = self._verify_draws(logits[row:row + n], rid, p, req.draw.seed, s.spec_token_ids)
                 if isinstance(tokens, str):
                     failed[rid] = tokens
                 else:
@@ -164,7 +166,7 @@ class Sampler:
             row += n
         return SampleResult({}, failed, verified=verified, verified_logprobs=logprobs)
 
-    def _verify_draws(self, rows: torch.Tensor, request_id: str, p: SamplingParams,
+    def _verify_draws(self, rows: torch.Tensor, request_id: str, p: SamplingParams, seed: int | None,
                       draft: list[int]) -> list[int] | str:
         """Point-mass rejection sampling of one draft (spec_decode.verify_sampled),
         each draw from the generator of its own output position."""
@@ -179,7 +181,7 @@ class Sampler:
             return pj
 
         try:
-            return verify_sampled(probs, draft, lambda j: self._generator(request_id, p, rows.device, first + j))
+            return verify_sampled(probs, draft, lambda j: self._generator(request_id, seed, rows.device, first + j))
         except _NoProbabilities:
             return why
         except RuntimeError as exc:

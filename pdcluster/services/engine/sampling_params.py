@@ -11,7 +11,8 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from types import SimpleNamespace
 
 from pdcluster.services.engine.errors import InvalidRequestError
 from pdcluster.services.engine.guided_spec import GuidedSpec
@@ -77,53 +78,65 @@ class SamplingParams:
     adjusts_logits: bool = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise InvalidRequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not _is_real(self.temperature) or self.temperature < 0:
-            raise InvalidRequestError(f"temperature must be >= 0 and finite (0 = greedy), got {self.temperature!r}")
-        if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
-            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not _is_int(self.top_k) or self.top_k < 0:
-            raise InvalidRequestError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
-        if self.seed is not None and (not _is_int(self.seed) or self.seed not in _SEED_RANGE):
-            raise InvalidRequestError(f"seed must be a 64-bit integer or null, got {self.seed!r}")
-        object.__setattr__(self, "stop", _checked_stop(self.stop))
-        object.__setattr__(self, "stop_token_ids", _checked_stop_token_ids(self.stop_token_ids))
-        self._check_penalties()
-        object.__setattr__(self, "logit_bias", _checked_logit_bias(self.logit_bias))
-        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
-            raise InvalidRequestError(f"min_tokens must be an integer from 0 to max_tokens ({self.max_tokens}), "
-                                      f"got {self.min_tokens!r}: lower it, or raise max_tokens")
-        if not _is_int(self.priority) or abs(self.priority) > 2**31:
-            raise InvalidRequestError(f"priority must be an integer of at most 2**31 in size, got {self.priority!r}")
-        if not isinstance(self.tenant, str) or not _TENANT_NAME.fullmatch(self.tenant):
-            raise InvalidRequestError(f"tenant must be 1 to 64 of A-Z a-z 0-9 _ . -, got {self.tenant!r}")
-        for name in ("logprobs", "prompt_logprobs"):
-            k = getattr(self, name)
-            if k is not None and (not _is_int(k) or not 0 <= k <= MAX_LOGPROBS):
-                raise InvalidRequestError(f"{name} must be an integer from 0 to {MAX_LOGPROBS} or null, got {k!r}")
-        if self.guided is not None and not isinstance(self.guided, GuidedSpec):
-            raise InvalidRequestError(f"guided must be a GuidedSpec or None, got {type(self.guided).__name__}")
+        for name, value in validated({f.name: getattr(self, f.name) for f in fields(self) if f.init}).items():
+            object.__setattr__(self, name, value)
         object.__setattr__(self, "adjusts_logits", bool(
             self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
             or self.logit_bias or self.min_tokens))
-
-    def _check_penalties(self) -> None:
-        low, high = PENALTY_RANGE
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            if not _is_real(value) or not low <= value <= high:
-                raise InvalidRequestError(f"{name} must be between {low:g} and {high:g} (0 = off), got {value!r}")
-        low, high = REPETITION_PENALTY_RANGE
-        if not _is_real(self.repetition_penalty) or not low <= self.repetition_penalty <= high:
-            raise InvalidRequestError(f"repetition_penalty must be between {low:g} and {high:g} (1 = off; "
-                                      f"> 1 discourages repeats), got {self.repetition_penalty!r}")
 
     @property
     def greedy(self) -> bool:
         """Temperature 0 (or so small that sampling is argmax anyway), or top-k 1
         (the same choice, with argmax's tie-break)."""
         return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
+
+
+def validated(values: dict) -> dict:
+    """``values`` (SamplingParams' fields by name) checked, with stop, stop_token_ids and
+    logit_bias in their normal form; InvalidRequestError naming the field otherwise.  The
+    HTTP layer calls it to refuse a bad value before the prompt is rendered, and builds the
+    request's one SamplingParams later (pdcluster/services/openai/routes.py)."""
+    v = SimpleNamespace(**values)
+    if not _is_int(v.max_tokens) or v.max_tokens < 1:
+        raise InvalidRequestError(f"max_tokens must be an integer >= 1, got {v.max_tokens!r}")
+    if not _is_real(v.temperature) or v.temperature < 0:
+        raise InvalidRequestError(f"temperature must be >= 0 and finite (0 = greedy), got {v.temperature!r}")
+    if not _is_real(v.top_p) or not 0 < v.top_p <= 1:
+        raise InvalidRequestError(f"top_p must be in (0, 1], got {v.top_p!r}")
+    if not _is_int(v.top_k) or v.top_k < 0:
+        raise InvalidRequestError(f"top_k must be an integer >= 0 (0 = off), got {v.top_k!r}")
+    if v.seed is not None and (not _is_int(v.seed) or v.seed not in _SEED_RANGE):
+        raise InvalidRequestError(f"seed must be a 64-bit integer or null, got {v.seed!r}")
+    v.stop = _checked_stop(v.stop)
+    v.stop_token_ids = _checked_stop_token_ids(v.stop_token_ids)
+    _check_penalties(v)
+    v.logit_bias = _checked_logit_bias(v.logit_bias)
+    if not _is_int(v.min_tokens) or not 0 <= v.min_tokens <= v.max_tokens:
+        raise InvalidRequestError(f"min_tokens must be an integer from 0 to max_tokens ({v.max_tokens}), "
+                                  f"got {v.min_tokens!r}: lower it, or raise max_tokens")
+    if not _is_int(v.priority) or abs(v.priority) > 2**31:
+        raise InvalidRequestError(f"priority must be an integer of at most 2**31 in size, got {v.priority!r}")
+    if not isinstance(v.tenant, str) or not _TENANT_NAME.fullmatch(v.tenant):
+        raise InvalidRequestError(f"tenant must be 1 to 64 of A-Z a-z 0-9 _ . -, got {v.tenant!r}")
+    for name in ("logprobs", "prompt_logprobs"):
+        k = getattr(v, name)
+        if k is not None and (not _is_int(k) or not 0 <= k <= MAX_LOGPROBS):
+            raise InvalidRequestError(f"{name} must be an integer from 0 to {MAX_LOGPROBS} or null, got {k!r}")
+    if v.guided is not None and not isinstance(v.guided, GuidedSpec):
+        raise InvalidRequestError(f"guided must be a GuidedSpec or None, got {type(v.guided).__name__}")
+    return vars(v)
+
+
+def _check_penalties(v: SimpleNamespace) -> None:
+    low, high = PENALTY_RANGE
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(v, name)
+        if not _is_real(value) or not low <= value <= high:
+            raise InvalidRequestError(f"{name} must be between {low:g} and {high:g} (0 = off), got {value!r}")
+    low, high = REPETITION_PENALTY_RANGE
+    if not _is_real(v.repetition_penalty) or not low <= v.repetition_penalty <= high:
+        raise InvalidRequestError(f"repetition_penalty must be between {low:g} and {high:g} (1 = off; "
+                                  f"> 1 discourages repeats), got {v.repetition_penalty!r}")
 
 
 def _checked_stop(stop: object) -> tuple[str, ...]:
@@ -175,6 +188,35 @@ def _checked_logit_bias(bias: object) -> tuple[tuple[int, float], ...]:
     return out
 
 
-
 def greedy(max_tokens: int, **kw) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw)
+
+
+def checked_fields(**given) -> dict:
+    """``given`` over SamplingParams' defaults, validated as its constructor would
+    (``validated``), without building one."""
+    return validated({f.name: f.default for f in fields(SamplingParams) if f.init} | given)
+
+
+@dataclass(frozen=True)
+class StreamDraw:
+    """What one stream of a request draws with where that differs from its params,
+    carried as data beside them (the params are built once per request): choice k > 0
+    of n draws with a seed of its own and leaves the prompt's logprobs to choice 0
+    (pdcluster/services/openai/choices.py); an unseeded sampled stream gets a seed
+    from the gateway, so that a failover replays its draws (gateway/resume.py)."""
+    seed: int | None
+    prompt_logprobs: int | None
+
+    def __post_init__(self) -> None:
+        if self.seed is not None and (not _is_int(self.seed) or self.seed not in _SEED_RANGE):
+            raise InvalidRequestError(f"seed must be a 64-bit integer or null, got {self.seed!r}")
+        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs)
+                                                 or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            raise InvalidRequestError(f"prompt_logprobs must be an integer from 0 to {MAX_LOGPROBS} or null, "
+                                      f"got {self.prompt_logprobs!r}")
+
+    @classmethod
+    def of(cls, params: SamplingParams) -> "StreamDraw":
+        """The draw ``params`` ask for when nothing overrides them."""
+        return cls(params.seed, params.prompt_logprobs)

@@ -295,7 +295,7 @@ class Scheduler:
             req = self.waiting[0]
             # Keep at least one token to compute: its logits give the next token.
             hashes = self.update_hashes(req)[: (req.num_tokens - 1) // bs]
-            if req.params.prompt_logprobs is not None and not req.output_token_ids:
+            if req.draw.prompt_logprobs is not None and not req.output_token_ids:
                 hashes = []  # prompt logprobs need every position's logits: a cached block has none
             match = self.kv.match_prefix(hashes, req.all_token_ids)
             if self.tiers is not None and self._park(req, hashes, match):

@@ -21,7 +21,7 @@ import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pdcluster.services.messages import GenerateRequest, TokenDelta
+from pdcluster.services.messages import GenerateRequest, StreamDraw, TokenDelta
 
 
 @dataclass
@@ -66,6 +66,6 @@ def resume_request(req: GenerateRequest, progress: StreamProgress) -> GenerateRe
 def with_stream_seed(req: GenerateRequest, draw: Callable[[int], int] = secrets.randbits) -> GenerateRequest:
     """``req`` with a seed of its own when it samples without one (greedy and
     seeded requests unchanged)."""
-    if req.params.seed is not None or req.params.greedy:
+    if req.draw.seed is not None or req.params.greedy:
         return req
-    return dataclasses.replace(req, params=dataclasses.replace(req.params, seed=draw(63)))
+    return dataclasses.replace(req, own_draw=StreamDraw(draw(63), req.draw.prompt_logprobs))

@@ -25,7 +25,7 @@ import asyncio
 import dataclasses
 from collections.abc import AsyncIterator, Callable
 
-from pdcluster.services.messages import GenerateRequest, TokenDelta
+from pdcluster.services.messages import GenerateRequest, StreamDraw, TokenDelta
 
 _MASK64 = (1 << 64) - 1
 
@@ -47,11 +47,10 @@ def choice_request(request: GenerateRequest, index: int, prefill_worker: str | N
     """Choice ``index`` of ``request`` (choice 0 is ``request`` itself)."""
     if index == 0:
         return request
-    p = request.params
-    params = dataclasses.replace(p, seed=None if p.seed is None else choice_seed(p.seed, index),
-                                 prompt_logprobs=None)
+    seed = request.draw.seed
+    draw = StreamDraw(None if seed is None else choice_seed(seed, index), prompt_logprobs=None)
     routing = dataclasses.replace(request.routing, prefer_worker=prefill_worker or request.routing.prefer_worker)
-    return dataclasses.replace(request, request_id=f"{request.request_id}-{index}", params=params, routing=routing)
+    return dataclasses.replace(request, request_id=f"{request.request_id}-{index}", own_draw=draw, routing=routing)
 
 
 def _tagged(chunk: TokenDelta, index: int) -> TokenDelta:

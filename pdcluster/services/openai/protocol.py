@@ -9,14 +9,13 @@ these models' JSON schemas, enforced by ``limits.check_limits``."""
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 
 from pdcluster.services.engine.errors import InvalidRequestError
-from pdcluster.services.engine.sampling_params import SamplingParams
+from pdcluster.services.engine.sampling_params import SamplingParams, checked_fields
 from pdcluster.services.openai.errors import OpenAIError, invalid_request
 from pdcluster.services.openai.limits import (
     LOGIT_BIAS_SCHEMA,
@@ -26,6 +25,8 @@ from pdcluster.services.openai.limits import (
     STOP_TOKEN_IDS_SCHEMA,
     logit_bias_by_id,
 )
+
+T = TypeVar("T")
 
 _NULL = {"type": "null"}
 # The published schemas carry the bounds that limits.check_limits enforces.
@@ -205,8 +206,21 @@ def _min_tokens(req: AnyRequest, max_tokens: int) -> int:
     return req.min_tokens if requested_max_tokens(req)[0] is not None else min(req.min_tokens, max_tokens)
 
 
-def to_sampling_params(req: AnyRequest, max_tokens: int, max_tokens_param: str = "max_tokens") -> SamplingParams:
-    """``SamplingParams`` for ``req``; its validation errors become a 400 naming the field."""
+def check_sampling_params(req: AnyRequest, max_tokens: int, max_tokens_param: str = "max_tokens") -> None:
+    """Refuses, with a 400 naming the field, what ``to_sampling_params`` would refuse,
+    without building the params: the HTTP layer calls it before rendering the prompt,
+    and builds the request's one SamplingParams once the server has fitted max_tokens."""
+    _checked(lambda: checked_fields(**_sampling_kwargs(req, max_tokens)), max_tokens_param)
+
+
+def to_sampling_params(req: AnyRequest, max_tokens: int, max_tokens_param: str = "max_tokens",
+                       **decided: Any) -> SamplingParams:
+    """The one ``SamplingParams`` of ``req`` (validation errors become a 400 naming the
+    field); ``decided``: what the gateway set (tenant, priority, guided)."""
+    return _checked(lambda: SamplingParams(**(_sampling_kwargs(req, max_tokens) | decided)), max_tokens_param)
+
+
+def _sampling_kwargs(req: AnyRequest, max_tokens: int) -> dict[str, Any]:
     top_k = req.top_k if req.top_k not in (None, -1) else 0
     min_tokens = _min_tokens(req, max_tokens)
     kwargs: dict[str, Any] = {"max_tokens": max_tokens, "top_k": top_k, "seed": req.seed,
@@ -223,20 +237,10 @@ def to_sampling_params(req: AnyRequest, max_tokens: int, max_tokens_param: str =
         kwargs["top_p"] = req.top_p
     if req.repetition_penalty is not None:
         kwargs["repetition_penalty"] = req.repetition_penalty
-    return _checked(lambda: SamplingParams(**kwargs), max_tokens_param)
+    return kwargs
 
 
-def with_max_tokens(params: SamplingParams, req: AnyRequest, max_tokens: int,
-                    max_tokens_param: str = "max_tokens") -> SamplingParams:
-    """``params`` (built once by to_sampling_params, before the prompt was
-    tokenized) for the ``max_tokens`` the server fitted to the prompt."""
-    if max_tokens == params.max_tokens:
-        return params
-    return _checked(lambda: dataclasses.replace(params, max_tokens=max_tokens,
-                                                min_tokens=_min_tokens(req, max_tokens)), max_tokens_param)
-
-
-def _checked(build: Callable[[], SamplingParams], max_tokens_param: str) -> SamplingParams:
+def _checked(build: Callable[[], T], max_tokens_param: str) -> T:
     try:
         return build()
     except InvalidRequestError as exc:

@@ -20,7 +20,6 @@ With API keys in the settings every path but the open ones needs
 
 from __future__ import annotations
 
-import dataclasses
 import secrets
 import time
 from typing import Any
@@ -38,7 +37,7 @@ from pdcluster.services.backend import Backend
 from pdcluster.services.engine.tokenizer import Tokenizer
 from pdcluster.services.openai.rate_limits import TenantRateLimits
 from pdcluster.services.openai.auth import ApiKeyMiddleware
-from pdcluster.services.openai.tenant_limits import check_request_rate, check_token_rate, tenant_label, tenant_params
+from pdcluster.services.openai.tenant_limits import check_request_rate, check_token_rate, tenant_label, tenant_priority
 from pdcluster.services.openai.choices import generate_choices
 from pdcluster.services.openai.echo import echo_of, prompt_only, scoring_request
 from pdcluster.services.openai.errors import install_error_handlers
@@ -53,7 +52,7 @@ from pdcluster.services.openai.openapi import error_responses, generation_respon
 from pdcluster.services.openai.prompt import check_prompt_fits, fit_max_tokens, prompt_for
 from pdcluster.services.openai.protocol import (
     AnyRequest, ChatCompletionRequest, CompletionRequest, reject_unsupported, requested_max_tokens,
-    to_sampling_params, with_max_tokens,
+    check_sampling_params, to_sampling_params,
 )
 from pdcluster.services.openai.request_id import RequestIdMiddleware
 from pdcluster.services.openai.responses import (
@@ -170,8 +169,8 @@ async def _generate(request: Request, kind: type[CompletionRequest] | type[ChatC
     guided, tools = await constraint_off_loop(req)
     model = resolve_model(req.model, settings)
     requested, max_tokens_param = requested_max_tokens(req)
-    # Built (and bad values refused) before spending CPU on the prompt; max_tokens is fitted below.
-    params = to_sampling_params(req, 1 if requested is None else requested, max_tokens_param)
+    # Bad values refused before spending CPU on the prompt; the params are built once max_tokens is fitted.
+    check_sampling_params(req, 1 if requested is None else requested, max_tokens_param)
 
     prompt = await prompt_for(host.tokenizer, req, host.backend.max_model_len, settings.block_hash_seed,
                               settings.block_size, size)
@@ -179,11 +178,9 @@ async def _generate(request: Request, kind: type[CompletionRequest] | type[ChatC
     default = settings.default_chat_max_tokens if chat else settings.default_completion_max_tokens
     max_tokens = fit_max_tokens(req, requested, max_tokens_param, len(prompt.token_ids),
                                 host.backend.max_model_len, default)
-    params = with_max_tokens(params, req, max_tokens, max_tokens_param)
     check_token_rate(request, host, tenant, len(prompt.token_ids) + max_tokens * req.n)
-    params = tenant_params(params, tenant, host)
-    if guided is not None:
-        params = dataclasses.replace(params, guided=guided)
+    params = to_sampling_params(req, max_tokens, max_tokens_param, tenant=tenant, guided=guided,
+                                priority=tenant_priority(req.priority, tenant, host))
 
     request_id: str = request.state.request_id
     # A client's own id may repeat; the backend's id must not.

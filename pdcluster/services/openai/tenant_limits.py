@@ -7,13 +7,11 @@ series)."""
 
 from __future__ import annotations
 
-import dataclasses
 
 from starlette.requests import Request
 
 from pdcluster.observability import tracing
 from pdcluster.services.config import DEFAULT_TENANT
-from pdcluster.services.engine.sampling_params import SamplingParams
 from pdcluster.services.openai.rate_limits import RateRefusal, TenantRateLimits
 from pdcluster.services.openai.errors import OpenAIError
 from pdcluster.services.openai.host import Host
@@ -44,14 +42,11 @@ def check_token_rate(request: Request, host: Host, tenant: str, tokens: int) -> 
     host.metrics.count_tenant(tenant_label(tenant, host), "admitted")
 
 
-def tenant_params(params: SamplingParams, tenant: str, host: Host) -> SamplingParams:
-    """``params`` naming its tenant (the replicas' fair shares and KV quotas), with its
-    priority no more urgent than the tenant may ask (its min_priority)."""
+def tenant_priority(asked: int, tenant: str, host: Host) -> int:
+    """The priority a request of ``tenant`` gets: the one it ``asked``, no more urgent
+    than the tenant may ask (its min_priority)."""
     floor = host.settings.tenant_min_priority.get(tenant)
-    priority = params.priority if floor is None else max(params.priority, floor)
-    if priority == params.priority and tenant == params.tenant:
-        return params
-    return dataclasses.replace(params, priority=priority, tenant=tenant)
+    return asked if floor is None or not isinstance(asked, int) else max(asked, floor)
 
 
 def _refuse_if(refusal: RateRefusal | None, host: Host) -> None:

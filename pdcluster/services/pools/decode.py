@@ -65,7 +65,7 @@ class DecodeServer(WorkerEndpoints):
         with engine_errors_as_backend_errors():
             alloc = await self.worker.aengine.reserve_external(
                 req.request_id, req.prompt_token_ids, req.params, block_hashes=self.worker.prompt_hashes(req),
-                prior_output_token_ids=req.prior_output_token_ids, wait_s=max(wait_s, 0.001))
+                prior_output_token_ids=req.prior_output_token_ids, wait_s=max(wait_s, 0.001), draw=req.draw)
         if alloc is None:
             raise BackendOverloaded(f"decode replica {self.worker.name} has no free KV blocks; retry shortly")
         return alloc

@@ -82,7 +82,7 @@ class PeerFetcher:
         """Pulls what a peer holds of the prompt's prefix, if worth it; never raises
         but CancelledError (then everything taken is given back)."""
         w = self.worker
-        if w.transfer is None or request.params.prompt_logprobs is not None:
+        if w.transfer is None or request.draw.prompt_logprobs is not None:
             return SKIPPED  # prompt logprobs need every position computed: a cached block has none
         tokens = list(request.prompt_token_ids)
         bs = w.engine.kv_spec.block_size

@@ -50,7 +50,8 @@ class PrefillServer(WorkerEndpoints):
                 # A resumed stream's long remainder (pdcluster/services/gateway/failover.py): prompt + prior output.
                 async for out in w.aengine.generate(request.request_id, request.prompt_token_ids, request.params,
                                                     prefill_only=True, block_hashes=w.prompt_hashes(request),
-                                                    prior_output_token_ids=request.prior_output_token_ids):
+                                                    prior_output_token_ids=request.prior_output_token_ids,
+                                                    draw=request.draw):
                     last = out
                 if last.prefill is not None and faults.has(request.faults, "short_lease"):
                     last.prefill = await w.aengine.run(

@@ -284,7 +284,7 @@ async def stream_whole_request(worker: Worker, request: GenerateRequest, capacit
             await worker.peer_fetch.fetch(request)
         async for out in worker.aengine.generate(request.request_id, request.prompt_token_ids, request.params,
                                                  prior_output_token_ids=request.prior_output_token_ids,
-                                                 block_hashes=worker.prompt_hashes(request)):
+                                                 block_hashes=worker.prompt_hashes(request), draw=request.draw):
             if timer.num_tokens == 0:
                 metrics.count_prompt_tokens(worker.role, worker.name, out.num_prompt_tokens,
                                             out.num_cached_tokens)

@@ -47,8 +47,9 @@ class ScoredBackend(Backend):
             for i in range(n):
                 await asyncio.sleep(0)
                 prompt = None
-                if i == 0 and p.prompt_logprobs is not None:
-                    prompt = [self.entry(t, -1.0, p.prompt_logprobs) for t in request.prompt_token_ids[1:]]
+                k = request.draw.prompt_logprobs   # choice 0's alone (choices.py)
+                if i == 0 and k is not None:
+                    prompt = [self.entry(t, -1.0, k) for t in request.prompt_token_ids[1:]]
                 lp = None if p.logprobs is None else [self.entry(self.ids[i], -0.5 * (i + 1), p.logprobs)]
                 yield TokenDelta([self.ids[i]], self.tokenizer.decode([self.ids[i]]),
                                   ("stop" if n == len(self.ids) else "length") if i == n - 1 else None,
@@ -149,7 +150,8 @@ async def test_n_choices_share_the_prompt_on_choice_0s_replica_with_their_own_se
     first, *rest = scored.requests
     assert first.routing.prefer_worker is None and first.params.seed == 42
     assert [q.routing.prefer_worker for q in rest] == ["prefill-w0"] * 2
-    assert [q.params.seed for q in rest] == [choice_seed(42, 1), choice_seed(42, 2)]
+    assert [q.draw.seed for q in rest] == [choice_seed(42, 1), choice_seed(42, 2)]
+    assert all(q.params is first.params for q in rest)   # built once; each choice's seed is its draw
     assert len({q.request_id for q in scored.requests}) == 3
     usage = body["usage"]
     assert usage["prompt_tokens"] == len(first.prompt_token_ids)
@@ -176,7 +178,7 @@ async def test_echoed_n_choices_ask_prompt_logprobs_of_choice_0_only(api, scored
     r = await api.post(C, json={"model": MODEL, "prompt": "Hi there", "n": 2, "echo": True, "logprobs": 0})
     choices = r.json()["choices"]
     assert choices[0]["logprobs"]["token_logprobs"][:3] == choices[1]["logprobs"]["token_logprobs"][:3]
-    assert [q.params.prompt_logprobs for q in scored.requests] == [0, None]
+    assert [q.draw.prompt_logprobs for q in scored.requests] == [0, None]
 
 
 async def test_closing_the_merged_stream_closes_every_choice(scored, tokenizer):

@@ -188,14 +188,16 @@ async def test_an_unseeded_sampled_stream_resumes_with_the_seed_it_started_with(
     await _drain(backend, params=SamplingParams(max_tokens=3, temperature=0.8))
     first = next(args[0] for name, args, _ in cluster.calls if name == "prefill.prefill")
     (_, resumed, _), = _resumes(cluster)
-    assert first.params.seed is not None and resumed.params.seed == first.params.seed
+    assert first.draw.seed is not None and resumed.draw.seed == first.draw.seed
+    assert resumed.params is first.params   # the params travel unchanged: the seed is the stream's draw
 
 
 def test_only_unseeded_sampled_requests_get_a_seed():
     routing = RoutingHeader((), 2)
     sampled = GenerateRequest("r", [1, 2], SamplingParams(max_tokens=3, temperature=0.8), routing)
-    assert with_stream_seed(sampled, draw=lambda bits: 1234).params.seed == 1234
-    assert 0 <= with_stream_seed(sampled).params.seed < 2**63
+    assert with_stream_seed(sampled, draw=lambda bits: 1234).draw.seed == 1234
+    assert 0 <= with_stream_seed(sampled).draw.seed < 2**63
+    assert with_stream_seed(sampled).params is sampled.params
     seeded = dataclasses.replace(sampled, params=dataclasses.replace(sampled.params, seed=7))
     assert with_stream_seed(seeded) is seeded
     plain = GenerateRequest("r", [1, 2], greedy(3), routing)
