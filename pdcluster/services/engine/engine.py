@@ -88,6 +88,7 @@ class Engine:
         # would spin beside it, so torch ops inside a native step get one thread.
         self._native = self.loaded.model.native_stack is not None
         self.compute_threads = config.num_threads or torch.get_num_threads()
+        self.own_threads = self.compute_threads   # more than this: computing on borrowed cores
         # Asked before every step for the native kernels' threads (a replica borrowing idle
         # cores: pdcluster/services/pools/core_lending.py); None: compute_threads stays.
         self.threads_source: Callable[[], int] | None = None
@@ -393,6 +394,7 @@ class Engine:
             wanted = self.threads_source()
             if wanted != self.compute_threads:
                 self.set_compute_threads(wanted)
+            self.scheduler.borrowing = self.compute_threads > self.own_threads
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:

@@ -116,6 +116,9 @@ class Scheduler:
         self.loading: dict[str, Request] = {}  # parked while a tier loads their next blocks (kv_tiers.py)
         self._tier_loaded: set[str] = set()  # parked once since their last admission: never twice in a row
         self._admission_paused = False
+        # Set by the engine before each step: computing on borrowed cores (core_lending.py),
+        # so the step takes at most config.borrowed_prefill_tokens of prompt.
+        self.borrowing = False
         self.fair = FairClock(dict(config.tenant_weights))
         self.num_preemptions = 0
         self.num_prompt_tokens_computed = 0
@@ -216,12 +219,19 @@ class Scheduler:
             self.land_tier_loads()
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        # Prompt tokens this step may take: fewer on borrowed cores, whose owner gets them
+        # back between steps (decode tokens are not counted against it).
+        prompt_left = self.config.borrowed_prefill_tokens if self.borrowing else budget
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             if req.num_computed_tokens < req.num_prompt_tokens:
-                num_new = min(num_new, self.config.prefill_chunk_size)
+                num_new = min(num_new, self.config.prefill_chunk_size, prompt_left)
+                if num_new <= 0:
+                    i += 1
+                    continue
+                prompt_left -= num_new
             if not self._grow(req, num_new, out):
                 break  # req itself was preempted
             entry = ScheduledRequest(req, num_new)
@@ -231,7 +241,7 @@ class Scheduler:
             budget -= entry.num_new_tokens
             i += 1
         if not out.preempted:
-            self._admit(out, budget)
+            self._admit(out, min(budget, prompt_left))
         now = time.monotonic()
         for s in out.scheduled:
             if s.request.first_scheduled_s is None:  # queue time ends at its first step

@@ -222,3 +222,36 @@ def test_a_forced_hash_collision_is_recomputed_not_served_from_the_other_prompts
     assert s.reserve_external(c) == 0 and c.num_cached_tokens == 0 and not set(c.block_ids) & {0, 1}
     assert s.kv.num_hash_mismatches == 2
     s.kv.check_integrity()
+
+
+def test_on_borrowed_cores_a_step_takes_fewer_prompt_tokens_and_every_decode():
+    s = make_scheduler(num_blocks=32, max_num_batched_tokens=16, prefill_chunk_size=16, borrowed_prefill_tokens=3)
+    a, b, c = make_request("a", 2), make_request("b", 10, first=100), make_request("c", 10, first=200)
+    s.add(a)
+    step(s)                      # a prefilled, decoding from now on
+    s.add(b)
+    s.add(c)
+    s.borrowing = True
+    out = step(s)
+    assert [e.request.request_id for e in out.decodes] == ["a"]   # decodes are not counted against it
+    assert [(e.request.request_id, e.num_new_tokens) for e in out.prefills] == [("b", 3)]
+    out = step(s)
+    assert [(e.request.request_id, e.num_new_tokens) for e in out.prefills] == [("b", 3)]   # oldest first
+    s.borrowing = False          # its own cores again: the whole budget
+    out = step(s)
+    assert [(e.request.request_id, e.num_new_tokens) for e in out.prefills] == [("b", 4), ("c", 10)]
+
+
+def test_a_prefill_replica_finishes_its_oldest_prompt_first_and_a_decode_replica_keeps_its_chunk():
+    from pdcluster.services.config import ClusterConfig, SchedulerSettings
+
+    cfg = ClusterConfig(scheduler=SchedulerSettings(max_num_batched_tokens=1024, prefill_chunk_size=512,
+                                                    decode_step_prefill_tokens=256, borrowed_prefill_tokens=96))
+    prefill, decode = cfg.engine_config(cfg.prefill).scheduler, cfg.engine_config(cfg.decode).scheduler
+    assert (prefill.max_num_batched_tokens, prefill.prefill_chunk_size) == (1024, 1024)
+    assert decode.prefill_chunk_size == 256 and prefill.borrowed_prefill_tokens == decode.borrowed_prefill_tokens == 96
+    s = make_scheduler(num_blocks=32, max_num_batched_tokens=16, prefill_chunk_size=16)
+    s.add(make_request("a", 12))
+    s.add(make_request("b", 12, first=100))
+    out = step(s)
+    assert [(e.request.request_id, e.num_new_tokens) for e in out.prefills] == [("a", 12), ("b", 4)]

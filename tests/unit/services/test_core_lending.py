@@ -200,3 +200,20 @@ def test_a_thread_count_that_changes_every_step_changes_no_token_or_logprob():
         engine.set_compute_threads(1)
     assert len(asked) >= 10          # asked before every step: a batch of three decoding together
     assert flipping == fixed
+
+
+def test_the_scheduler_knows_when_the_engine_computes_on_borrowed_cores():
+    from pdcluster.services.engine.config import EngineConfig
+    from pdcluster.services.engine.engine import Engine
+
+    engine = Engine(EngineConfig(num_kv_blocks=16, num_threads=1))
+    if not engine._native:
+        pytest.skip("the native kernels do not build here: the thread count is torch's")
+    seen = []
+    for threads in (2, 1):
+        engine.threads_source = lambda n=threads: n
+        engine.step()
+        seen.append(engine.scheduler.borrowing)
+    engine.threads_source = None
+    engine.set_compute_threads(1)
+    assert seen == [True, False]
