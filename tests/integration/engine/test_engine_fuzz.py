@@ -46,12 +46,12 @@ def fuzz_engine(smol_bf16):
     poisoned: set[str] = set()
     inner = engine.runner.sampler.sample_batch
 
-    def sample_batch(logits, rids, params):
+    def sample_batch(logits, rids, params, seeds=None):
         rows = [i for i, rid in enumerate(rids) if rid in poisoned]
         if rows:
             logits = logits.clone()
             logits[rows] = math.nan
-        return inner(logits, rids, params)
+        return inner(logits, rids, params, seeds)
     engine.runner.sampler.sample_batch = sample_batch
     aeng = AsyncEngine(engine)
     yield aeng, poisoned

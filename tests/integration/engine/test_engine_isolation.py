@@ -35,7 +35,7 @@ def poison(engine, request_ids: set[str], at_sample: int = 1):
     ``at_sample``-th sampled token on (as a numerical bug in the model would)."""
     inner, seen = engine.runner.sampler.sample_batch, {}
 
-    def sample_batch(logits, rids, params):
+    def sample_batch(logits, rids, params, seeds=None):
         rows = []
         for i, rid in enumerate(rids):
             seen[rid] = seen.get(rid, 0) + 1
@@ -44,7 +44,7 @@ def poison(engine, request_ids: set[str], at_sample: int = 1):
         if rows:
             logits = logits.clone()
             logits[rows] = math.nan
-        return inner(logits, rids, params)
+        return inner(logits, rids, params, seeds)
     engine.runner.sampler.sample_batch = sample_batch
 
 
