@@ -374,6 +374,7 @@ class Engine:
         (a replica borrowing idle cores: pdcluster/services/pools/core_lending.py).
         The kernels split work by output rows, so results do not depend on it."""
         self.compute_threads = max(int(n), 1)
+        self.scheduler.borrowing = self.compute_threads > self.own_threads   # shorter prompt steps
         if self._native:
             ops.set_native_threads(self.compute_threads)
 
@@ -394,7 +395,6 @@ class Engine:
             wanted = self.threads_source()
             if wanted != self.compute_threads:
                 self.set_compute_threads(wanted)
-            self.scheduler.borrowing = self.compute_threads > self.own_threads
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:

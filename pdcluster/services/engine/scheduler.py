@@ -116,7 +116,7 @@ class Scheduler:
         self.loading: dict[str, Request] = {}  # parked while a tier loads their next blocks (kv_tiers.py)
         self._tier_loaded: set[str] = set()  # parked once since their last admission: never twice in a row
         self._admission_paused = False
-        # Set by the engine before each step: computing on borrowed cores (core_lending.py),
+        # Set by the engine with its thread count: computing on borrowed cores (core_lending.py),
         # so the step takes at most config.borrowed_prefill_tokens of prompt.
         self.borrowing = False
         self.fair = FairClock(dict(config.tenant_weights))

@@ -7,7 +7,6 @@ series)."""
 
 from __future__ import annotations
 
-
 from starlette.requests import Request
 
 from pdcluster.observability import tracing
@@ -46,7 +45,7 @@ def tenant_priority(asked: int, tenant: str, host: Host) -> int:
     """The priority a request of ``tenant`` gets: the one it ``asked``, no more urgent
     than the tenant may ask (its min_priority)."""
     floor = host.settings.tenant_min_priority.get(tenant)
-    return asked if floor is None or not isinstance(asked, int) else max(asked, floor)
+    return asked if floor is None else max(asked, floor)
 
 
 def _refuse_if(refusal: RateRefusal | None, host: Host) -> None:
