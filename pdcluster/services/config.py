@@ -354,6 +354,12 @@ class ClusterConfig(_Strict):
     max_failovers: int = Field(2, ge=0, description="times one request may resume on another replica after "
                                                     "losing its own (death, broken stream, stall); then an "
                                                     "error event naming the cause.  0: never")
+    trace_file: str | None = Field(
+        None, description="the JSONL span file every process of the cluster writes; None: $PDCLUSTER_TRACE_FILE, "
+                          "else runs/traces/spans.jsonl; off: no file (OTLP exporters are set by OTEL_* variables)")
+    fault_injection: bool = Field(
+        False, description="test hook: the gateway honours a request's x-pdcluster-fault header "
+                           "(pdcluster/services/pools/faults.py); also on with PDCLUSTER_FAULTS=1 in its environment")
     host: str = "127.0.0.1"
     port: int = 8000
     ingress: Literal["gateway", "serve_proxy"] = Field(

@@ -20,34 +20,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pdcluster.prefix_store.redis_url import redact_url
+from pdcluster.services.cli.local_ray import LocalRay, http_url
 from pdcluster.services.cluster_env import cluster_env, replica_env
 from pdcluster.services.cluster_secret import CLUSTER_SECRET_ENV, cluster_secret, ensure_cluster_secret
 from pdcluster.services.config import ClusterConfig
-from pdcluster.services.cli.processes import reap
 from pdcluster.services.pools import pool_targets
 from pdcluster.services.pools.busy_flag import remove_flags
 
 log = logging.getLogger("pdcluster.cli")
 STATE_FILE = Path("runs/cluster.json")
 APP_NAME = "pdcluster"
-DASHBOARD_PORT = 8265
-
-
-def _http_url(host_port: str | None) -> str | None:
-    """Ray reports its dashboard as HOST:PORT, or nothing when none runs."""
-    if not host_port:
-        return None
-    return host_port if "://" in host_port else f"http://{host_port}"
-
-
-def _descendants(proc=None) -> list:
-    import psutil
-
-    try:
-        return (proc or psutil.Process()).children(recursive=True)
-    except psutil.Error:
-        return []
-
 
 def write_state(state: dict) -> None:
     """Writes the state file `pdcluster status`/`scale` read, readable by its
@@ -66,8 +48,8 @@ class LocalCluster:
     dashboard: bool = True
     metrics_port: int | None = None
     redis: object | None = None
-    started_ray: bool = False
-    _ray_roots: list = field(default_factory=list)  # processes ray.init started (gcs, raylet, dashboard)
+    started_ray: bool = False  # start() started Ray (stop() stops it); False when it found Ray running
+    _ray: LocalRay | None = None
     ready_s: float = 0.0
     log: list[str] = field(default_factory=list)
     wait_until: str = "serving"  # "serving": /health 200 and a real request served; "gateway": HTTP answers
@@ -107,24 +89,17 @@ class LocalCluster:
         if self.address is not None and not ray.is_initialized():
             progress(f"connecting to the Ray cluster at {self.address} ...")
             ctx = ray.init(address=self.address, runtime_env={"env_vars": replica_env()}, log_to_driver=False)
-            self.dashboard_url = _http_url(ctx.dashboard_url)
+            self.dashboard_url = http_url(ctx.dashboard_url)
             if on_ray_started is not None:
                 on_ray_started()
         if not ray.is_initialized():
-            progress(f"starting Ray ({self.num_cpus} logical CPUs, loopback only) ...")
-            kwargs = {"num_cpus": self.num_cpus, "include_dashboard": self.dashboard,
-                      "dashboard_host": "127.0.0.1", "dashboard_port": DASHBOARD_PORT,
-                      "runtime_env": {"env_vars": replica_env()},
-                      "log_to_driver": False}
-            if self.metrics_port:
-                kwargs["_metrics_export_port"] = self.metrics_port
-            before = {p.pid for p in _descendants()}
-            ctx = ray.init(**kwargs)
-            self.dashboard_url = _http_url(ctx.dashboard_url)
+            self._ray = LocalRay(self.num_cpus, self.dashboard, self.metrics_port).start(progress)
+            self.dashboard_url = self._ray.dashboard_url
             self.started_ray = True
-            self._ray_roots = [p for p in _descendants() if p.pid not in before]
             if on_ray_started is not None:
                 on_ray_started()
+        else:
+            progress("deploying onto the Ray this process already runs")
         if self.config.ingress == "gateway":  # the gateway replica listens on host:port itself
             serve.start(proxy_location="Disabled")
         else:
@@ -222,17 +197,17 @@ class LocalCluster:
         import ray
         from ray import serve
 
-        started = [*self._ray_roots, *(c for p in self._ray_roots for c in _descendants(p))]
         try:
             if ray.is_initialized():
                 serve.shutdown()
         finally:
-            if self.started_ray and ray.is_initialized():
-                ray.shutdown()
-                reap(started)  # ray.shutdown() leaves its dashboard and runtime-env agents at times
-                remove_flags(self.config.cluster_name)  # a killed replica's busy byte (busy_flag.py)
+            if self.started_ray and self._ray is not None:
+                self._ray.stop()
+                self._ray = None
             elif self.address is not None and ray.is_initialized():
                 ray.shutdown()  # disconnects; the nodes belong to `ray start`
+            # Ray found running stays up (the integration tests' shared one); the app is gone either way.
+            remove_flags(self.config.cluster_name)  # a killed replica's busy byte (busy_flag.py)
             if self.redis is not None:
                 self.redis.stop()
                 self.redis = None

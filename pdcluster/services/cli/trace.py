@@ -32,8 +32,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     which.add_argument("--request-id", default=None, help="the request's x-request-id")
     which.add_argument("--trace-id", default=None, help="a trace id, or a unique prefix of one")
     which.add_argument("--list", type=int, default=None, metavar="N", help="list the N latest traces")
-    p.add_argument("--file", default=None, help="the span file (default: $PDCLUSTER_TRACE_FILE or "
-                                                "runs/traces/spans.jsonl)")
+    p.add_argument("--file", default=None, help="the span file (default: the running cluster's trace_file, "
+                                                "else $PDCLUSTER_TRACE_FILE, else runs/traces/spans.jsonl)")
     p.add_argument("--all-attributes", action="store_true", help="print every attribute under each span")
     p.set_defaults(func=run)
 
@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     from pdcluster.observability.exporters import read_span_files
     from pdcluster.observability.tracing import DEFAULT_TRACE_FILE, TRACE_FILE_ENV
 
-    path = Path(args.file or os.environ.get(TRACE_FILE_ENV) or DEFAULT_TRACE_FILE)
+    path = Path(args.file or _cluster_trace_file() or os.environ.get(TRACE_FILE_ENV) or DEFAULT_TRACE_FILE)
     if not path.is_file():
         print(f"error: no span file at {path}: start the cluster with tracing on (the default) and send a "
               f"request, or pass --file")
@@ -227,3 +227,16 @@ def _summary(spans: Sequence[Span], root: Span | None, e2e_ns: int) -> list[str]
     share = stage_ns / e2e_ns * 100 if e2e_ns > 0 else 0.0
     return [f"stages {_ms(stage_ns)} of E2E {_ms(e2e_ns)} ({share:.1f}%); "
             f"{_ms(max(e2e_ns - stage_ns, 0))} between stages (HTTP, tokenizing, RPC hops)"]
+
+
+def _cluster_trace_file() -> str | None:
+    """The trace_file of the cluster `pdcluster up` runs here (its state file), if it names one."""
+    import json
+
+    from pdcluster.services.cli.cluster_runtime import STATE_FILE
+
+    try:
+        named = json.loads(STATE_FILE.read_text()).get("config", {}).get("trace_file")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return named if isinstance(named, str) and named.strip().lower() not in ("", "off", "none") else None

@@ -94,8 +94,8 @@ def admission_for(cfg: ClusterConfig) -> Admission:
 class Gateway:
     async def __init__(self, config: dict, **handles):
         bind_replica_grpc_to_loopback()
-        tracing.setup_tracing("pdcluster-gateway")
         cfg = ClusterConfig.model_validate(config)
+        tracing.setup_tracing("pdcluster-gateway", jsonl_path=cfg.trace_file)
         cfg = cfg.model_copy(update={"index_url": resolve_index_url(cfg.index_url)})  # a reference in Serve's config
         path = resolve_model_path(cfg.model)
         mc = read_model_config(path)
@@ -108,7 +108,8 @@ class Gateway:
             api_key_digests=cfg.api_key_digests,  # validating cfg refused an exposed host without keys
             tenant_of_digest={d: t.name for t in cfg.tenants for d in t.api_key_digests},
             trust_tenant_header=cfg.tenant_header, tenant_names=tuple(t.name for t in cfg.tenants),
-            tenant_min_priority={t.name: t.min_priority for t in cfg.tenants if t.min_priority is not None})
+            tenant_min_priority={t.name: t.min_priority for t in cfg.tenants if t.min_priority is not None},
+            fault_injection=cfg.fault_injection or None)  # off in the config: the environment may still say on
         adm = cfg.admission
         # The board: /metrics reads every replica's KV numbers from it, the seed check their seeds.
         self.board = StatusBoardReader(cfg.index_url, cfg.cluster_name)

@@ -28,6 +28,7 @@ class OpenAISettings:
     trust_tenant_header: bool = False  # x-pdcluster-tenant names the tenant (behind a gateway that sets it)
     tenant_names: tuple[str, ...] = ()  # the configured tenants (metrics label only these by name)
     tenant_min_priority: Mapping[str, int] = field(default_factory=dict)  # tenant -> most urgent priority allowed
+    fault_injection: bool | None = None  # x-pdcluster-fault honoured (faults.py); None: PDCLUSTER_FAULTS decides
 
     def __post_init__(self) -> None:
         names = self.served_model_names

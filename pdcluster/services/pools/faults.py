@@ -1,6 +1,7 @@
 """Fault injection for the tests of the serving layer's failure paths.
 
-Off unless the gateway's environment has ``PDCLUSTER_FAULTS=1``: then a
+Off unless the cluster's config says ``fault_injection: true`` (or the
+gateway's environment has ``PDCLUSTER_FAULTS=1``): then a
 request's ``x-pdcluster-fault`` header (comma-separated kinds, some with
 ``:seconds``) travels with it to the replicas, which act on it at the
 named point.  Per request, so a test hits exactly the replica serving its
@@ -35,10 +36,11 @@ def enabled() -> bool:
     return os.environ.get(ENV) == "1"
 
 
-def parse(header_value: str | None) -> tuple[str, ...]:
+def parse(header_value: str | None, on: bool | None = None) -> tuple[str, ...]:
     """The faults a request asks for; () when injection is off or none is named.
-    Unknown kinds are ignored (the header is a test hook, not an API)."""
-    if not header_value or not enabled():
+    ``on``: the config's switch (None: the environment decides).  Unknown
+    kinds are ignored (the header is a test hook, not an API)."""
+    if not header_value or not (enabled() if on is None else on):
         return ()
     return tuple(f.strip() for f in header_value.split(",")[:8]
                  if f.strip().partition(":")[0] in KINDS)

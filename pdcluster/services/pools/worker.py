@@ -74,7 +74,7 @@ class Worker:
         bind_replica_grpc_to_loopback()
         self.config, self.pool, self.role = config, pool, role
         self.name = name or f"{role}-{os.getpid()}"
-        tracing.setup_tracing(f"pdcluster-{role}", instance=self.name)
+        tracing.setup_tracing(f"pdcluster-{role}", config.trace_file, instance=self.name)
         self.worker_id = WorkerId.new(self.name)
         # Serve's config carries a reference to the URL, never its password (index_url_ref.py).
         index_url = resolve_index_url(config.index_url) or os.environ.get("REDIS_URL") or None

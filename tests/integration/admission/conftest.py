@@ -14,8 +14,8 @@ _RUNNING: list = []
 
 
 @pytest.fixture(scope="session")
-def default_cluster():
-    yield from directory_cluster(ClusterConfig(port=free_service_port()), _RUNNING)
+def default_cluster(shared_ray):
+    yield from directory_cluster(shared_ray, ClusterConfig(port=free_service_port()), _RUNNING)
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,6 @@
 """API keys on a real cluster: its own colocated cluster (one replica) with
-one key in the config and one in PDCLUSTER_API_KEY (the gateway replica gets
-the config's as digests in its deployment args, the env's by inheritance).
+one key in the config and one in PDCLUSTER_API_KEY (the config folds both
+into the digests the gateway replica gets in its deployment args).
 Without a right key every /v1 request is a 401 OpenAI body; with either key
 the official openai client works unchanged, streaming too; /health stays
 open; the state file holds digests, never a key.
@@ -33,27 +33,17 @@ TENANTS = [{"name": "gold", "api_keys": [GOLD], "kv_guaranteed": 0.2}, {"name": 
 MESSAGES = [{"role": "user", "content": "Say hello."}]
 
 
-def _progress(message: str) -> None:
-    print(message, flush=True)
-
-
 @pytest.fixture(scope="module")
-def authed_cluster():
-    from pdcluster.services.cli.cluster_runtime import LocalCluster
-
-    os.environ[API_KEY_ENV] = ENV_KEY  # before Ray starts: its workers inherit it
-    c = None
+def authed_cluster(shared_ray):
+    os.environ[API_KEY_ENV] = ENV_KEY  # read when the config is made: its digest joins the config's
     try:
         config = ClusterConfig(port=free_service_port(), mode="colocated",
                                colocated=small_pool(num_replicas=1, kv_cache_mib=32), api_keys=[CONFIG_KEY],
                                tenants=TENANTS)
-        c = LocalCluster(config, num_cpus=4, dashboard=False)
-        c.start(progress=_progress)
-        yield c
     finally:
-        if c is not None:
-            c.stop()
         os.environ.pop(API_KEY_ENV, None)
+    with shared_ray.running(config) as c:
+        yield c
 
 
 @pytest.fixture(scope="module")

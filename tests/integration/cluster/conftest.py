@@ -1,16 +1,14 @@
-"""One real local cluster per session: embedded Redis, Ray on loopback,
-Serve with 1 prefill + 1 decode replica of the real model, the gateway on a
-free loopback port."""
+"""One real local cluster per session on the run's shared Ray and Redis
+(tests/integration/conftest.py): Serve with 2 prefill + 1 decode replicas of
+the real model, the gateway on a free loopback port."""
 
 from __future__ import annotations
-
-import contextlib
-import os
 
 import pytest
 
 from pdcluster.prefix_store.redis_server import free_service_port
 from pdcluster.services.config import AdmissionSettings, ClusterConfig, PeerFetchSettings, PoolConfig
+from tests.integration.conftest import METRICS_REPORT_INTERVAL_S, metrics_report_interval  # noqa: F401 - re-exported
 
 
 def small_pool(**kw) -> PoolConfig:
@@ -24,54 +22,42 @@ def trace_file(tmp_path_factory):
 
 _RUNNING: list = []
 
-# How often every Ray process exports its metrics to the node's Prometheus
-# endpoint (Ray's default is 10 s; it floors the setting at 1 s).  Tests that
-# wait for a count to arrive, or to hold still, wait a few of these.  2 s, not
-# 1 s: Ray drops a gauge not re-exported within 2 intervals, and a busy
-# 2-core machine can be late by a second.
-METRICS_REPORT_INTERVAL_S = 2.0
-
-
-@contextlib.contextmanager
-def metrics_report_interval(seconds: float = METRICS_REPORT_INTERVAL_S):
-    """Ray daemons and workers started inside export metrics every ``seconds``
-    (they read RAY_metrics_report_interval_ms from the environment they inherit)."""
-    name, before = "RAY_metrics_report_interval_ms", os.environ.get("RAY_metrics_report_interval_ms")
-    os.environ[name] = str(int(seconds * 1000))
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = before
-
 
 def stop_after_directory(item, nextitem, running: list) -> None:
-    """Stops a directory's cluster right after its last test, so Ray is down
-    before tests elsewhere start their own (a session fixture would live
-    until the very end of the run).  Call from pytest_runtest_teardown."""
+    """Stops a directory's cluster right after its last test, so its replicas
+    are gone before tests elsewhere deploy their own (a session fixture would
+    live until the very end of the run).  Call from pytest_runtest_teardown."""
     here = item.path.parent
     if running and (nextitem is None or nextitem.path.parent != here):
         running.pop().stop()
 
 
-def directory_cluster(config: ClusterConfig, running: list, metrics_interval_s: float | None = None):
-    """A session fixture's body: the cluster, started, registered in
-    ``running`` for stop_after_directory, and stopped however the run ends.
-    ``metrics_interval_s``: Ray's metrics export interval, when a test waits on it."""
-    from pdcluster.services.cli.cluster_runtime import LocalCluster
+class _Registered:
+    """What ``running`` holds for stop_after_directory: stop() releases the cluster once."""
 
-    c = LocalCluster(config, num_cpus=8, dashboard=False, metrics_port=free_service_port())
+    def __init__(self, shared, cluster) -> None:
+        self.shared, self.cluster = shared, cluster
+
+    def stop(self) -> None:
+        if self.cluster is not None:
+            c, self.cluster = self.cluster, None
+            self.shared.release(c)
+
+
+def directory_cluster(shared, config: ClusterConfig, running: list):
+    """A session fixture's body: the cluster, deployed on the run's shared
+    Ray (``shared_ray``), registered in ``running`` for stop_after_directory,
+    and released however the run ends."""
+    c = shared.cluster(config)
+    entry = _Registered(shared, c)
     try:
-        with metrics_report_interval(metrics_interval_s) if metrics_interval_s else contextlib.nullcontext():
-            c.start(progress=lambda m: print(m, flush=True))
-        running.append(c)
+        c.start(progress=lambda m: print(m, flush=True))
+        running.append(entry)
         yield c
     finally:
-        if c in running:
-            running.remove(c)
-            c.stop()
+        if entry in running:
+            running.remove(entry)
+        entry.stop()
 
 
 def pytest_runtest_teardown(item, nextitem):
@@ -79,9 +65,7 @@ def pytest_runtest_teardown(item, nextitem):
 
 
 @pytest.fixture(scope="session")
-def cluster(trace_file):
-    # Replicas inherit the driver's environment: all spans land in one file.
-    os.environ["PDCLUSTER_TRACE_FILE"] = str(trace_file)
+def cluster(shared_ray, trace_file):
     # No SLO shedding: on a slow CPU (AVX2 only) these feature tests' bursts predict a
     # TTFT above the SLO and would get 429s; shedding has its own tests (faults/test_overload.py).
     # A killed decode replica's respawn (Ray actor + model load) on a loaded CI machine can
@@ -94,11 +78,12 @@ def cluster(trace_file):
     # holds a compile worker that long; its slow schemas take about 2 s each.
     config = ClusterConfig(port=free_service_port(), prefill=small_pool(num_replicas=2), decode=small_pool(),
                            lease_ttl_s=120.0,  # far above any wait: a stranded lease fails the leak checks
+                           trace_file=str(trace_file),  # every process's spans in one file
                            grammar_compile_timeout_s=5.0,
                            peer_fetch=PeerFetchSettings(enabled=True, lease_timeout_s=5.0),  # test_cluster_peer_fetch.py
                            admission=AdmissionSettings(shed=False, inter_token_timeout_s=120.0,
                                                        max_local_prefill_s=0.0))
-    yield from directory_cluster(config, _RUNNING, metrics_interval_s=METRICS_REPORT_INTERVAL_S)
+    yield from directory_cluster(shared_ray, config, _RUNNING)
 
 
 @pytest.fixture(scope="session")

@@ -22,11 +22,11 @@ def pytest_runtest_teardown(item, nextitem):
 
 
 @pytest.fixture(scope="session")
-def colocated_cluster():
+def colocated_cluster(shared_ray):
     config = ClusterConfig(port=free_service_port(), mode="colocated", dtype="float32",
                            colocated=small_pool(num_replicas=1), lease_ttl_s=120.0,
                            admission=AdmissionSettings(shed=False))
-    yield from directory_cluster(config, _RUNNING)
+    yield from directory_cluster(shared_ray, config, _RUNNING)
 
 
 @pytest.fixture(scope="session")

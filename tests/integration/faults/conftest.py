@@ -6,7 +6,6 @@ deadline.  Tests here may kill replicas; each leaves the cluster serving
 
 from __future__ import annotations
 
-import os
 import time
 
 import httpx
@@ -27,16 +26,13 @@ def pytest_runtest_teardown(item, nextitem):
 
 
 @pytest.fixture(scope="session")
-def faults_cluster():
-    os.environ["PDCLUSTER_FAULTS"] = "1"  # replicas (and the gateway) inherit the driver's environment
+def faults_cluster(shared_ray):
     config = ClusterConfig(port=free_service_port(), prefill=small_pool(), decode=small_pool(), lease_ttl_s=120.0,
+                           fault_injection=True,
                            # The faults act on the hand-off path: every prompt through the prefill pool.
                            admission=AdmissionSettings(ttft_slo_s=TTFT_SLO_S, max_local_prefill_s=0.0,
                                                        inter_token_timeout_s=INTER_TOKEN_TIMEOUT_S))
-    try:
-        yield from directory_cluster(config, _RUNNING)
-    finally:
-        os.environ.pop("PDCLUSTER_FAULTS", None)
+    yield from directory_cluster(shared_ray, config, _RUNNING)
 
 
 @pytest.fixture(scope="session")

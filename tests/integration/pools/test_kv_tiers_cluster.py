@@ -11,22 +11,20 @@ import time
 import redis
 
 from pdcluster.prefix_store.redis_server import free_service_port
-from pdcluster.services.cli.cluster_runtime import LocalCluster
 from pdcluster.services.config import AdmissionSettings, ClusterConfig, KVTierSettings
 from pdcluster.services.pools.status_board import read_board
 from tests.integration.cluster.conftest import small_pool
 from tests.integration.engine.conftest import document
 
 
-def test_a_prefix_evicted_from_the_pool_comes_back_from_the_tiers(tmp_path):
+def test_a_prefix_evicted_from_the_pool_comes_back_from_the_tiers(shared_ray, tmp_path):
     import openai
 
     config = ClusterConfig(port=free_service_port(), mode="colocated",
                            colocated=small_pool(num_replicas=1, kv_cache_mib=8),  # 22 bf16 blocks
                            kv_tiers=KVTierSettings(enabled=True, host_mib=2, disk_mib=64, dir=str(tmp_path)),
                            admission=AdmissionSettings(shed=False))
-    cluster = LocalCluster(config, num_cpus=8, dashboard=False).start(progress=lambda m: print(m, flush=True))
-    try:
+    with shared_ray.running(config) as cluster:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{config.port}/v1", api_key="unused", max_retries=0,
                                timeout=120)
 
@@ -42,7 +40,7 @@ def test_a_prefix_evicted_from_the_pool_comes_back_from_the_tiers(tmp_path):
         assert again.choices[0].text == first.choices[0].text
         assert again.usage.prompt_tokens_details.cached_tokens >= 128, again.usage
 
-        tiers = _tiers_once_published(cluster.config.index_url, config.cluster_name)
+        tiers = _tiers_once_published(cluster.config.index_url, cluster.config.cluster_name)
         assert tiers["host"]["loaded_blocks"] + tiers["disk"]["loaded_blocks"] >= 8, tiers
         assert tiers["disk"]["blocks"] > 0 and tiers["load_failures"] == 0, tiers
 
@@ -50,8 +48,6 @@ def test_a_prefix_evicted_from_the_pool_comes_back_from_the_tiers(tmp_path):
         members = {m for key in r.scan_iter(match="pdc:*:b:*") for m in r.smembers(key)}
         r.close()
         assert any(m.endswith(b"#disk") for m in members) and any(b"#" not in m for m in members)
-    finally:
-        cluster.stop()
     assert not list(tmp_path.glob("*/*.kvb"))  # the replica's disk tier went with it
 
 

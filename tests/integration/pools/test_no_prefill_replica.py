@@ -14,7 +14,7 @@ import pytest
 
 from pdcluster.prefix_store.redis_server import free_service_port
 from pdcluster.services.config import ClusterConfig
-from tests.integration.cluster.conftest import board, metrics_report_interval, small_pool
+from tests.integration.cluster.conftest import board, small_pool
 from tests.integration.cluster.test_cluster_api import MODEL, wait_no_leaks
 
 pytestmark = pytest.mark.integration
@@ -23,20 +23,13 @@ COUNTER = "ray_pdcluster_decode_pool_prefills_total"
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    from pdcluster.services.cli.cluster_runtime import LocalCluster
-
+def cluster(shared_ray):
     config = ClusterConfig(
         port=free_service_port(), decode=small_pool(),
         prefill=small_pool(autoscaling={"min_replicas": 0, "initial_replicas": 0, "max_replicas": 1}))
     # Not "serving": without a prefill replica /health rightly stays 503.
-    c = LocalCluster(config, num_cpus=8, dashboard=False, metrics_port=free_service_port(), wait_until="gateway")
-    try:
-        with metrics_report_interval():  # the fallback's count reaches /metrics sooner
-            c.start(progress=lambda m: print(m, flush=True))
+    with shared_ray.running(config, wait_until="gateway") as c:
         yield c
-    finally:
-        c.stop()
 
 
 def post(cluster) -> httpx.Response:

@@ -22,17 +22,11 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    from pdcluster.services.cli.cluster_runtime import LocalCluster
-
+def cluster(shared_ray):
     config = ClusterConfig(port=free_service_port(), dtype="float32", prefill=small_pool(), decode=small_pool(),
                            speculative=SpeculativeSettings(method="ngram", num_tokens=4))
-    c = LocalCluster(config, num_cpus=8, dashboard=False, metrics_port=free_service_port())
-    try:
-        c.start(progress=lambda m: print(m, flush=True))
+    with shared_ray.running(config) as c:
         yield c
-    finally:
-        c.stop()
 
 
 def test_speculation_after_a_hand_off_equals_an_engine_without_it(cluster):

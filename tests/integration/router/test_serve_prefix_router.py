@@ -81,12 +81,10 @@ def request_for(prefix: list[int], rng: random.Random) -> SimpleNamespace:
                            prompt_token_ids="(elided)")
 
 
-def test_cached_prefix_goes_to_the_replica_the_index_names(redis_server, unique_model):
-    import ray
+def test_cached_prefix_goes_to_the_replica_the_index_names(shared_ray, redis_server, unique_model):
     from ray import serve
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
+    try:  # on the run's shared Ray (tests/integration/conftest.py)
         serve.start(proxy_location="Disabled")
         handle = serve.run(build_app(redis_server.url, unique_model), name="prefix-router-test",
                            route_prefix=None)
@@ -110,4 +108,3 @@ def test_cached_prefix_goes_to_the_replica_the_index_names(redis_server, unique_
             assert served_by == [holder.name] * 3
     finally:
         serve.shutdown()
-        ray.shutdown()

@@ -1,4 +1,5 @@
-"""Fault injection is inert unless the gateway's environment enables it."""
+"""Fault injection is inert unless the cluster's config (fault_injection) or
+the gateway's environment enables it."""
 
 from __future__ import annotations
 
@@ -10,6 +11,18 @@ from pdcluster.services.pools import faults
 def test_off_without_the_environment_switch(monkeypatch):
     monkeypatch.delenv(faults.ENV, raising=False)
     assert faults.parse("kill_prefill_engine") == ()
+
+
+def test_the_config_switch_decides_whatever_the_environment_says(monkeypatch):
+    from pdcluster.services.config import ClusterConfig
+
+    monkeypatch.delenv(faults.ENV, raising=False)
+    assert faults.parse("fail_pull", on=True) == ("fail_pull",)
+    monkeypatch.setenv(faults.ENV, "1")
+    assert faults.parse("fail_pull", on=False) == ()
+    assert faults.parse("fail_pull") == ("fail_pull",)  # no switch given: the environment's
+    assert ClusterConfig().fault_injection is False
+    assert ClusterConfig.model_validate({"fault_injection": True}).fault_injection is True
 
 
 def test_parsed_when_enabled_and_unknown_kinds_dropped(monkeypatch):

@@ -92,9 +92,9 @@ def test_status_node_table_shows_roles_heads_and_dead_nodes():
 
 def test_up_prints_a_dashboard_url_only_where_ray_reported_one():
     from pdcluster.services.cli.up import SNIPPET, dashboard_line
-    from pdcluster.services.cli.cluster_runtime import _http_url
+    from pdcluster.services.cli.local_ray import http_url
 
-    assert _http_url("127.0.0.1:8265") == "http://127.0.0.1:8265" and _http_url("") is None and _http_url(None) is None
+    assert http_url("127.0.0.1:8265") == "http://127.0.0.1:8265" and http_url("") is None and http_url(None) is None
     assert "http://127.0.0.1:8265" in dashboard_line("http://127.0.0.1:8265", "prefill, decode")
     head = dashboard_line(None, "prefill, decode")  # `up --head`: ray start --include-dashboard=false
     assert "http" not in head and "pdcluster status" in head

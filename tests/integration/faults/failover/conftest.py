@@ -43,24 +43,15 @@ def trace_file(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def failover_cluster(trace_file):
-    os.environ["PDCLUSTER_FAULTS"] = "1"
-    traces_before = os.environ.get("PDCLUSTER_TRACE_FILE")
-    os.environ["PDCLUSTER_TRACE_FILE"] = str(trace_file)  # replicas inherit the driver's environment
+def failover_cluster(shared_ray, trace_file):
     config = ClusterConfig(port=free_service_port(), prefill=small_pool(kv_cache_mib=160),
+                           fault_injection=True, trace_file=str(trace_file),
                            decode=small_pool(num_replicas=2, kv_cache_mib=160), fallback_to_colocated=True,
                            lease_ttl_s=120.0, router=RouterSettings(resume_local_max_tokens=RESUME_LOCAL_MAX_TOKENS),
                            # The faults act on the hand-off path: every prompt through the prefill pool.
                            admission=AdmissionSettings(shed=False, inter_token_timeout_s=INTER_TOKEN_TIMEOUT_S,
                                                        max_local_prefill_s=0.0))
-    try:
-        yield from directory_cluster(config, _RUNNING)
-    finally:
-        os.environ.pop("PDCLUSTER_FAULTS", None)
-        if traces_before is None:
-            os.environ.pop("PDCLUSTER_TRACE_FILE", None)
-        else:
-            os.environ["PDCLUSTER_TRACE_FILE"] = traces_before
+    yield from directory_cluster(shared_ray, config, _RUNNING)
 
 
 @pytest.fixture(scope="session")
