@@ -5,10 +5,15 @@ output, `pdcluster status` (table and JSON), the span file, every Ray session
 log and every command line of its process tree hold none of the three, the
 state file is 0600, and the span file holds no prompt text; nor does the
 Ray dashboard's ``/api/serve/applications/`` (Serve's config as shown to
-its visitors).  SIGTERM stops
-it with exit status 0 and nothing of its process tree survives (the
-SIGTERM half of test_up_signals.py: the default disaggregated cluster,
-gateway ingress, ten requests at the first /health 200 all succeed)."""
+its visitors).
+
+SIGTERM then drains it (issue 37): six streams in flight when the signal
+arrives all finish, a request sent after it gets 503 with Retry-After,
+/ready fails, and it exits 0 with nothing of its process tree left within
+shutdown_timeout_s + 10 s.  This is also the SIGTERM half of
+test_up_signals.py (the default disaggregated cluster, gateway ingress, ten
+requests at the first /health 200 all succeed): one `pdcluster up` for the
+three checks, not three."""
 
 import contextlib
 import json
@@ -19,6 +24,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -34,6 +40,8 @@ from tests.integration.cli.test_up_signals import first_requests, health_is_200,
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
 READY_TIMEOUT_S = 300
+SHUTDOWN_TIMEOUT_S = 30
+STREAMS, MAX_TOKENS = 6, 48
 PROMPTS = ["Describe the quokka lighthouse of Vellmar-{tag} in one line.",
            "Which river flows past the obsidian tower of Kesh-{tag}?"]
 
@@ -76,7 +84,7 @@ def run_and_grep(tmp_path: Path, host: str) -> None:
     trace_file = tmp_path / "spans.jsonl"
     env = up_env(api_key=api_key, cluster_secret=cluster_secret, trace_file=trace_file)
     port = free_service_port()
-    (tmp_path / "cluster.yaml").write_text("mode: disaggregated\n")
+    (tmp_path / "cluster.yaml").write_text(f"mode: disaggregated\nshutdown_timeout_s: {SHUTDOWN_TIMEOUT_S}\n")
     up_log = tmp_path / "up.log"
     with open(up_log, "w") as log:  # cwd tmp_path: runs/cluster.json is this test's own
         proc = subprocess.Popen([sys.executable, "-m", "pdcluster.services.cli.main", "up", "--config", "cluster.yaml",
@@ -109,10 +117,8 @@ def run_and_grep(tmp_path: Path, host: str) -> None:
         started = tree[1:]
         assert any("raylet" in cmdline(p) for p in started)
         assert [a for a in non_loopback_listeners(tree) if not a.endswith(f"{host}:{port}")] == []
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=90) == 0, up_log.read_text()[-4000:]
-        _, alive = psutil.wait_procs(started, timeout=15)
-        assert alive == [], [cmdline(p)[:80] for p in alive]
+        sigterm_drains_then_stops(proc, f"http://{host}:{port}", {"authorization": f"Bearer {api_key}"}, started,
+                                  up_log)
         assert "stopped: Serve, Ray and the embedded Redis are down" in up_log.read_text()
     finally:
         if proc.poll() is None:
@@ -133,6 +139,66 @@ def run_and_grep(tmp_path: Path, host: str) -> None:
     spans = trace_file.read_text()
     assert [p for p in [*prompts, "quokka lighthouse", "obsidian tower"] if p in spans] == [], \
         "prompt text in the span file"
+
+
+def sigterm_drains_then_stops(proc: subprocess.Popen, base: str, headers: dict, started: list, up_log: Path) -> None:
+    """Six streams get their first token, then SIGTERM: see the module's docstring."""
+    out: dict = {}
+    firsts = [threading.Event() for _ in range(STREAMS)]
+    threads = [threading.Thread(target=_stream, args=(base, headers, i, firsts[i], out), daemon=True)
+               for i in range(STREAMS)]
+    for t in threads:
+        t.start()
+    for e in firsts:
+        assert e.wait(120), f"a stream never got its first token: {out}"
+    proc.send_signal(signal.SIGTERM)
+    signalled = time.monotonic()
+
+    refused = None   # a request sent after the signal: 503 once the gateway drains
+    while refused is None and time.monotonic() < signalled + SHUTDOWN_TIMEOUT_S:
+        r = httpx.post(f"{base}/v1/completions", json={"prompt": "late", "max_tokens": 2}, headers=headers,
+                       timeout=60)
+        if r.status_code == 503:
+            refused = r
+        else:
+            assert r.status_code == 200, r.text   # sent before the drain began: served
+            time.sleep(0.1)
+    assert refused is not None, "no request was refused after SIGTERM"
+    assert refused.headers["retry-after"] and refused.json()["error"]["code"] == "draining"
+    assert httpx.get(f"{base}/ready", headers=headers, timeout=10).status_code == 503 or not threads[0].is_alive()
+
+    for t in threads:
+        t.join(timeout=SHUTDOWN_TIMEOUT_S + 10)
+    assert [out.get(i) for i in range(STREAMS)] == [(MAX_TOKENS, "length")] * STREAMS, out
+
+    def left() -> float:
+        return max(1.0, signalled + SHUTDOWN_TIMEOUT_S + 10 - time.monotonic())
+
+    assert proc.wait(timeout=left()) == 0, up_log.read_text()[-4000:]
+    _, alive = psutil.wait_procs(started, timeout=left())
+    assert alive == [], [cmdline(p)[:80] for p in alive]
+    assert "drained: every request finished" in up_log.read_text()
+
+
+def _stream(base: str, headers: dict, i: int, first_token: threading.Event, out: dict) -> None:
+    body = {"prompt": f"Stream {i}: list animals,", "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True,
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
+    tokens, finish = 0, None
+    try:
+        with httpx.stream("POST", f"{base}/v1/completions", json=body, headers=headers, timeout=180) as r:
+            out[f"status{i}"] = r.status_code
+            for line in r.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("usage"):
+                    tokens = chunk["usage"]["completion_tokens"]
+                for choice in chunk.get("choices", []):
+                    first_token.set()
+                    finish = choice.get("finish_reason") or finish
+    except httpx.HTTPError as exc:
+        out[f"error{i}"] = repr(exc)
+    out[i] = (tokens, finish)
 
 
 def serve_applications(up_output: str) -> bytes:

@@ -6,7 +6,8 @@ colocated one behind Serve's proxy: the moment its /health first says 200,
 ten requests sent at once all succeed (readiness never lies), and it echoes
 exactly one x-request-id.  The SIGTERM half (the default disaggregated
 cluster, gateway ingress) runs in test_no_secrets_in_output.py, whose
-`pdcluster up` also checks that no secret leaks: one cluster start, not two."""
+`pdcluster up` also checks that no secret leaks and that SIGTERM drains the
+streams in flight: one cluster start, not three."""
 
 import os
 import signal
