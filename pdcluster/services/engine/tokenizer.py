@@ -38,9 +38,20 @@ class Tokenizer:
     def convert_ids_to_tokens(self, token_ids: Sequence[int]) -> list[str]:
         return self.hf.convert_ids_to_tokens(list(token_ids))
 
+    @property
+    def chat_template(self) -> str | None:
+        return getattr(self.hf, "chat_template", None)
+
+    @property
+    def all_special_ids(self) -> list[int]:
+        return list(getattr(self.hf, "all_special_ids", ()) or ())
+
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        """The chat template's text for ``messages``."""
+        if self.chat_template is None:
+            raise ValueError("this model has no chat template; use /v1/completions with a plain prompt")
+        return self.hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+
     def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
         """Prompt token ids for a chat, ending with the assistant turn's opening."""
-        if getattr(self.hf, "chat_template", None) is None:
-            raise ValueError("this model has no chat template; use /v1/completions with a plain prompt")
-        text = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return self.encode(text, add_special_tokens=False)
+        return self.encode(self.render_chat(messages), add_special_tokens=False)

@@ -80,7 +80,7 @@ def spelling(tokenizer: Tokenizer, token_id: int) -> tuple[str, list[int]]:
 
 
 def _special_ids(tokenizer: Tokenizer) -> set[int]:
-    return set(getattr(tokenizer.hf, "all_special_ids", ()) or ())
+    return set(tokenizer.all_special_ids)
 
 
 @dataclass(frozen=True)

@@ -125,10 +125,9 @@ def _chat_ids(tokenizer: Tokenizer, req: TokenizeChatRequest) -> list[int]:
     try:
         if req.add_generation_prompt and not req.add_special_tokens:
             return tokenizer.apply_chat_template(messages)   # what /v1/chat/completions generates from
-        if getattr(tokenizer.hf, "chat_template", None) is None:
+        if tokenizer.chat_template is None:
             raise ValueError("this model has no chat template; tokenize a plain prompt instead")
-        text = tokenizer.hf.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
-                                                tokenize=False)
+        text = tokenizer.render_chat(messages, add_generation_prompt=req.add_generation_prompt)
         return tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
     except (TemplateError, ValueError) as exc:
         raise invalid_request(f"the chat template rejected these messages: {exc}", param="messages") from None
