@@ -103,8 +103,6 @@ class LocalCluster:
         if self.config.ingress == "gateway":  # the gateway replica listens on host:port itself
             serve.start(proxy_location="Disabled")
         else:
-            if not self.started_ray:
-                serve.shutdown()  # a Serve left running (see stop) would ignore these HTTP options
             serve.start(http_options={"host": self.config.host, "port": self.config.port})
         progress(f"deploying {self.config.mode} pools (loading the model in each replica) ...")
         pool_targets.publish(url, self.config.cluster_name, pool_targets.targets_of(self.config))
@@ -200,9 +198,7 @@ class LocalCluster:
         from ray import serve
 
         try:
-            if ray.is_initialized() and self._ray_is_shared():
-                serve.delete(APP_NAME)  # Serve's controller stays for the next cluster: 2 s less each way
-            elif ray.is_initialized():
+            if ray.is_initialized():
                 serve.shutdown()
         finally:
             if self.started_ray and self._ray is not None:
@@ -219,10 +215,6 @@ class LocalCluster:
                 os.environ.pop(CLUSTER_SECRET_ENV, None)
                 self._set_secret = False
             STATE_FILE.unlink(missing_ok=True)
-
-    def _ray_is_shared(self) -> bool:
-        """Ray was running on this host when start() came (not `pdcluster up`'s own, not a multi-host one)."""
-        return not self.started_ray and self.address is None and self.config.ingress == "gateway"
 
     def __enter__(self) -> LocalCluster:
         return self.start()
