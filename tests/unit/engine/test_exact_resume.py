@@ -132,8 +132,10 @@ def _spread_model(seed: int) -> LlamaModel:
 @pytest.mark.skipif(not cpu_native.available(), reason="needs AVX-512 BF16 or AVX2+FMA, and a C compiler")
 def test_a_resumed_request_recomputes_the_originals_kv_and_logits_bit_for_bit():
     prompt = [(13 * p + 5) % 320 for p in range(30)]
+    # At least 4 models; then on until one pass is seen to differ (1-2 of 12 of these models show it: the
+    # rounding must land on the argmax or on a stored K/V bit; which ones depends on the random weights).
     one_pass_differs = []
-    for seed in range(4):
+    for seed in range(12):
         model = _spread_model(seed)
         output, want_logits, want_pool = _original(model, prompt, steps=50)
         logits, pool = _resumed(model, prompt, output, exact=True)
@@ -141,6 +143,8 @@ def test_a_resumed_request_recomputes_the_originals_kv_and_logits_bit_for_bit():
         assert torch.equal(logits, want_logits), seed
         old_logits, old_pool = _resumed(model, prompt, output, exact=False)
         one_pass_differs.append(not (torch.equal(old_pool[:6], want_pool[:6]) and torch.equal(old_logits, want_logits)))
+        if seed >= 3 and any(one_pass_differs):
+            break
     assert any(one_pass_differs)  # one prefill pass sums in another order: what exact_resume is for
 
 
