@@ -130,10 +130,11 @@ def _compiled(source: str):
     return template
 
 
-def load_text_tokenizer(path: Path, config) -> Any:
+def load_text_tokenizer(path: Path, config, fallback: bool = True) -> Any:
     """The gateway's tokenizer for the model at ``path`` (``config``: its
-    ModelConfig): a TextTokenizer from the model cache's files, or the
-    engine's transformers tokenizer where those files cannot say everything."""
+    ModelConfig): a TextTokenizer from the model cache's files, or where those
+    files cannot say everything the engine's transformers tokenizer
+    (``fallback``; else None)."""
     from pdcluster.services.model_cache import tokenizer_dir
 
     directory = tokenizer_dir(path) if path.is_file() else path
@@ -141,6 +142,8 @@ def load_text_tokenizer(path: Path, config) -> Any:
     cleans_up = settings.is_file() and json.loads(settings.read_text()).get("clean_up_tokenization_spaces")
     if (directory / "tokenizer.json").is_file() and not cleans_up:
         return TextTokenizer.from_dir(directory, config.eos_token_ids)
+    if not fallback:
+        return None
     from pdcluster.services.engine.tokenizer import Tokenizer
 
     return Tokenizer.from_path(path, config)

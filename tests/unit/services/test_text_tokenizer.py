@@ -1,7 +1,8 @@
-"""The gateway's torch-free tokenizer (pdcluster/services/text_tokenizer.py)
-gives exactly what the engine's transformers tokenizer gives, on the default
-model: ids, text, token strings, special ids, chat templates; and loading it
-imports neither torch nor transformers."""
+"""The torch-free tokenizer (pdcluster/services/text_tokenizer.py) gives
+exactly what the transformers tokenizer gives, on the default model: ids,
+text, token strings, special ids, chat templates; loading it imports neither
+torch nor transformers.  The engine's Tokenizer built from a model path is
+backed by it and loads the transformers one only when ``hf`` is asked for."""
 
 from __future__ import annotations
 
@@ -29,11 +30,16 @@ CHATS = [[{"role": "user", "content": "Say hi."}],
 
 @pytest.fixture(scope="module")
 def pair():
+    """(the TextTokenizer, the engine's Tokenizer over the transformers tokenizer itself)."""
+    from transformers import AutoTokenizer
+
+    from pdcluster.services.model_cache import tokenizer_dir
+
     path = resolve_model_path(None)
     config = read_model_config(path)
     light = load_text_tokenizer(path, config)
     assert isinstance(light, TextTokenizer), "the default model's cache has tokenizer.json: no fallback"
-    return light, Tokenizer.from_path(path, config)
+    return light, Tokenizer(AutoTokenizer.from_pretrained(str(tokenizer_dir(path))), config.eos_token_ids)
 
 
 def test_ids_text_and_token_strings_equal_the_transformers_tokenizer(pair):
@@ -109,3 +115,20 @@ def test_the_gateway_loads_it_without_torch_or_transformers():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_the_engines_tokenizer_works_from_the_cache_files_and_loads_transformers_only_for_hf():
+    code = ("import sys\n"
+            "from pdcluster.services.engine.model.default import resolve_model_path\n"
+            "from pdcluster.services.model_meta import read_model_config\n"
+            "from pdcluster.services.engine.tokenizer import Tokenizer\n"
+            "p = resolve_model_path(None)\n"
+            "t = Tokenizer.from_path(p, read_model_config(p))\n"
+            "ids = t.apply_chat_template([{'role': 'user', 'content': 'hi'}])\n"
+            "assert t.decode(ids, False) and t.encode('hi') and t.vocab_size > 0\n"
+            "before = 'transformers' in sys.modules\n"
+            "assert len(t.hf) == t.vocab_size and t.hf.encode('hi') == t.encode('hi')\n"
+            "print(before, 'transformers' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["False", "True"], out.stdout
