@@ -15,9 +15,10 @@ and renders the chat template in a sandboxed jinja2 environment set up as
 transformers sets up its own (trim_blocks, lstrip_blocks, loop controls, a
 ``tojson`` that does not escape HTML, ``raise_exception``, ``strftime_now``,
 the special tokens as variables), for plain role/content messages, which is
-all the gateway renders (chat_messages.py).  ``load_text_tokenizer`` falls back to
-the engine's transformers tokenizer where these files cannot say everything
-(no tokenizer.json, or a clean-up transformers would apply).
+all the gateway renders (chat_messages.py).  ``load_text_tokenizer`` gives
+None where these files cannot say everything (no tokenizer.json, or a
+clean-up transformers would apply): the engine's Tokenizer then loads the
+transformers one.
 tests/unit/services/test_text_tokenizer.py holds both to the same output."""
 
 from __future__ import annotations
@@ -130,20 +131,12 @@ def _compiled(source: str):
     return template
 
 
-def load_text_tokenizer(path: Path, config, fallback: bool = True) -> Any:
-    """The gateway's tokenizer for the model at ``path`` (``config``: its
-    ModelConfig): a TextTokenizer from the model cache's files, or where those
-    files cannot say everything the engine's transformers tokenizer
-    (``fallback``; else None)."""
-    from pdcluster.services.model_cache import tokenizer_dir
-
-    directory = tokenizer_dir(path) if path.is_file() else path
+def load_text_tokenizer(directory: Path, eos_token_ids: Sequence[int] = ()) -> TextTokenizer | None:
+    """A TextTokenizer from a tokenizer directory (the model cache's copy for a
+    GGUF, or a Hugging Face model directory); None where its files cannot say
+    everything."""
     settings = directory / "tokenizer_config.json"
     cleans_up = settings.is_file() and json.loads(settings.read_text()).get("clean_up_tokenization_spaces")
     if (directory / "tokenizer.json").is_file() and not cleans_up:
-        return TextTokenizer.from_dir(directory, config.eos_token_ids)
-    if not fallback:
-        return None
-    from pdcluster.services.engine.tokenizer import Tokenizer
-
-    return Tokenizer.from_path(path, config)
+        return TextTokenizer.from_dir(directory, eos_token_ids)
+    return None

@@ -32,18 +32,18 @@ class Tokenizer:
     @classmethod
     def from_path(cls, path: Path, config) -> "Tokenizer":
         from pdcluster.services.model_cache import tokenizer_dir
-        from pdcluster.services.text_tokenizer import TextTokenizer, load_text_tokenizer
+        from pdcluster.services.text_tokenizer import load_text_tokenizer
 
         # a GGUF's tokenizer is read from its converted copy (pdcluster/services/model_cache.py)
-        directory = str(tokenizer_dir(path) if path.is_file() else path)
+        directory = tokenizer_dir(path) if path.is_file() else path
 
         def load_hf():
             from transformers import AutoTokenizer
 
-            return AutoTokenizer.from_pretrained(directory)
+            return AutoTokenizer.from_pretrained(str(directory))
 
-        text = load_text_tokenizer(path, config, fallback=False)
-        if isinstance(text, TextTokenizer):
+        text = load_text_tokenizer(directory, config.eos_token_ids)
+        if text is not None:
             return cls.of_text(text, load_hf)
         return cls(load_hf(), config.eos_token_ids)
 

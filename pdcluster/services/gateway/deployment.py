@@ -14,6 +14,7 @@ from pdcluster.observability import tracing
 from pdcluster.prefix_store.url_reference import resolve_index_url
 from pdcluster.services.config import ClusterConfig
 from pdcluster.services.engine.model.default import resolve_model_path
+from pdcluster.services.engine.tokenizer import Tokenizer
 from pdcluster.services.gc_pauses import freeze_startup_heap
 from pdcluster.services.gateway.admission import Admission
 from pdcluster.services.gateway.placement import Rules
@@ -31,7 +32,6 @@ from pdcluster.services.openai.routes import configure_app, create_app
 from pdcluster.services.openai.settings import OpenAISettings
 from pdcluster.services.replica_loopback import bind_replica_grpc_to_loopback
 from pdcluster.services.supervisor import RestartPolicy, Supervisor
-from pdcluster.services.text_tokenizer import load_text_tokenizer
 
 log = logging.getLogger("pdcluster.gateway")
 app: FastAPI = create_app(request_id_header=False)  # Serve's proxy sets x-request-id
@@ -100,7 +100,7 @@ class Gateway:
         path = resolve_model_path(cfg.model)
         mc = read_model_config(path)
         max_len = min(cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
-        tokenizer = load_text_tokenizer(path, mc)  # torch-free where the model cache allows (text_tokenizer.py)
+        tokenizer = Tokenizer.from_path(path, mc)  # without transformers where the model cache allows (text_tokenizer.py)
         hash_seed = model_hash_seed(path, cfg.dtype, cfg.kv_cache_dtype, cfg.block_size, cfg.weight_dtype)
         settings = OpenAISettings(
             served_model_names=(cfg.served_model_name,), block_hash_seed=hash_seed,

@@ -2,7 +2,7 @@
 or a test), read from ``app.state`` on every request:
 
     app.state.backend          a pdcluster.services.backend.Backend
-    app.state.tokenizer        a Tokenizer (engine) or TextTokenizer (services/text_tokenizer.py; same model as the backend)
+    app.state.tokenizer        a pdcluster.services.engine.tokenizer.Tokenizer (same model as the backend)
     app.state.openai_settings  an OpenAISettings (served names, body limit, block hashing, API keys)
     app.state.gateway_metrics  a GatewayMetrics (the gateway's own /metrics registry)
 
@@ -16,7 +16,6 @@ from starlette.requests import Request
 
 from pdcluster.services.backend import Backend
 from pdcluster.services.engine.tokenizer import Tokenizer
-from pdcluster.services.text_tokenizer import TextTokenizer
 from pdcluster.services.openai.errors import OpenAIError
 from pdcluster.services.openai.gateway_metrics import GatewayMetrics
 from pdcluster.services.openai.settings import OpenAISettings
@@ -27,7 +26,7 @@ _REQUIRED = ("backend", "tokenizer", "openai_settings", "gateway_metrics")
 @dataclass(frozen=True)
 class Host:
     backend: Backend
-    tokenizer: Tokenizer | TextTokenizer
+    tokenizer: Tokenizer
     settings: OpenAISettings
     metrics: GatewayMetrics
 

@@ -37,7 +37,7 @@ def pair():
 
     path = resolve_model_path(None)
     config = read_model_config(path)
-    light = load_text_tokenizer(path, config)
+    light = load_text_tokenizer(tokenizer_dir(path), config.eos_token_ids)
     assert isinstance(light, TextTokenizer), "the default model's cache has tokenizer.json: no fallback"
     return light, Tokenizer(AutoTokenizer.from_pretrained(str(tokenizer_dir(path))), config.eos_token_ids)
 
@@ -104,12 +104,11 @@ def test_no_chat_template_is_a_value_error_naming_the_fix(pair):
 
 def test_the_gateway_loads_it_without_torch_or_transformers():
     code = ("import sys\n"
-            "import pdcluster.services.gateway.deployment\n"
+            "import pdcluster.services.gateway.deployment as d\n"
             "from pdcluster.services.engine.model.default import resolve_model_path\n"
             "from pdcluster.services.model_meta import read_model_config\n"
-            "from pdcluster.services.text_tokenizer import load_text_tokenizer\n"
             "p = resolve_model_path(None)\n"
-            "t = load_text_tokenizer(p, read_model_config(p))\n"
+            "t = d.Tokenizer.from_path(p, read_model_config(p))  # what the gateway builds\n"
             "assert t.apply_chat_template([{'role': 'user', 'content': 'hi'}])\n"
             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
