@@ -200,6 +200,8 @@ class LocalCluster:
         try:
             if ray.is_initialized():
                 serve.shutdown()
+                if not self.started_ray and self.address is None:
+                    _wait_serve_gone()  # Ray stays: the next cluster's serve.start must not find this controller
         finally:
             if self.started_ray and self._ray is not None:
                 self._ray.stop()
@@ -221,6 +223,24 @@ class LocalCluster:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _wait_serve_gone(timeout_s: float = 30.0) -> None:
+    """Until Serve's controller is gone from the running Ray.  serve.shutdown()
+    kills it with ray.kill, which does not wait; a serve.start() in that moment
+    finds the dying controller by name and deploys onto it (seen in the
+    integration run: every test of the next cluster failed with ActorDiedError)."""
+    import ray
+    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+        except ValueError:
+            return
+        time.sleep(0.1)
+    log.warning("Serve's controller still listed %.0f s after serve.shutdown()", timeout_s)
 
 
 def drain_gateway(timeout_s: float) -> dict:
