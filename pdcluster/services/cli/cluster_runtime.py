@@ -98,7 +98,7 @@ class LocalCluster:
             self.started_ray = True
             if on_ray_started is not None:
                 on_ray_started()
-        else:
+        elif self.address is None:
             progress("deploying onto the Ray this process already runs")
         if self.config.ingress == "gateway":  # the gateway replica listens on host:port itself
             serve.start(proxy_location="Disabled")

@@ -111,9 +111,7 @@ def test_the_gateway_loads_it_without_torch_or_transformers():
             "t = d.Tokenizer.from_path(p, read_model_config(p))  # what the gateway builds\n"
             "assert t.apply_chat_template([{'role': 'user', 'content': 'hi'}])\n"
             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip() == "[]", out.stdout
+    assert _python(code).strip() == "[]"
 
 
 def test_the_engines_tokenizer_works_from_the_cache_files_and_loads_transformers_only_for_hf():
@@ -128,6 +126,11 @@ def test_the_engines_tokenizer_works_from_the_cache_files_and_loads_transformers
             "before = 'transformers' in sys.modules\n"
             "assert len(t.hf) == t.vocab_size and t.hf.encode('hi') == t.encode('hi')\n"
             "print(before, 'transformers' in sys.modules)\n")
+    assert _python(code).split() == ["False", "True"]
+
+
+def _python(code: str) -> str:
+    """What ``code`` prints in a fresh interpreter (which modules it imports is the point)."""
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split() == ["False", "True"], out.stdout
+    return out.stdout
