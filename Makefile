@@ -27,11 +27,11 @@ run: setup
 	$(VENV)/bin/pdcluster up
 
 # pytest exits 5 when it collects nothing, so an empty suite fails here.
-# Unit tests run on two workers (one file per worker at a time); the
-# integration tests, which start clusters and time them, run one at a time.
+# Unit tests run on two workers (one file per worker at a time) at idle CPU
+# priority, beside the integration tests, which start clusters and time them
+# and run one at a time at normal priority: tests/suite.sh.
 test: setup
-	$(PY) -m pytest -ra -n 2 --dist loadfile tests/unit $(PYTEST_ARGS)
-	$(PY) -m pytest -ra tests/integration $(PYTEST_ARGS)
+	tests/suite.sh $(PY) $(PYTEST_ARGS)
 
 test-fast: setup
 	$(PY) -m pytest -ra -m "not slow" $(PYTEST_ARGS)

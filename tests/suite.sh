@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The whole suite, as `make test` runs it: the unit tests on two workers at
+# idle CPU priority (SCHED_IDLE), beside the integration tests at normal
+# priority.  The integration tests start clusters and leave about a quarter of
+# the two cores idle while they wait on them; the unit tests take only that
+# idle time, so they add almost nothing to the wall time and never take a core
+# from a cluster under test.  The integration tests show their progress here;
+# the unit tests' output is kept in runs/unit-tests.log and printed when both
+# halves are done.  Fails when either half fails, or collects nothing
+# (pytest's exit 5).
+#   usage: tests/suite.sh PYTHON [PYTEST_ARGS...]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${1:?usage: tests/suite.sh PYTHON [PYTEST_ARGS...]}
+shift
+mkdir -p runs
+UNIT_LOG=runs/unit-tests.log
+
+idle() {  # SCHED_IDLE where chrt can set it, else the lowest nice value
+  if command -v chrt >/dev/null 2>&1 && chrt --idle 0 true 2>/dev/null; then
+    chrt --idle 0 "$@"
+  else
+    nice -n 19 "$@"
+  fi
+}
+
+echo "==> unit tests: 2 workers at idle priority, beside the integration tests (output: $UNIT_LOG)"
+idle "$PY" -m pytest -ra -n 2 --dist loadfile tests/unit "$@" >"$UNIT_LOG" 2>&1 &
+UNIT_PID=$!
+trap 'kill "$UNIT_PID" 2>/dev/null' INT TERM
+
+echo "==> integration tests, one at a time"
+"$PY" -m pytest -ra tests/integration "$@"
+INTEGRATION_RC=$?
+
+echo "==> waiting for the unit tests"
+wait "$UNIT_PID"
+UNIT_RC=$?
+echo "==> unit tests ($UNIT_LOG), last lines:"
+tail -n 60 "$UNIT_LOG"
+echo "==> unit tests exit $UNIT_RC, integration tests exit $INTEGRATION_RC"
+[ "$UNIT_RC" -eq 0 ] && [ "$INTEGRATION_RC" -eq 0 ]
