@@ -9,3 +9,6 @@ from pdcluster.services.cluster_env import cluster_env
 os.environ.setdefault("TRITON_INTERPRET", "1")
 cluster_env()  # loopback, Serve's throughput mode: what `pdcluster up` runs with
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+# PDCLUSTER_TEST_CPU_REPORT=FILE: each test's wall time and machine CPU (tests/cpu_report.py).
+from tests.cpu_report import pytest_runtest_protocol, pytest_sessionfinish  # noqa: E402,F401
