@@ -1,7 +1,10 @@
 """Where the suite's time goes, by test: with PDCLUSTER_TEST_CPU_REPORT=FILE,
 each test's wall time (setup, call and teardown together) and the CPU the
 whole machine spent meanwhile (from /proc/stat, so Ray's processes and the
-replicas count too), written to FILE as tab-separated lines, slowest first.
+replicas count too), written to FILE as tab-separated lines, slowest first
+(an xdist worker writes FILE.gw0, FILE.gw1, ...).  Under `make test` the unit
+tests run beside the integration tests, so each half's figures include the
+other's CPU: for one half's own, run it alone.
 A test whose machine CPU is far below cores x wall waits on something (a
 start, a timer, a poll); one near it computes.  Off unless the variable is
 set; Linux only."""
@@ -60,6 +63,9 @@ def pytest_sessionfinish(session, exitstatus):
     path = os.environ.get(REPORT_ENV)
     if not path or not _COSTS:
         return
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker:  # an xdist worker: a file of its own beside FILE (FILE.gw0, FILE.gw1, ...)
+        path = f"{path}.{worker}"
     cores = os.cpu_count() or 1
     lines = [c.line(cores) for c in sorted(_COSTS, key=lambda c: -c.wall_s)]
     wall, busy = sum(c.wall_s for c in _COSTS), sum(c.busy_core_s for c in _COSTS)
