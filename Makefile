@@ -27,9 +27,10 @@ run: setup
 	$(VENV)/bin/pdcluster up
 
 # pytest exits 5 when it collects nothing, so an empty suite fails here.
-# Unit tests run on two workers (one file per worker at a time) at idle CPU
-# priority, beside the integration tests, which start clusters and time them
-# and run one at a time at normal priority: tests/suite.sh.
+# tests/suite.sh: the unit tests that time themselves first, by themselves;
+# then the integration tests, which start clusters and time them, one at a
+# time at normal priority, with the other unit tests on two workers (one file
+# per worker at a time) at idle CPU priority beside them.
 test: setup
 	tests/suite.sh $(PY) $(PYTEST_ARGS)
 

@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# The whole suite, as `make test` runs it: the unit tests on two workers at
-# idle CPU priority (SCHED_IDLE), beside the integration tests at normal
-# priority.  The integration tests start clusters and leave about a quarter of
-# the two cores idle while they wait on them; the unit tests take only that
-# idle time, so they add almost nothing to the wall time and never take a core
-# from a cluster under test.  The integration tests show their progress here;
-# the unit tests' output is kept in runs/unit-tests.log and printed when both
-# halves are done.  Fails when either half fails, or collects nothing
-# (pytest's exit 5).
+# The whole suite, as `make test` runs it:
+#   1. the unit tests marked wall_clock (verdicts that rest on a short wall-clock
+#      window: tests/unit/conftest.py), on two workers, by themselves;
+#   2. the other unit tests on two workers at idle CPU priority (SCHED_IDLE),
+#      beside the integration tests at normal priority.  The integration tests
+#      start clusters and leave about a quarter of the two cores idle while they
+#      wait on them; the unit tests take only that idle time, so they add little
+#      to the wall time and never take a core from a cluster under test.
+# The integration tests show their progress here; the background unit tests'
+# output is kept in runs/unit-tests.log and printed when both are done.  Fails
+# when any part fails or collects nothing (pytest's exit 5).
 #   usage: tests/suite.sh PYTHON [PYTEST_ARGS...]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -24,8 +26,12 @@ idle() {  # SCHED_IDLE where chrt can set it, else the lowest nice value
   fi
 }
 
-echo "==> unit tests: 2 workers at idle priority, beside the integration tests (output: $UNIT_LOG)"
-idle "$PY" -m pytest -ra -n 2 --dist loadfile tests/unit "$@" >"$UNIT_LOG" 2>&1 &
+echo "==> unit tests that time themselves (marked wall_clock): 2 workers, by themselves"
+"$PY" -m pytest -ra -n 2 --dist loadfile tests/unit -m wall_clock "$@"
+WALL_CLOCK_RC=$?
+
+echo "==> the other unit tests: 2 workers at idle priority, beside the integration tests (output: $UNIT_LOG)"
+idle "$PY" -m pytest -ra -n 2 --dist loadfile tests/unit -m "not wall_clock" "$@" >"$UNIT_LOG" 2>&1 &
 UNIT_PID=$!
 trap 'kill "$UNIT_PID" 2>/dev/null' INT TERM
 
@@ -38,5 +44,5 @@ wait "$UNIT_PID"
 UNIT_RC=$?
 echo "==> unit tests ($UNIT_LOG), last lines:"
 tail -n 60 "$UNIT_LOG"
-echo "==> unit tests exit $UNIT_RC, integration tests exit $INTEGRATION_RC"
-[ "$UNIT_RC" -eq 0 ] && [ "$INTEGRATION_RC" -eq 0 ]
+echo "==> exit status: wall_clock unit tests $WALL_CLOCK_RC, other unit tests $UNIT_RC, integration tests $INTEGRATION_RC"
+[ "$WALL_CLOCK_RC" -eq 0 ] && [ "$UNIT_RC" -eq 0 ] && [ "$INTEGRATION_RC" -eq 0 ]
