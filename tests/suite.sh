@@ -5,8 +5,8 @@
 #   2. the other unit tests on two workers at idle CPU priority (SCHED_IDLE),
 #      beside the integration tests at normal priority.  The integration tests
 #      start clusters and leave about a quarter of the two cores idle while they
-#      wait on them; the unit tests take only that idle time, so they add little
-#      to the wall time and never take a core from a cluster under test.
+#      wait on them; the unit tests take almost only that idle time, so they add
+#      little to the wall time and next to nothing to a cluster's latency.
 # The integration tests show their progress here; the background unit tests'
 # output is kept in runs/unit-tests.log and printed when both are done.  Fails
 # when any part fails or collects nothing (pytest's exit 5).

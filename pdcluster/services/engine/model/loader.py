@@ -54,7 +54,7 @@ def _materialize(net: torch.nn.Module, dtype: torch.dtype, device: str) -> None:
     """Gives every meta parameter and buffer of ``net`` uninitialised storage on
     ``device``, floating ones in ``dtype`` (what ``.to(dtype).to_empty(device)``
     does, without its meta-tensor dispatch: that imports torch.fx's symbolic
-    shapes and sympy, about 0.4 s of CPU in every replica, for tensors the
+    shapes and sympy, about 0.3 s of CPU in every replica, for tensors the
     loader overwrites next)."""
     for module in net.modules():
         for slots in (module._parameters, module._buffers):
