@@ -62,6 +62,9 @@ class GenerateRequest:
     # This stream's seed and prompt logprobs where they differ from ``params`` (choice k of n,
     # a gateway-drawn seed): data beside the params, which are never rebuilt.  Read ``draw``.
     own_draw: StreamDraw | None = None
+    # time.monotonic() when the gateway began reading it (0: unknown): admission measures the
+    # TTFT it calibrates with from here, as the client sees it, not from its own decision.
+    arrived_at: float = 0.0
 
     @property
     def draw(self) -> StreamDraw:

@@ -15,6 +15,14 @@ own counters are exact and current, unlike stats polled from the replicas:
 The speed model (pdcluster/planning/speed.py) starts from the configured
 profile (autoscaling.speed, what `pdcluster plan --profile` measures) and is
 calibrated online from the measured TTFTs (pdcluster/planning/calibration.py).
+A first token is compared with the model of the work its place actually
+served meanwhile: the prompt tokens answered there from its admission to
+COBATCH_S after its first token, its own included.  Not the queue it was
+admitted behind: an engine step prefills a burst's prompts together, so the
+first of a burst waits for the later ones of its step, and a later arrival
+can overtake an earlier one; against the queue model those first tokens
+look seconds late, and their residuals set a tail margin that refused
+servable requests for minutes (2 s of margin after one burst of 16).
 Nothing is refused on a prediction before MIN_SAMPLES first tokens were
 measured.  ``place`` decides and counts; the ``Ticket`` it returns gives
 the counts back."""
@@ -31,32 +39,66 @@ from pdcluster.services.backend import BackendOverloaded, for_client
 from pdcluster.services.config import AutoscaleSpeed
 from pdcluster.services.engine.sampling_params import DEFAULT_TENANT
 from pdcluster.services.gateway.fair_share import Class, may_take_seat, tokens_ahead
-from pdcluster.services.gateway.placement import DECODE, PREFILL, PlaceLoad, Placement, Rules, Snapshot, place
+from pdcluster.services.gateway.placement import (DECODE, PREFILL, PlaceLoad, Placement, Rules, Snapshot,
+                                                  modelled_ttft_s, place)
 
 MIN_SAMPLES = 4  # first tokens measured (any place) before a prediction may refuse
 ACTIVE_S = 30.0  # a tenant that sent a request this recently shares the decode seats
 MIN_TPOT_TOKENS = 8  # a stream's TPOT calibrates the decode step model from this many tokens on
+COBATCH_S = 0.05  # first tokens this close together at one place came out of one engine step
+ARRIVALS_S = 5.0  # a place's arrival rate (the prompts expected to join a step) is measured over this
 
 # Until the gateway is built from a config: the config's default speed model.
 DEFAULT_RULES = Rules(*AutoscaleSpeed().models())
 
 
 class PlaceQueue:
-    """Prompt tokens admitted to one place and not yet answered with a first token."""
+    """Prompt tokens admitted to one place and not yet answered with a first token,
+    and the calibration of its speed model."""
 
     def __init__(self):
         self.queued_tokens = 0
         self.queued_requests = 0
         self.by_class: dict[Class, int] = {}  # queued prompt tokens per (priority, tenant)
+        self.served_tokens = 0  # prompt tokens answered here with a first token, ever
         self.calibration = Calibration()
+        self._pending: deque[tuple[float, Ticket, float]] = deque()  # (first token at, ticket, measured TTFT)
+        self._arrivals: deque[tuple[float, int]] = deque()  # (admitted at, prompt tokens), the last ARRIVALS_S
 
-    def load(self, live_replicas: int, who: Class | None = None, prompt_tokens: int = 0,
+    @property
+    def num_samples(self) -> int:
+        """First tokens measured here (calibrated with, or waiting COBATCH_S to be)."""
+        return self.calibration.num_samples + len(self._pending)
+
+    def answered(self, ticket: Ticket, measured_s: float, now: float) -> None:
+        """``ticket``'s first token came out ``measured_s`` after the request arrived."""
+        self.settle(now)
+        self.served_tokens += ticket.tokens
+        self._pending.append((now, ticket, measured_s))
+
+    def settle(self, now: float) -> None:
+        """Calibrates with the first tokens older than COBATCH_S, each against the model of the
+        work this place served from its admission until then (its own prompt and any it was
+        batched with or overtaken by)."""
+        while self._pending and self._pending[0][0] + COBATCH_S < now:
+            _, ticket, measured_s = self._pending.popleft()
+            self.calibration.observe(ticket.modelled_for(self.served_tokens - ticket.served_before), measured_s)
+
+    def load(self, live_replicas: int, now: float, who: Class | None = None, prompt_tokens: int = 0,
              weights: dict[str, float] | None = None) -> PlaceLoad:
-        """The place as a request of class ``who`` sees it: the queued work it waits behind."""
+        """The place as a request of class ``who`` sees it: the queued work it waits behind, and
+        the prompts arriving (which join the engine steps it waits for)."""
+        self.settle(now)
+        while self._arrivals and self._arrivals[0][0] < now - ARRIVALS_S:
+            self._arrivals.popleft()
         ahead = self.queued_tokens if who is None else tokens_ahead(self.by_class, who[1], who[0], prompt_tokens,
                                                                    weights or {})
         return PlaceLoad(live_replicas, ahead, self.queued_requests if ahead else 0, self.calibration.predict,
-                         self.calibration.margin_s)
+                         self.calibration.margin_s, sum(t for _, t in self._arrivals) / ARRIVALS_S)
+
+    def admit(self, who: Class, tokens: int, now: float) -> None:
+        self.add(who, tokens, +1)
+        self._arrivals.append((now, tokens))
 
     def add(self, who: Class, tokens: int, sign: int) -> None:
         self.queued_tokens += sign * tokens
@@ -73,10 +115,13 @@ class Ticket:
     ``close()`` when it ends (either order; both idempotent).  ``pool`` is
     where its prompt is prefilled: "prefill" or "decode"."""
 
-    def __init__(self, admission: Admission, placement: Placement, tokens: int, who: Class = (0, DEFAULT_TENANT)):
+    def __init__(self, admission: Admission, placement: Placement, tokens: int, who: Class = (0, DEFAULT_TENANT),
+                 arrived_at: float = 0.0):
         self._admission, self.placement, self.tokens, self.who = admission, placement, tokens, who
         self.pool = placement.pool
-        self._admitted_at = time.monotonic()
+        self.served_before = admission.places[self.pool].served_tokens
+        now = time.monotonic()
+        self._arrived_at = arrived_at if 0 < arrived_at <= now else now  # the gateway's clock, or now
         self._queued, self._open = True, True
         self._streams_at_start = admission.in_flight + 1  # the decode batch it joins (itself included)
         self._first_s = self._last_s = 0.0
@@ -88,9 +133,16 @@ class Ticket:
         if self._queued:
             self._queued = False
             self._first_s = now
-            self._admission._dequeue(self, now - self._admitted_at)
+            self._admission._dequeue(self, now - self._arrived_at)
         self._num_tokens += num_tokens
         self._last_s = now
+
+    def modelled_for(self, served_tokens: int) -> float:
+        """The model's TTFT for this prompt at a place that served ``served_tokens`` (its own
+        included) while it waited, with the replicas and streams of its admission."""
+        p = self.placement
+        load = PlaceLoad(p.live_replicas, max(served_tokens - self.tokens, 0))
+        return modelled_ttft_s(self.tokens, load, self._admission.rules, p.beside_streams, joining=False)
 
     def close(self) -> None:
         if self._queued:
@@ -130,7 +182,7 @@ class Admission:
 
     @property
     def num_measured(self) -> int:
-        return sum(q.calibration.num_samples for q in self.places.values())
+        return sum(q.num_samples for q in self.places.values())
 
     def snapshot(self, prefill_live: int | None, decode_live: int | None, now: float, who: Class | None = None,
                  prompt_tokens: int = 0) -> Snapshot:
@@ -139,17 +191,18 @@ class Admission:
         decode = max(decode_live if decode_live is not None else 1, 1)
         prefill_live = 1 if prefill_live is None else prefill_live
         w = self.tenant_weights
-        prefill = self.places[PREFILL].load(prefill_live, who, prompt_tokens, w) if prefill_live > 0 else None
+        prefill = self.places[PREFILL].load(prefill_live, now, who, prompt_tokens, w) if prefill_live > 0 else None
         while self._decode_busy and self._decode_busy[0][0] < now - self.rules.window_s:
             self._decode_busy.popleft()
-        return Snapshot(prefill=prefill, decode=self.places[DECODE].load(decode, who, prompt_tokens, w),
+        return Snapshot(prefill=prefill, decode=self.places[DECODE].load(decode, now, who, prompt_tokens, w),
                         decode_streams=self.in_flight, decode_seats=self.decode_seats_per_replica * decode,
                         decode_busy_s=sum(s for _, s in self._decode_busy),
                         calibrated=self.num_measured >= MIN_SAMPLES)
 
     def place(self, prompt_tokens: int, prefill_live: int | None, decode_live: int | None,
-              tenant: str = DEFAULT_TENANT, priority: int = 0) -> Ticket:
-        """A ticket naming where the prompt is prefilled, or BackendOverloaded (429 with Retry-After)."""
+              tenant: str = DEFAULT_TENANT, priority: int = 0, arrived_at: float = 0.0) -> Ticket:
+        """A ticket naming where the prompt is prefilled, or BackendOverloaded (429 with Retry-After).
+        ``arrived_at``: time.monotonic() when the gateway got the request (0: now)."""
         if self.in_flight >= self.max_in_flight:
             self.num_over_capacity += 1
             metrics.count_admission_rejection("in_flight_cap")
@@ -183,16 +236,16 @@ class Admission:
                                                "replicas", retry_after_s=choice.retry_after_s))
         if choice.pool == DECODE:
             self._decode_busy.append((now, choice.local_prefill_s))
-        return self._enqueue(choice, prompt_tokens, who)
+        return self._enqueue(choice, prompt_tokens, who, now, arrived_at)
 
-    def _enqueue(self, choice: Placement, prompt_tokens: int, who: Class) -> Ticket:
-        self.places[choice.pool].add(who, prompt_tokens, +1)
+    def _enqueue(self, choice: Placement, prompt_tokens: int, who: Class, now: float, arrived_at: float) -> Ticket:
+        self.places[choice.pool].admit(who, prompt_tokens, now)
         self.in_flight += 1
         self.streams_of[who[1]] = self.streams_of.get(who[1], 0) + 1
         self.num_admitted += 1
         self.placed[choice.pool] += 1
         self.admitted_prompt_tokens += prompt_tokens
-        return Ticket(self, choice, prompt_tokens, who)
+        return Ticket(self, choice, prompt_tokens, who, arrived_at)
 
     def _active(self, tenant: str, now: float) -> list[str]:
         """The tenants that asked within ACTIVE_S (``tenant`` marked as asking now)."""
@@ -223,7 +276,7 @@ class Admission:
         q = self.places[ticket.pool]
         q.add(ticket.who, ticket.tokens, -1)
         if measured_s is not None:
-            q.calibration.observe(ticket.placement.modelled_ttft_s, measured_s)
+            q.answered(ticket, measured_s, time.monotonic())
 
     def view(self) -> dict:
         return {"in_flight": self.in_flight, "shed": self.num_shed, "over_capacity": self.num_over_capacity,

@@ -142,7 +142,8 @@ class ClusterBackend(Backend):
 
     async def _admit(self, req: GenerateRequest) -> Ticket:
         """Where the prompt is prefilled (admission's placement), or 429."""
-        num_tokens, who = len(req.prompt_token_ids), {"tenant": req.params.tenant, "priority": req.params.priority}
+        num_tokens = len(req.prompt_token_ids)
+        who = {"tenant": req.params.tenant, "priority": req.params.priority, "arrived_at": req.arrived_at}
         if self.mode == "colocated":
             return self.admission.place(num_tokens, 0, await self._live_count("colocated"), **who)
         if prefill_locally(num_tokens, self.local_prefill_max_tokens):  # the operator's fixed rule, if set

@@ -7,9 +7,13 @@ snapshot of the gateway's own counters:
 
     work       = prompt tokens queued at p (admitted, no first token yet) + this prompt's
     per_rep    = work / live replicas of p
-    steps      = ceil(per_rep / prompt tokens one step takes there)
+    join       = prompts that will share its last engine step: the room left in that step
+                 (-per_rep mod the step's prompt tokens), at most what arrives at p per replica
+                 in one full step's time (an engine step prefills every prompt waiting when it
+                 starts, and answers them all at its end: under load the last step is full)
+    steps      = ceil((per_rep + join) / prompt tokens one step takes there)
     modelled   = steps x (step overhead [+ a decode step of the streams beside it, on decode])
-                 + per_token x per_rep + per_token2 x prompt^2
+                 + per_token x (per_rep + join) + per_token2 x prompt^2
     ttft_p     = calibrated(modelled)          (pdcluster/planning/calibration.py: measured vs modelled)
 
 The decode replica may prefill only while its streams keep their TPOT:
@@ -38,7 +42,7 @@ and holds the counters."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from pdcluster.planning.speed import PrefillModel, StepModel
@@ -54,6 +58,7 @@ class PlaceLoad:
     queued_requests: int = 0
     calibrated: Callable[[float], float] = field(default=lambda s: s, compare=False)
     tail_s: float = 0.0             # how far its slowest recent TTFTs landed above the calibrated line
+    arriving_tokens_per_s: float = 0.0  # prompt tokens admitted here per second, lately
 
 
 @dataclass(frozen=True)
@@ -88,16 +93,24 @@ class Placement:
     local_prefill_s: float = 0.0    # seconds of decode-replica time this prompt takes (DECODE only)
     reason: str = ""                # why here (counted), or why refused
     retry_after_s: float = 0.0
+    live_replicas: int = 1          # the place's live replicas, and the streams per replica it decodes
+    beside_streams: float | None = None  # beside the prompt (None: a prefill replica): what the model assumed
 
 
-def modelled_ttft_s(prompt_tokens: int, load: PlaceLoad, rules: Rules, beside_streams: float | None = None) -> float:
+def modelled_ttft_s(prompt_tokens: int, load: PlaceLoad, rules: Rules, beside_streams: float | None = None,
+                    joining: bool = True) -> float:
     """The uncalibrated time to a first token at a place (pure); ``beside_streams``: the streams
-    per replica it decodes meanwhile (a decode replica), None for a prefill replica."""
+    per replica it decodes meanwhile (a decode replica), None for a prefill replica; ``joining``:
+    with the prompts expected to join its last step (False: ``load.queued_tokens`` is all of it)."""
     p = rules.prefill
-    per_replica = (load.queued_tokens + prompt_tokens) / max(load.live_replicas, 1)
-    step_tokens = rules.batch_tokens if beside_streams is None else rules.decode_step_tokens
-    steps = max(math.ceil(per_replica / max(step_tokens, 1)), 1)
+    replicas = max(load.live_replicas, 1)
+    per_replica = (load.queued_tokens + prompt_tokens) / replicas
+    step_tokens = max(rules.batch_tokens if beside_streams is None else rules.decode_step_tokens, 1)
     step_extra = rules.step.step_s(beside_streams) if beside_streams else 0.0
+    if joining and load.arriving_tokens_per_s > 0:
+        full_step_s = p.overhead_s + step_extra + p.per_token_s * step_tokens
+        per_replica += min(-per_replica % step_tokens, load.arriving_tokens_per_s / replicas * full_step_s)
+    steps = max(math.ceil(per_replica / step_tokens), 1)
     return steps * (p.overhead_s + step_extra) + p.per_token_s * per_replica + p.per_token2_s * prompt_tokens ** 2
 
 
@@ -130,11 +143,13 @@ def place(prompt_tokens: int, snap: Snapshot, rules: Rules) -> Placement:
     replicas = max(snap.decode.live_replicas, 1)
     beside = snap.decode_streams / replicas
     d_model = modelled_ttft_s(prompt_tokens, snap.decode, rules, beside_streams=beside)
-    local = Placement(DECODE, snap.decode.calibrated(d_model), d_model, local_prefill_s(prompt_tokens, rules))
+    local = Placement(DECODE, snap.decode.calibrated(d_model), d_model, local_prefill_s(prompt_tokens, rules),
+                      live_replicas=replicas, beside_streams=beside)
     if snap.prefill is None or snap.prefill.live_replicas <= 0:
         return _admit_or_refuse(_with(local, "no_prefill_replica"), snap.decode, snap, rules)
     p_model = modelled_ttft_s(prompt_tokens, snap.prefill, rules)
-    remote = Placement(PREFILL, snap.prefill.calibrated(p_model), p_model, reason="prefill_pool")
+    remote = Placement(PREFILL, snap.prefill.calibrated(p_model), p_model, reason="prefill_pool",
+                       live_replicas=snap.prefill.live_replicas)
     keeps, _why = decode_keeps_tpot(prompt_tokens, snap, rules)
     if keeps and local.predicted_ttft_s < remote.predicted_ttft_s:
         return _admit_or_refuse(_with(local, "earlier_on_decode"), snap.decode, snap, rules)
@@ -142,7 +157,7 @@ def place(prompt_tokens: int, snap: Snapshot, rules: Rules) -> Placement:
 
 
 def _with(p: Placement, reason: str) -> Placement:
-    return Placement(p.pool, p.predicted_ttft_s, p.modelled_ttft_s, p.local_prefill_s, reason)
+    return replace(p, reason=reason)
 
 
 def _admit_or_refuse(choice: Placement, load: PlaceLoad, snap: Snapshot, rules: Rules) -> Placement:

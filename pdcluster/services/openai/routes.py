@@ -155,6 +155,7 @@ async def create_chat_completion(request: Request) -> Response:
 
 
 async def _generate(request: Request, kind: type[CompletionRequest] | type[ChatCompletionRequest]) -> Response:
+    arrived_at = time.monotonic()
     host = host_of(request)
     settings = host.settings
     tenant = check_request_rate(request, host)   # a tenant over its requests/s: 429 before any work
@@ -191,7 +192,7 @@ async def _generate(request: Request, kind: type[CompletionRequest] | type[ChatC
     routing = RoutingHeader(prompt.block_hashes, len(prompt.token_ids), settings.block_size, max_tokens)
     chunks = generate_choices(host.backend.generate, GenerateRequest(
         engine_id, prompt.token_ids, params, routing, tracing.inject(),
-        faults.parse(request.headers.get(faults.HEADER), settings.fault_injection)), req.n)
+        faults.parse(request.headers.get(faults.HEADER), settings.fault_injection), arrived_at=arrived_at), req.n)
     if wants_prompt_only:
         chunks = prompt_only(chunks)
     chunks = observe_gateway_stream(chunks, len(prompt.token_ids))  # TTFT/TPOT/E2E, finish reason on the root

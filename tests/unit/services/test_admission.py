@@ -4,11 +4,14 @@ the in-flight cap is a 429."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from pdcluster.services.backend import BackendOverloaded
-from pdcluster.services.gateway.admission import MIN_SAMPLES, Admission
-from pdcluster.services.gateway.placement import DECODE, PREFILL, Rules
+from pdcluster.services.gateway import admission as admission_module
+from pdcluster.services.gateway.admission import COBATCH_S, MIN_SAMPLES, Admission
+from pdcluster.services.gateway.placement import DECODE, PREFILL, PlaceLoad, Rules, modelled_ttft_s
 from pdcluster.planning.calibration import MAX_SLOPE, Calibration, Line, fit
 from pdcluster.planning.speed import PrefillModel, StepModel
 
@@ -46,11 +49,68 @@ def test_tickets_give_back_and_close_twice_is_harmless():
     assert adm.places[PREFILL].queued_tokens == 1500 and adm.places[DECODE].queued_tokens == 100
     t1.first_token()
     t1.first_token()
-    assert adm.places[PREFILL].queued_tokens == 0 and adm.places[PREFILL].calibration.num_samples == 1
+    assert adm.places[PREFILL].queued_tokens == 0 and adm.places[PREFILL].num_samples == 1
     for t in (t1, t2, t1, t2):
         t.close()
     assert adm.in_flight == 0 and adm.places[DECODE].queued_requests == 0
-    assert adm.places[DECODE].calibration.num_samples == 0  # closed before a first token: no sample
+    assert adm.places[DECODE].num_samples == 0  # closed before a first token: no sample
+
+
+class _Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _burst(adm: Admission, clock: _Clock, prompts: int, tokens: int, answer_order: list[int], spread_s: float):
+    """``prompts`` of ``tokens`` admitted to the prefill pool at once, their first tokens all at
+    the time the model gives the whole burst, ``spread_s`` apart, in ``answer_order``."""
+    tickets = [adm.place(tokens, 1, 1) for _ in range(prompts)]
+    assert {t.pool for t in tickets} == {PREFILL}
+    whole = modelled_ttft_s(tokens, PlaceLoad(1, tokens * (prompts - 1)), RULES)
+    for k, i in enumerate(answer_order):
+        clock.now += (whole if k == 0 else spread_s)
+        tickets[i].first_token()
+    clock.now += 1.0
+    adm.snapshot(1, 1, clock.now)  # settles the samples older than COBATCH_S
+    return tickets
+
+
+@pytest.mark.parametrize("order", [[0, 1, 2, 3], [3, 1, 0, 2]], ids=["in_order", "overtaken"])
+def test_a_burst_batched_in_one_step_leaves_no_tail_margin(monkeypatch, order):
+    """Four prompts prefilled as one engine step answer together: each is compared with the
+    work its place served, not the queue it was admitted behind (which called the first of
+    them seconds late and taught admission a tail margin that refused servable requests)."""
+    clock = _Clock()
+    monkeypatch.setattr(admission_module.time, "monotonic", clock)
+    adm = _admission(decode_seats_per_replica=1 << 20)
+    adm.rules = replace(adm.rules, max_local_prefill_s=0.0)  # no decode-side prefill
+    for t in _burst(adm, clock, 4, 256, order, spread_s=COBATCH_S / 4):
+        t.close()
+    cal = adm.places[PREFILL].calibration
+    assert cal.num_samples == 4
+    # against the queue model the first answer lands 768 tokens x 1 ms = 0.77 s late
+    assert cal.margin_s < 0.05 and abs(cal.line.slope - 1.0) < 0.05 and cal.line.offset_s < 0.05
+
+
+def test_first_tokens_of_separate_steps_keep_their_own_work(monkeypatch):
+    """Answers further apart than COBATCH_S are separate steps: a late one is late."""
+    clock = _Clock()
+    monkeypatch.setattr(admission_module.time, "monotonic", clock)
+    adm = _admission(decode_seats_per_replica=1 << 20)
+    adm.rules = replace(adm.rules, max_local_prefill_s=0.0)
+    first, second = adm.place(256, 1, 1), adm.place(256, 1, 1)
+    alone = modelled_ttft_s(256, PlaceLoad(1, 0), RULES)
+    clock.now += alone
+    first.first_token()
+    clock.now += 3.0  # the second comes 3 s after the model's time for both: the place was slow
+    second.first_token()
+    clock.now += 1.0
+    adm.snapshot(1, 1, clock.now)
+    cal = adm.places[PREFILL].calibration
+    assert cal.num_samples == 2 and cal.margin_s > 1.0
 
 
 def test_refusal_waits_for_measurements_then_gives_retry_after():

@@ -83,9 +83,9 @@ def test_a_flood_is_refused_its_excess_while_another_tenant_is_admitted():
 def test_one_tenant_sees_the_whole_queue_as_before():
     adm = _calibrated()
     for _ in range(3):
-        adm.place(500, prefill_live=1, decode_live=1)
-    assert adm.snapshot(1, 1, 0.0).prefill.queued_tokens == 1500
-    assert adm.snapshot(1, 1, 0.0, who=(0, "default"), prompt_tokens=10).prefill.queued_tokens == 1500
+        adm.place(400, prefill_live=1, decode_live=1)
+    assert adm.snapshot(1, 1, 0.0).prefill.queued_tokens == 1200
+    assert adm.snapshot(1, 1, 0.0, who=(0, "default"), prompt_tokens=10).prefill.queued_tokens == 1200
 
 
 def test_a_flood_is_kept_within_the_tpot_budget_while_another_tenant_is_active():

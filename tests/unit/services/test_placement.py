@@ -89,6 +89,22 @@ def test_modelled_ttft_batches_the_queue_into_steps():
     assert modelled_ttft_s(100, PlaceLoad(1, 0, 0), RULES, beside_streams=10) == pytest.approx(0.04 + 0.02 + 0.1)
 
 
+@pytest.mark.parametrize("queued, arriving, expected_tokens", [
+    (0, 0.0, 100),          # nothing arriving: its step holds its own prompt only
+    (0, 400.0, 100 + 400 * 1.044),  # 400 tok/s for one full step (20 ms + 1024 x 1 ms): 418 join it
+    (0, 1e6, 1024),         # a flood fills its step, no more
+    (1000, 1e6, 1100 + 948),  # behind a full step: its own step (the second) fills up too
+])
+def test_prompts_arriving_join_its_last_step(queued, arriving, expected_tokens):
+    """An engine step answers every prompt it holds at its end, so the prompts that arrive before
+    its last step starts delay its first token: under load that step is full."""
+    load = PlaceLoad(1, queued, 1, arriving_tokens_per_s=arriving)
+    steps = -(-expected_tokens // 1024)
+    assert modelled_ttft_s(100, load, RULES) == pytest.approx(steps * 0.02 + expected_tokens * 0.001)
+    assert modelled_ttft_s(100, load, RULES, joining=False) == pytest.approx(-(-(queued + 100) // 1024) * 0.02
+                                                                             + (queued + 100) * 0.001)
+
+
 def test_calibration_is_applied_to_each_place():
     slow_prefill = PlaceLoad(1, 0, 0, calibrated=lambda s: 10 * s)  # measured 10x the model
     p = place(400, Snapshot(prefill=slow_prefill, decode=PlaceLoad(1)), RULES)
