@@ -48,6 +48,7 @@ class Goodput:
     good: int
     chats: int         # short-chat requests (workload ii's protected class)
     chats_good: int
+    misses: str = ""   # by bucket and reason (``misses``)
 
     @property
     def ratio(self) -> float:
@@ -61,11 +62,31 @@ def is_good(r: RequestRecord) -> bool:
     return r.tpot_s is None or r.tpot_s <= TPOT_SLO_S
 
 
+def miss_reason(r: RequestRecord) -> str | None:
+    """Why a request was not good: its error ("http_429", ...), "ttft", "tpot"; None when good (pure)."""
+    if not r.ok:
+        return r.error or "error"
+    if r.ttft_s is None or r.ttft_s > TTFT_SLO_S:
+        return "ttft"
+    return None if r.tpot_s is None or r.tpot_s <= TPOT_SLO_S else "tpot"
+
+
+def misses(records: list[RequestRecord]) -> str:
+    """The misses by bucket and reason, most first, e.g. "long_input ttft 3, short_chat http_429 1" (pure)."""
+    counts: dict[tuple[str, str], int] = {}
+    for r in records:
+        reason = miss_reason(r)
+        if reason is not None:
+            counts[(r.bucket, reason)] = counts.get((r.bucket, reason), 0) + 1
+    return ", ".join(f"{b} {why} {n}" for (b, why), n in sorted(counts.items(), key=lambda kv: -kv[1])) or "none"
+
+
 def goodput(records: list[RequestRecord]) -> Goodput:
     chats = [r for r in records if r.bucket == "short_chat"]
     return Goodput(sent=len(records), served=sum(r.ok for r in records),
                    refused=sum(r.error == "http_429" for r in records),
-                   good=sum(is_good(r) for r in records), chats=len(chats), chats_good=sum(is_good(r) for r in chats))
+                   good=sum(is_good(r) for r in records), chats=len(chats), chats_good=sum(is_good(r) for r in chats),
+                   misses=misses(records))
 
 
 def _bucket(name: str, share: float, tokens_in: int, tokens_out: int) -> dict:
@@ -182,6 +203,10 @@ def main(argv: list[str] | None = None) -> int:
             g = by_case[key]
             print(f"{key:10} | {name:9} | {g.sent:4} | {g.served:6} | {g.refused:3} | {g.good:4} | "
                   f"{g.ratio:7.2%} | {g.chats_good}/{g.chats}")
+    for key in cases:
+        for name, by_case in results.items():
+            if by_case[key].sent:
+                print(f"# {key} {name} misses: {by_case[key].misses}")
     ours_r, peer_r = results["pdcluster"], results["vLLM"]
     print_target("i_mix_goodput", ours_r["i_mix"].ratio, ">=", 0.95)
     print_target("i_mix_goodput_vs_vllm", ours_r["i_mix"].ratio / max(peer_r["i_mix"].ratio, 1e-9), ">=", 1.5)

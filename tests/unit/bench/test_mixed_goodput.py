@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from bench.load.client import RequestRecord
-from bench.load.mixed_goodput import goodput, is_good, workloads
+from bench.load.mixed_goodput import goodput, is_good, misses, workloads
 
 
 def rec(bucket="short_chat", ttft=0.5, e2e=3.0, out=64, error=None) -> RequestRecord:
@@ -29,6 +29,13 @@ def test_goodput_counts_refusals_as_misses_and_chats_apart():
     g = goodput([rec(), rec(error="http_429", ttft=None, e2e=None), rec(bucket="burst_3k", ttft=4.0)])
     assert (g.sent, g.served, g.refused, g.good, g.chats, g.chats_good) == (3, 2, 1, 1, 2, 1)
     assert g.ratio == pytest.approx(1 / 3)
+    assert g.misses == "short_chat http_429 1, burst_3k ttft 1"
+
+
+def test_misses_name_the_bucket_and_the_reason_most_first():
+    assert misses([rec(e2e=10.0), rec(bucket="long_input", ttft=2.5), rec(bucket="long_input", ttft=3.0),
+                   rec()]) == "long_input ttft 2, short_chat tpot 1"
+    assert misses([rec()]) == "none"
 
 
 def test_workloads_scale_the_rates_and_burst_period():
