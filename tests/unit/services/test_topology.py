@@ -4,7 +4,7 @@ password, and `pdcluster up --head` fills in the multi-host default."""
 
 import pytest
 
-from pdcluster.services.app import build_app
+from pdcluster.services.app import SHUTDOWN_POLL_S, build_app
 from pdcluster.services.cli.head import with_multi_host_topology
 from pdcluster.services.config import ClusterConfig
 from pdcluster.services.topology import TopologySettings, multi_host_defaults
@@ -37,6 +37,13 @@ def test_a_stopped_pool_replica_drains_for_the_configured_shutdown_timeout(timeo
     deployments = {d.name: d for d in _deployments(build_app(ClusterConfig(shutdown_timeout_s=timeout_s)))}
     assert {n: deployments[n]._deployment_config.graceful_shutdown_timeout_s for n in ("prefill", "decode")} == \
         {"prefill": timeout_s, "decode": timeout_s}
+
+
+def test_a_stopping_replica_with_nothing_in_flight_is_not_held_for_serves_2_s_poll():
+    deployments = {d.name: d for d in _deployments(build_app(ClusterConfig()))}
+    assert {n: d._deployment_config.graceful_shutdown_wait_loop_s for n, d in deployments.items()} == \
+        {"gateway": SHUTDOWN_POLL_S, "prefill": SHUTDOWN_POLL_S, "decode": SHUTDOWN_POLL_S}
+    assert SHUTDOWN_POLL_S < 2.0  # Serve's default
 
 
 def _deployments(app) -> list:

@@ -50,6 +50,22 @@ def _load_tensors(path: Path) -> dict[str, torch.Tensor]:
     return state
 
 
+def _materialize(net: torch.nn.Module, dtype: torch.dtype, device: str) -> None:
+    """Gives every meta parameter and buffer of ``net`` uninitialised storage on
+    ``device``, floating ones in ``dtype`` (what ``.to(dtype).to_empty(device)``
+    does, without its meta-tensor dispatch: that imports torch.fx's symbolic
+    shapes and sympy, about 0.3 s of CPU in every replica, for tensors the
+    loader overwrites next)."""
+    for module in net.modules():
+        for slots in (module._parameters, module._buffers):
+            for name, t in list(slots.items()):
+                if t is None or t.device.type != "meta":
+                    continue
+                real = torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device=device)
+                slots[name] = torch.nn.Parameter(real, requires_grad=t.requires_grad) \
+                    if isinstance(t, torch.nn.Parameter) else real
+
+
 def load_model(model: str | None = None, dtype: str | torch.dtype = "bfloat16",
                device: str = "cpu", weight_dtype: str = "auto") -> LoadedModel:
     """``weight_dtype`` "int8": the decoder projections in int8 (pdcluster/services/engine/model/weight_quant.py);
@@ -65,9 +81,9 @@ def load_model(model: str | None = None, dtype: str | torch.dtype = "bfloat16",
     cfg = read_model_config(path)
     state = _load_tensors(path)
     with torch.device("meta"):
-        net = LlamaModel(cfg).to(torch_dtype)  # cast while still free: no fp32 copy to allocate
-    net = net.to_empty(device=device)
-    net.reset_rope()  # fp32 caches, rebuilt after to_empty and the cast
+        net = LlamaModel(cfg)
+    _materialize(net, torch_dtype, device)
+    net.reset_rope()  # fp32 caches, built once the weights are real
     net.load_hf_state(state)
     net.eval().requires_grad_(False)
     tokenizer = Tokenizer.from_path(path, cfg)
