@@ -17,7 +17,13 @@ MAX_SLOPE]: no sample makes the model predict a negative or absurd time.
 The line predicts the typical TTFT; ``margin_s`` is how far above it the
 slowest tenth of the window's samples landed (the 90th percentile of the
 positive residuals), so that a refusal rule can bound the tail, not the
-mean."""
+mean.  Both resist a few outliers: at least TAIL_SUPPORT samples land at or
+above the margin (of 11 samples the 90th percentile is the second largest,
+which one slow pair sets), and the line is fitted again without the samples
+above it.  Measured here: the decode replica's first two first tokens after
+start took 3.1-3.2 s for 60-token prompts (0.17 s after), and with them in a
+window of 11 the line's offset rose about 0.8 s and the margin to 2.5 s,
+which refused a 119-token chat 68 s later."""
 
 from __future__ import annotations
 
@@ -29,6 +35,7 @@ PRIOR_WEIGHT = 2.0
 SCALE_S = 1.0
 MIN_SLOPE, MAX_SLOPE = 0.2, 10.0
 TAIL = 0.9
+TAIL_SUPPORT = 3  # samples at or above the tail margin
 
 
 @dataclass(frozen=True)
@@ -41,9 +48,20 @@ class Line:
 
 
 def tail_margin_s(samples: list[tuple[float, float]] | deque, line: Line, tail: float = TAIL) -> float:
-    """The ``tail`` quantile of how far measured TTFTs landed above the line (pure; >= 0)."""
+    """The ``tail`` quantile of how far measured TTFTs landed above the line, with at least
+    TAIL_SUPPORT samples at or above it (pure; >= 0)."""
     over = sorted(max(y - line(x), 0.0) for x, y in samples)
-    return over[min(int(tail * len(over)), len(over) - 1)] if over else 0.0
+    return over[max(min(int(tail * len(over)), len(over) - TAIL_SUPPORT), 0)] if over else 0.0
+
+
+def robust_fit(samples: list[tuple[float, float]] | deque) -> tuple[Line, float]:
+    """The line fitted again without the samples above the first fit's tail margin, and the
+    tail margin over the new line (pure)."""
+    line = fit(samples)
+    if len(samples) > TAIL_SUPPORT:
+        cut = tail_margin_s(samples, line)
+        line = fit([(x, y) for x, y in samples if y - line(x) <= cut])
+    return line, tail_margin_s(samples, line)
 
 
 def fit(samples: list[tuple[float, float]] | deque, prior_weight: float = PRIOR_WEIGHT) -> Line:
@@ -81,8 +99,7 @@ class Calibration:
     def observe(self, modelled_s: float, measured_s: float) -> None:
         if modelled_s >= 0 and measured_s >= 0:
             self._samples.append((modelled_s, measured_s))
-            self.line = fit(self._samples)
-            self.margin_s = tail_margin_s(self._samples, self.line)
+            self.line, self.margin_s = robust_fit(self._samples)
 
     def predict(self, modelled_s: float) -> float:
         return self.line(modelled_s)

@@ -99,18 +99,21 @@ def test_first_tokens_of_separate_steps_keep_their_own_work(monkeypatch):
     """Answers further apart than COBATCH_S are separate steps: a late one is late."""
     clock = _Clock()
     monkeypatch.setattr(admission_module.time, "monotonic", clock)
-    adm = _admission(decode_seats_per_replica=1 << 20)
+    adm = _admission(decode_seats_per_replica=1 << 20, shed=False)  # learns, never refuses
     adm.rules = replace(adm.rules, max_local_prefill_s=0.0)
-    first, second = adm.place(256, 1, 1), adm.place(256, 1, 1)
     alone = modelled_ttft_s(256, PlaceLoad(1, 0), RULES)
-    clock.now += alone
-    first.first_token()
-    clock.now += 3.0  # the second comes 3 s after the model's time for both: the place was slow
-    second.first_token()
-    clock.now += 1.0
-    adm.snapshot(1, 1, clock.now)
+    both = modelled_ttft_s(256, PlaceLoad(1, 256), RULES, joining=False)
+    for _ in range(4):
+        first, second = adm.place(256, 1, 1), adm.place(256, 1, 1)
+        clock.now += alone
+        first.first_token()
+        clock.now += 3.0  # the second comes 3 s after the first: the place was slow
+        second.first_token()
+        clock.now += 1.0
+        adm.snapshot(1, 1, clock.now)
+        first.close(), second.close()
     cal = adm.places[PREFILL].calibration
-    assert cal.num_samples == 2 and cal.margin_s > 1.0
+    assert cal.num_samples == 8 and cal.predict(both) + cal.margin_s > both + 2.0
 
 
 def test_refusal_waits_for_measurements_then_gives_retry_after():
@@ -164,6 +167,27 @@ def test_spread_samples_set_the_slope():
     samples = [(x, 0.05 + 2.0 * x) for x in (0.1, 0.5, 1.0, 2.0, 4.0)] * 4  # twice as slow as modelled
     line = fit(samples)
     assert 1.9 <= line.slope <= 2.0 and line.offset_s <= 0.15  # the prior's pull (2 samples' weight) is small
+
+
+def test_two_cold_outliers_set_neither_the_line_nor_the_tail():
+    """The decode place's samples of one mixed_goodput run: two first tokens 3 s late right
+    after start, then nine on the model (residuals ~0.02 s)."""
+    c = Calibration()
+    samples = [(0.111, 3.194), (0.162, 3.097), (0.153, 0.179), (0.154, 0.172), (0.177, 0.190), (0.155, 0.162),
+               (0.145, 0.140), (0.158, 0.170), (0.171, 0.241), (0.154, 0.166), (0.150, 0.120)]
+    for x, y in samples:
+        c.observe(x, y)
+    assert c.predict(0.15) < 0.25 and c.margin_s < 0.1
+    plain = fit(samples)  # the plain fit and 90th percentile: offset and margin both near a second or more
+    assert plain(0.15) > 0.5 and sorted(max(y - plain(x), 0.0) for x, y in samples)[int(0.9 * 11)] > 1.0
+
+
+def test_a_real_tail_is_kept():
+    """A tenth of the samples 1 s late, spread through the window: the margin stays about 1 s."""
+    c = Calibration()
+    for i in range(60):
+        c.observe(0.2, 1.2 if i % 10 == 0 else 0.2)
+    assert c.predict(0.2) + c.margin_s == pytest.approx(1.2, abs=0.1)
 
 
 def test_calibration_bounds_and_ignores_nonsense():
