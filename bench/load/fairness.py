@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         config = Path(tmp) / "tenants.yaml"
         config.write_text(yaml.safe_dump(_config(keys, operator)))
         (REPO / "runs").mkdir(exist_ok=True)
-        ours = OurServer(config, free_service_port(), REPO / "runs" / "fairness_ours.log", ready_path="/health")
+        ours = OurServer(config, free_service_port(), REPO / "runs" / "fairness_ours.log")
         print("... pdcluster: launching", file=sys.stderr, flush=True)
         ours.start()
         try:

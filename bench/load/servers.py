@@ -76,7 +76,9 @@ class OurServer:
     log: Path
     name: str = "pdcluster"
     launch_to_ready_s: float = 0.0
-    ready_path: str = "/v1/models"   # /health where the config sets API keys
+    # /health: 200 once every pool the mode needs has a live replica (a request sent now succeeds).
+    # /v1/models answers about 2.5 s before that, and the first requests sent then took 3 s here.
+    ready_path: str = "/health"
     extra_args: tuple[str, ...] = ()  # more `pdcluster up` flags, e.g. ("--weight-dtype", "int8")
     _proc: subprocess.Popen | None = field(default=None, repr=False)
 
