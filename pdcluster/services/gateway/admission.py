@@ -64,6 +64,7 @@ class PlaceQueue:
         self.calibration = Calibration()
         self._pending: deque[tuple[float, Ticket, float]] = deque()  # (first token at, ticket, measured TTFT)
         self._arrivals: deque[tuple[float, int]] = deque()  # (admitted at, prompt tokens), the last ARRIVALS_S
+        self._arriving_tokens = 0  # their sum
 
     @property
     def num_samples(self) -> int:
@@ -90,15 +91,16 @@ class PlaceQueue:
         the prompts arriving (which join the engine steps it waits for)."""
         self.settle(now)
         while self._arrivals and self._arrivals[0][0] < now - ARRIVALS_S:
-            self._arrivals.popleft()
+            self._arriving_tokens -= self._arrivals.popleft()[1]
         ahead = self.queued_tokens if who is None else tokens_ahead(self.by_class, who[1], who[0], prompt_tokens,
                                                                    weights or {})
         return PlaceLoad(live_replicas, ahead, self.queued_requests if ahead else 0, self.calibration.predict,
-                         self.calibration.margin_s, sum(t for _, t in self._arrivals) / ARRIVALS_S)
+                         self.calibration.margin_s, self._arriving_tokens / ARRIVALS_S)
 
     def admit(self, who: Class, tokens: int, now: float) -> None:
         self.add(who, tokens, +1)
         self._arrivals.append((now, tokens))
+        self._arriving_tokens += tokens
 
     def add(self, who: Class, tokens: int, sign: int) -> None:
         self.queued_tokens += sign * tokens
