@@ -187,9 +187,16 @@ class SchedulerSettings(_Strict):
                                "returns them sooner (128 tokens: about 0.3 s on 2 AVX2 threads, at the same "
                                "tokens/s as 1024-token steps)")
     decode_step_prefill_tokens: int = Field(
-        256, ge=1, description="disaggregated mode: prompt tokens a decode replica prefills per step (its own "
-                               "prompts, resumed streams), beside its decodes: bounds the pause its streams see "
-                               "(256 tokens: about 0.3 s on one 2-core-machine thread)")
+        256, ge=1, description="prompt tokens a replica that decodes (a decode replica: its own prompts, resumed "
+                               "streams; a colocated replica: every prompt) prefills per step beside its decodes: "
+                               "bounds the pause its streams see (256 tokens: about 0.3 s on one 2-core-machine "
+                               "thread)")
+    long_prefill_tokens: int = Field(
+        512, ge=0, description="replicas that decode (colocated, and decode replicas prefilling their own prompts) "
+                               "prefill prompts with at most this many tokens left to compute ahead of longer "
+                               "ones, which take what each step leaves, one at a time: a short chat is not queued "
+                               "behind a long prompt.  Admission predicts the same order.  A prefill replica "
+                               "keeps arrival order.  0: arrival order everywhere")
     kv_watermark_high: float = Field(0.97, gt=0, le=1)
     kv_watermark_low: float = Field(0.90, gt=0, le=1)
 
@@ -491,17 +498,20 @@ class ClusterConfig(_Strict):
             scheduler=self._scheduler_config(pool), kv_tiers=self.kv_tiers.engine(replica))
 
     def _scheduler_config(self, pool: PoolConfig) -> SchedulerConfig:
-        """A decode replica's steps take at most ``decode_step_prefill_tokens`` of prompt beside its decodes."""
+        """A replica that decodes (a decode replica, a colocated one) takes at most
+        ``decode_step_prefill_tokens`` of prompt per step beside its decodes."""
         s = self.scheduler
         batched, chunk = s.max_num_batched_tokens, s.prefill_chunk_size
-        if self.mode == "disaggregated" and pool is self.decode:
+        if self.mode == "colocated" or pool is self.decode:
             batched = min(batched, s.max_num_seqs + s.decode_step_prefill_tokens)
             chunk = min(chunk, s.decode_step_prefill_tokens)
         elif self.mode == "disaggregated" and pool is self.prefill:
             # Nothing decodes there: the oldest prompt takes the whole step, so prompts finish in
             # arrival order (as admission's speed model assumes) instead of side by side, each later.
             chunk = batched
+        decodes = self.mode == "colocated" or pool is self.decode
         return SchedulerConfig(max_num_seqs=s.max_num_seqs, max_num_batched_tokens=batched, prefill_chunk_size=chunk,
                                borrowed_prefill_tokens=s.borrowed_prefill_tokens,
+                               long_prefill_tokens=s.long_prefill_tokens if decodes else 0,
                                kv_watermark_high=s.kv_watermark_high, kv_watermark_low=s.kv_watermark_low,
                                tenant_weights=tuple((t.name, t.weight) for t in self.tenants if t.weight != 1))

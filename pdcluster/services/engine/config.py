@@ -16,6 +16,11 @@ class SchedulerConfig:
     # back sooner.  128: a 2,900-token prompt prefilled in 128-token steps ran at 431 tok/s,
     # in 1024-token steps at 403-454 (2 AVX2 threads, 2026-12-04), a step then 0.3 s vs 2.4 s.
     borrowed_prefill_tokens: int = 128
+    # Prompts with more than this many tokens left to compute yield to shorter ones: a step
+    # schedules the short prefills first and gives what is left to at most max_long_prefills
+    # long ones, so a short chat is not queued behind a 3,000-token prompt.  0: arrival order.
+    long_prefill_tokens: int = 0
+    max_long_prefills: int = 1
     kv_watermark_high: float = 0.97     # stop admitting above this KV usage ...
     kv_watermark_low: float = 0.90      # ... until usage falls below this
     tenant_weights: tuple[tuple[str, float], ...] = ()  # (tenant, weight): fair shares (fair_queue.py); absent: 1
@@ -29,6 +34,10 @@ class SchedulerConfig:
             raise ValueError(f"prefill_chunk_size must be >= 1, got {self.prefill_chunk_size}")
         if not 1 <= self.borrowed_prefill_tokens:
             raise ValueError(f"borrowed_prefill_tokens must be >= 1, got {self.borrowed_prefill_tokens}")
+        if self.long_prefill_tokens < 0:
+            raise ValueError(f"long_prefill_tokens must be >= 0 (0: arrival order), got {self.long_prefill_tokens}")
+        if self.max_long_prefills < 1:
+            raise ValueError(f"max_long_prefills must be >= 1, got {self.max_long_prefills}")
         if not 0 < self.kv_watermark_low <= self.kv_watermark_high <= 1:
             raise ValueError(
                 f"need 0 < kv_watermark_low ({self.kv_watermark_low}) <= kv_watermark_high "

@@ -222,11 +222,16 @@ class Scheduler:
         # Prompt tokens this step may take: fewer on borrowed cores, whose owner gets them
         # back between steps (decode tokens are not counted against it).
         prompt_left = self.config.borrowed_prefill_tokens if self.borrowing else budget
+        deferred: list[Request] = []  # long prefills: they take what the rest of the step leaves
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             if req.num_computed_tokens < req.num_prompt_tokens:
+                if self._is_long(req):
+                    deferred.append(req)
+                    i += 1
+                    continue
                 num_new = min(num_new, self.config.prefill_chunk_size, prompt_left)
                 if num_new <= 0:
                     i += 1
@@ -241,12 +246,50 @@ class Scheduler:
             budget -= entry.num_new_tokens
             i += 1
         if not out.preempted:
-            self._admit(out, min(budget, prompt_left))
+            taken = self._admit(out, min(budget, prompt_left), long_slots=self.config.max_long_prefills - len(deferred))
+            budget, prompt_left = budget - taken, prompt_left - taken
+        self._schedule_long(out, deferred, min(budget, prompt_left))
         now = time.monotonic()
         for s in out.scheduled:
             if s.request.first_scheduled_s is None:  # queue time ends at its first step
                 s.request.first_scheduled_s = now
         return out
+
+    def _is_long(self, req: Request, done: int | None = None) -> bool:
+        """More than ``long_prefill_tokens`` of its prompt left to compute past ``done`` tokens
+        (default: those computed); never with the rule off."""
+        n = self.config.long_prefill_tokens
+        return n > 0 and req.num_tokens - (req.num_computed_tokens if done is None else done) > n
+
+    def _schedule_long(self, out: SchedulerOutput, deferred: list[Request], budget: int) -> None:
+        """The long prefills that yielded to the rest of the step take what it left, oldest first, at
+        most ``max_long_prefills`` of them.  Their blocks come from free ones only: the requests a
+        preemption would take may already be in this step.  Only a step with nothing else in it
+        preempts for them, as every step did before (else a long prompt alone could wait forever)."""
+        slots = self.config.max_long_prefills
+        for req in deferred:
+            if slots <= 0 or budget <= 0:
+                return
+            if req.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this step
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget, self.config.prefill_chunk_size)
+            if out.is_empty:
+                if not self._grow(req, num_new, out):
+                    return
+            else:
+                have = len(req.block_ids) + self.kv.num_free_blocks
+                num_new = min(num_new, have * self.block_size - req.num_computed_tokens)
+                need = _cdiv(req.num_computed_tokens + num_new, self.block_size) - len(req.block_ids)
+                if num_new <= 0:
+                    return
+                if need > 0:
+                    got = self.kv.allocate(need, req.params.tenant)
+                    if got is None:
+                        return
+                    req.block_ids.extend(got)
+            out.add(ScheduledRequest(req, num_new))
+            budget -= num_new
+            slots -= 1
 
     def _grow(self, req: Request, num_new: int, out: SchedulerOutput) -> bool:
         """Allocates blocks for ``num_new`` more tokens, preempting the newest
@@ -297,31 +340,40 @@ class Scheduler:
             self._admission_paused = False
         return not self._admission_paused
 
-    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+    def _admit(self, out: SchedulerOutput, budget: int, long_slots: int = 1 << 30) -> int:
+        """Admits waiting requests in queue order within ``budget`` prompt tokens; returns the
+        tokens they take.  A long one (``_is_long``) waits while ``long_slots`` long prefills
+        already run, and the shorter ones behind it go ahead."""
         cfg, bs = self.config, self.block_size
-        while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
+        start, j = budget, 0
+        while j < len(self.waiting) and budget > 0 and len(self.running) < cfg.max_num_seqs:
             if self.running and not self._admission_open():
-                return
-            req = self.waiting[0]
+                break
+            req = self.waiting[j]
             # Keep at least one token to compute: its logits give the next token.
             hashes = self.update_hashes(req)[: (req.num_tokens - 1) // bs]
             if req.draw.prompt_logprobs is not None and not req.output_token_ids:
                 hashes = []  # prompt logprobs need every position's logits: a cached block has none
             match = self.kv.match_prefix(hashes, req.all_token_ids)
-            if self.tiers is not None and self._park(req, hashes, match):
+            if self.tiers is not None and self._park(j, req, hashes, match):
                 continue
             cached = match.num_blocks * bs
+            long = self._is_long(req, cached)
+            if long and long_slots <= 0:
+                j += 1
+                continue
             num_new = min(req.num_tokens - cached, budget)
             if cached + num_new < req.num_prompt_tokens:
                 num_new = min(num_new, cfg.prefill_chunk_size)
             need = _cdiv(cached + num_new, bs) - match.num_blocks
             free_after = self.kv.num_free_blocks - match.num_evictable - need
             if free_after < 0:
-                return
+                break
             if self.running and 1 - free_after / self.kv.num_total_blocks > cfg.kv_watermark_high:
                 self._admission_paused = True
-                return
-            self.waiting.popleft()
+                break
+            del self.waiting[j]
+            long_slots -= long
             self.fair.taken(req.fair_tag)
             if self.tiers is not None:
                 self.tiers.count_admission(req.request_id in self._tier_loaded)
@@ -335,10 +387,11 @@ class Scheduler:
             self.num_prompt_tokens_cached += cached
             out.add(ScheduledRequest(req, num_new))
             budget -= num_new
+        return start - budget
 
     # ---- tiers under the pool (kv_tiers.py) ----------------------------
-    def _park(self, req: Request, hashes: list[int], match: PrefixMatch) -> bool:
-        """Loads the next blocks of the head of ``waiting`` from a tier, if one
+    def _park(self, j: int, req: Request, hashes: list[int], match: PrefixMatch) -> bool:
+        """Loads the next blocks of ``req`` (``waiting[j]``) from a tier, if one
         holds them and the pool has room for them below the high watermark;
         True when it did (then admission looks at the queue again).  Host
         blocks land at once; disk blocks are filled off this thread while the
@@ -365,7 +418,7 @@ class Scheduler:
         if landed is not None:
             self._hold(req, landed)
         else:
-            self.waiting.popleft()
+            del self.waiting[j]
             self.loading[req.request_id] = req
         return True
 

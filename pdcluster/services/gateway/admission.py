@@ -56,11 +56,14 @@ class PlaceQueue:
     """Prompt tokens admitted to one place and not yet answered with a first token,
     and the calibration of its speed model."""
 
-    def __init__(self):
+    def __init__(self, long_prefill_tokens: int = 0):
+        self.long_prefill_tokens = long_prefill_tokens  # 0: the place prefills in arrival order
         self.queued_tokens = 0
+        self.queued_long_tokens = 0  # of them: prompts over long_prefill_tokens, which yield to shorter ones
         self.queued_requests = 0
         self.by_class: dict[Class, int] = {}  # queued prompt tokens per (priority, tenant)
         self.served_tokens = 0  # prompt tokens answered here with a first token, ever
+        self.served_long_tokens = 0  # of them: long prompts'
         self.calibration = Calibration()
         self._pending: deque[tuple[float, Ticket, float]] = deque()  # (first token at, ticket, measured TTFT)
         self._arrivals: deque[tuple[float, int]] = deque()  # (admitted at, prompt tokens), the last ARRIVALS_S
@@ -75,7 +78,11 @@ class PlaceQueue:
         """``ticket``'s first token came out ``measured_s`` after the request arrived."""
         self.settle(now)
         self.served_tokens += ticket.tokens
+        self.served_long_tokens += ticket.tokens if self.is_long(ticket.tokens) else 0
         self._pending.append((now, ticket, measured_s))
+
+    def is_long(self, prompt_tokens: int) -> bool:
+        return 0 < self.long_prefill_tokens < prompt_tokens
 
     def settle(self, now: float) -> None:
         """Calibrates with the first tokens older than COBATCH_S, each against the model of the
@@ -83,7 +90,9 @@ class PlaceQueue:
         batched with or overtaken by)."""
         while self._pending and self._pending[0][0] + COBATCH_S < now:
             _, ticket, measured_s = self._pending.popleft()
-            self.calibration.observe(ticket.modelled_for(self.served_tokens - ticket.served_before), measured_s)
+            self.calibration.observe(ticket.modelled_for(self.served_tokens - ticket.served_before,
+                                                         self.served_long_tokens - ticket.served_long_before),
+                                     measured_s)
 
     def load(self, live_replicas: int, now: float, who: Class | None = None, prompt_tokens: int = 0,
              weights: dict[str, float] | None = None) -> PlaceLoad:
@@ -95,7 +104,8 @@ class PlaceQueue:
         ahead = self.queued_tokens if who is None else tokens_ahead(self.by_class, who[1], who[0], prompt_tokens,
                                                                    weights or {})
         return PlaceLoad(live_replicas, ahead, self.queued_requests if ahead else 0, self.calibration.predict,
-                         self.calibration.margin_s, self._arriving_tokens / ARRIVALS_S)
+                         self.calibration.margin_s, self._arriving_tokens / ARRIVALS_S,
+                         min(self.queued_long_tokens, ahead))
 
     def admit(self, who: Class, tokens: int, now: float) -> None:
         self.add(who, tokens, +1)
@@ -104,6 +114,7 @@ class PlaceQueue:
 
     def add(self, who: Class, tokens: int, sign: int) -> None:
         self.queued_tokens += sign * tokens
+        self.queued_long_tokens += sign * tokens if self.is_long(tokens) else 0
         self.queued_requests += sign
         left = self.by_class.get(who, 0) + sign * tokens
         if left or sign > 0:
@@ -121,7 +132,9 @@ class Ticket:
                  arrived_at: float = 0.0):
         self._admission, self.placement, self.tokens, self.who = admission, placement, tokens, who
         self.pool = placement.pool
-        self.served_before = admission.places[self.pool].served_tokens
+        place = admission.places[self.pool]
+        self.served_before, self.served_long_before = place.served_tokens, place.served_long_tokens
+        self._longs_ahead = place.queued_long_tokens  # long prompts queued there at its admission
         now = time.monotonic()
         self._arrived_at = arrived_at if 0 < arrived_at <= now else now  # the gateway's clock, or now
         self._queued, self._open = True, True
@@ -139,11 +152,19 @@ class Ticket:
         self._num_tokens += num_tokens
         self._last_s = now
 
-    def modelled_for(self, served_tokens: int) -> float:
+    def modelled_for(self, served_tokens: int, served_long_tokens: int = 0) -> float:
         """The model's TTFT for this prompt at a place that served ``served_tokens`` (its own
-        included) while it waited, with the replicas and streams of its admission."""
+        included; ``served_long_tokens`` of them long prompts') while it waited, with the
+        replicas and streams of its admission.  A short prompt at a place that takes short
+        ones first counts the long prompts queued at its admission as served beside it too:
+        their chunks filled its steps, whether or not they finished meanwhile."""
         p = self.placement
-        load = PlaceLoad(p.live_replicas, max(served_tokens - self.tokens, 0))
+        others = max(served_tokens - self.tokens, 0)
+        longs = max(served_long_tokens, self._longs_ahead)
+        if longs and not self._admission.places[self.pool].is_long(self.tokens):
+            load = PlaceLoad(p.live_replicas, others - served_long_tokens + longs, queued_long_tokens=longs)
+        else:
+            load = PlaceLoad(p.live_replicas, others)
         return modelled_ttft_s(self.tokens, load, self._admission.rules, p.beside_streams, joining=False)
 
     def close(self) -> None:
@@ -174,7 +195,7 @@ class Admission:
         self._last_seen: dict[str, float] = {}  # tenant -> when it last asked (ACTIVE_S)
         self.tpot = RatioCalibration()  # measured TPOT over the step model's, at the streams it ran beside
         self._decode_live = 1
-        self.places = {PREFILL: PlaceQueue(), DECODE: PlaceQueue()}
+        self.places = {PREFILL: PlaceQueue(), DECODE: PlaceQueue(self.rules.long_prefill_tokens)}
         self._decode_busy: deque[tuple[float, float]] = deque()  # (when placed, seconds of decode time)
         self.num_shed = 0
         self.num_over_capacity = 0

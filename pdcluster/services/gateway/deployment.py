@@ -82,9 +82,9 @@ def admission_for(cfg: ClusterConfig) -> Admission:
     prefill, step = cfg.autoscaling.speed.models()
     rules = Rules(prefill=prefill, step=step, ttft_slo_s=adm.ttft_slo_s, tpot_slo_s=adm.tpot_slo_s,
                   headroom=adm.ttft_headroom, batch_tokens=sched.max_num_batched_tokens,
-                  decode_step_tokens=(sched.decode_step_prefill_tokens if cfg.mode == "disaggregated"
-                                      else sched.max_num_batched_tokens),
-                  max_local_prefill_s=adm.max_local_prefill_s, shed=adm.shed)
+                  decode_step_tokens=sched.decode_step_prefill_tokens,
+                  max_local_prefill_s=adm.max_local_prefill_s, shed=adm.shed,
+                  long_prefill_tokens=sched.long_prefill_tokens)
     return Admission(adm.ttft_slo_s, adm.max_in_flight, adm.shed, adm.ttft_headroom, rules=rules,
                      decode_seats_per_replica=sched.max_num_seqs + serving.max_queue,
                      tenant_weights={t.name: t.weight for t in cfg.tenants})

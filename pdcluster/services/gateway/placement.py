@@ -11,6 +11,10 @@ snapshot of the gateway's own counters:
                  (-per_rep mod the step's prompt tokens), at most what arrives at p per replica
                  in one full step's time (an engine step prefills every prompt waiting when it
                  starts, and answers them all at its end: under load the last step is full)
+    short first: at a decode replica (or a colocated one) a prompt of at most long_prefill_tokens
+                 goes ahead of longer ones (the engine's scheduler: a long prefill takes what each
+                 step leaves), so its work leaves out the long prompts queued there, and while
+                 any are queued its steps count full (their leftover goes to a long chunk)
     steps      = ceil((per_rep + join) / prompt tokens one step takes there)
     modelled   = steps x (step overhead [+ a decode step of the streams beside it, on decode])
                  + per_token x (per_rep + join) + per_token2 x prompt^2
@@ -59,6 +63,7 @@ class PlaceLoad:
     calibrated: Callable[[float], float] = field(default=lambda s: s, compare=False)
     tail_s: float = 0.0             # how far its slowest recent TTFTs landed above the calibrated line
     arriving_tokens_per_s: float = 0.0  # prompt tokens admitted here per second, lately
+    queued_long_tokens: int = 0     # of queued_tokens: prompts over Rules.long_prefill_tokens (short first)
 
 
 @dataclass(frozen=True)
@@ -82,6 +87,7 @@ class Rules:
     decode_step_tokens: int = 256   # prompt tokens one decode-replica step takes beside its decodes
     window_s: float = 10.0          # the decode replicas' busy share is measured over this
     max_local_prefill_s: float = 1.0  # the longest prefill a decode replica takes on while a prefill replica lives
+    long_prefill_tokens: int = 0    # decode/colocated replicas prefill prompts of at most this first (0: in order)
     shed: bool = True
 
 
@@ -104,13 +110,17 @@ def modelled_ttft_s(prompt_tokens: int, load: PlaceLoad, rules: Rules, beside_st
     with the prompts expected to join its last step (False: ``load.queued_tokens`` is all of it)."""
     p = rules.prefill
     replicas = max(load.live_replicas, 1)
-    per_replica = (load.queued_tokens + prompt_tokens) / replicas
+    short_first = beside_streams is not None and 0 < prompt_tokens <= rules.long_prefill_tokens
+    longs = min(load.queued_long_tokens, load.queued_tokens) if short_first else 0
+    per_replica = (load.queued_tokens - longs + prompt_tokens) / replicas
     step_tokens = max(rules.batch_tokens if beside_streams is None else rules.decode_step_tokens, 1)
     step_extra = rules.step.step_s(beside_streams) if beside_streams else 0.0
     if joining and load.arriving_tokens_per_s > 0:
         full_step_s = p.overhead_s + step_extra + p.per_token_s * step_tokens
         per_replica += min(-per_replica % step_tokens, load.arriving_tokens_per_s / replicas * full_step_s)
     steps = max(math.ceil(per_replica / step_tokens), 1)
+    if longs:  # a long prompt's chunk fills what each of those steps leaves
+        per_replica = min(steps * step_tokens, per_replica + longs / replicas)
     return steps * (p.overhead_s + step_extra) + p.per_token_s * per_replica + p.per_token2_s * prompt_tokens ** 2
 
 

@@ -255,3 +255,62 @@ def test_a_prefill_replica_finishes_its_oldest_prompt_first_and_a_decode_replica
     s.add(make_request("b", 12, first=100))
     out = step(s)
     assert [(e.request.request_id, e.num_new_tokens) for e in out.prefills] == [("a", 12), ("b", 4)]
+
+
+def _chunks(out):
+    return [(e.request.request_id, e.num_new_tokens) for e in out.prefills]
+
+
+def test_short_prompts_go_ahead_of_a_long_prefill_which_takes_what_the_step_leaves():
+    # long_prefill_tokens 8: a prompt with more than 8 tokens left to compute yields.
+    s = make_scheduler(num_blocks=64, max_num_batched_tokens=12, prefill_chunk_size=12, long_prefill_tokens=8)
+    s.add(make_request("long", 40))
+    assert _chunks(step(s)) == [("long", 12)]            # alone: the whole step
+    s.add(make_request("chat", 5, first=100))
+    assert _chunks(step(s)) == [("chat", 5), ("long", 7)]  # the chat first, the long one the rest
+    out = step(s)
+    assert [e.request.request_id for e in out.decodes] == ["chat"] and _chunks(out) == [("long", 11)]
+
+
+def test_one_long_prefill_at_a_time_and_short_ones_pass_a_waiting_long_one():
+    s = make_scheduler(num_blocks=64, max_num_batched_tokens=12, prefill_chunk_size=12, long_prefill_tokens=8)
+    s.add(make_request("long1", 30))
+    s.add(make_request("long2", 30, first=100))
+    s.add(make_request("chat", 4, first=200))
+    assert _chunks(step(s)) == [("long1", 12)]           # queue order: long1 admitted, long2 waits ...
+    assert [r.request_id for r in s.waiting] == ["long2", "chat"]
+    assert _chunks(step(s)) == [("chat", 4), ("long1", 8)]  # ... and the chat behind it goes ahead
+    assert [r.request_id for r in s.waiting] == ["long2"]
+    while s.running[0].num_computed_tokens < 30:
+        step(s)
+    assert _chunks(step(s))[0][0] == "long2"               # long1 done: long2's turn
+
+
+def test_the_rule_off_keeps_arrival_order():
+    s = make_scheduler(num_blocks=64, max_num_batched_tokens=12, prefill_chunk_size=12)
+    s.add(make_request("long", 40))
+    step(s)
+    s.add(make_request("chat", 5, first=100))
+    assert _chunks(step(s)) == [("long", 12)]
+
+
+def test_a_long_prefill_never_preempts_what_the_step_already_took():
+    # 6 blocks of 4: the long prompt holds 3 after its first step, then the chat takes 2 and one is free.
+    s = make_scheduler(num_blocks=6, max_num_batched_tokens=16, prefill_chunk_size=12, long_prefill_tokens=8,
+                       kv_watermark_high=1.0, kv_watermark_low=0.99)
+    s.add(make_request("long", 24))
+    assert _chunks(step(s)) == [("long", 12)]
+    s.add(make_request("chat", 8, first=100))
+    out = step(s)
+    assert _chunks(out) == [("chat", 8), ("long", 4)] and not out.preempted  # 8 would fit the step: 1 free block
+    assert all(r.status is RequestStatus.RUNNING for r in s.running)
+    s.kv.check_integrity()
+
+
+def test_long_prefill_settings_are_checked():
+    import pytest
+
+    with pytest.raises(ValueError, match="long_prefill_tokens"):
+        SchedulerConfig(long_prefill_tokens=-1)
+    with pytest.raises(ValueError, match="max_long_prefills"):
+        SchedulerConfig(max_long_prefills=0)

@@ -197,3 +197,24 @@ def test_calibration_bounds_and_ignores_nonsense():
     for _ in range(50):
         c.observe(0.01, 100.0)
     assert c.line.slope <= MAX_SLOPE and c.predict(0.0) >= 0.0
+
+
+def test_a_chat_at_a_replica_that_takes_short_prompts_first_is_predicted_and_measured_past_the_long_ones():
+    """Colocated (no prefill pool): a chat admitted behind a 3k prompt is predicted one step,
+    and its first token is compared with that same work, not with the 3k prompt's."""
+    adm = Admission(ttft_slo_s=2.0, max_in_flight=100,
+                    rules=replace(RULES, long_prefill_tokens=512, decode_step_tokens=128))
+    long = adm.place(3000, 0, 1)
+    chat = adm.place(100, 0, 1)
+    assert long.pool == chat.pool == DECODE and adm.places[DECODE].queued_long_tokens == 3000
+    beside = chat.placement.beside_streams
+    alone = modelled_ttft_s(100, PlaceLoad(1, 0), adm.rules, beside_streams=beside)
+    assert alone < chat.placement.modelled_ttft_s < modelled_ttft_s(100, PlaceLoad(1, 3000), adm.rules,
+                                                                    beside_streams=beside) / 5
+    chat.first_token()
+    q = adm.places[DECODE]
+    assert chat.modelled_for(q.served_tokens - chat.served_before, q.served_long_tokens - chat.served_long_before) \
+        == pytest.approx(chat.placement.modelled_ttft_s)
+    long.first_token()
+    assert q.served_long_tokens == 3000 and q.queued_long_tokens == 0 and q.queued_tokens == 0
+    long.close(), chat.close()

@@ -119,3 +119,27 @@ def test_calibration_is_applied_to_each_place():
 ])
 def test_decode_keeps_tpot(streams, busy_s, prompt, keeps):
     assert decode_keeps_tpot(prompt, snap(streams=streams, busy_s=busy_s), RULES)[0] is keeps
+
+
+SHORT_FIRST = Rules(prefill=PrefillModel(0.02, 0.001), step=StepModel(0.02, 0.002), decode_step_tokens=128,
+                    long_prefill_tokens=512)
+
+
+@pytest.mark.parametrize("prompt, queued, longs, expected_tokens", [
+    (100, 3000, 3000, 128),    # a chat behind a 3k prompt: one step, filled by a long chunk
+    (100, 3200, 3000, 384),    # ... behind 200 tokens of other chats too: 300 tokens, three full steps
+    (100, 200, 0, 300),        # no long prompt queued: only what is there
+    (600, 3000, 3000, 3600),   # a long prompt waits for the long ones ahead: arrival order among them
+])
+def test_short_prompts_leave_out_the_long_ones_queued_at_a_decoding_replica(prompt, queued, longs,
+                                                                            expected_tokens):
+    load = PlaceLoad(1, queued, 1, queued_long_tokens=longs)
+    got = modelled_ttft_s(prompt, load, SHORT_FIRST, beside_streams=2, joining=False)
+    steps = -(-expected_tokens // 128)
+    assert got == pytest.approx(steps * (0.02 + SHORT_FIRST.step.step_s(2)) + 0.001 * expected_tokens)
+
+
+def test_a_prefill_replica_keeps_arrival_order():
+    load = PlaceLoad(1, 3000, 1, queued_long_tokens=3000)
+    assert modelled_ttft_s(100, load, SHORT_FIRST, joining=False) == \
+        modelled_ttft_s(100, PlaceLoad(1, 3000, 1), SHORT_FIRST, joining=False)
