@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +34,7 @@ from bench.targets import print_target
 from bench.tokenizer import load_tokenizer
 from bench.workload import Workload
 from pdcluster.prefix_store.redis_server import free_service_port
+from pdcluster.services.cli.default_layout import default_layout, usable_cores
 
 TTFT_SLO_S, TPOT_SLO_S = 2.0, 0.1
 REFERENCE_TTFT_512_S = 0.227  # a lone 512-token prompt, default cluster, Sapphire Rapids (session 14)
@@ -157,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-peer", action="store_true", help="ours only (the vs-vLLM targets are then missed)")
     args = ap.parse_args(argv)
     print_fingerprint()
-    ours_name = f"--config {args.config}" if args.config else "default `pdcluster up`, no config"
+    layout = default_layout(usable_cores()).get("mode", "disaggregated")
+    ours_name = f"--config {args.config}" if args.config else f"default `pdcluster up`, no config: {layout} here"
     print(f"# pdcluster ({ours_name}) vs vLLM-CPU 0.32, SmolLM2-135M-Instruct bf16, same 2 cores, one server at "
           f"a time; SLO TTFT <= {TTFT_SLO_S} s, TPOT <= {TPOT_SLO_S * 1e3:.0f} ms; {args.duration:g} s per case")
     tokenizer = load_tokenizer(None)
@@ -180,20 +181,18 @@ def main(argv: list[str] | None = None) -> int:
                   f"{scale:.2f}{extra}", flush=True)
         return workloads(chosen["scale"], args.duration)
 
-    with tempfile.TemporaryDirectory() as tmp:
-        config = Path(args.config) if args.config else Path(tmp) / "default.yaml"
-        if not args.config:
-            config.write_text("{}\n")  # the defaults, as `pdcluster up` without --config
-        (REPO / "runs").mkdir(exist_ok=True)
-        ours = OurServer(config, free_service_port(), REPO / "runs" / "mixed_goodput_ours.log")
-        results = {"pdcluster": run_server(ours, cases_for, tokenizer)}
-        if not args.no_peer:
-            peer = PeerServer(Path(args.peer_script), free_service_port())
-            peer.setup()
-            results["vLLM"] = run_server(peer, cases_for, tokenizer)
-        else:
-            nothing = Goodput(0, 0, 0, 0, 0, 0)
-            results["vLLM"] = {key: nothing for key in results["pdcluster"]}
+    # no config: what a bare `pdcluster up` starts here (its layout follows the machine)
+    config = Path(args.config) if args.config else None
+    (REPO / "runs").mkdir(exist_ok=True)
+    ours = OurServer(config, free_service_port(), REPO / "runs" / "mixed_goodput_ours.log")
+    results = {"pdcluster": run_server(ours, cases_for, tokenizer)}
+    if not args.no_peer:
+        peer = PeerServer(Path(args.peer_script), free_service_port())
+        peer.setup()
+        results["vLLM"] = run_server(peer, cases_for, tokenizer)
+    else:
+        nothing = Goodput(0, 0, 0, 0, 0, 0)
+        results["vLLM"] = {key: nothing for key in results["pdcluster"]}
     cases = results["pdcluster"]
     print(f"\n{'case':10} | {'server':9} | sent | served | 429 | good | goodput | chats good")
     for key in cases:

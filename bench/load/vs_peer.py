@@ -1,8 +1,9 @@
 """pdcluster vs vLLM-CPU and llama.cpp on the same cores, end to end through
 each server's own OpenAI API, driven identically by our load generator.
 
-Ours is what a bare ``pdcluster up`` starts (no config: the default
-disaggregated cluster, SLO admission on), issue 34.  The peers: vLLM-CPU 0.32
+Ours is what a bare ``pdcluster up`` starts (no config: the layout measured
+best for the machine, services/cli/default_layout.py -- one colocated replica
+on 2 cores or fewer, else 1 prefill + 1 decode; SLO admission on), issue 34.  The peers: vLLM-CPU 0.32
 bf16 (``../shared/peer/vllm-cpu.sh``) and llama.cpp's llama-server bf16
 (``../shared/peer/llamacpp.sh``, 2 threads, 16 slots).  One server runs at a
 time; every round runs each server once in the same order (ours, vLLM,
@@ -53,6 +54,7 @@ from bench.load.servers import REPO, OurServer, PeerServer
 from bench.tokenizer import load_tokenizer
 from bench.workload import Workload
 from pdcluster.prefix_store.redis_server import free_service_port
+from pdcluster.services.cli.default_layout import default_layout, usable_cores
 
 SHARED_PEER = REPO.parent / "shared" / "peer"
 # (ratio column, numerator, denominator), printed when both ran
@@ -229,7 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     print_fingerprint()
     chosen, skipped = contestants(args)
     order = [name for name, _ in chosen]
-    print(f"# compares: ours = `pdcluster up` with no config (disaggregated, SLO admission on) against vLLM-CPU "
+    layout = default_layout(usable_cores()).get("mode", "disaggregated")
+    print(f"# compares: ours = `pdcluster up` with no config ({layout} here, SLO admission on) against vLLM-CPU "
           f"0.32 bf16 and llama.cpp llama-server bf16 (2 threads, 16 slots); SmolLM2-135M-Instruct, the same cores, "
           f"one server at a time, {args.rounds} round(s) of: {', '.join(order)}")
     if "ours int8" in order:

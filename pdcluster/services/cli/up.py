@@ -30,7 +30,9 @@ Ctrl-C stops everything this command started (Serve, Ray, Redis)."""
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("up", help="start a local cluster (Redis, Ray, Serve); the gateway on --host:--port")
     p.add_argument("--config", help="cluster YAML (see deploy/local.yaml)")
-    p.add_argument("--mode", choices=["disaggregated", "colocated"])
+    p.add_argument("--mode", choices=["disaggregated", "colocated"],
+                   help="without --config: the layout measured best for this machine (one colocated replica on "
+                        "2 cores or fewer, else 1 prefill + 1 decode replica; services/cli/default_layout.py)")
     p.add_argument("--host", help="address the gateway listens on (default 127.0.0.1); any non-loopback "
                                   "address needs an API key (PDCLUSTER_API_KEY, api_keys, api_key_file)")
     p.add_argument("--port", type=int)
@@ -57,6 +59,7 @@ def load_config(args: argparse.Namespace) -> ClusterConfig:
     message naming the fix."""
     from pydantic import ValidationError
 
+    from pdcluster.services.cli.default_layout import default_layout, usable_cores
     from pdcluster.services.config import ClusterConfig
 
     overrides = {k: v for k, v in (("mode", args.mode), ("host", args.host), ("port", args.port),
@@ -66,6 +69,8 @@ def load_config(args: argparse.Namespace) -> ClusterConfig:
     try:
         if args.config:
             return ClusterConfig.from_yaml(args.config, overrides)
+        if "mode" not in overrides and not getattr(args, "head", False):
+            overrides = {**default_layout(usable_cores()), **overrides}  # the layout measured best here
         return ClusterConfig.model_validate(overrides)
     except ValidationError as exc:  # the errors' inputs are hidden: they may hold an API key
         problems = [_problem(e) for e in exc.errors(include_url=False, include_input=False)]

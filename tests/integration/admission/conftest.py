@@ -1,6 +1,8 @@
-"""One cluster with the default configuration (`pdcluster up` with no
-config: 1 prefill + 1 decode replica, default admission), for the tests of
-what it serves and refuses (issue 32)."""
+"""One cluster with the default configuration (ClusterConfig's: 1 prefill + 1
+decode replica, default admission; what a bare `pdcluster up` starts on a
+machine with more than 2 cores), for the tests of what it serves and refuses
+(issue 32).  The disaggregated layout is what these tests are about (a dead
+prefill pool, placement between pools), whatever the machine."""
 
 from __future__ import annotations
 
