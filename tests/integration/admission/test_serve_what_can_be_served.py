@@ -40,21 +40,21 @@ async def _stream(http: httpx.AsyncClient, url: str, i: int) -> tuple[int, str]:
         return r.status_code, (await r.aread()).decode()
 
 
-def test_sixteen_simultaneous_short_chats_on_an_idle_cluster_are_all_served(default_url, default_cluster):
+def serves_sixteen_simultaneous_chats(url: str, cluster) -> None:
     async def burst():
         async with httpx.AsyncClient(timeout=120) as http:
-            return await asyncio.gather(*(_chat(http, default_url, i) for i in range(16)))
+            return await asyncio.gather(*(_chat(http, url, i) for i in range(16)))
 
     responses = asyncio.run(burst())
     assert [r.status_code for r in responses] == [200] * 16, [r.text for r in responses if r.status_code != 200]
     assert all(r.json()["choices"][0]["message"]["content"] for r in responses)
-    wait_no_leaks(default_cluster)
+    wait_no_leaks(cluster)
 
 
-def test_eight_simultaneous_200_token_streams_are_all_served_whole(default_url, default_cluster):
+def serves_eight_simultaneous_streams_whole(url: str, cluster) -> None:
     async def burst():
         async with httpx.AsyncClient(timeout=180) as http:
-            return await asyncio.gather(*(_stream(http, default_url, i) for i in range(8)))
+            return await asyncio.gather(*(_stream(http, url, i) for i in range(8)))
 
     results = asyncio.run(burst())
     assert [status for status, _ in results] == [200] * 8, results
@@ -64,7 +64,15 @@ def test_eight_simultaneous_200_token_streams_are_all_served_whole(default_url, 
         assert not any("error" in e for e in events), text[-500:]
         assert text.rstrip().endswith("data: [DONE]")
         assert sum(len(e["choices"][0]["text"]) > 0 for e in events if e.get("choices")) >= 100
-    wait_no_leaks(default_cluster)
+    wait_no_leaks(cluster)
+
+
+def test_sixteen_simultaneous_short_chats_on_an_idle_cluster_are_all_served(default_url, default_cluster):
+    serves_sixteen_simultaneous_chats(default_url, default_cluster)
+
+
+def test_eight_simultaneous_200_token_streams_are_all_served_whole(default_url, default_cluster):
+    serves_eight_simultaneous_streams_whole(default_url, default_cluster)
 
 
 def _prefill_replica(cluster) -> dict:

@@ -1,0 +1,34 @@
+"""Issue 32 on the layout a bare `pdcluster up` starts on a machine with 2
+cores or fewer (pdcluster/services/cli/default_layout.py: one colocated
+replica on both cores), shedding on: an idle cluster serves a burst of 16
+short chats and one of 8 200-token streams, as the disaggregated layout does
+(test_serve_what_can_be_served.py).  Its own cluster, stopped at the end of
+this module, before that module's starts."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdcluster.prefix_store.redis_server import free_service_port
+from pdcluster.services.cli.default_layout import default_layout
+from pdcluster.services.config import ClusterConfig
+from tests.integration.admission.test_serve_what_can_be_served import (serves_eight_simultaneous_streams_whole,
+                                                                       serves_sixteen_simultaneous_chats)
+from tests.integration.cluster.conftest import directory_cluster
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def two_core_default(shared_ray):
+    layout = default_layout(2)
+    assert layout["mode"] == "colocated"
+    yield from directory_cluster(shared_ray, ClusterConfig(port=free_service_port(), **layout), [])
+
+
+def test_sixteen_simultaneous_short_chats_are_all_served(two_core_default):
+    serves_sixteen_simultaneous_chats(f"http://127.0.0.1:{two_core_default.config.port}", two_core_default)
+
+
+def test_eight_simultaneous_200_token_streams_are_all_served_whole(two_core_default):
+    serves_eight_simultaneous_streams_whole(f"http://127.0.0.1:{two_core_default.config.port}", two_core_default)
