@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from pdcluster.prefix_store.redis_server import free_service_port
+from pdcluster.services.cli.default_layout import default_layout, usable_cores
 from pdcluster.services.config import ClusterConfig
 from tests.integration.cluster.conftest import directory_cluster, stop_after_directory
 
@@ -23,6 +24,14 @@ def default_cluster(shared_ray):
 @pytest.fixture(scope="session")
 def default_url(default_cluster) -> str:
     return f"http://127.0.0.1:{default_cluster.config.port}"
+
+
+@pytest.fixture(scope="session")
+def bare_up_cluster(shared_ray):
+    """What a bare `pdcluster up` starts on this machine (its layout follows the cores:
+    pdcluster/services/cli/default_layout.py)."""
+    layout = default_layout(usable_cores())
+    yield from directory_cluster(shared_ray, ClusterConfig(port=free_service_port(), **layout), _RUNNING)
 
 
 def pytest_runtest_teardown(item, nextitem):
