@@ -13,7 +13,11 @@ and 1 of 24 completed, on a 2-vCPU AMD EPYC with AVX-512 BF16 (Dec 4, admission 
 one 1024-token prompt takes about 1.4 s to prefill on the prefill replica's core, so a second one
 queued behind it is predicted (and measured) past the 2 s TTFT SLO.  On that AMD class with the
 two-core default layout (one colocated replica on both cores, short prompts first; Dec 4 evening):
-48 of 48 (mean TTFT 0.95 s) and 1 of 24 (its TTFT 0.84 s), the rest refused with 429.  Likely why
+48 of 48 (mean TTFT 0.95 s) and 1 of 24 (its TTFT 0.84 s), the rest refused with 429.  The 48
+complete partly because the first burst of 16 arrives before admission has measured 4 first
+tokens (it refuses nothing on an unmeasured model): run by hand against a fresh bare
+`pdcluster up`, that burst's TTFTs reached 3.4 s, 8 of 16 over 2 s; the 32 after it, staggered by
+the closed loop, stayed within 0.83 s.  Likely why
 (from the model, not read from the refusals): a second 1024-token prompt queued behind the first
 lands near 1.7 s, past 0.8 x the SLO (admission.ttft_headroom), and the client re-sends at once,
 spending its 24 prompts on refusals while the first is served."""
