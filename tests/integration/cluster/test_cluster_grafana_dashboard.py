@@ -52,7 +52,9 @@ def prometheus(tmp_path, cluster):
                              f"--storage.tsdb.path={tmp_path / 'tsdb'}", "--storage.tsdb.retention.time=1h"],
                             stdout=log, stderr=subprocess.STDOUT)
     try:
-        yield f"http://127.0.0.1:{port}"
+        url = f"http://127.0.0.1:{port}"
+        _wait_ready(url, proc, tmp_path / "prometheus.log")
+        yield url
     finally:
         proc.terminate()
         try:
@@ -61,6 +63,21 @@ def prometheus(tmp_path, cluster):
             proc.kill()
             proc.wait()
         log.close()
+
+
+def _wait_ready(url: str, proc: subprocess.Popen, log: Path, timeout_s: float = 90.0) -> None:
+    """Until Prometheus answers /-/ready with 200: before that its query API answers 503
+    (its storage still opening), which failed this test once on a busy machine."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if httpx.get(f"{url}/-/ready", timeout=5).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert proc.poll() is None, f"prometheus exited {proc.returncode}: {log.read_text()[-800:]}"
+        assert time.monotonic() < deadline, f"prometheus not ready in {timeout_s:g} s: {log.read_text()[-800:]}"
+        time.sleep(0.25)
 
 
 def query(prom: str, expr: str) -> list:
