@@ -2,8 +2,7 @@
 cores or fewer (pdcluster/services/cli/default_layout.py: one colocated
 replica on both cores), shedding on: an idle cluster serves a burst of 16
 short chats and one of 8 200-token streams, as the disaggregated layout does
-(test_serve_what_can_be_served.py), and a SIGKILL of its only replica under 4
-requests/s loses no request (they wait for Serve's replacement).  Its own cluster, stopped at the end of
+(test_serve_what_can_be_served.py).  Its own cluster, stopped at the end of
 this module, before that module's starts."""
 
 from __future__ import annotations
@@ -13,8 +12,7 @@ import pytest
 from pdcluster.prefix_store.redis_server import free_service_port
 from pdcluster.services.cli.default_layout import default_layout
 from pdcluster.services.config import ClusterConfig
-from tests.integration.admission.test_serve_what_can_be_served import (loses_nothing_when_its_only_replica_of,
-                                                                       serves_eight_simultaneous_streams_whole,
+from tests.integration.admission.test_serve_what_can_be_served import (serves_eight_simultaneous_streams_whole,
                                                                        serves_sixteen_simultaneous_chats)
 from tests.integration.cluster.conftest import directory_cluster
 
@@ -34,8 +32,3 @@ def test_sixteen_simultaneous_short_chats_are_all_served(two_core_default):
 
 def test_eight_simultaneous_200_token_streams_are_all_served_whole(two_core_default):
     serves_eight_simultaneous_streams_whole(f"http://127.0.0.1:{two_core_default.config.port}", two_core_default)
-
-
-def test_sigkill_of_the_only_replica_under_4_rps_loses_no_request(two_core_default):
-    loses_nothing_when_its_only_replica_of("colocated", f"http://127.0.0.1:{two_core_default.config.port}",
-                                           two_core_default)
