@@ -24,8 +24,13 @@ can overtake an earlier one; against the queue model those first tokens
 look seconds late, and their residuals set a tail margin that refused
 servable requests for minutes (2 s of margin after one burst of 16).
 Nothing is refused on a prediction before MIN_SAMPLES first tokens were
-measured.  ``place`` decides and counts; the ``Ticket`` it returns gives
-the counts back."""
+measured.  A first token from a replica that had not yet answered one when
+its request arrived is no sample (counted in ``samples_left_out``): that
+request waited for a replica to start -- the cluster's, a respawn's after a
+SIGKILL, a scale-up's -- not for the place's queue.  Taken as samples, the
+first tokens of a respawned replica's backlog (5 s late) set a 2.8 s tail
+margin that refused a servable chat right after the outage.  ``place``
+decides and counts; the ``Ticket`` it returns gives the counts back."""
 
 from __future__ import annotations
 
@@ -47,6 +52,7 @@ ACTIVE_S = 30.0  # a tenant that sent a request this recently shares the decode 
 MIN_TPOT_TOKENS = 8  # a stream's TPOT calibrates the decode step model from this many tokens on
 COBATCH_S = 0.05  # first tokens this close together at one place came out of one engine step
 ARRIVALS_S = 5.0  # a place's arrival rate (the prompts expected to join a step) is measured over this
+MAX_REPLICAS_SEEN = 256  # replicas whose first answer a place remembers (the oldest are forgotten)
 
 # Until the gateway is built from a config: the config's default speed model.
 DEFAULT_RULES = Rules(*AutoscaleSpeed().models())
@@ -68,18 +74,32 @@ class PlaceQueue:
         self._pending: deque[tuple[float, Ticket, float]] = deque()  # (first token at, ticket, measured TTFT)
         self._arrivals: deque[tuple[float, int]] = deque()  # (admitted at, prompt tokens), the last ARRIVALS_S
         self._arriving_tokens = 0  # their sum
+        self._first_answer_at: dict[str, float] = {}  # replica -> when it answered its first first token here
+        self.samples_left_out = 0  # first tokens of requests that waited for a replica to start
 
     @property
     def num_samples(self) -> int:
         """First tokens measured here (calibrated with, or waiting COBATCH_S to be)."""
         return self.calibration.num_samples + len(self._pending)
 
-    def answered(self, ticket: Ticket, measured_s: float, now: float) -> None:
-        """``ticket``'s first token came out ``measured_s`` after the request arrived."""
+    def answered(self, ticket: Ticket, measured_s: float, now: float, replica: str = "") -> None:
+        """``ticket``'s first token came out of ``replica`` ("": unknown) ``measured_s`` after the
+        request arrived.  No sample when ``replica`` had answered none before the request arrived."""
         self.settle(now)
         self.served_tokens += ticket.tokens
         self.served_long_tokens += ticket.tokens if self.is_long(ticket.tokens) else 0
+        if replica and ticket.arrived_at < self._first_answer(replica, now):
+            self.samples_left_out += 1
+            return
         self._pending.append((now, ticket, measured_s))
+
+    def _first_answer(self, replica: str, now: float) -> float:
+        """When ``replica`` answered its first first token here (now, if this is it)."""
+        if replica not in self._first_answer_at:
+            if len(self._first_answer_at) >= MAX_REPLICAS_SEEN:
+                del self._first_answer_at[min(self._first_answer_at, key=self._first_answer_at.__getitem__)]
+            self._first_answer_at[replica] = now
+        return self._first_answer_at[replica]
 
     def is_long(self, prompt_tokens: int) -> bool:
         return 0 < self.long_prefill_tokens < prompt_tokens
@@ -136,19 +156,19 @@ class Ticket:
         self.served_before, self.served_long_before = place.served_tokens, place.served_long_tokens
         self._longs_ahead = place.queued_long_tokens  # long prompts queued there at its admission
         now = time.monotonic()
-        self._arrived_at = arrived_at if 0 < arrived_at <= now else now  # the gateway's clock, or now
+        self.arrived_at = arrived_at if 0 < arrived_at <= now else now  # the gateway's clock, or now
         self._queued, self._open = True, True
         self._streams_at_start = admission.in_flight + 1  # the decode batch it joins (itself included)
         self._first_s = self._last_s = 0.0
         self._num_tokens = 0
 
-    def first_token(self, num_tokens: int = 1) -> None:
-        """A chunk of ``num_tokens`` came out (the first one: its first token)."""
+    def first_token(self, num_tokens: int = 1, replica: str = "") -> None:
+        """A chunk of ``num_tokens`` came out (the first one: its first token, from ``replica``)."""
         now = time.monotonic()
         if self._queued:
             self._queued = False
             self._first_s = now
-            self._admission._dequeue(self, now - self._arrived_at)
+            self._admission._dequeue(self, now - self.arrived_at, replica)
         self._num_tokens += num_tokens
         self._last_s = now
 
@@ -295,21 +315,22 @@ class Admission:
         else:
             self.streams_of.pop(tenant, None)
 
-    def _dequeue(self, ticket: Ticket, measured_s: float | None) -> None:
+    def _dequeue(self, ticket: Ticket, measured_s: float | None, replica: str = "") -> None:
         q = self.places[ticket.pool]
         q.add(ticket.who, ticket.tokens, -1)
         if measured_s is not None:
-            q.answered(ticket, measured_s, time.monotonic())
+            q.answered(ticket, measured_s, time.monotonic(), replica)
 
     def view(self) -> dict:
         return {"in_flight": self.in_flight, "shed": self.num_shed, "over_capacity": self.num_over_capacity,
                 "seat_share": self.num_seat_shares, "streams_by_tenant": dict(self.streams_of),
                 "tpot_factor": round(self.tpot.factor, 3), "tpot_samples": self.tpot.num_samples,
                 "admitted": self.num_admitted, "admitted_prompt_tokens": self.admitted_prompt_tokens,
-                "placed": dict(self.placed), 
+                "placed": dict(self.placed),
                 "pools": {p: {"queued_tokens": q.queued_tokens, "queued_requests": q.queued_requests,
                               "calibration": {"samples": q.calibration.num_samples,
                                               "offset_s": round(q.calibration.line.offset_s, 4),
                                               "slope": round(q.calibration.line.slope, 3),
-                                              "tail_s": round(q.calibration.margin_s, 4)}}
+                                              "tail_s": round(q.calibration.margin_s, 4),
+                                              "left_out": q.samples_left_out}}
                           for p, q in self.places.items()}}

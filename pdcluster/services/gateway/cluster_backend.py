@@ -167,7 +167,7 @@ class ClusterBackend(Backend):
                                 first_token_s)
         try:
             async for chunk in chunks:
-                ticket.first_token(len(chunk.token_ids))
+                ticket.first_token(len(chunk.token_ids), chunk.worker_name)
                 yield chunk
         finally:
             ticket.close()

@@ -2,17 +2,22 @@
 cores or fewer (pdcluster/services/cli/default_layout.py: one colocated
 replica on both cores), shedding on: an idle cluster serves a burst of 16
 short chats and one of 8 200-token streams, as the disaggregated layout does
-(test_serve_what_can_be_served.py).  Its own cluster, stopped at the end of
-this module, before that module's starts."""
+(test_serve_what_can_be_served.py), and a SIGKILL of its only replica under 4
+requests/s loses no request (they wait for Serve's replacement), nor refuses one:
+the first tokens of the requests that waited out the restart are no calibration
+samples (admission.py).  Its own cluster, stopped at the end of this module,
+before that module's starts."""
 
 from __future__ import annotations
 
+import httpx
 import pytest
 
 from pdcluster.prefix_store.redis_server import free_service_port
 from pdcluster.services.cli.default_layout import default_layout
 from pdcluster.services.config import ClusterConfig
-from tests.integration.admission.test_serve_what_can_be_served import (serves_eight_simultaneous_streams_whole,
+from tests.integration.admission.test_serve_what_can_be_served import (loses_nothing_when_its_only_replica_of,
+                                                                       serves_eight_simultaneous_streams_whole,
                                                                        serves_sixteen_simultaneous_chats)
 from tests.integration.cluster.conftest import directory_cluster
 
@@ -32,3 +37,15 @@ def test_sixteen_simultaneous_short_chats_are_all_served(two_core_default):
 
 def test_eight_simultaneous_200_token_streams_are_all_served_whole(two_core_default):
     serves_eight_simultaneous_streams_whole(f"http://127.0.0.1:{two_core_default.config.port}", two_core_default)
+
+
+def _left_out(url: str) -> int:
+    """First tokens the gateway's admission left out of its calibration (/health's view)."""
+    return httpx.get(f"{url}/health", timeout=10).json()["admission"]["pools"]["decode"]["calibration"]["left_out"]
+
+
+def test_sigkill_of_the_only_replica_under_4_rps_loses_no_request(two_core_default):
+    url = f"http://127.0.0.1:{two_core_default.config.port}"
+    before = _left_out(url)
+    loses_nothing_when_its_only_replica_of("colocated", url, two_core_default)
+    assert _left_out(url) > before  # at least the request sent just after the kill waited for the replacement

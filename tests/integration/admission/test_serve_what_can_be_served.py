@@ -75,16 +75,18 @@ def test_eight_simultaneous_200_token_streams_are_all_served_whole(default_url, 
     serves_eight_simultaneous_streams_whole(default_url, default_cluster)
 
 
-def _prefill_replica(cluster) -> dict:
+def _live_replica(cluster, role: str) -> dict:
     deadline = time.monotonic() + 30
-    while not (found := [s for s in board(cluster) if s["role"] == "prefill" and s.get("engine_alive", True)]):
-        assert time.monotonic() < deadline, "no live prefill replica on the status board"
+    while not (found := [s for s in board(cluster) if s["role"] == role and s.get("engine_alive", True)]):
+        assert time.monotonic() < deadline, f"no live {role} replica on the status board"
         time.sleep(0.5)
     return found[0]
 
 
-def test_sigkill_of_the_only_prefill_replica_under_4_rps_loses_no_request(default_url, default_cluster):
-    victim = _prefill_replica(default_cluster)
+def loses_nothing_when_its_only_replica_of(role: str, url: str, cluster) -> None:
+    """SIGKILL of the only ``role`` replica, 3 s into 15 s of short chats at 4 requests/s: every
+    request is answered 200 with tokens, Serve replaces the replica, and nothing leaks."""
+    victim = _live_replica(cluster, role)
     rate_rps, seconds, kill_after_s = 4.0, 15.0, 3.0
 
     async def load():
@@ -95,18 +97,22 @@ def test_sigkill_of_the_only_prefill_replica_under_4_rps_loses_no_request(defaul
                 await asyncio.sleep(max(at - time.monotonic(), 0))
                 if i == int(rate_rps * kill_after_s):
                     os.kill(victim["pid"], signal.SIGKILL)  # as the OOM killer would: no goodbye
-                tasks.append(asyncio.create_task(_chat(http, default_url, i, max_tokens=8)))
+                tasks.append(asyncio.create_task(_chat(http, url, i, max_tokens=8)))
             return await asyncio.gather(*tasks)
 
     responses = asyncio.run(load())
     failed = [(r.status_code, r.text[:200]) for r in responses if r.status_code != 200]
     assert not failed, f"{len(failed)} of {len(responses)} lost: {failed[:5]}"
     assert all(r.json()["usage"]["completion_tokens"] >= 1 for r in responses)
-    # Serve replaces the replica; the cluster serves through the prefill pool again.
-    replacement = _prefill_replica(default_cluster)
+    replacement = _live_replica(cluster, role)
     deadline = time.monotonic() + 240
     while replacement["pid"] == victim["pid"]:
-        assert time.monotonic() < deadline, "the killed prefill replica was never replaced"
+        assert time.monotonic() < deadline, f"the killed {role} replica was never replaced"
         time.sleep(1)
-        replacement = _prefill_replica(default_cluster)
-    wait_no_leaks(default_cluster)
+        replacement = _live_replica(cluster, role)
+    wait_no_leaks(cluster)
+
+
+def test_sigkill_of_the_only_prefill_replica_under_4_rps_loses_no_request(default_url, default_cluster):
+    # The decode replica prefills until Serve has replaced the prefill replica.
+    loses_nothing_when_its_only_replica_of("prefill", default_url, default_cluster)

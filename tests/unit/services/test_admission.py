@@ -218,3 +218,56 @@ def test_a_chat_at_a_replica_that_takes_short_prompts_first_is_predicted_and_mea
     long.first_token()
     assert q.served_long_tokens == 3000 and q.queued_long_tokens == 0 and q.queued_tokens == 0
     long.close(), chat.close()
+
+
+def _chat(adm: Admission, clock: _Clock, replica: str, wait_s: float):
+    """One 100-token chat prefilled by the decode pool, answered by ``replica`` ``wait_s`` later."""
+    ticket = adm.place(100, 0, 1)
+    clock.now += wait_s
+    ticket.first_token(1, replica)
+    ticket.close()
+    clock.now += 1.0
+    adm.snapshot(0, 1, clock.now)  # settles it
+    return ticket
+
+
+@pytest.mark.parametrize("answered_by", ["decode-b", "decode-a"], ids=["a_replacement", "the_same_replica"])
+def test_requests_that_waited_out_a_replica_restart_teach_admission_nothing(monkeypatch, answered_by):
+    """The only replica is SIGKILLed: the requests admitted before its replacement answered
+    anything (in flight at the kill, or arriving during the outage) come out 5 s late.  They
+    are no samples, so no tail margin refuses the chats after the outage; the replacement's
+    later first tokens are samples again.  The same 5 s answered by the replica that was
+    serving all along is the place's real speed, and is learned."""
+    clock = _Clock()
+    monkeypatch.setattr(admission_module.time, "monotonic", clock)
+    adm = _admission()
+    q = adm.places[DECODE]
+    _chat(adm, clock, "decode-a", 0.2)  # the replica's first answer: it waited for the replica to start
+    assert (q.calibration.num_samples, q.samples_left_out) == (0, 1)
+    for _ in range(6):
+        _chat(adm, clock, "decode-a", 0.2)
+    assert (q.calibration.num_samples, q.samples_left_out) == (6, 1)
+    tail_before = q.calibration.margin_s
+    backlog = [adm.place(100, 0, 1) for _ in range(8)]  # the kill, and 5 s of arrivals
+    clock.now += 5.0
+    for ticket in backlog:
+        ticket.first_token(1, answered_by)
+        ticket.close()
+    clock.now += 1.0
+    adm.snapshot(0, 1, clock.now)
+    if answered_by == "decode-a":
+        assert (q.calibration.num_samples, q.samples_left_out) == (14, 1) and q.calibration.margin_s > tail_before + 0.5
+        return
+    assert (q.calibration.num_samples, q.samples_left_out) == (6, 9)
+    assert q.calibration.margin_s == tail_before and adm.view()["pools"][DECODE]["calibration"]["left_out"] == 9
+    _chat(adm, clock, "decode-b", 0.2)  # admitted after the replacement answered: a sample
+    assert (q.calibration.num_samples, q.samples_left_out) == (7, 9)
+
+
+def test_without_a_replica_name_every_first_token_is_a_sample(monkeypatch):
+    clock = _Clock()
+    monkeypatch.setattr(admission_module.time, "monotonic", clock)
+    adm = _admission()
+    for _ in range(3):
+        _chat(adm, clock, "", 0.2)
+    assert (adm.places[DECODE].calibration.num_samples, adm.places[DECODE].samples_left_out) == (3, 0)
