@@ -34,7 +34,7 @@ from bench.targets import print_target
 from bench.tokenizer import load_tokenizer
 from bench.workload import Workload
 from pdcluster.prefix_store.redis_server import free_service_port
-from pdcluster.services.cli.default_layout import default_layout, usable_cores
+from pdcluster.services.cli.default_layout import default_mode
 
 TTFT_SLO_S, TPOT_SLO_S = 2.0, 0.1
 REFERENCE_TTFT_512_S = 0.227  # a lone 512-token prompt, default cluster, Sapphire Rapids (session 14)
@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-peer", action="store_true", help="ours only (the vs-vLLM targets are then missed)")
     args = ap.parse_args(argv)
     print_fingerprint()
-    layout = default_layout(usable_cores()).get("mode", "disaggregated")
+    layout = default_mode()
     ours_name = f"--config {args.config}" if args.config else f"default `pdcluster up`, no config: {layout} here"
     print(f"# pdcluster ({ours_name}) vs vLLM-CPU 0.32, SmolLM2-135M-Instruct bf16, same 2 cores, one server at "
           f"a time; SLO TTFT <= {TTFT_SLO_S} s, TPOT <= {TPOT_SLO_S * 1e3:.0f} ms; {args.duration:g} s per case")

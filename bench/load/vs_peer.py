@@ -54,7 +54,7 @@ from bench.load.servers import REPO, OurServer, PeerServer
 from bench.tokenizer import load_tokenizer
 from bench.workload import Workload
 from pdcluster.prefix_store.redis_server import free_service_port
-from pdcluster.services.cli.default_layout import default_layout, usable_cores
+from pdcluster.services.cli.default_layout import default_mode
 
 SHARED_PEER = REPO.parent / "shared" / "peer"
 # (ratio column, numerator, denominator), printed when both ran
@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     print_fingerprint()
     chosen, skipped = contestants(args)
     order = [name for name, _ in chosen]
-    layout = default_layout(usable_cores()).get("mode", "disaggregated")
+    layout = default_mode()
     print(f"# compares: ours = `pdcluster up` with no config ({layout} here, SLO admission on) against vLLM-CPU "
           f"0.32 bf16 and llama.cpp llama-server bf16 (2 threads, 16 slots); SmolLM2-135M-Instruct, the same cores, "
           f"one server at a time, {args.rounds} round(s) of: {', '.join(order)}")

@@ -38,3 +38,8 @@ def default_layout(cores: int) -> dict:
         return {"mode": "colocated", "colocated": {"num_replicas": 1, "num_cpus": n, "num_threads": n,
                                                    "kv_cache_mib": 1024}}
     return {}
+
+
+def default_mode() -> str:
+    """The mode a bare `pdcluster up` starts on this machine."""
+    return default_layout(usable_cores()).get("mode", "disaggregated")

@@ -45,7 +45,7 @@ from pdcluster.services.config import AutoscaleSpeed
 from pdcluster.services.engine.sampling_params import DEFAULT_TENANT
 from pdcluster.services.gateway.fair_share import Class, may_take_seat, tokens_ahead
 from pdcluster.services.gateway.placement import (DECODE, PREFILL, PlaceLoad, Placement, Rules, Snapshot,
-                                                  modelled_ttft_s, place)
+                                                  is_long_prompt, modelled_ttft_s, place)
 
 MIN_SAMPLES = 4  # first tokens measured (any place) before a prediction may refuse
 ACTIVE_S = 30.0  # a tenant that sent a request this recently shares the decode seats
@@ -102,7 +102,7 @@ class PlaceQueue:
         return self._first_answer_at[replica]
 
     def is_long(self, prompt_tokens: int) -> bool:
-        return 0 < self.long_prefill_tokens < prompt_tokens
+        return is_long_prompt(prompt_tokens, self.long_prefill_tokens)
 
     def settle(self, now: float) -> None:
         """Calibrates with the first tokens older than COBATCH_S, each against the model of the

@@ -103,6 +103,12 @@ class Placement:
     beside_streams: float | None = None  # beside the prompt (None: a prefill replica): what the model assumed
 
 
+def is_long_prompt(prompt_tokens: int, long_prefill_tokens: int) -> bool:
+    """Whether a prompt yields to shorter ones at a place that takes short ones first (pure;
+    never when ``long_prefill_tokens`` is 0: arrival order)."""
+    return 0 < long_prefill_tokens < prompt_tokens
+
+
 def modelled_ttft_s(prompt_tokens: int, load: PlaceLoad, rules: Rules, beside_streams: float | None = None,
                     joining: bool = True) -> float:
     """The uncalibrated time to a first token at a place (pure); ``beside_streams``: the streams
@@ -110,7 +116,8 @@ def modelled_ttft_s(prompt_tokens: int, load: PlaceLoad, rules: Rules, beside_st
     with the prompts expected to join its last step (False: ``load.queued_tokens`` is all of it)."""
     p = rules.prefill
     replicas = max(load.live_replicas, 1)
-    short_first = beside_streams is not None and 0 < prompt_tokens <= rules.long_prefill_tokens
+    short_first = (beside_streams is not None and rules.long_prefill_tokens > 0
+                   and not is_long_prompt(prompt_tokens, rules.long_prefill_tokens))
     longs = min(load.queued_long_tokens, load.queued_tokens) if short_first else 0
     per_replica = (load.queued_tokens - longs + prompt_tokens) / replicas
     step_tokens = max(rules.batch_tokens if beside_streams is None else rules.decode_step_tokens, 1)
