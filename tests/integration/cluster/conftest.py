@@ -75,7 +75,7 @@ def cluster(shared_ray, trace_file):
     # prompt goes through the prefill pool (max_local_prefill_s 0); placement has its own tests
     # (tests/integration/admission, tests/unit/services/test_placement.py).
     # A 5 s grammar compile limit (CPU seconds), not 10: test_cluster_grammar_isolation.py's over-limit schema
-    # holds a compile worker that long; its slow schemas take about 2 s each.
+    # holds a compile worker that long; its slow schemas take about a second each.
     config = ClusterConfig(port=free_service_port(), prefill=small_pool(num_replicas=2), decode=small_pool(),
                            lease_ttl_s=120.0,  # far above any wait: a stranded lease fails the leak checks
                            trace_file=str(trace_file),  # every process's spans in one file
