@@ -1,14 +1,55 @@
 """Suite-wide settings: kernels run under Triton's CPU interpreter, Ray and
-UCX stay on loopback, torch uses one thread per process unless a test says
-otherwise."""
+UCX stay on loopback.  Torch keeps its default (a thread per core) in a run
+of one process, and takes one thread in each xdist worker (`-n 2` on two
+cores: two threads each spun against each other, and the engine's
+integration tests took 268 s on two workers against 177 s in one process).
+
+`make test` runs the unit tests and the engine's integration tests (one
+process, no cluster) at idle CPU priority beside the cluster integration
+tests (tests/suite.sh), so a test there may be starved of the CPU for seconds
+at any point.  The files in WALL_CLOCK hold verdicts that rest on a short
+wall-clock window (a lease deadline a fraction of a second away, a 2 s
+transfer timeout, a heartbeat's age, a compile's wall backstop): they are
+marked ``wall_clock``, and suite.sh runs them first, by themselves, at normal
+priority.  A new test whose verdict needs the CPU promptly belongs in this
+list; a mere hang guard does not (make it generous instead)."""
 
 import os
+
+import pytest
 
 from pdcluster.services.cluster_env import cluster_env
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 cluster_env()  # loopback, Serve's throughput mode: what `pdcluster up` runs with
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+if os.environ.get("PYTEST_XDIST_WORKER"):  # read by torch when it loads: before any test module imports it
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # PDCLUSTER_TEST_CPU_REPORT=FILE: each test's wall time and machine CPU (tests/cpu_report.py).
 from tests.cpu_report import pytest_runtest_protocol, pytest_sessionfinish  # noqa: E402,F401
+
+WALL_CLOCK = (
+    "tests/unit/transfer/",                              # lease deadlines and 1-5 s transfer timeouts
+    "tests/unit/bench/",                                 # load generators timing fake servers (a profile's fit)
+    "tests/unit/telemetry/",                             # the engine clock mapped to the wall clock within 50 ms
+    "tests/unit/engine/test_async_engine_loop.py",       # heartbeat ages
+    "tests/unit/engine/test_lease_reads.py",             # a lease's expiry on the monotonic clock
+    "tests/unit/engine/test_grammar.py",                 # compile limits with a wall-clock backstop
+    "tests/unit/engine/test_grammar_compile_pool.py",
+    "tests/unit/services/test_peer_fetch.py",            # a lease 0.1 s from its deadline
+    "tests/unit/openai/test_openai_live.py",             # a stream's abort seen within 5 s
+    "tests/integration/engine/test_engine_isolation.py",  # reservations and leases of 0.1-0.3 s
+)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "wall_clock: a test whose verdict rests on a short wall-clock window; "
+                                       "make test runs these first, alone (tests/conftest.py)")
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` selects by marker
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.relative_to(config.rootpath).as_posix().startswith(WALL_CLOCK):
+            item.add_marker(pytest.mark.wall_clock)

@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
 # The whole suite, as `make test` runs it:
-#   1. the unit tests marked wall_clock (verdicts that rest on a short wall-clock
-#      window: tests/unit/conftest.py), on two workers, by themselves;
-#   2. the other unit tests on two workers at idle CPU priority (SCHED_IDLE),
-#      beside the integration tests at normal priority.  The integration tests
-#      start clusters and leave about a quarter of the two cores idle while they
-#      wait on them; the unit tests take almost only that idle time, so they add
-#      little to the wall time and next to nothing to a cluster's latency.
-# The integration tests show their progress here; the background unit tests'
-# output is kept in runs/unit-tests.log and printed when both are done.  Fails
-# when any part fails or collects nothing (pytest's exit 5).
+#   1. the tests marked wall_clock (verdicts that rest on a short wall-clock
+#      window: tests/conftest.py), on two workers, by themselves;
+#   2. the other unit tests and the engine's integration tests (one process
+#      each, no cluster, one torch thread) on two workers at idle CPU priority
+#      (SCHED_IDLE), beside the cluster integration tests at normal priority.
+#      Those start clusters and leave part of the two cores idle while they
+#      wait on them; the tests beside them take almost only that idle time,
+#      so they add little to the wall time and next to nothing to a cluster's
+#      latency.  Run alone, one at a time, the engine's tests left a core idle
+#      for their whole three minutes.
+# The cluster integration tests show their progress here; the background
+# tests' output is kept in runs/unit-tests.log and printed when both are done.
+# Fails when any part fails or collects nothing (pytest's exit 5).
 #   usage: tests/suite.sh PYTHON [PYTEST_ARGS...]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -26,23 +29,27 @@ idle() {  # SCHED_IDLE where chrt can set it, else the lowest nice value
   fi
 }
 
-echo "==> unit tests that time themselves (marked wall_clock): 2 workers, by themselves"
-"$PY" -m pytest -ra -n 2 --dist loadfile tests/unit -m wall_clock "$@"
+BESIDE=(tests/unit tests/integration/engine)  # no cluster: beside the cluster integration tests
+
+echo "==> tests that time themselves (marked wall_clock): 2 workers, by themselves"
+"$PY" -m pytest -ra -n 2 --dist loadfile "${BESIDE[@]}" -m wall_clock "$@"
 WALL_CLOCK_RC=$?
 
-echo "==> the other unit tests: 2 workers at idle priority, beside the integration tests (output: $UNIT_LOG)"
-idle "$PY" -m pytest -ra -n 2 --dist loadfile tests/unit -m "not wall_clock" "$@" >"$UNIT_LOG" 2>&1 &
+echo "==> the other unit tests and the engine's integration tests: 2 workers at idle priority, beside the" \
+     "cluster integration tests (output: $UNIT_LOG)"
+idle "$PY" -m pytest -ra -n 2 --dist loadfile "${BESIDE[@]}" -m "not wall_clock" "$@" >"$UNIT_LOG" 2>&1 &
 UNIT_PID=$!
 trap 'kill "$UNIT_PID" 2>/dev/null' INT TERM
 
-echo "==> integration tests, one at a time"
-"$PY" -m pytest -ra tests/integration "$@"
+echo "==> cluster integration tests, one at a time"
+"$PY" -m pytest -ra tests/integration --ignore=tests/integration/engine "$@"
 INTEGRATION_RC=$?
 
-echo "==> waiting for the unit tests"
+echo "==> waiting for the tests beside them"
 wait "$UNIT_PID"
 UNIT_RC=$?
-echo "==> unit tests ($UNIT_LOG), last lines:"
+echo "==> the tests beside them ($UNIT_LOG), last lines:"
 tail -n 60 "$UNIT_LOG"
-echo "==> exit status: wall_clock unit tests $WALL_CLOCK_RC, other unit tests $UNIT_RC, integration tests $INTEGRATION_RC"
+echo "==> exit status: wall_clock tests $WALL_CLOCK_RC, unit + engine tests $UNIT_RC, cluster integration tests" \
+     "$INTEGRATION_RC"
 [ "$WALL_CLOCK_RC" -eq 0 ] && [ "$UNIT_RC" -eq 0 ] && [ "$INTEGRATION_RC" -eq 0 ]

@@ -1,6 +1,8 @@
 """Per-replica status in Redis, for `pdcluster status` and tests: every
 worker writes its status JSON under a key with a short TTL, so a dead
-replica disappears from the board by itself.  ``redis_url`` may carry the
+replica disappears from the board by itself, and one that stops takes its key
+away as it goes (the gateway's liveness and a scale-down see it gone at once,
+not up to _TTL_S later).  ``redis_url`` may carry the
 password (``redis://:PASSWORD@host:port/db``): it goes to redis-py as it is
 and is never logged."""
 
@@ -14,6 +16,7 @@ from collections.abc import Callable
 log = logging.getLogger("pdcluster.status")
 _TTL_S = 5
 _PERIOD_S = 0.5
+_GOODBYE_S = 1.0  # a stopping worker waits this long at most to take its key away
 
 
 def _key(cluster: str, worker: str = "*") -> str:
@@ -33,6 +36,10 @@ async def publish_forever(redis_url: str, cluster: str, worker: str, status: Cal
                 log.debug("status publish failed: %s", exc)
             await asyncio.sleep(_PERIOD_S)
     finally:
+        try:
+            await asyncio.wait_for(client.delete(_key(cluster, worker)), _GOODBYE_S)
+        except Exception as exc:  # noqa: BLE001 - the key expires by itself
+            log.debug("status key not removed: %s", exc)
         await client.aclose()
 
 

@@ -55,7 +55,8 @@ def pull_and_commit(prefill: Engine, decode: Engine, requests: Requests, done: M
     priors = priors or {}
     first, num_bytes, num_blocks = {}, 0, 0
     with create_backend("fallback", peer_id="prefill-0", secret=SECRET) as owner, \
-            create_backend("fallback", peer_id="decode-0", secret=SECRET, timeout_s=10.0) as puller:
+            create_backend("fallback", peer_id="decode-0", secret=SECRET,
+                           timeout_s=120.0) as puller:  # a hang guard: make test may run this starved
         owner.register_pool(prefill.kv.kv_pool, KVLayout.of_pool(prefill.kv.kv_pool, prefill.hash_seed))
         puller.register_pool(decode.kv.kv_pool, KVLayout.of_pool(decode.kv.kv_pool, decode.hash_seed))
         for request_id, prompt, params in requests:

@@ -3,7 +3,7 @@ and the tiers under a tiny pool with no model (kv_tiers.py): LRU order,
 pinned slots never reused under a reader, a record refused for every way it
 can be wrong, and the blocks a parked request loads entering the prefix
 cache with the bytes they were evicted with.  The real model's output over
-each tier is checked in tests/integration/engine/test_kv_tiers.py."""
+each tier is checked in tests/integration/engine/test_engine_kv_tiers.py."""
 
 from __future__ import annotations
 

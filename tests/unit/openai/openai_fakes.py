@@ -100,7 +100,7 @@ def serve_app(app: FastAPI) -> Iterator[str]:
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 120  # a hang guard: the suite may run this starved (tests/unit/conftest.py)
+    deadline = time.monotonic() + 120  # a hang guard: the suite may run this starved (tests/conftest.py)
     while not server.started:
         assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start within 120 s"
         time.sleep(0.02)

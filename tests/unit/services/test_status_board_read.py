@@ -47,3 +47,35 @@ async def test_pool_liveness_counts_replicas_whose_engine_is_alive():
     liveness = PoolLiveness("redis://unused:1/0", "c")
     liveness._client = _board()
     assert (await liveness.live("prefill"), await liveness.live("decode")) == (1, 0)
+
+
+async def test_a_worker_that_stops_takes_its_key_off_the_board_at_once():
+    """Real redis-server: a publisher's key is on the board while it runs and gone as soon as
+    it is cancelled (a replica's graceful stop), not _TTL_S later."""
+    import asyncio
+
+    import pytest
+    import redis.asyncio as aioredis
+
+    from pdcluster.prefix_store.redis_server import RedisServer
+    from pdcluster.services.pools.status_board import _TTL_S, publish_forever
+
+    try:
+        server = RedisServer().start()
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+    client = aioredis.from_url(server.url)
+    try:
+        task = asyncio.create_task(publish_forever(server.url, "c", "p1", lambda: PREFILL))
+        for _ in range(3000):  # a hang guard of 30 s: the first publish comes at once
+            if await read_statuses(client, "c"):
+                break
+            await asyncio.sleep(0.01)
+        assert await read_statuses(client, "c") == [PREFILL]
+        assert 0 < await client.ttl("pdc:status:c:p1") <= _TTL_S
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        assert await read_statuses(client, "c") == []  # right after the stop: no wait for the TTL
+    finally:
+        await client.aclose()
+        server.stop()
