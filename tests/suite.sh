@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
 # The whole suite, as `make test` runs it:
-#   1. the tests marked wall_clock (verdicts that rest on a short wall-clock
-#      window: tests/conftest.py), on two workers, by themselves;
-#   2. the other unit tests and the engine's integration tests (one process
-#      each, no cluster, one torch thread) on two workers at idle CPU priority
-#      (SCHED_IDLE), beside the cluster integration tests at normal priority.
-#      Those start clusters and leave part of the two cores idle while they
-#      wait on them; the tests beside them take almost only that idle time,
-#      so they add little to the wall time and next to nothing to a cluster's
-#      latency.  Run alone, one at a time, the engine's tests left a core idle
-#      for their whole three minutes.
+#   - in the background, from the start: the unit tests and the engine's
+#     integration tests (one process each, no cluster, one torch thread) on two
+#     workers at idle CPU priority (SCHED_IDLE).  They take almost only the
+#     time the tests in the foreground leave idle, so they add little to the
+#     wall time and next to nothing to those tests' latency: a task at normal
+#     priority that wakes takes the core from them at once.  Run alone, one at
+#     a time, the engine's tests left a core idle for their whole three minutes.
+#   - in the foreground, at normal priority: first the tests marked wall_clock
+#     (verdicts that rest on a short wall-clock window: tests/conftest.py) on
+#     two workers, mostly waiting on timers and processes; then the cluster
+#     integration tests, one at a time, which start clusters and leave part of
+#     the two cores idle while they wait on them.
 # The cluster integration tests show their progress here; the background
 # tests' output is kept in runs/unit-tests.log and printed when both are done.
 # Fails when any part fails or collects nothing (pytest's exit 5).
@@ -31,15 +33,15 @@ idle() {  # SCHED_IDLE where chrt can set it, else the lowest nice value
 
 BESIDE=(tests/unit tests/integration/engine)  # no cluster: beside the cluster integration tests
 
-echo "==> tests that time themselves (marked wall_clock): 2 workers, by themselves"
-"$PY" -m pytest -ra -n 2 --dist loadfile "${BESIDE[@]}" -m wall_clock "$@"
-WALL_CLOCK_RC=$?
-
 echo "==> the other unit tests and the engine's integration tests: 2 workers at idle priority, beside the" \
      "cluster integration tests (output: $UNIT_LOG)"
 idle "$PY" -m pytest -ra -n 2 --dist loadfile "${BESIDE[@]}" -m "not wall_clock" "$@" >"$UNIT_LOG" 2>&1 &
 UNIT_PID=$!
 trap 'kill "$UNIT_PID" 2>/dev/null' INT TERM
+
+echo "==> tests that time themselves (marked wall_clock): 2 workers at normal priority"
+"$PY" -m pytest -ra -n 2 --dist loadfile "${BESIDE[@]}" -m wall_clock "$@"
+WALL_CLOCK_RC=$?
 
 echo "==> cluster integration tests, one at a time"
 "$PY" -m pytest -ra tests/integration --ignore=tests/integration/engine "$@"
