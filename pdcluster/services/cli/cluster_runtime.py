@@ -106,13 +106,15 @@ class LocalCluster:
             serve.start(http_options={"host": self.config.host, "port": self.config.port})
         progress(f"deploying {self.config.mode} pools (loading the model in each replica) ...")
         pool_targets.publish(url, self.config.cluster_name, pool_targets.targets_of(self.config))
+        # Written before the deploy: the gateway serves its own port, and answers (/health 200,
+        # requests) as soon as its pools have a live replica -- before serve.run returns, which
+        # waits for every deployment (seen: `pdcluster status` found no state file while the
+        # cluster already served requests).  `pdcluster status` must work from the first answer.
+        self._write_state(url)
         try:
             serve.run(build_app(self.config), name=APP_NAME, route_prefix="/", blocking=False)
         except RuntimeError as exc:  # Serve names the deployment; its replica's error says why
             raise RuntimeError(f"{exc}\n{deployment_errors(serve.status(), APP_NAME)}") from exc
-        # Written before the wait: the gateway may answer (/health 200, requests) before this
-        # process's own probe returns, and `pdcluster status` must work from then on.
-        self._write_state(url)
         self._wait_ready(progress)
         self.ready_s = time.perf_counter() - t0
         return self
