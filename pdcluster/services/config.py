@@ -235,7 +235,9 @@ class AdmissionSettings(_Strict):
     max_in_flight: int = Field(1024, ge=1, description="requests the gateway serves at once before 429")
     request_timeout_s: float = Field(300.0, gt=0, description="end-to-end deadline of one request")
     inter_token_timeout_s: float = Field(30.0, gt=0, description="longest wait for the next token once "
-                                                                 "the first has arrived")
+                                                                 "the first has arrived (a hand-off waiting in "
+                                                                 "line for a decode seat or KV is no stall: "
+                                                                 "its KV lease bounds that wait)")
     first_token_timeout_s: float | None = Field(
         None, gt=0, description="longest wait for the first token, or 3x the request's predicted time to first "
                                 "token when that is longer (a long prompt on a slow machine is never cut for "

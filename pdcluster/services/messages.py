@@ -93,6 +93,7 @@ class TokenDelta:
     prompt_logprobs: list[TokenLogprob] | None = None  # on a choice's first delta, with params.prompt_logprobs
     worker_name: str = ""          # on a choice's first delta: the replica that prefilled it
     streamed_by: str = ""          # the replica streaming this delta: the one a failover moves away from
+    waiting: bool = False          # no tokens: a hand-off waits for a decode seat or KV (see ``waiting_on``)
 
     @classmethod
     def of_output(cls, out: "RequestOutput", streamed_by: str, worker_name: str = "",
@@ -104,6 +105,13 @@ class TokenDelta:
                    num_cached_tokens=out.num_cached_tokens if num_cached_tokens is None else num_cached_tokens,
                    logprobs=out.logprobs, prompt_logprobs=out.prompt_logprobs, worker_name=worker_name,
                    streamed_by=streamed_by)
+
+    @classmethod
+    def waiting_on(cls, replica: str) -> "TokenDelta":
+        """A keep-alive: the stream's hand-off waits in line for a decode seat or KV blocks (bounded
+        by its lease), which is no stalled replica; the gateway's inter-token deadline starts again
+        from it, and no client ever sees it."""
+        return cls([], "", streamed_by=replica, waiting=True)
 
     @classmethod
     def of_prefill(cls, pre: "PrefillResponse") -> "TokenDelta":

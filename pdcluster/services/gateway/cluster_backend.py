@@ -182,6 +182,8 @@ class ClusterBackend(Backend):
             chunks = with_gap_deadline(attempt, self.inter_token_timeout_s, pending is not None, progress)
             try:
                 async for chunk in chunks:
+                    if chunk.waiting:  # a hand-off in line for a decode seat or KV: the deadline starts again
+                        continue
                     if pending is not None:  # the new replica's first token: the pause is over
                         self.failovers.span(pending, req.trace_context, progress.replica or chunk.worker_name)
                         pending = None
@@ -349,6 +351,7 @@ class ClusterBackend(Backend):
                     if not isinstance(exc, BackendOverloaded) or decoded or time.time() > give_up_at:
                         raise
                 self.num_handoff_waits += 1
+                yield TokenDelta.waiting_on("")  # waiting for a seat: no stall (the inter-token deadline)
                 await asyncio.sleep(_HANDOFF_RETRY_S)
         finally:
             if pre.block_ids and pre.finish_reason is None and not decoded and not taken:

@@ -36,11 +36,13 @@ _SETTLE_POLL_S = 0.1  # how often a quarantine asks whether its transfer settled
 # A hand-off with less lease than this left is refused before reserving:
 # the pull could not finish inside it.
 _MIN_LEASE_LEFT_S = 0.5
+_WAITING_EVERY_S = 0.5  # a keep-alive this often while a hand-off waits for KV (a quarter of the deadline at most)
 
 
 class DecodeServer(WorkerEndpoints):
     async def __init__(self, config: dict):
         self.cfg = ClusterConfig.model_validate(config)
+        self.waiting_every_s = min(_WAITING_EVERY_S, self.cfg.admission.inter_token_timeout_s / 4)
         self.worker = Worker(self.cfg, self.cfg.decode, "decode", _replica_name("decode"))
         await self.worker.start()
         self._background: set[asyncio.Task] = set()
@@ -58,7 +60,10 @@ class DecodeServer(WorkerEndpoints):
         """Blocks for the prompt (and a resumed stream's tokens already sent,
         whose KV the prefill replica computed too); when the pool is full the
         reservation waits in line on the engine thread (reservation_line.py), up
-        to ``transfer_timeout_s`` and never past the hand-off's usable lease."""
+        to ``transfer_timeout_s`` and never past the hand-off's usable lease
+        (``generate`` streams keep-alives meanwhile)."""
+        if faults.has(req.faults, "wait_for_kv"):
+            await asyncio.sleep(faults.seconds(req.faults, "wait_for_kv"))
         wait_s = self.cfg.transfer_timeout_s
         if req.handoff.lease_deadline_unix:
             wait_s = min(wait_s, req.handoff.lease_deadline_unix - _MIN_LEASE_LEFT_S - time.time())
@@ -145,7 +150,15 @@ class DecodeServer(WorkerEndpoints):
             self._check_lease(req)
             # Decodes run for long: the batch's seats plus the queue.
             with w.admitted(self.cfg.scheduler.max_num_seqs + self.cfg.decode.max_queue):
-                alloc = await self._reserve(req)
+                reserving = asyncio.ensure_future(self._reserve(req))
+                try:
+                    while not (await asyncio.wait({reserving}, timeout=self.waiting_every_s))[0]:
+                        yield TokenDelta.waiting_on(w.name)  # in line for KV: alive, not stalled
+                finally:
+                    if not reserving.done():  # the gateway gave up meanwhile: leave the line
+                        reserving.cancel()
+                        await asyncio.gather(reserving, return_exceptions=True)
+                alloc = reserving.result()
                 try:
                     stages.reserved()
                     pulled = await self._pull(req, alloc, stages)

@@ -11,6 +11,7 @@ request, whatever the pool sizes.
     reuse_leased_block     prefill: the hand-off's partial last block changes after its checksum was
                            taken (as a block released early and reused would): the pull must refuse it
     delay_pull:S           decode: wait S seconds before pulling the blocks
+    wait_for_kv:S          decode: the hand-off's reservation waits S seconds, as in line for a full pool
     fail_pull              decode: the pull fails as if the connection broke
     die_before_pull        decode: the replica process exits before pulling
     reject_decode          decode: answer 429 as a full decode replica would
@@ -28,8 +29,9 @@ import os
 
 ENV = "PDCLUSTER_FAULTS"
 HEADER = "x-pdcluster-fault"
-KINDS = frozenset({"short_lease", "reuse_leased_block", "delay_pull", "fail_pull", "die_before_pull", "reject_decode", "stall_decode",
-                   "kill_prefill_engine", "kill_decode_engine", "drop_stream", "drop_stream_once"})
+KINDS = frozenset({"short_lease", "reuse_leased_block", "delay_pull", "wait_for_kv", "fail_pull", "die_before_pull",
+                   "reject_decode", "stall_decode", "kill_prefill_engine", "kill_decode_engine", "drop_stream",
+                   "drop_stream_once"})
 
 
 def enabled() -> bool:
