@@ -119,18 +119,24 @@ async def run_round(url: str, requests: list[dict], kill: Callable[[], None] | N
 def kill_one_decode_replica(cluster, num_streams: int) -> Callable[[], None]:
     """A ``kill`` for run_round: SIGKILLs the decode replica with the most
     running requests, once the status board (0.5 s behind) shows the streams
-    decoding (or after 2 s)."""
+    decoding (or after 5 s).  Only board entries published after this call
+    count: one from before it can still show the previous round's streams on
+    a replica this round does not use (seen: the kill hit a replica with no
+    stream, and no stream failed over)."""
     from pdcluster.services.pools.status_board import read_board
 
+    since = time.time()  # the replicas' board times are this host's wall clock
+
     def kill() -> None:
-        deadline = time.monotonic() + 2.0
+        deadline = time.monotonic() + 5.0
         while True:
-            replicas = [s for s in read_board(cluster.config.index_url, cluster.config.cluster_name)
-                        if s["role"] == "decode" and time.time() - s["time"] < 2.0]
+            board = [s for s in read_board(cluster.config.index_url, cluster.config.cluster_name)
+                     if s["role"] == "decode"]
+            replicas = [s for s in board if s["time"] >= since]
             if sum(s["running"] for s in replicas) >= num_streams or time.monotonic() > deadline:
                 break
             time.sleep(0.1)
-        victim = max(replicas, key=lambda s: s["running"])
+        victim = max(replicas or board, key=lambda s: s["running"])
         print(f"SIGKILL decode replica {victim['name']} (pid {victim['pid']}, {victim['running']} running)",
               flush=True)
         os.kill(victim["pid"], signal.SIGKILL)
