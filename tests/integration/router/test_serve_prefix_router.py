@@ -107,4 +107,4 @@ def test_cached_prefix_goes_to_the_replica_the_index_names(shared_ray, redis_ser
             served_by = [handle.remote(request_for(prefix, rng)).result(timeout_s=30) for _ in range(3)]
             assert served_by == [holder.name] * 3
     finally:
-        serve.shutdown()
+        serve.delete("prefix-router-test")  # Serve's controller stays for the clusters after it
