@@ -9,7 +9,7 @@ process, no cluster) at idle CPU priority beside the cluster integration
 tests (tests/suite.sh), so a test there may be starved of the CPU for seconds
 at any point.  The files in WALL_CLOCK hold verdicts that rest on a short
 wall-clock window (a lease deadline a fraction of a second away, a 2 s
-transfer timeout, a heartbeat's age, a compile's wall backstop): they are
+transfer timeout, a heartbeat's age): they are
 marked ``wall_clock``, and suite.sh runs them first, by themselves, at normal
 priority.  A new test whose verdict needs the CPU promptly belongs in this
 list; a mere hang guard does not (make it generous instead)."""
@@ -29,18 +29,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # read by torch when it loads: before
 # PDCLUSTER_TEST_CPU_REPORT=FILE: each test's wall time and machine CPU (tests/cpu_report.py).
 from tests.cpu_report import pytest_runtest_protocol, pytest_sessionfinish  # noqa: E402,F401
 
-WALL_CLOCK = (
-    "tests/unit/transfer/",                              # lease deadlines and 1-5 s transfer timeouts
-    "tests/unit/bench/",                                 # load generators timing fake servers (a profile's fit)
-    "tests/unit/telemetry/",                             # the engine clock mapped to the wall clock within 50 ms
-    "tests/unit/engine/test_async_engine_loop.py",       # heartbeat ages
-    "tests/unit/engine/test_lease_reads.py",             # a lease's expiry on the monotonic clock
-    "tests/unit/engine/test_grammar.py",                 # compile limits with a wall-clock backstop
-    "tests/unit/engine/test_grammar_compile_pool.py",
-    "tests/unit/services/test_peer_fetch.py",            # a lease 0.1 s from its deadline
-    "tests/unit/openai/test_openai_live.py",             # a stream's abort seen within 5 s
-    "tests/integration/engine/test_engine_isolation.py",  # reservations and leases of 0.1-0.3 s
-)
+from tests.wall_clock import WALL_CLOCK  # noqa: E402,F401 - the list suite.sh also reads
 
 
 def pytest_configure(config):

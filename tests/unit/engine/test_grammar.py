@@ -19,6 +19,7 @@ from pdcluster.services.engine.sampler import Sampler
 from pdcluster.services.engine.sampling_params import SamplingParams
 from pdcluster.services.engine.tokenizer import Tokenizer
 
+pytestmark = pytest.mark.usefixtures("grammar_clocks_off")  # no wall-clock guard decides here
 VOCAB = 49152
 EOS = 2
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"enum": [1, 2, 3]}},

@@ -22,6 +22,7 @@ from pdcluster.services.engine.sampling_params import SamplingParams
 from pdcluster.services.engine.tokenizer import Tokenizer
 from tests.slow_grammars import slow_schema_text
 
+pytestmark = pytest.mark.usefixtures("grammar_clocks_off")  # no wall-clock guard decides here
 VOCAB = 49152
 EOS = 2
 
