@@ -75,11 +75,15 @@ def cluster(shared_ray, trace_file):
     # prompt goes through the prefill pool (max_local_prefill_s 0); placement has its own tests
     # (tests/integration/admission, tests/unit/services/test_placement.py).
     # A 5 s grammar compile limit (CPU seconds), not 10: test_cluster_grammar_isolation.py's over-limit schema
-    # holds a compile worker that long; its slow schemas take about a second each.
+    # holds a compile worker that long; its slow schemas take about a second each.  One compile worker per
+    # replica, not 2: three replicas' cold workers (each imports xgrammar and torch) cost the 2 cores more than
+    # the second worker gains (measured: the isolation burst 36.7 s against 38.1 s, the twenty schemas that
+    # follow it 5.9 s against 14-18 s); the pool's bound itself has unit tests (test_grammar_compile_pool.py).
     config = ClusterConfig(port=free_service_port(), prefill=small_pool(num_replicas=2), decode=small_pool(),
                            lease_ttl_s=120.0,  # far above any wait: a stranded lease fails the leak checks
                            trace_file=str(trace_file),  # every process's spans in one file
                            grammar_compile_timeout_s=5.0,
+                           grammar_compile_workers=1,
                            peer_fetch=PeerFetchSettings(enabled=True, lease_timeout_s=5.0),  # test_cluster_peer_fetch.py
                            admission=AdmissionSettings(shed=False, inter_token_timeout_s=120.0,
                                                        max_local_prefill_s=0.0))
