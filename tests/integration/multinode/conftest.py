@@ -62,7 +62,7 @@ def _wait_for_nodes(pair: HostPair, env: dict[str, str], head, worker, timeout_s
         last = status.stdout + status.stderr
         if status.returncode == 0 and last.count("node_") >= 2:
             return
-        time.sleep(2.0)
+        time.sleep(0.5)
     raise RuntimeError(f"the two Ray nodes did not come up within {timeout_s:.0f} s:\n{last[-2000:]}")
 
 
@@ -87,6 +87,9 @@ def two_node_cluster():
             head.start(f"{temp_root}/head.log")
             _wait_for_log(head, "Ray runtime started", 90.0)
             worker.start(f"{temp_root}/worker.log")
+            # Its raylet is up (and registering) once it says so: only then ask `ray status`
+            # (a Python process of a second or two each) whether both nodes are in.
+            _wait_for_log(worker, "Ray runtime started", 90.0)
             _wait_for_nodes(pair, env, head, worker)
             yield TwoNodeCluster(pair, env, head, worker)
         finally:
