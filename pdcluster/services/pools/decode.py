@@ -154,10 +154,16 @@ class DecodeServer(WorkerEndpoints):
                 try:
                     while not (await asyncio.wait({reserving}, timeout=self.waiting_every_s))[0]:
                         yield TokenDelta.waiting_on(w.name)  # in line for KV: alive, not stalled
-                finally:
-                    if not reserving.done():  # the gateway gave up meanwhile: leave the line
+                except BaseException:
+                    # The gateway gave up while this waited: leave the line.  The reservation may have
+                    # been made while the keep-alive was out (the generator closed at that yield with
+                    # the task done): then it goes back too, or it would hold its blocks in awaiting_kv.
+                    if not reserving.done():
                         reserving.cancel()
-                        await asyncio.gather(reserving, return_exceptions=True)
+                    made = (await asyncio.gather(reserving, return_exceptions=True))[0]
+                    if not isinstance(made, BaseException):
+                        await asyncio.shield(w.aengine.abort(req.request_id))
+                    raise
                 alloc = reserving.result()
                 try:
                     stages.reserved()
