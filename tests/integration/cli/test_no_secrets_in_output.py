@@ -108,6 +108,9 @@ def run_and_grep(tmp_path: Path, host: str) -> None:
         assert redis_password and len(redis_password) >= 32, "the embedded Redis has a generated password"
         assert "index redis://:***@127.0.0.1:" in status_table
 
+        # The gateway serves before `pdcluster up` prints its banner (after its own probe request):
+        # the dashboard's line may not be there yet (seen once: the log ended at Serve's "ready").
+        wait_for_line(proc, up_log, "Ray dashboard ", READY_TIMEOUT_S)
         serve_apps = serve_applications(up_log.read_text())
         tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
         session_dir = ray_session_dir(tree)
@@ -232,6 +235,15 @@ def wait_for_health(proc: subprocess.Popen, log: Path, host: str, port: int, tim
     while not health_is_200(port, host):
         assert proc.poll() is None, log.read_text()[-4000:]
         assert time.monotonic() < deadline, f"not healthy after {timeout_s} s: {log.read_text()[-4000:]}"
+        time.sleep(0.1)
+
+
+def wait_for_line(proc: subprocess.Popen, log: Path, text: str, timeout_s: float) -> None:
+    """Until ``log`` holds ``text`` (the process still running)."""
+    deadline = time.monotonic() + timeout_s
+    while text not in log.read_text():
+        assert proc.poll() is None, log.read_text()[-4000:]
+        assert time.monotonic() < deadline, f"no {text!r} after {timeout_s} s: {log.read_text()[-4000:]}"
         time.sleep(0.1)
 
 
