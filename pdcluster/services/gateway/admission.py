@@ -29,7 +29,11 @@ its request arrived is no sample (counted in ``samples_left_out``): that
 request waited for a replica to start -- the cluster's, a respawn's after a
 SIGKILL, a scale-up's -- not for the place's queue.  Taken as samples, the
 first tokens of a respawned replica's backlog (5 s late) set a 2.8 s tail
-margin that refused a servable chat right after the outage.  ``place``
+margin that refused a servable chat right after the outage.  Nor is a
+request refused on the queue of a place with no live replica, or while
+prompts admitted during such an outage are still queued there (its
+``backlog_tokens``): that queue waits for a replica to start, and no
+measurement says how far along it is.  ``place``
 decides and counts; the ``Ticket`` it returns gives the counts back."""
 
 from __future__ import annotations
@@ -67,6 +71,7 @@ class PlaceQueue:
         self.queued_tokens = 0
         self.queued_long_tokens = 0  # of them: prompts over long_prefill_tokens, which yield to shorter ones
         self.queued_requests = 0
+        self.backlog_tokens = 0  # of them: admitted while the place had no live replica (an outage's)
         self.by_class: dict[Class, int] = {}  # queued prompt tokens per (priority, tenant)
         self.served_tokens = 0  # prompt tokens answered here with a first token, ever
         self.served_long_tokens = 0  # of them: long prompts'
@@ -125,15 +130,16 @@ class PlaceQueue:
                                                                    weights or {})
         return PlaceLoad(live_replicas, ahead, self.queued_requests if ahead else 0, self.calibration.predict,
                          self.calibration.margin_s, self._arriving_tokens / ARRIVALS_S,
-                         min(self.queued_long_tokens, ahead))
+                         min(self.queued_long_tokens, ahead), self.backlog_tokens)
 
-    def admit(self, who: Class, tokens: int, now: float) -> None:
-        self.add(who, tokens, +1)
+    def admit(self, who: Class, tokens: int, now: float, in_outage: bool = False) -> None:
+        self.add(who, tokens, +1, in_outage)
         self._arrivals.append((now, tokens))
         self._arriving_tokens += tokens
 
-    def add(self, who: Class, tokens: int, sign: int) -> None:
+    def add(self, who: Class, tokens: int, sign: int, in_outage: bool = False) -> None:
         self.queued_tokens += sign * tokens
+        self.backlog_tokens += sign * tokens if in_outage else 0
         self.queued_long_tokens += sign * tokens if self.is_long(tokens) else 0
         self.queued_requests += sign
         left = self.by_class.get(who, 0) + sign * tokens
@@ -149,8 +155,9 @@ class Ticket:
     where its prompt is prefilled: "prefill" or "decode"."""
 
     def __init__(self, admission: Admission, placement: Placement, tokens: int, who: Class = (0, DEFAULT_TENANT),
-                 arrived_at: float = 0.0):
+                 arrived_at: float = 0.0, in_outage: bool = False):
         self._admission, self.placement, self.tokens, self.who = admission, placement, tokens, who
+        self.in_outage = in_outage  # admitted while its place had no live replica
         self.pool = placement.pool
         place = admission.places[self.pool]
         self.served_before, self.served_long_before = place.served_tokens, place.served_long_tokens
@@ -231,14 +238,14 @@ class Admission:
                  prompt_tokens: int = 0) -> Snapshot:
         """``*_live``: live replicas (None: unknown -- no Redis -- counted as one; prefill 0: no prefill pool);
         ``who``: the class of the request it is for (None: the whole queues)."""
-        decode = max(decode_live if decode_live is not None else 1, 1)
+        decode = 1 if decode_live is None else max(decode_live, 0)
         prefill_live = 1 if prefill_live is None else prefill_live
         w = self.tenant_weights
         prefill = self.places[PREFILL].load(prefill_live, now, who, prompt_tokens, w) if prefill_live > 0 else None
         while self._decode_busy and self._decode_busy[0][0] < now - self.rules.window_s:
             self._decode_busy.popleft()
         return Snapshot(prefill=prefill, decode=self.places[DECODE].load(decode, now, who, prompt_tokens, w),
-                        decode_streams=self.in_flight, decode_seats=self.decode_seats_per_replica * decode,
+                        decode_streams=self.in_flight, decode_seats=self.decode_seats_per_replica * max(decode, 1),
                         decode_busy_s=sum(s for _, s in self._decode_busy),
                         calibrated=self.num_measured >= MIN_SAMPLES)
 
@@ -279,16 +286,18 @@ class Admission:
                                                "replicas", retry_after_s=choice.retry_after_s))
         if choice.pool == DECODE:
             self._decode_busy.append((now, choice.local_prefill_s))
-        return self._enqueue(choice, prompt_tokens, who, now, arrived_at)
+        in_outage = (snap.decode if choice.pool == DECODE else snap.prefill).live_replicas <= 0
+        return self._enqueue(choice, prompt_tokens, who, now, arrived_at, in_outage)
 
-    def _enqueue(self, choice: Placement, prompt_tokens: int, who: Class, now: float, arrived_at: float) -> Ticket:
-        self.places[choice.pool].admit(who, prompt_tokens, now)
+    def _enqueue(self, choice: Placement, prompt_tokens: int, who: Class, now: float, arrived_at: float,
+                 in_outage: bool = False) -> Ticket:
+        self.places[choice.pool].admit(who, prompt_tokens, now, in_outage)
         self.in_flight += 1
         self.streams_of[who[1]] = self.streams_of.get(who[1], 0) + 1
         self.num_admitted += 1
         self.placed[choice.pool] += 1
         self.admitted_prompt_tokens += prompt_tokens
-        return Ticket(self, choice, prompt_tokens, who, arrived_at)
+        return Ticket(self, choice, prompt_tokens, who, arrived_at, in_outage)
 
     def _active(self, tenant: str, now: float) -> list[str]:
         """The tenants that asked within ACTIVE_S (``tenant`` marked as asking now)."""
@@ -317,7 +326,7 @@ class Admission:
 
     def _dequeue(self, ticket: Ticket, measured_s: float | None, replica: str = "") -> None:
         q = self.places[ticket.pool]
-        q.add(ticket.who, ticket.tokens, -1)
+        q.add(ticket.who, ticket.tokens, -1, ticket.in_outage)
         if measured_s is not None:
             q.answered(ticket, measured_s, time.monotonic(), replica)
 
@@ -328,6 +337,7 @@ class Admission:
                 "admitted": self.num_admitted, "admitted_prompt_tokens": self.admitted_prompt_tokens,
                 "placed": dict(self.placed),
                 "pools": {p: {"queued_tokens": q.queued_tokens, "queued_requests": q.queued_requests,
+                              "backlog_tokens": q.backlog_tokens,
                               "calibration": {"samples": q.calibration.num_samples,
                                               "offset_s": round(q.calibration.line.offset_s, 4),
                                               "slope": round(q.calibration.line.slope, 3),

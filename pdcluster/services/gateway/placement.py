@@ -37,6 +37,13 @@ The decode replica may prefill only while its streams keep their TPOT:
                                                                  the calibrated line)
               and the place already has queued work             (an idle place cannot do better later)
               and the model is calibrated                       (enough first tokens measured)
+              and the place has a live replica and no outage backlog  (prompts admitted while it had
+                                                                 none: its queue waits for a replica to
+                                                                 start -- a respawn, a scale-up -- not
+                                                                 for its speed, and the replica that
+                                                                 comes up serves that backlog in its
+                                                                 first steps; the in-flight cap and the
+                                                                 decode seats still bound the queue)
             or when the decode pool has no seat left (every stream needs one; a decode replica
               must never refuse a stream after its first token)
 
@@ -64,6 +71,7 @@ class PlaceLoad:
     tail_s: float = 0.0             # how far its slowest recent TTFTs landed above the calibrated line
     arriving_tokens_per_s: float = 0.0  # prompt tokens admitted here per second, lately
     queued_long_tokens: int = 0     # of queued_tokens: prompts over Rules.long_prefill_tokens (short first)
+    backlog_tokens: int = 0         # of queued_tokens: admitted while the place had no live replica
 
 
 @dataclass(frozen=True)
@@ -181,6 +189,8 @@ def _admit_or_refuse(choice: Placement, load: PlaceLoad, snap: Snapshot, rules: 
     bound = rules.ttft_slo_s * rules.headroom
     tail = choice.predicted_ttft_s + load.tail_s
     if not rules.shed or not snap.calibrated or load.queued_requests == 0 or tail <= bound:
+        return choice
+    if load.live_replicas <= 0 or load.backlog_tokens > 0:
         return choice
     excess = tail - bound
     return Placement(None, choice.predicted_ttft_s, choice.modelled_ttft_s, reason=(

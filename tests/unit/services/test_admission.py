@@ -271,3 +271,30 @@ def test_without_a_replica_name_every_first_token_is_a_sample(monkeypatch):
     for _ in range(3):
         _chat(adm, clock, "", 0.2)
     assert (adm.places[DECODE].calibration.num_samples, adm.places[DECODE].samples_left_out) == (3, 0)
+
+
+def test_the_queue_of_a_place_without_a_live_replica_refuses_nothing_until_its_backlog_is_answered():
+    """The only (colocated) replica is SIGKILLed under load: the prompts that arrive before one
+    comes back wait for a replica to start, not for the place's speed.  None is refused on that
+    queue, nor while the replica that comes up still owes the backlog its first tokens; once it
+    has answered them, the same queue refuses again."""
+    adm = _admission()
+    _calibrate(adm, DECODE)
+    before = [adm.place(600, 0, 1) for _ in range(2)]  # the kill, not yet seen (the board's 5 s TTL)
+    with pytest.raises(BackendOverloaded, match="admission.ttft_slo_s"):
+        adm.place(600, 0, 1)  # a live replica behind this queue: refused on the prediction
+    outage = [adm.place(600, 0, 0) for _ in range(8)]  # no live replica: admitted, however deep
+    q = adm.places[DECODE]
+    assert adm.num_shed == 1 and q.backlog_tokens == 8 * 600 and q.queued_tokens == 10 * 600
+    assert adm.view()["pools"][DECODE]["backlog_tokens"] == 8 * 600
+    came_back = adm.place(600, 0, 1)  # the replacement is live and owes the backlog: admitted
+    for ticket in before + outage[:-1]:
+        ticket.first_token(1, "colocated-b")
+    assert adm.num_shed == 1 and q.backlog_tokens == 600
+    outage[-1].close()  # the last of the backlog leaves before its first token
+    assert q.backlog_tokens == 0
+    with pytest.raises(BackendOverloaded, match="admission.ttft_slo_s"):
+        for _ in range(3):  # the queue a live replica serves refuses again
+            adm.place(600, 0, 1)
+    came_back.close()
+    assert adm.num_shed == 2
