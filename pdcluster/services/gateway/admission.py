@@ -209,7 +209,7 @@ class Ticket:
 class Admission:
     def __init__(self, ttft_slo_s: float, max_in_flight: int, shed: bool = True, headroom: float = 0.8,
                  rules: Rules | None = None, decode_seats_per_replica: int = 1 << 30,
-                 tenant_weights: dict[str, float] | None = None):
+                 tenant_weights: dict[str, float] | None = None, adopts_measured_prefill: bool = False):
         if not 0 < headroom <= 1:
             raise ValueError(f"headroom must be in (0, 1], got {headroom}")
         self.rules = replace(rules or DEFAULT_RULES, ttft_slo_s=ttft_slo_s, headroom=headroom, shed=shed)
@@ -229,6 +229,23 @@ class Admission:
         self.num_admitted = 0
         self.placed = {PREFILL: 0, DECODE: 0}
         self.admitted_prompt_tokens = 0  # whichever pool prefills them: the autoscaler's prompt mean
+        # The replicas' start-up prefill time replaces the configured one, once, before any first token
+        # calibrated the model (adopt_prefill).
+        self._may_adopt_prefill = adopts_measured_prefill
+
+    @property
+    def may_adopt_prefill(self) -> bool:
+        return self._may_adopt_prefill and self.num_measured == 0
+
+    def adopt_prefill(self, per_token_s: float | None, source: str = "measured at start-up") -> bool:
+        """The prefill line's seconds per token from the replicas' own start-up measurement
+        (pdcluster/services/pools/startup_profile.py), if no first token was measured yet: the
+        calibration's samples compare with the model they were made under.  Once."""
+        if not self.may_adopt_prefill or not per_token_s or not 0 < per_token_s < 1:
+            return False
+        self.rules = replace(self.rules, prefill=replace(self.rules.prefill, per_token_s=per_token_s, source=source))
+        self._may_adopt_prefill = False
+        return True
 
     @property
     def num_measured(self) -> int:
@@ -335,7 +352,7 @@ class Admission:
                 "seat_share": self.num_seat_shares, "streams_by_tenant": dict(self.streams_of),
                 "tpot_factor": round(self.tpot.factor, 3), "tpot_samples": self.tpot.num_samples,
                 "admitted": self.num_admitted, "admitted_prompt_tokens": self.admitted_prompt_tokens,
-                "placed": dict(self.placed),
+                "placed": dict(self.placed), "prefill_model": self.rules.prefill.describe("prompt tokens"),
                 "pools": {p: {"queued_tokens": q.queued_tokens, "queued_requests": q.queued_requests,
                               "backlog_tokens": q.backlog_tokens,
                               "calibration": {"samples": q.calibration.num_samples,

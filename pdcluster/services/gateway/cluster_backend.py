@@ -144,11 +144,21 @@ class ClusterBackend(Backend):
         """Where the prompt is prefilled (admission's placement), or 429."""
         num_tokens = len(req.prompt_token_ids)
         who = {"tenant": req.params.tenant, "priority": req.params.priority, "arrived_at": req.arrived_at}
-        if self.mode == "colocated":
-            return self.admission.place(num_tokens, 0, await self._live_count("colocated"), **who)
-        if prefill_locally(num_tokens, self.local_prefill_max_tokens):  # the operator's fixed rule, if set
-            return self.admission.place(num_tokens, 0, await self._live_count("decode"), **who)
-        return self.admission.place(num_tokens, await self._prefill_live(), await self._live_count("decode"), **who)
+        decode_live = await self._live_count("colocated" if self.mode == "colocated" else "decode")
+        # the operator's fixed rule, if set, prefills short prompts on the decode replica
+        local = self.mode == "colocated" or prefill_locally(num_tokens, self.local_prefill_max_tokens)
+        prefill_live = 0 if local else await self._prefill_live()
+        self._adopt_startup_profile()
+        return self.admission.place(num_tokens, prefill_live, decode_live, **who)
+
+    def _adopt_startup_profile(self) -> None:
+        """Admission's prefill line from the replicas' start-up measurement, before its first
+        sample (Admission.adopt_prefill): the prefill pool's, else the decode (or colocated) pool's."""
+        if self.liveness is None or not self.admission.may_adopt_prefill:
+            return
+        for role in ("colocated",) if self.mode == "colocated" else ("prefill", "decode"):
+            if self.admission.adopt_prefill(self.liveness.prefill_per_token_s(role)):
+                return
 
     async def _prefill_live(self) -> int | None:
         """Live prefill replicas; 0 when the pool is scaled to zero or has none alive; None when unknown."""

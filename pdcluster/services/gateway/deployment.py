@@ -87,7 +87,8 @@ def admission_for(cfg: ClusterConfig) -> Admission:
                   long_prefill_tokens=sched.long_prefill_tokens)
     return Admission(adm.ttft_slo_s, adm.max_in_flight, adm.shed, adm.ttft_headroom, rules=rules,
                      decode_seats_per_replica=sched.max_num_seqs + serving.max_queue,
-                     tenant_weights={t.name: t.weight for t in cfg.tenants})
+                     tenant_weights={t.name: t.weight for t in cfg.tenants},
+                     adopts_measured_prefill=cfg.autoscaling.speed.measures_at_start())
 
 
 @serve.ingress(app)

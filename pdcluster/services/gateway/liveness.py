@@ -25,6 +25,7 @@ class PoolLiveness:
         self._client = None
         self._counts: dict[str, int] = {}
         self._targets: dict[str, int] = {}
+        self._per_token_s: dict[str, list[float]] = {}  # role -> its live replicas' start-up prefill times
         self._read_at = 0.0
 
     async def live(self, role: str) -> int | None:
@@ -33,6 +34,12 @@ class PoolLiveness:
         if not await self._refresh():
             return None
         return self._counts.get(role, 0)
+
+    def prefill_per_token_s(self, role: str) -> float | None:
+        """The median prefill seconds per token ``role``'s live replicas measured at start-up
+        (startup_profile.py), as of the last read; None when none published one."""
+        times = sorted(self._per_token_s.get(role, ()))
+        return times[len(times) // 2] if times else None
 
     async def scaled_to_zero(self, role: str) -> bool:
         """Whether ``role``'s pool is meant to have no replica (a target of 0)."""
@@ -49,7 +56,7 @@ class PoolLiveness:
         now = time.monotonic()
         if now - self._read_at > _CACHE_S:
             try:
-                self._counts = await self._read()
+                self._counts, self._per_token_s = await self._read()
                 self._targets = await pool_targets.read(self._client, self.cluster)
             except Exception as exc:  # noqa: BLE001 - liveness is advisory
                 log.debug("pool liveness unknown: %s", exc)
@@ -57,14 +64,18 @@ class PoolLiveness:
             self._read_at = now
         return True
 
-    async def _read(self) -> dict[str, int]:
+    async def _read(self) -> tuple[dict[str, int], dict[str, list[float]]]:
         import redis.asyncio as aioredis
 
         if self._client is None:
             self._client = aioredis.from_url(self.redis_url, socket_timeout=0.2, socket_connect_timeout=0.2)
         counts: dict[str, int] = {}
+        per_token: dict[str, list[float]] = {}
         for status in await read_statuses(self._client, self.cluster):
             if status.get("engine_alive", True):  # a replica whose engine died does not count
                 role = status.get("role", "")
                 counts[role] = counts.get(role, 0) + 1
-        return counts
+                measured = status.get("prefill_per_token_s")
+                if isinstance(measured, (int, float)) and 0 < measured < 1:  # a board entry is data, not trusted
+                    per_token.setdefault(role, []).append(float(measured))
+        return counts, per_token

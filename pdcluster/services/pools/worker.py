@@ -36,6 +36,7 @@ from pdcluster.services.pools.peer_fetch import PeerFetcher, lend_prefix
 from pdcluster.services.pools.pull_estimate import PullEstimate
 from pdcluster.services.pools.busy_flag import BusyFlag, flag_path
 from pdcluster.services.pools.core_lending import Lending, ThreadChooser, borrow_forever, host_id
+from pdcluster.services.pools.startup_profile import measure_or_none
 from pdcluster.services.pools.status_board import publish_forever
 from pdcluster.services.supervisor import RestartPolicy, Supervisor
 from pdcluster.transfer import KVLayout, create_backend
@@ -83,6 +84,8 @@ class Worker:
         self.publisher = KVEventPublisher(self.index, self.worker_id, info={"role": role})
         self.engine = Engine(config.engine_config(pool, replica=self.name), on_kv_event=self.publisher.on_event,
                              on_tier_event=self.publisher.on_tier_event)
+        # Timed before the engine loop starts: admission's first prior (startup_profile.py).
+        self.prefill_profile = measure_or_none(self.engine) if config.autoscaling.speed.measures_at_start() else None
         self.aengine = AsyncEngine(self.engine)
         self.transfer = None
         self.internal_address = config.topology.internal_address()  # where its KV peer serves
@@ -231,6 +234,7 @@ class Worker:
             "internal_address": self.internal_address,
             "host": self.host, "threads": self.pool.num_threads, "compute_threads": self.engine.compute_threads,
             "thread_changes": self.threads.num_changes,
+            "prefill_per_token_s": self.prefill_profile.per_token_s if self.prefill_profile else None,
             "time": time.time(),
         }
 

@@ -19,7 +19,8 @@ from pdcluster.services.config import ClusterConfig
 from tests.integration.admission.test_serve_what_can_be_served import (loses_nothing_when_its_only_replica_of,
                                                                        serves_eight_simultaneous_streams_whole,
                                                                        serves_sixteen_simultaneous_chats)
-from tests.integration.cluster.conftest import directory_cluster
+from tests.integration.cluster.conftest import board, directory_cluster
+from tests.integration.cluster.test_cluster_api import MODEL
 
 pytestmark = pytest.mark.integration
 
@@ -33,6 +34,19 @@ def two_core_default(shared_ray):
 
 def test_sixteen_simultaneous_short_chats_are_all_served(two_core_default):
     serves_sixteen_simultaneous_chats(f"http://127.0.0.1:{two_core_default.config.port}", two_core_default)
+
+
+def test_admission_starts_from_the_replicas_start_up_prefill_time(two_core_default):
+    """The replica timed its own prefill at start-up (startup_profile.py) and published it;
+    the gateway's admission took that per-token time in place of the configured line."""
+    url = f"http://127.0.0.1:{two_core_default.config.port}"
+    (entry,) = [s for s in board(two_core_default) if s["role"] == "colocated"]
+    measured = entry["prefill_per_token_s"]
+    assert 0 < measured < 1, entry
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi!"}], "max_tokens": 2}
+    assert httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).status_code == 200
+    model = httpx.get(f"{url}/health", timeout=10).json()["admission"]["prefill_model"]
+    assert model.startswith("measured at start-up") and f"{measured:.4g} s x prompt tokens" in model, (model, measured)
 
 
 def test_eight_simultaneous_200_token_streams_are_all_served_whole(two_core_default):

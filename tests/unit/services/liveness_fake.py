@@ -8,14 +8,18 @@ from __future__ import annotations
 class FakeLiveness:
     """``counts``: per role, one number for every role, or None (unknown: no Redis)."""
 
-    def __init__(self, counts: dict[str, int] | int | None, targets: dict[str, int] | None = None):
-        self.counts, self.targets = counts, dict(targets or {})
+    def __init__(self, counts: dict[str, int] | int | None, targets: dict[str, int] | None = None,
+                 per_token_s: dict[str, float] | None = None):
+        self.counts, self.targets, self.per_token_s = counts, dict(targets or {}), dict(per_token_s or {})
 
     async def live(self, role: str) -> int | None:
         return self.counts.get(role, 0) if isinstance(self.counts, dict) else self.counts
 
     async def scaled_to_zero(self, role: str) -> bool:
         return self.cached_scaled_to_zero(role)
+
+    def prefill_per_token_s(self, role: str) -> float | None:
+        return self.per_token_s.get(role)
 
     def cached_scaled_to_zero(self, role: str) -> bool:
         return self.targets.get(role) == 0

@@ -298,3 +298,33 @@ def test_the_queue_of_a_place_without_a_live_replica_refuses_nothing_until_its_b
             adm.place(600, 0, 1)
     came_back.close()
     assert adm.num_shed == 2
+
+
+def test_the_start_up_prefill_time_replaces_the_configured_one_once_and_only_before_any_sample():
+    """The replicas' start-up measurement (startup_profile.py) moves the prior: a 2.4x faster
+    replica than the configured line admits the burst the line would refuse.  Only before
+    the first sample (the calibration compares with the model its samples were made under),
+    only once, and never where the config named its own line."""
+    burst = [256] * 10
+    slow, fast = _admission(adopts_measured_prefill=True), _admission(adopts_measured_prefill=True)
+    assert fast.adopt_prefill(RULES.prefill.per_token_s / 2.4) and not fast.adopt_prefill(0.5)
+    assert fast.rules.prefill.per_token_s == pytest.approx(RULES.prefill.per_token_s / 2.4)
+    for adm in (slow, fast):
+        _calibrate(adm, DECODE)
+    admitted = {}
+    for name, adm in (("slow", slow), ("fast", fast)):
+        n = 0
+        for tokens in burst:
+            try:
+                adm.place(tokens, 0, 1)
+                n += 1
+            except BackendOverloaded:
+                pass
+        admitted[name] = n
+    assert admitted["fast"] > admitted["slow"], admitted
+    late = _admission(adopts_measured_prefill=True)
+    _calibrate(late, DECODE)  # a first token was measured: the prior stays
+    assert not late.may_adopt_prefill and not late.adopt_prefill(0.0005)
+    configured = _admission()  # the config's own line (adopts_measured_prefill False)
+    assert not configured.adopt_prefill(0.0005) and configured.rules.prefill == RULES.prefill
+    assert not _admission(adopts_measured_prefill=True).adopt_prefill(float("nan"))

@@ -121,3 +121,22 @@ async def test_a_prefill_pool_scaled_to_zero_on_purpose_prefills_on_the_decode_r
     liveness.targets["prefill"] = 1
     await _collect(backend)
     assert backend.num_colocated_fallbacks == 1 and handles["prefill"].calls == []
+
+
+@pytest.mark.parametrize("mode,published,adopted", [
+    ("disaggregated", {"prefill": 0.0005, "decode": 0.0009}, 0.0005),  # the prefill pool's, where it has one
+    ("disaggregated", {"decode": 0.0009}, 0.0009),
+    ("colocated", {"colocated": 0.0006}, 0.0006),
+    ("disaggregated", {}, None),                                       # none published: the configured line
+])
+async def test_admission_starts_from_the_replicas_start_up_prefill_time(mode, published, adopted):
+    from pdcluster.services.gateway.admission import DEFAULT_RULES, Admission
+
+    handles = {"prefill": _Handle(), "decode": _Handle(), "colocated": _Handle()}
+    admission = Admission(2.0, 1 << 30, shed=False, adopts_measured_prefill=True)
+    backend = ClusterBackend(handles, mode=mode, model_name="m", max_model_len=64, block_size=16,
+                             liveness=FakeLiveness(1, per_token_s=published), admission=admission)
+    await backend._admit(GenerateRequest("r1", [1, 2, 3], greedy(2), RoutingHeader((), 3)))
+    configured = DEFAULT_RULES.prefill.per_token_s
+    assert admission.rules.prefill.per_token_s == (adopted or configured)
+    assert ("measured at start-up" in admission.view()["prefill_model"]) is (adopted is not None)
