@@ -272,7 +272,7 @@ class AutoscaleSpeed(_Strict):
     step_base_s: float = Field(0.015, gt=0, description="decode step time at batch 0 (the line's intercept)")
     step_per_seq_s: float = Field(0.0022, ge=0, description="decode step time added per sequence in the batch")
     measure_at_start: bool = Field(
-        True, description="each replica times its own prefill at start-up (about 1 s: "
+        True, description="each replica times its own prefill at start-up (under 1 s: "
                           "pdcluster/services/pools/startup_profile.py) and admission starts from that per-token "
                           "time instead of prefill_per_token_s, unless prefill_per_token_s is set here")
 
