@@ -28,6 +28,10 @@ already set wins.
   nice 15 lost up to 0.6 cores to nice-10 processes during a benchmark.
 - Large tensors (weights, the KV pool) on 2 MiB pages: same-host KV pulls pin
   every page, and huge pages about double their bandwidth (pdcluster/transfer/pool_alloc.py).
+- A replica that dies of a fatal signal (SIGSEGV, SIGBUS, SIGFPE, SIGABRT,
+  SIGILL) writes every thread's Python stack to its stderr log first
+  (``PYTHONFAULTHANDLER=1``; Ray's ``worker-*.err``): Ray itself reports
+  only that a worker died, the same words for an OOM kill and a crash.
 - Secrets (the cluster secret, API keys, a Redis URL with its password) are
   never in ``replica_env()``: Ray's runtime-env agent logs every runtime_env
   it sets up.  They reach the replicas the way the defaults above do, by
@@ -48,6 +52,7 @@ DEFAULTS = {
     "HF_HUB_OFFLINE": "1",
     "THP_MEM_ALLOC_ENABLE": "1",
     "RAY_worker_niceness": "0",
+    "PYTHONFAULTHANDLER": "1",
 }
 DRIVER_ENV = {"RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "1"}
 REPLICA_ENV = {"RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}

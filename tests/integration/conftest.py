@@ -24,12 +24,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 import uuid
 from dataclasses import dataclass
 
 import pytest
 
 from pdcluster.prefix_store.redis_server import RedisServer, free_service_port
+from tests.integration import crash_evidence
 
 
 PEER_TESTS_ENV = "PDCLUSTER_PEER_TESTS"
@@ -69,6 +71,20 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("peer") is not None:
             item.add_marker(skip)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    """A failed test's report carries what died during it, and why, where
+    the machine says (crash_evidence.py): CI keeps no other log."""
+    since_uptime, since_epoch = crash_evidence.uptime_s(), time.time()
+    try:
+        return (yield)
+    except BaseException:
+        evidence = crash_evidence.report(since_uptime, since_epoch)
+        if evidence:
+            item.add_report_section("call", "processes that died", evidence)
+        raise
 
 
 @pytest.fixture(scope="session")

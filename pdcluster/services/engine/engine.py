@@ -548,9 +548,10 @@ class Engine:
             kv_tiers=self.tiers.snapshot() if self.tiers is not None else None)
 
     def close(self) -> None:
-        """Stops the tier workers (the engine is not used after)."""
+        """Stops the tier workers and the grammar compile processes (the engine is not used after)."""
         if self.tiers is not None:
             self.tiers.close()
+        self.grammars.close()
 
     def check_integrity(self) -> None:
         """Asserts the pool is consistent and every block reference has an

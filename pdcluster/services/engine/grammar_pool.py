@@ -52,6 +52,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
@@ -135,6 +136,9 @@ class GrammarCompilePool:
         self._lock = threading.Lock()
         self._closed = False
         self.num_dropped = 0   # workers killed at the limit, or found dead
+        # A pool dropped without close() (an engine nobody closed) still ends its workers when collected:
+        # each idle one holds some 300 MB, and nothing else would end them before this process ends.
+        weakref.finalize(self, _kill_all, self._live)
 
     def compile(self, kind: str, source: str, timeout_s: float) -> CompileOutcome:
         """GrammarCompileTimeout past ``timeout_s``; GrammarWorkerError if the worker failed."""
@@ -176,15 +180,38 @@ class GrammarCompilePool:
     def close(self) -> None:
         with self._lock:
             self._closed = True
-            live, self._live = list(self._live), set()
+            live = list(self._live)
+            self._live.clear()   # the same set the finalizer holds
         for worker in live:
             worker.kill()
 
 
+def _kill_all(live: set[_Worker]) -> None:
+    for worker in list(live):
+        worker.kill()
+    live.clear()
+
+
 def _write_frame(pipe, data: bytes) -> None:
-    pipe.write(_LEN.pack(len(data)))
-    pipe.write(data)
+    _write_all(pipe, _LEN.pack(len(data)))
+    _write_all(pipe, data)
     pipe.flush()
+
+
+def _write_all(pipe, data: bytes) -> None:
+    """All of ``data`` to an unbuffered pipe.  One ``write`` may take only
+    part of it: a frame larger than the pipe (the tokenizer info, a compiled
+    grammar) blocks until the other side reads, and a signal handled in
+    this process meanwhile ends the call with what was written so far.
+    Dropping the rest left the worker waiting for bytes that never came
+    and the caller for its answer (a unit-test worker hung 10 minutes in
+    a worker's start)."""
+    view = memoryview(data)
+    while view:
+        written = pipe.write(view)
+        if not written:
+            raise GrammarWorkerError("grammar compile worker's pipe took no bytes")
+        view = view[written:]
 
 
 def _read_frame(pipe, deadline: float) -> bytes:

@@ -167,9 +167,30 @@ def _divergence(dtype: torch.dtype, prompt: tuple[int, ...], tokens: tuple[int, 
     return None
 
 
+_MADE: list[Engine] = []  # make_engine's engines, closed when their test ends
+
+
+@pytest.fixture(autouse=True)
+def _close_made_engines():
+    """Each engine make_engine made in the test is closed after it: its grammar
+    compile processes (some 300 MB each) end with the test, not with the run.
+    Engines of wider-scoped fixtures, made before this fixture starts, stay.
+    The tests import make_engine as tests.integration.engine.conftest, a
+    module apart from the one pytest loads this file as: its list is theirs."""
+    from tests.integration.engine import conftest as imported
+
+    made = imported._MADE
+    first = len(made)
+    yield
+    while len(made) > first:
+        made.pop().close()
+
+
 def make_engine(loaded, num_kv_blocks: int = 512, **sched) -> Engine:
     """An engine on already-loaded weights (the KV dtype follows the weights)."""
-    return Engine(EngineConfig(num_kv_blocks=num_kv_blocks, scheduler=SchedulerConfig(**sched)), loaded=loaded)
+    engine = Engine(EngineConfig(num_kv_blocks=num_kv_blocks, scheduler=SchedulerConfig(**sched)), loaded=loaded)
+    _MADE.append(engine)
+    return engine
 
 
 def run_staggered(engine: Engine, prompts: list[list[int]], params, every_steps: int = 3) -> dict[int, list[int]]:
