@@ -4,20 +4,24 @@ A replica that dies of a signal leaves Ray's one generic line ("A worker
 died or was killed ... (1) the OOM killer ... (3) SIGSEGV ...") and nothing
 that says which.  CI keeps no logs, so the failure report itself carries the
 evidence: the kernel's OOM-kill and segfault lines logged during the test
-(``dmesg``, where readable), and the Python stacks that a replica's
-faulthandler (PYTHONFAULTHANDLER, pdcluster/services/cluster_env.py) wrote
-to its Ray worker log when a fatal signal ended it.  Read only after a
+(``dmesg``, where readable), Serve's controller's warnings and errors of
+the test's time (a replica that crashed, or failed its health check), and
+the Python stacks that a replica's faulthandler (PYTHONFAULTHANDLER,
+pdcluster/services/cluster_env.py) wrote to its Ray worker log when a fatal
+signal ended it.  Read only after a
 failure; never raises."""
 
 from __future__ import annotations
 
 import re
 import subprocess
+import time
 from pathlib import Path
 
 KERNEL_PATTERN = re.compile(r"out of memory|oom-kill|killed process|segfault|traps:|general protection", re.I)
 FATAL_MARK = "Fatal Python error"
 STACK_LINES = 40
+CONTROLLER_LINES = 30
 
 
 def kernel_lines(dmesg_text: str, since_uptime_s: float) -> list[str]:
@@ -39,6 +43,17 @@ def fatal_stacks(log_text: str) -> list[str]:
         if FATAL_MARK in line:
             found.extend(lines[i:i + STACK_LINES])
     return found
+
+
+def controller_lines(log_text: str, since_epoch_s: float) -> list[str]:
+    """Serve controller log lines (``LEVEL YYYY-MM-DD HH:MM:SS,mmm ...``, local
+    time) at WARNING or ERROR from ``since_epoch_s`` on; the last CONTROLLER_LINES."""
+    found = []
+    for line in log_text.splitlines():
+        m = re.match(r"(WARNING|ERROR) (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)", line)
+        if m and time.mktime(time.strptime(m.group(2), "%Y-%m-%d %H:%M:%S")) >= int(since_epoch_s):
+            found.append(line)
+    return found[-CONTROLLER_LINES:]
 
 
 def uptime_s() -> float:
@@ -70,6 +85,13 @@ def report(since_uptime_s: float, since_epoch_s: float) -> str:
         pass
     logs = ray_logs_dir()
     if logs is not None:
+        for path in sorted(logs.glob("serve/controller_*.log")):
+            try:
+                lines = controller_lines(path.read_text(errors="replace"), since_epoch_s)
+            except OSError:
+                continue
+            if lines:
+                parts.append(f"serve/{path.name}:\n" + "\n".join(lines))
         for path in sorted(logs.glob("worker-*.err")):
             try:
                 if path.stat().st_mtime < since_epoch_s:

@@ -4,7 +4,9 @@ since the test began, and a faulthandler report from a worker's log."""
 
 from __future__ import annotations
 
-from tests.integration.crash_evidence import fatal_stacks, kernel_lines
+import time
+
+from tests.integration.crash_evidence import controller_lines, fatal_stacks, kernel_lines
 
 DMESG = """\
 [  100.000001] virtio_blk virtio1: [vda] new size
@@ -29,3 +31,12 @@ def test_fatal_stacks_are_cut_from_a_worker_log():
     stacks = fatal_stacks(log)
     assert stacks[0] == "Fatal Python error: Segmentation fault" and len(stacks) == 40
     assert fatal_stacks("INFO serving\nINFO done") == []
+
+
+def test_controller_lines_keep_warnings_and_errors_since_the_test_began():
+    log = ("INFO 2026-12-05 10:20:57,567 controller 1 -- Starting Replica(id='a')\n"
+           "WARNING 2026-12-05 10:20:57,567 controller 1 -- Actor for Replica(id='b') crashed\n"
+           "WARNING 2026-12-05 10:19:00,000 controller 1 -- older\n"
+           "ERROR 2026-12-05 10:20:58,000 controller 1 -- The deployments ['decode'] are UNHEALTHY.\n")
+    since = time.mktime(time.strptime("2026-12-05 10:20:00", "%Y-%m-%d %H:%M:%S"))
+    assert controller_lines(log, since) == [log.splitlines()[1], log.splitlines()[3]]
