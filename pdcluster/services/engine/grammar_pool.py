@@ -204,8 +204,8 @@ def _write_all(pipe, data: bytes) -> None:
     grammar) blocks until the other side reads, and a signal handled in
     this process meanwhile ends the call with what was written so far.
     Dropping the rest left the worker waiting for bytes that never came
-    and the caller for its answer (a unit-test worker hung 10 minutes in
-    a worker's start)."""
+    and the caller for its answer (a unit test hung in a worker's start
+    until pytest-timeout ended it, 15 minutes later)."""
     view = memoryview(data)
     while view:
         written = pipe.write(view)
