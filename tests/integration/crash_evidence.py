@@ -8,8 +8,7 @@ evidence: the kernel's OOM-kill and segfault lines logged during the test
 the test's time (a replica that crashed, or failed its health check), and
 the Python stacks that a replica's faulthandler (PYTHONFAULTHANDLER,
 pdcluster/services/cluster_env.py) wrote to its Ray worker log when a fatal
-signal ended it.  Read only after a
-failure; never raises."""
+signal ended it.  Read only after a failure; never raises."""
 
 from __future__ import annotations
 
@@ -75,9 +74,16 @@ def ray_logs_dir() -> Path | None:
 
 def report(since_uptime_s: float, since_epoch_s: float) -> str:
     """The evidence of deaths since the test began, or ''."""
+    try:
+        return _report(since_uptime_s, since_epoch_s)
+    except Exception as exc:  # noqa: BLE001 - the test's own failure must come through
+        return f"(no evidence read: {exc!r})"
+
+
+def _report(since_uptime_s: float, since_epoch_s: float) -> str:
     parts: list[str] = []
     try:
-        out = subprocess.run(["dmesg"], capture_output=True, text=True, timeout=5).stdout
+        out = subprocess.run(["dmesg"], capture_output=True, text=True, errors="replace", timeout=5).stdout
         lines = kernel_lines(out, since_uptime_s)
         if lines:
             parts.append("kernel (dmesg):\n" + "\n".join(lines))
@@ -88,7 +94,7 @@ def report(since_uptime_s: float, since_epoch_s: float) -> str:
         for path in sorted(logs.glob("serve/controller_*.log")):
             try:
                 lines = controller_lines(path.read_text(errors="replace"), since_epoch_s)
-            except OSError:
+            except (OSError, ValueError):   # unreadable, or a date that does not parse
                 continue
             if lines:
                 parts.append(f"serve/{path.name}:\n" + "\n".join(lines))
