@@ -19,7 +19,8 @@ imports triton.
 
 Also here, so that nothing outside pdcluster/kernels/ reaches past this module: the
 whole-stack native path (:func:`decoder_stack`), the native work pool's size
-and the name of the variant in use, and the RoPE caches the ops read.
+and the name of the variant in use, the RoPE caches the ops read, and
+:func:`on_huge_pages` for the weights a decode step streams.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from pdcluster.kernels import cpu_native, int8_linear
 from pdcluster.kernels.activation import silu_mul_ref
 from pdcluster.kernels.block_copy import gather_blocks_ref, scatter_blocks_ref
 from pdcluster.kernels.cpu_native import DecoderStack
+from pdcluster.kernels.huge_pages import on_huge_pages
 from pdcluster.kernels.kv_quant import is_quantized
 from pdcluster.kernels.int8_linear import dequantize as dequantize_int8_weight
 from pdcluster.kernels.int8_linear import from_gguf_blocks as int8_weight_from_gguf
@@ -53,6 +55,7 @@ __all__ = [
     "unpack_linear_weight", "pack_int8_linear_weight", "quantize_int8_weight", "int8_weight_from_gguf",
     "dequantize_int8_weight", "silu_mul", "triton_available", "rotate_heads", "rotates",
     "ChunkKV", "DecoderStack", "decoder_stack", "decoder_stack_takes", "set_native_threads", "native_variant", "rope_cos_sin",
+    "on_huge_pages",
 ]
 
 

@@ -155,7 +155,28 @@ class LlamaModel(nn.Module):
         elif self.lm_head_packed is None:
             packed = ops.pack_linear_weight(self.embed_tokens.weight)
             self.lm_head_packed = packed if packed is not self.embed_tokens.weight else None
+        self._stream_weights_from_huge_pages()
         self.native_stack = self._native_stack()
+
+    def _stream_weights_from_huge_pages(self) -> None:
+        """Moves what a decode step reads end to end (every projection and the LM head's own
+        copy) into one mapping on transparent huge pages (pdcluster/kernels/huge_pages.py);
+        CPU only, once: the embedding rows, the norms and any tied weight stay put."""
+        projections = [proj for layer in self.layers for proj in layer.projections()]
+        if self.weights_on_huge_pages or projections[0].weight.device.type != "cpu":
+            return
+        heads = {"lm_head_packed": self.lm_head_packed, "lm_head_int8": self.lm_head_int8}
+        heads = {name: t for name, t in heads.items() if t is not None}
+        if self.lm_head is not None:
+            projections.append(self.lm_head)
+        copies = ops.on_huge_pages([p.weight for p in projections] + list(heads.values()))
+        for proj, copy in zip(projections, copies):
+            proj.weight = nn.Parameter(copy, requires_grad=False)
+        for name, copy in zip(heads, copies[len(projections):]):
+            setattr(self, name, copy)
+        self.weights_on_huge_pages = True
+
+    weights_on_huge_pages: bool = False
 
     native_stack: ops.DecoderStack | None = None
     # [layers, kv_heads, head_dim] fp32: subtracted from K before it enters an
