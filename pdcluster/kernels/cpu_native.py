@@ -135,6 +135,7 @@ _SIGNATURES = {
     "pd_rope_bf16": [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr],
     "pd_write_kv_bf16": [_ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _i64],
     "pd_hadamard_rows_bf16": [_ptr, _i64, _i64, _i64, _i64],
+    "pd_argmax_rows_f32": [_ptr, _i64, _i64, _ptr, _ptr, _int],  # csrc/logits_argmax.h
     # int8 weights (csrc/int8_linear.h; pdcluster/kernels/int8_linear.py)
     "pd_linear_int8": [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _int, _int],
     # 8-bit KV pools (csrc/kv8_kernels.h): the bf16 signatures plus the pool's kind (and the write's K shift,
@@ -341,6 +342,18 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = No
     y = torch.empty(x2.shape[0], n, dtype=x.dtype)
     library().pd_linear_packed_bf16(_p(x2), _p(packed), _p(bias), _p(y), x2.shape[0], n, k, num_threads())
     return y.view(*x.shape[:-1], n)
+
+
+def argmax_rows(logits: torch.Tensor) -> tuple[list[int], list[bool]]:
+    """For fp32 ``logits`` [rows, n] on the CPU: each row's argmax (the first
+    index of its largest value, as ``torch.argmax``) and whether every value
+    of the row is finite (a row that is not has no meaningful argmax)."""
+    x = logits.contiguous()
+    rows, n = x.shape
+    index = torch.empty(rows, dtype=torch.int64)
+    finite = torch.empty(rows, dtype=torch.int32)
+    library().pd_argmax_rows_f32(_p(x), rows, n, _p(index), _p(finite), num_threads())
+    return index.tolist(), [bool(f) for f in finite.tolist()]
 
 
 def paged_decode_attention(

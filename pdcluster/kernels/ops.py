@@ -55,7 +55,7 @@ __all__ = [
     "unpack_linear_weight", "pack_int8_linear_weight", "quantize_int8_weight", "int8_weight_from_gguf",
     "dequantize_int8_weight", "silu_mul", "triton_available", "rotate_heads", "rotates",
     "ChunkKV", "DecoderStack", "decoder_stack", "decoder_stack_takes", "set_native_threads", "native_variant", "rope_cos_sin",
-    "on_huge_pages",
+    "on_huge_pages", "argmax_rows",
 ]
 
 
@@ -110,6 +110,18 @@ def unpack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
         return weight
     tiles, half_k, tile, pair = weight.shape  # cpu_native.pack_weight: [N / tile, K / 2, tile, 2]
     return weight.permute(0, 2, 1, 3).reshape(tiles * tile, half_k * pair)
+
+
+def argmax_rows(logits: torch.Tensor) -> tuple[list[int], list[bool]]:
+    """For fp32 ``logits`` [rows, vocab]: each row's argmax (the first index of its largest value,
+    as ``torch.argmax`` breaks ties) and whether the row holds only finite values.  The native
+    kernel (csrc/logits_argmax.h) does both in one pass on the CPU; torch elsewhere, with one
+    device sync."""
+    if (logits.dim() == 2 and logits.dtype == torch.float32 and logits.is_cpu and logits.shape[1] > 0
+            and cpu_native.available()):
+        return cpu_native.argmax_rows(logits)
+    best, finite = torch.stack([logits.argmax(dim=-1), torch.isfinite(logits).all(dim=-1).long()]).tolist()
+    return best, [bool(f) for f in finite]
 
 
 def linear_path(m: int, n: int, k: int) -> str:

@@ -623,3 +623,4 @@ static void prefill_attend_chunk(void *arg, int64_t begin, int64_t end) {
 
 
 #include "portable_kernels.h"
+#include "logits_argmax.h"

@@ -624,3 +624,4 @@ void pd_rope_bf16(bf16 *x, int64_t row_stride, int64_t T, int64_t heads, int64_t
 }
 
 #include "portable_kernels.h"
+#include "logits_argmax.h"

@@ -5,9 +5,10 @@ sampling with a per-request seeded generator, after the request's penalties,
 A row whose logits are not finite (NaN or inf out of the forward pass), or
 whose probabilities are not after temperature / top-k / top-p, fails that
 request alone; the other rows of the batch are sampled as usual.  Finiteness
-is one batched ``isfinite(...).all(dim=-1)`` on the model's logits (the -inf
-that min_tokens writes is on purpose); the all-greedy path stays one argmax
-and one host transfer, and a batch without penalties adds no tensor work."""
+is read off the model's raw logits (the -inf that min_tokens writes is on
+purpose) in the same pass as each row's argmax (``ops.argmax_rows``: one
+native pass on the CPU); a batch without penalties or a grammar needs no
+other pass for its greedy rows."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pdcluster.kernels import ops
 from pdcluster.services.engine.errors import RequestFailedError
 from pdcluster.services.engine.grammar_guide import GrammarGuide
 from pdcluster.services.engine.logprobs import TokenLogprob, token_logprobs
@@ -93,15 +95,18 @@ class Sampler:
                      seeds: Sequence[int | None] | None = None) -> SampleResult:
         """``logits``: fp32 [N, vocab], one row per request; ``seeds``: each row's
         (its stream's draw, StreamDraw), else its params'."""
-        finite = torch.isfinite(logits).all(dim=-1)
-        if any(p.adjusts_logits for p in params):
+        # The raw rows' finiteness, and their greedy choice when nothing below changes them.
+        best, finite = ops.argmax_rows(logits)
+        adjusts = any(p.adjusts_logits for p in params)
+        if adjusts:
             logits = self.penalties.apply(logits, request_ids, params)
         guided = GrammarGuide.wanted(params)  # after penalties, before the choice; False costs nothing
         if guided:
             logits = self.grammar.mask(logits, request_ids, params)
-        # -1 marks a non-finite row (argmax of a NaN row is a garbage token);
-        # one masked tensor keeps it to one device sync.
-        best = logits.argmax(dim=-1).masked_fill(~finite, -1).tolist()
+        if adjusts or guided:
+            best, _ = ops.argmax_rows(logits)  # masked tokens are -inf here: finiteness is the raw rows'
+        # -1 marks a non-finite row (argmax of a NaN row is a garbage token)
+        best = [b if ok else -1 for b, ok in zip(best, finite)]
         if all(p.greedy for p in params) and min(best, default=0) >= 0:
             result = SampleResult(dict(zip(request_ids, best)), {})
             return self.grammar.accept(result) if guided else result
@@ -140,9 +145,9 @@ class Sampler:
         ``spec_token_ids``) against its k+1 rows of raw ``logits``, back to
         back in ``drafted``'s order.  Drafted requests have no penalties and
         no grammar (spec_decode.speculates), so the raw logits are the
-        sampler's; one argmax and one host transfer for all greedy rows."""
-        finite = torch.isfinite(logits).all(dim=-1)
-        best = logits.argmax(dim=-1).masked_fill(~finite, -1).tolist()
+        sampler's; one argmax pass for all greedy rows."""
+        best, finite = ops.argmax_rows(logits)
+        best = [b if ok else -1 for b, ok in zip(best, finite)]
         verified: dict[str, list[int]] = {}
         failed: dict[str, str] = {}
         logprobs: dict[str, list[TokenLogprob]] = {}
