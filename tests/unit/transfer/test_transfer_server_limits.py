@@ -8,6 +8,7 @@ import struct
 import threading
 import time
 import tracemalloc
+import uuid
 
 import pytest
 from transfer_lease_fakes import LAYOUT, make_pool, same_bytes, wait_until
@@ -19,8 +20,9 @@ from pdcluster.transfer.peer import MAX_LEASE_ID_CHARS
 from pdcluster.transfer.wire import pack
 
 
-def owner_and_puller(limits: ServerLimits, owner_blocks: int = 64, puller_blocks: int = 64):
-    owner = create_backend("fallback", peer_id="prefill-0", secret=SECRET, limits=limits)
+def owner_and_puller(limits: ServerLimits, owner_blocks: int = 64, puller_blocks: int = 64,
+                     owner_id: str = "prefill-0"):
+    owner = create_backend("fallback", peer_id=owner_id, secret=SECRET, limits=limits)
     puller = create_backend("fallback", peer_id="decode-0", secret=SECRET, timeout_s=5.0)
     owner_pool, puller_pool = make_pool(owner_blocks, 1), make_pool(puller_blocks, 2)
     owner.register_pool(owner_pool, LAYOUT)
@@ -28,12 +30,17 @@ def owner_and_puller(limits: ServerLimits, owner_blocks: int = 64, puller_blocks
     return owner, puller, owner_pool, puller_pool
 
 
-def connection_threads() -> int:
-    return sum(t.name == "kv-block-conn-prefill-0" for t in threading.enumerate())
+def connection_threads(owner_id: str) -> int:
+    """Live serving threads of the block server of ``owner_id`` (its threads carry the name)."""
+    return sum(t.name == f"kv-block-conn-{owner_id}" for t in threading.enumerate())
 
 
 def test_a_thousand_idle_connections_hold_at_most_the_cap_and_pulls_go_on():
-    owner, puller, owner_pool, puller_pool = owner_and_puller(ServerLimits(handshake_timeout_s=30.0))
+    # An owner id of its own: a serving thread of an earlier test's server (the same xdist worker runs
+    # other files first, and they name their owner prefill-0) could still be ending while this one counts.
+    owner_id = f"prefill-limits-{uuid.uuid4().hex[:8]}"
+    owner, puller, owner_pool, puller_pool = owner_and_puller(ServerLimits(handshake_timeout_s=30.0),
+                                                              owner_id=owner_id)
     server, address = owner.server, owner.descriptor().endpoint.rsplit(":", 1)
     with owner, puller:
         descriptor = owner.describe()
@@ -45,8 +52,8 @@ def test_a_thousand_idle_connections_hold_at_most_the_cap_and_pulls_go_on():
             assert wait_until(lambda: server.num_refused_connections == 1000 - (MAX_CONNECTIONS - 1))
             # Until a connection thread that let go of its socket has also exited (for a moment it
             # still runs beside the thread of the connection admitted in its place: 65 threads, once).
-            assert wait_until(lambda: server.num_connections == MAX_CONNECTIONS == connection_threads()), \
-                (server.num_connections, connection_threads())
+            assert wait_until(lambda: server.num_connections == MAX_CONNECTIONS == connection_threads(owner_id)), \
+                (server.num_connections, connection_threads(owner_id))
             puller.pull(descriptor, [7, 8], [7, 8])  # its connection still serves
             assert same_bytes(puller_pool[[7, 8]], owner_pool[[7, 8]])
             with create_backend("fallback", peer_id="decode-1", secret=SECRET, timeout_s=2.0) as late:
@@ -56,7 +63,7 @@ def test_a_thousand_idle_connections_hold_at_most_the_cap_and_pulls_go_on():
         finally:
             for sock in idle:
                 sock.close()
-        assert wait_until(lambda: server.num_connections == 1 == connection_threads())
+        assert wait_until(lambda: server.num_connections == 1 == connection_threads(owner_id))
         with create_backend("fallback", peer_id="decode-1", secret=SECRET, timeout_s=2.0) as late:
             late_pool = make_pool(4, 3)
             late.register_pool(late_pool, LAYOUT)
