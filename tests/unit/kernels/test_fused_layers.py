@@ -14,10 +14,11 @@ pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="needs AVX-51
 BS = 16
 
 
-def tiny_model(bias: bool) -> LlamaModel:
+def tiny_model(bias: bool, tied: bool = True, pack: bool = True) -> LlamaModel:
+    """A 3-layer bf16 model of random weights (seed 0), packed for the native kernels unless ``pack`` is False."""
     cfg = ModelConfig(arch="qwen2" if bias else "llama", vocab_size=320, hidden_size=128, intermediate_size=256,
                       num_layers=3, num_heads=4, num_kv_heads=2, head_dim=32, attention_bias=bias,
-                      tie_word_embeddings=True)
+                      tie_word_embeddings=tied)
     torch.manual_seed(0)
     model = LlamaModel(cfg)
     with torch.no_grad():
@@ -25,7 +26,8 @@ def tiny_model(bias: bool) -> LlamaModel:
             p.normal_(0, 0.2)
     model = model.to(torch.bfloat16)
     model.reset_rope()
-    model.pack_weights()
+    if pack:
+        model.pack_weights()
     return model
 
 

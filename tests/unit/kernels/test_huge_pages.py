@@ -11,8 +11,7 @@ import torch
 
 from pdcluster.kernels import cpu_native
 from pdcluster.kernels.huge_pages import HUGE_PAGE_BYTES, TENSOR_ALIGN_BYTES, on_huge_pages
-from pdcluster.services.engine.model.config import ModelConfig
-from pdcluster.services.engine.model.llama import LlamaModel
+from tests.unit.kernels.test_fused_layers import mixed_batch, tiny_model
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
@@ -74,22 +73,9 @@ def test_the_mapping_is_advised_for_huge_pages():
     assert "hg" in _mapping(copies[0].data_ptr())[2]  # MADV_HUGEPAGE's flag; whether 2 MiB pages came is the kernel's
 
 
-def _tiny_model(tied: bool) -> LlamaModel:
-    cfg = ModelConfig(arch="llama", vocab_size=320, hidden_size=128, intermediate_size=256, num_layers=2,
-                      num_heads=4, num_kv_heads=2, head_dim=32, tie_word_embeddings=tied)
-    torch.manual_seed(0)
-    model = LlamaModel(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.2)
-    model = model.to(torch.bfloat16)
-    model.reset_rope()
-    return model
-
-
 @pytest.mark.parametrize("tied", [True, False])
 def test_pack_weights_moves_every_projection_and_the_head_once(tied):
-    model = _tiny_model(tied)
+    model = tiny_model(bias=False, tied=tied, pack=False)
     embedding = model.embed_tokens.weight
     projections = [p for layer in model.layers for p in layer.projections()]
     if not cpu_native.available():
@@ -112,17 +98,13 @@ def test_pack_weights_moves_every_projection_and_the_head_once(tied):
 def test_outputs_do_not_change_when_the_weights_move():
     if not cpu_native.available():
         pytest.skip("needs the native CPU kernels: packing is a no-op without them")
-    from tests.unit.kernels.test_fused_layers import mixed_batch
-
     logits, pools = [], []
     for move in (False, True):
-        model = _tiny_model(tied=True)
+        model = tiny_model(bias=False, pack=False)
         model.weights_on_huge_pages = not move  # True: already "moved", so pack_weights leaves them
         model.pack_weights()
-        pool = torch.zeros(10, 2, 2, 16, 2, 32, dtype=torch.bfloat16)
-        batch = mixed_batch()
-        batch.input_ids = batch.input_ids % 320
-        logits.append(model(batch, pool))
+        pool = torch.zeros(10, 3, 2, 16, 2, 32, dtype=torch.bfloat16)
+        logits.append(model(mixed_batch(), pool))
         pools.append(pool)
     assert torch.equal(logits[0], logits[1]) and torch.equal(pools[0], pools[1])
     assert torch.isfinite(logits[1]).all()
