@@ -8,7 +8,6 @@ WALL_CLOCK = (
     "tests/unit/bench/",                                 # load generators timing fake servers (a profile's fit)
     "tests/unit/telemetry/",                             # the engine clock mapped to the wall clock within 50 ms
     "tests/unit/engine/test_async_engine_loop.py",       # heartbeat ages
-    "tests/unit/engine/test_lease_reads.py",             # a lease's expiry on the monotonic clock
     "tests/unit/services/test_peer_fetch.py",            # a lease 0.1 s from its deadline
     "tests/unit/openai/test_openai_live.py",             # a stream's abort seen within 5 s
     "tests/integration/engine/test_engine_isolation.py",  # reservations and leases of 0.1-0.3 s
