@@ -531,22 +531,23 @@ void pd_add_rmsnorm_bf16(const bf16 *x, bf16 *residual, const bf16 *weight, bf16
  * block of QB queries): fp32 scores, causal softmax (P stays fp32), O. */
 #define QB 64
 
-static void pack_kv_head(const bf16 *kv, const int32_t *table, int64_t ctx, int64_t ctx_pad, int64_t D,
-                         int64_t block_size, int64_t block_stride, int64_t off, int64_t tok_stride, int64_t half,
-                         bf16 *kp, bf16 *vp) {
-    memset(kp, 0, sizeof(bf16) * (size_t)(ctx_pad * D));
-    memset(vp, 0, sizeof(bf16) * (size_t)(ctx_pad * D));
+/* Keys [t0, t1) of one kv head (t0, t1 multiples of TILE_N; keys from ctx on, up to ctx_pad, are
+ * written as zeros, so the ranges of one head write every element of its packs once). */
+static void pack_kv_head(const bf16 *kv, const int32_t *table, int64_t t0, int64_t t1, int64_t ctx, int64_t ctx_pad,
+                         int64_t D, int64_t block_size, int64_t block_stride, int64_t off, int64_t tok_stride,
+                         int64_t half, bf16 *kp, bf16 *vp) {
     uint32_t *kp2 = (uint32_t *)kp;  /* bf16 pairs */
-    for (int64_t t = 0; t < ctx; t++) {
-        const bf16 *row = kv + (int64_t)table[t / block_size] * block_stride + off + (t % block_size) * tok_stride;
+    for (int64_t t = t0; t < t1; t++) {
+        const bf16 *row = t < ctx ? kv + (int64_t)table[t / block_size] * block_stride + off +
+                                        (t % block_size) * tok_stride : NULL;
         /* K[t][d] as W[n=t][k=d]: token t's d-pairs, 32 tokens apart */
         const int64_t j = t / TILE_N, c = t % TILE_N;
         const uint32_t *src = (const uint32_t *)row;
-        for (int64_t p = 0; p < D / 2; p++) kp2[(j * (D / 2) + p) * TILE_N + c] = src[p];
+        for (int64_t p = 0; p < D / 2; p++) kp2[(j * (D / 2) + p) * TILE_N + c] = src ? src[p] : 0;
         /* V[t][d] as W[n=d][k=t]: vp[d / 32][t / 2][d % 32][t % 2] */
-        const bf16 *v = row + half;
+        const bf16 *v = row ? row + half : NULL;
         for (int64_t d = 0; d < D; d++)
-            vp[((d / TILE_N * (ctx_pad / 2) + t / 2) * TILE_N + d % TILE_N) * 2 + t % 2] = v[d];
+            vp[((d / TILE_N * (ctx_pad / 2) + t / 2) * TILE_N + d % TILE_N) * 2 + t % 2] = v ? v[d] : (bf16)0;
     }
 }
 
