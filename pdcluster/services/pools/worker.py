@@ -11,7 +11,6 @@ import concurrent.futures
 import contextlib
 import logging
 import os
-import sys
 import time
 from dataclasses import dataclass
 
@@ -69,18 +68,9 @@ class WorkerCounters:
     peer_blocks_lent: int = 0      # blocks this replica lent to a peer's pull
 
 
-# The engine thread gives the GIL up for every native kernel call and must take it back after each;
-# Python's default switch interval (5 ms) lets this process's event loop, which streams every token
-# out through Ray Serve, keep it that long meanwhile.  A decode step at batch 1 took 15.0 ms here
-# against 13.5 ms in an engine alone, and 1.3 ms more passed between steps (Sapphire Rapids); at
-# 0.5 ms, one stream of 256 in / 128 out ran at 65-66 tok/s against 61-62 (paired runs).
-ENGINE_GIL_SWITCH_S = 0.0005
-
-
 class Worker:
     def __init__(self, config: ClusterConfig, pool: PoolConfig, role: str, name: str | None = None,
                  with_transfer: bool = True):
-        sys.setswitchinterval(ENGINE_GIL_SWITCH_S)
         os.environ.setdefault("UCX_NET_DEVICES", "lo")
         bind_replica_grpc_to_loopback()
         self.config, self.pool, self.role = config, pool, role
