@@ -144,22 +144,22 @@ void pd_linear_packed_bf16(const bf16 *x, const bf16 *wp, const bf16 *bias, bf16
     pool_run(linear_chunk, &job, items, pool_chunk(items, nthreads, 8), nthreads);
 }
 
-/* exp(x) for the softmax's x <= 0: 2^n * e^r with |r| <= ln2/2 and a
- * degree-6 Taylor polynomial (relative error ~1e-7). */
-static inline __m512 exp512(__m512 x) {
+/* exp(x) for the softmax's x <= 0: 2^n * e^r with |r| <= ln2/2 and e^r by its Taylor polynomial
+ * of `degree` (a constant, so the loop unrolls): 6 gives a relative error ~1e-7; 4 under 5e-5,
+ * enough where the result is rounded to bf16 (2e-3). */
+static inline __m512 exp512_taylor(__m512 x, const int degree) {
+    static const float inv_factorial[7] = {1.f, 1.f, 1.f / 2, 1.f / 6, 1.f / 24, 1.f / 120, 1.f / 720};
     x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
     const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693147180559945309f), x);
-    __m512 p = _mm512_set1_ps(1.f / 720);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    __m512 p = _mm512_set1_ps(inv_factorial[degree]);
+    for (int k = degree - 1; k >= 0; k--) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(inv_factorial[k]));
     return _mm512_scalef_ps(p, n);
 }
+
+static inline __m512 exp512(__m512 x) { return exp512_taylor(x, 6); }
+static inline __m512 exp512_bf16(__m512 x) { return exp512_taylor(x, 4); }  /* rounded to bf16 after */
 
 /* s[0:n] <- softmax(s[0:n]) */
 static void softmax_inplace(float *s, int64_t n) {
@@ -536,21 +536,6 @@ static void pack_kv_head(const bf16 *kv, const int32_t *table, int64_t t0, int64
     }
 }
 
-/* exp(x) for x <= 0 to bf16's precision: exp512's reduction with a degree-4 polynomial (relative error
- * under 5e-5, against the 2e-3 of rounding the result to bf16). */
-static inline __m512 exp512_for_bf16(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693147180559945309f), x);
-    __m512 p = _mm512_set1_ps(1.f / 24);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-    return _mm512_scalef_ps(p, n);
-}
-
 /* p[0:n] <- bf16(exp(scale * s[0:n] - max)), unnormalised; returns 1 / the sum of the exps (fp32,
  * before rounding), by which the caller scales P V's rows.  Two passes over s: the max (scale > 0,
  * so the max of the scaled scores is the scaled max), then exp, sum and rounding.  Normalising
@@ -570,8 +555,8 @@ static float softmax_unnormalised(const float *s, int64_t n, float scale, bf16 *
     const __m512 sc = _mm512_set1_ps(scale), m = _mm512_set1_ps(mx * scale);
     __m512 s0 = _mm512_setzero_ps(), s1 = s0;
     for (i = 0; i + 32 <= n; i += 32) {
-        const __m512 e0 = exp512_for_bf16(_mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(s + i), sc), m));
-        const __m512 e1 = exp512_for_bf16(_mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(s + i + 16), sc), m));
+        const __m512 e0 = exp512_bf16(_mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(s + i), sc), m));
+        const __m512 e1 = exp512_bf16(_mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(s + i + 16), sc), m));
         _mm256_storeu_si256((__m256i *)(p + i), (__m256i)_mm512_cvtneps_pbh(e0));
         _mm256_storeu_si256((__m256i *)(p + i + 16), (__m256i)_mm512_cvtneps_pbh(e1));
         s0 = _mm512_add_ps(s0, e0);
@@ -579,7 +564,7 @@ static float softmax_unnormalised(const float *s, int64_t n, float scale, bf16 *
     }
     for (; i < n; i += 16) {
         const __mmask16 k = lanes(n - i);
-        const __m512 e = _mm512_maskz_mov_ps(k, exp512_for_bf16(_mm512_sub_ps(_mm512_mul_ps(
+        const __m512 e = _mm512_maskz_mov_ps(k, exp512_bf16(_mm512_sub_ps(_mm512_mul_ps(
             _mm512_maskz_loadu_ps(k, s + i), sc), m)));
         store16_masked(p + i, k, e);
         s0 = _mm512_add_ps(s0, e);

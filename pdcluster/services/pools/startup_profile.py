@@ -124,21 +124,19 @@ def _prefill_s(engine: Engine, tokens: int, tag: str) -> float:
 
 def measure_or_none(engine: Engine) -> PrefillModel | None:
     """measure_prefill, or None (logged) when it cannot: the configured line stays."""
-    try:
-        model = measure_prefill(engine)
-    except Exception as exc:  # noqa: BLE001 - a replica serves without its profile
-        log.warning("start-up prefill profile not measured (%s): admission keeps the configured speed model", exc)
-        return None
-    log.info("start-up prefill profile: %s", model.describe("tokens"))
-    return model
+    return _measured_or_none(lambda: measure_prefill(engine), "prefill", "tokens")
 
 
 def measure_step_or_none(engine: Engine) -> StepModel | None:
     """measure_step, or None (logged) when it cannot: the configured step line stays."""
+    return _measured_or_none(lambda: measure_step(engine), "decode step", "batch")
+
+
+def _measured_or_none(measure, what: str, unit: str):
     try:
-        model = measure_step(engine)
+        model = measure()
     except Exception as exc:  # noqa: BLE001 - a replica serves without its profile
-        log.warning("start-up decode step profile not measured (%s): admission keeps the configured step line", exc)
+        log.warning("start-up %s profile not measured (%s): admission keeps the configured line", what, exc)
         return None
-    log.info("start-up decode step profile: %s", model.describe("batch"))
+    log.info("start-up %s profile: %s", what, model.describe(unit))
     return model
