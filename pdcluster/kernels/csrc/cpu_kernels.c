@@ -536,25 +536,34 @@ static void pack_kv_head(const bf16 *kv, const int32_t *table, int64_t t0, int64
     }
 }
 
-/* p[0:n] <- bf16(exp(scale * s[0:n] - max)), unnormalised; returns 1 / the sum of the exps (fp32,
- * before rounding), by which the caller scales P V's rows.  Two passes over s: the max (scale > 0,
- * so the max of the scaled scores is the scaled max), then exp, sum and rounding.  Normalising
- * after P V instead of before saves a pass and a store per score.  Four maxima and two sums in
- * flight: one accumulator made each pass wait on its own latency (4 cycles per 16 scores). */
-static float softmax_unnormalised(const float *s, int64_t n, float scale, bf16 *p) {
+/* The largest (sign > 0) or smallest (sign < 0) of s[0:n], n >= 1: four accumulators in flight,
+ * where one made the pass wait on its own latency (4 cycles per 16 scores). */
+static inline float row_extreme(const float *s, int64_t n, int sign) {
+    const __m512 flip = _mm512_set1_ps(sign < 0 ? -1.f : 1.f);  /* the smallest is minus the largest of -s */
     __m512 m0 = _mm512_set1_ps(-INFINITY), m1 = m0, m2 = m0, m3 = m0;
     int64_t i = 0;
     for (; i + 64 <= n; i += 64) {
-        m0 = _mm512_max_ps(m0, _mm512_loadu_ps(s + i));
-        m1 = _mm512_max_ps(m1, _mm512_loadu_ps(s + i + 16));
-        m2 = _mm512_max_ps(m2, _mm512_loadu_ps(s + i + 32));
-        m3 = _mm512_max_ps(m3, _mm512_loadu_ps(s + i + 48));
+        m0 = _mm512_max_ps(m0, _mm512_mul_ps(_mm512_loadu_ps(s + i), flip));
+        m1 = _mm512_max_ps(m1, _mm512_mul_ps(_mm512_loadu_ps(s + i + 16), flip));
+        m2 = _mm512_max_ps(m2, _mm512_mul_ps(_mm512_loadu_ps(s + i + 32), flip));
+        m3 = _mm512_max_ps(m3, _mm512_mul_ps(_mm512_loadu_ps(s + i + 48), flip));
     }
-    for (; i < n; i += 16) m0 = _mm512_mask_max_ps(m0, lanes(n - i), m0, _mm512_maskz_loadu_ps(lanes(n - i), s + i));
-    const float mx = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(m0, m1), _mm512_max_ps(m2, m3)));
-    const __m512 sc = _mm512_set1_ps(scale), m = _mm512_set1_ps(mx * scale);
+    for (; i < n; i += 16)
+        m0 = _mm512_mask_max_ps(m0, lanes(n - i), m0, _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes(n - i), s + i), flip));
+    return _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(m0, m1), _mm512_max_ps(m2, m3))) * (sign < 0 ? -1.f : 1.f);
+}
+
+/* p[0:n] <- bf16(exp(scale * s[0:n] - max)), unnormalised; returns 1 / the sum of the exps (fp32,
+ * before rounding), by which the caller scales P V's rows.  Two passes over s: the raw score whose
+ * scaled value is the largest (the largest raw one, or the smallest where scale < 0), then exp,
+ * sum and rounding, two sums in flight.  Normalising after P V instead of before saves a pass and
+ * a store per score. */
+static float softmax_unnormalised(const float *s, int64_t n, float scale, bf16 *p) {
+    const float top = row_extreme(s, n, scale < 0.f ? -1 : 1);
+    const __m512 sc = _mm512_set1_ps(scale), m = _mm512_set1_ps(top * scale);
     __m512 s0 = _mm512_setzero_ps(), s1 = s0;
-    for (i = 0; i + 32 <= n; i += 32) {
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32) {
         const __m512 e0 = exp512_bf16(_mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(s + i), sc), m));
         const __m512 e1 = exp512_bf16(_mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(s + i + 16), sc), m));
         _mm256_storeu_si256((__m256i *)(p + i), (__m256i)_mm512_cvtneps_pbh(e0));

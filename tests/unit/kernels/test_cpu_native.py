@@ -113,6 +113,21 @@ def test_rope_and_kv_write_on_views_of_fused_qkv(d):
     assert torch.equal(pool_ref, pool_got)
 
 
+
+@pytest.mark.parametrize("scale", [0.125, -0.125, 0.0])
+def test_prefill_attention_takes_any_scale_and_wide_scores(scale):
+    """The softmax subtracts the largest scaled score whatever the scale's sign: with a negative
+    scale and scores hundreds apart, subtracting the scaled largest raw score overflowed to NaN."""
+    from pdcluster.kernels.prefill_attention import prefill_attention_ref
+
+    case = make_paged_case([301], 3, 64, 16, BF16, seed=3)
+    q = (torch.randn(70, 9, 64, generator=torch.Generator().manual_seed(4)) * 30).to(BF16)
+    args = (q, case.kv_pool, case.layer, case.block_tables, torch.tensor([0, 70], dtype=torch.int32),
+            case.context_lens, scale)
+    got = ops.prefill_attention(*args)
+    assert torch.isfinite(got.float()).all()
+    torch.testing.assert_close(got.float(), prefill_attention_ref(*args).float(), atol=3e-2, rtol=3e-2)
+
 def test_fp32_and_odd_shapes_stay_on_the_torch_reference():
     x = torch.randn(3, 40)
     w = torch.randn(64, 40)
