@@ -15,12 +15,14 @@ the slope, and the slope follows the data once prompts of several sizes
 MAX_SLOPE]: no sample makes the model predict a negative or absurd time.
 
 The line predicts the typical TTFT; ``margin_s`` is how far above it the
-slowest tenth of the window's samples landed (the 90th percentile of the
+slowest twentieth of the window's samples landed (the 95th percentile of the
 positive residuals), so that a refusal rule can bound the tail, not the
-mean.  Both resist a few outliers: at least TAIL_SUPPORT samples land at or
-above the margin (of 11 samples the 90th percentile is the second largest,
-which one slow pair sets), and the line is fitted again without the samples
-above it.  Measured here: the decode replica's first two first tokens after
+mean.  The 95th, not the 90th: the overload test (3x capacity, ~160
+admitted) promises a TTFT p95 within the SLO, and with the 90th one run in
+three here read p95 2.13 s against 2.0 s.  Both resist a few outliers: at
+least TAIL_SUPPORT samples land at or above the margin (of 11 samples the
+95th percentile would be the largest, which one slow sample sets), and the
+line is fitted again without the samples above it.  Measured here: the decode replica's first two first tokens after
 start took 3.1-3.2 s for 60-token prompts (0.17 s after), and with them in a
 window of 11 the line's offset rose about 0.8 s and the margin to 2.5 s,
 which refused a 119-token chat 68 s later."""
@@ -34,7 +36,7 @@ WINDOW = 64
 PRIOR_WEIGHT = 2.0
 SCALE_S = 1.0
 MIN_SLOPE, MAX_SLOPE = 0.2, 10.0
-TAIL = 0.9
+TAIL = 0.95
 TAIL_SUPPORT = 3  # samples at or above the tail margin
 
 

@@ -32,7 +32,7 @@ The decode replica may prefill only while its streams keep their TPOT:
               has no live replica (dead, scaled to zero, or colocated mode), whatever its streams'
               TPOT: serving late beats refusing what can be served
     refuse  (429, Retry-After = the excess) only when
-                ttft(place) + tail > ttft_slo x headroom        (tail: how far the slowest tenth of
+                ttft(place) + tail > ttft_slo x headroom        (tail: how far the slowest 20th of
                                                                  the place's recent TTFTs landed above
                                                                  the calibrated line)
               and the place already has queued work             (an idle place cannot do better later)
@@ -195,6 +195,6 @@ def _admit_or_refuse(choice: Placement, load: PlaceLoad, snap: Snapshot, rules: 
     excess = tail - bound
     return Placement(None, choice.predicted_ttft_s, choice.modelled_ttft_s, reason=(
         f"predicted time to first token {choice.predicted_ttft_s:.1f} s (+{load.tail_s:.1f} s for the slowest "
-        f"tenth; behind {load.queued_tokens} queued "
+        f"twentieth; behind {load.queued_tokens} queued "
         f"prompt tokens on {load.live_replicas} replica(s) of the {choice.pool} pool) is over {rules.headroom:g} x "
         f"the {rules.ttft_slo_s:g} s SLO (admission.ttft_slo_s)"), retry_after_s=max(1.0, math.ceil(excess)))

@@ -65,7 +65,7 @@ def test_the_tail_margin_counts_toward_the_refusal():
     assert place(500, near, RULES).pool == PREFILL
     tailed = snap(prefill=(1, 1000, 1), streams=30)
     tailed = Snapshot(**{**tailed.__dict__, "prefill": PlaceLoad(1, 1000, 1, tail_s=0.3)})
-    assert place(500, tailed, RULES).pool is None           # its slowest tenth lands at 1.84 s
+    assert place(500, tailed, RULES).pool is None           # its slowest 20th lands at 1.84 s
 
 
 def test_a_refusal_names_the_slo_and_the_excess():
