@@ -44,6 +44,11 @@ class StepModel:
     def step_s(self, batch: float) -> float:
         return max(self.base_s + self.per_seq_s * batch, self.compute_per_seq_s * batch)
 
+    def rows_s(self, batch: float) -> float:
+        """What ``batch`` decode rows add to a step that runs anyway (a prefill chunk's): their
+        own share of the step, not its base, which streams the weights once for every row."""
+        return (self.per_seq_s + self.compute_per_seq_s) * batch
+
     def max_batch_within(self, tpot_s: float) -> int:
         """Largest batch whose step time stays within ``tpot_s`` (0 if none)."""
         if self.base_s > tpot_s:

@@ -272,16 +272,24 @@ class AutoscaleSpeed(_Strict):
     step_base_s: float = Field(0.015, gt=0, description="decode step time at batch 0 (the line's intercept)")
     step_per_seq_s: float = Field(0.0022, ge=0, description="decode step time added per sequence in the batch")
     measure_at_start: bool = Field(
-        True, description="each replica times its own prefill at start-up (under 1 s: "
-                          "pdcluster/services/pools/startup_profile.py) and admission starts from that per-token "
-                          "time instead of prefill_per_token_s, unless prefill_per_token_s is set here")
+        True, description="each replica times its own prefill at start-up, and a replica that decodes its decode "
+                          "step at batch 1 and 16 (about 1 s in all: pdcluster/services/pools/startup_profile.py); "
+                          "admission starts from those lines instead of prefill_per_token_s and step_*, unless "
+                          "they are set here")
 
     def prefill_set(self) -> bool:
         """Whether the config names its own prefill line (then no start-up measurement replaces it)."""
         return "prefill_per_token_s" in self.model_fields_set
 
+    def step_set(self) -> bool:
+        """Whether the config names its own decode step line (then no start-up measurement replaces it)."""
+        return bool({"step_base_s", "step_per_seq_s"} & self.model_fields_set)
+
     def measures_at_start(self) -> bool:
         return self.measure_at_start and not self.prefill_set()
+
+    def measures_step_at_start(self) -> bool:
+        return self.measure_at_start and not self.step_set()
 
     def models(self) -> tuple[PrefillModel, StepModel]:
         return (PrefillModel(overhead_s=self.prefill_overhead_s, per_token_s=self.prefill_per_token_s,

@@ -44,6 +44,7 @@ from dataclasses import replace
 
 from pdcluster.observability import metrics
 from pdcluster.planning.calibration import Calibration, RatioCalibration
+from pdcluster.planning.speed import StepModel
 from pdcluster.services.backend import BackendOverloaded, for_client
 from pdcluster.services.config import AutoscaleSpeed
 from pdcluster.services.engine.sampling_params import DEFAULT_TENANT
@@ -209,7 +210,8 @@ class Ticket:
 class Admission:
     def __init__(self, ttft_slo_s: float, max_in_flight: int, shed: bool = True, headroom: float = 0.8,
                  rules: Rules | None = None, decode_seats_per_replica: int = 1 << 30,
-                 tenant_weights: dict[str, float] | None = None, adopts_measured_prefill: bool = False):
+                 tenant_weights: dict[str, float] | None = None, adopts_measured_prefill: bool = False,
+                 adopts_measured_step: bool = False):
         if not 0 < headroom <= 1:
             raise ValueError(f"headroom must be in (0, 1], got {headroom}")
         self.rules = replace(rules or DEFAULT_RULES, ttft_slo_s=ttft_slo_s, headroom=headroom, shed=shed)
@@ -232,6 +234,7 @@ class Admission:
         # The replicas' start-up prefill time replaces the configured one, once, before any first token
         # calibrated the model (adopt_prefill).
         self._may_adopt_prefill = adopts_measured_prefill
+        self._may_adopt_step = adopts_measured_step
 
     @property
     def may_adopt_prefill(self) -> bool:
@@ -245,6 +248,23 @@ class Admission:
             return False
         self.rules = replace(self.rules, prefill=replace(self.rules.prefill, per_token_s=per_token_s, source=source))
         self._may_adopt_prefill = False
+        return True
+
+    @property
+    def may_adopt_step(self) -> bool:
+        return self._may_adopt_step and self.num_measured == 0 and self.tpot.num_samples == 0
+
+    def adopt_step(self, line: tuple[float, float] | None, source: str = "measured at start-up") -> bool:
+        """The decode step line (base seconds, seconds per sequence) from the replicas' own start-up
+        measurement, if no first token or TPOT was measured yet (both calibrate against the model they
+        were made under).  Once."""
+        if not self.may_adopt_step or not line:
+            return False
+        base, per_seq = line
+        if not (0 < base < 1 and 0 <= per_seq < 1):
+            return False
+        self.rules = replace(self.rules, step=StepModel(base_s=base, per_seq_s=per_seq, source=source))
+        self._may_adopt_step = False
         return True
 
     @property
@@ -353,6 +373,7 @@ class Admission:
                 "tpot_factor": round(self.tpot.factor, 3), "tpot_samples": self.tpot.num_samples,
                 "admitted": self.num_admitted, "admitted_prompt_tokens": self.admitted_prompt_tokens,
                 "placed": dict(self.placed), "prefill_model": self.rules.prefill.describe("prompt tokens"),
+                "step_model": self.rules.step.describe("streams"),
                 "pools": {p: {"queued_tokens": q.queued_tokens, "queued_requests": q.queued_requests,
                               "backlog_tokens": q.backlog_tokens,
                               "calibration": {"samples": q.calibration.num_samples,

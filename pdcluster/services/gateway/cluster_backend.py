@@ -153,8 +153,14 @@ class ClusterBackend(Backend):
 
     def _adopt_startup_profile(self) -> None:
         """Admission's prefill line from the replicas' start-up measurement, before its first
-        sample (Admission.adopt_prefill): the prefill pool's, else the decode (or colocated) pool's."""
-        if self.liveness is None or not self.admission.may_adopt_prefill:
+        sample (Admission.adopt_prefill): the prefill pool's, else the decode (or colocated) pool's;
+        and its decode step line from the pool that decodes (Admission.adopt_step)."""
+        if self.liveness is None:
+            return
+        decodes = "colocated" if self.mode == "colocated" else "decode"
+        if self.admission.may_adopt_step:
+            self.admission.adopt_step(self.liveness.decode_step_s(decodes))
+        if not self.admission.may_adopt_prefill:
             return
         for role in ("colocated",) if self.mode == "colocated" else ("prefill", "decode"):
             if self.admission.adopt_prefill(self.liveness.prefill_per_token_s(role)):

@@ -88,7 +88,8 @@ def admission_for(cfg: ClusterConfig) -> Admission:
     return Admission(adm.ttft_slo_s, adm.max_in_flight, adm.shed, adm.ttft_headroom, rules=rules,
                      decode_seats_per_replica=sched.max_num_seqs + serving.max_queue,
                      tenant_weights={t.name: t.weight for t in cfg.tenants},
-                     adopts_measured_prefill=cfg.autoscaling.speed.measures_at_start())
+                     adopts_measured_prefill=cfg.autoscaling.speed.measures_at_start(),
+                     adopts_measured_step=cfg.autoscaling.speed.measures_step_at_start())
 
 
 @serve.ingress(app)

@@ -26,6 +26,7 @@ class PoolLiveness:
         self._counts: dict[str, int] = {}
         self._targets: dict[str, int] = {}
         self._per_token_s: dict[str, list[float]] = {}  # role -> its live replicas' start-up prefill times
+        self._steps: dict[str, list[tuple[float, float]]] = {}  # role -> their start-up decode step lines
         self._read_at = 0.0
 
     async def live(self, role: str) -> int | None:
@@ -40,6 +41,15 @@ class PoolLiveness:
         (startup_profile.py), as of the last read; None when none published one."""
         times = sorted(self._per_token_s.get(role, ()))
         return times[len(times) // 2] if times else None
+
+    def decode_step_s(self, role: str) -> tuple[float, float] | None:
+        """(base seconds, seconds per sequence) of the decode step ``role``'s live replicas measured at
+        start-up, each the median over them, as of the last read; None when none published one."""
+        lines = self._steps.get(role, ())
+        if not lines:
+            return None
+        bases, slopes = sorted(b for b, _ in lines), sorted(p for _, p in lines)
+        return bases[len(bases) // 2], slopes[len(slopes) // 2]
 
     async def scaled_to_zero(self, role: str) -> bool:
         """Whether ``role``'s pool is meant to have no replica (a target of 0)."""
@@ -56,7 +66,7 @@ class PoolLiveness:
         now = time.monotonic()
         if now - self._read_at > _CACHE_S:
             try:
-                self._counts, self._per_token_s = await self._read()
+                self._counts, self._per_token_s, self._steps = await self._read()
                 self._targets = await pool_targets.read(self._client, self.cluster)
             except Exception as exc:  # noqa: BLE001 - liveness is advisory
                 log.debug("pool liveness unknown: %s", exc)
@@ -64,13 +74,14 @@ class PoolLiveness:
             self._read_at = now
         return True
 
-    async def _read(self) -> tuple[dict[str, int], dict[str, list[float]]]:
+    async def _read(self) -> tuple[dict[str, int], dict[str, list[float]], dict[str, list[tuple[float, float]]]]:
         import redis.asyncio as aioredis
 
         if self._client is None:
             self._client = aioredis.from_url(self.redis_url, socket_timeout=0.2, socket_connect_timeout=0.2)
         counts: dict[str, int] = {}
         per_token: dict[str, list[float]] = {}
+        steps: dict[str, list[tuple[float, float]]] = {}
         for status in await read_statuses(self._client, self.cluster):
             if status.get("engine_alive", True):  # a replica whose engine died does not count
                 role = status.get("role", "")
@@ -78,4 +89,8 @@ class PoolLiveness:
                 measured = status.get("prefill_per_token_s")
                 if isinstance(measured, (int, float)) and 0 < measured < 1:  # a board entry is data, not trusted
                     per_token.setdefault(role, []).append(float(measured))
-        return counts, per_token
+                step = status.get("decode_step_s")
+                if (isinstance(step, list) and len(step) == 2 and all(isinstance(x, (int, float)) for x in step)
+                        and 0 < step[0] < 1 and 0 <= step[1] < 1):
+                    steps.setdefault(role, []).append((float(step[0]), float(step[1])))
+        return counts, per_token, steps

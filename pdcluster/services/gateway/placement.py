@@ -16,7 +16,7 @@ snapshot of the gateway's own counters:
                  step leaves), so its work leaves out the long prompts queued there, and while
                  any are queued its steps count full (their leftover goes to a long chunk)
     steps      = ceil((per_rep + join) / prompt tokens one step takes there)
-    modelled   = steps x (step overhead [+ a decode step of the streams beside it, on decode])
+    modelled   = steps x (step overhead [+ the rows of the streams beside it, on decode])
                  + per_token x (per_rep + join) + per_token2 x prompt^2
     ttft_p     = calibrated(modelled)          (pdcluster/planning/calibration.py: measured vs modelled)
 
@@ -129,7 +129,10 @@ def modelled_ttft_s(prompt_tokens: int, load: PlaceLoad, rules: Rules, beside_st
     longs = min(load.queued_long_tokens, load.queued_tokens) if short_first else 0
     per_replica = (load.queued_tokens - longs + prompt_tokens) / replicas
     step_tokens = max(rules.batch_tokens if beside_streams is None else rules.decode_step_tokens, 1)
-    step_extra = rules.step.step_s(beside_streams) if beside_streams else 0.0
+    # The streams beside it decode in the same steps: their rows, not a decode step of their own
+    # (a 256-token chunk took 60 ms alone and 67.5 ms beside 16 decodes, whose own step took 17 ms;
+    # Sapphire Rapids, 2 threads).
+    step_extra = rules.step.rows_s(beside_streams) if beside_streams else 0.0
     if joining and load.arriving_tokens_per_s > 0:
         full_step_s = p.overhead_s + step_extra + p.per_token_s * step_tokens
         per_replica += min(-per_replica % step_tokens, load.arriving_tokens_per_s / replicas * full_step_s)

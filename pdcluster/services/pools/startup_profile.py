@@ -21,7 +21,12 @@ one untimed warm-up; the fastest time over the prompt's tokens is the
 per-token time admission adopts (its per-step overhead stays the
 configured one).  One prompt in the step sizes the replica's scheduler
 takes, so chunking costs what it costs in service.  0.4-0.8 s of one
-replica's start on this machine."""
+replica's start on this machine.
+
+A replica that decodes also draws its decode step line (measure_step): the
+fastest decode-only step of 1 and of 16 streams of 64-token prompts, on a
+scratch engine the same way; admission takes it in place of the configured
+step line (about 0.5 s on a 2-core Sapphire Rapids)."""
 
 from __future__ import annotations
 
@@ -29,7 +34,7 @@ import dataclasses
 import logging
 import time
 
-from pdcluster.planning.speed import PrefillModel
+from pdcluster.planning.speed import PrefillModel, StepModel
 from pdcluster.services.engine.config import KVTierConfig, SpeculativeConfig
 from pdcluster.services.engine.engine import Engine
 from pdcluster.services.engine.sampling_params import greedy
@@ -40,6 +45,8 @@ PROFILE_TOKENS = 256  # one step of a replica that decodes (scheduler.decode_ste
 REPEATS = 2
 WARMUP_TOKENS = 16
 SOURCE = "measured at start-up"
+STEP_BATCHES = (1, 16)  # decode batches the step line is drawn through
+STEP_REPEATS = 4        # decode-only steps timed at each (the fastest counts)
 
 
 def measure_prefill(engine: Engine, tokens: int = PROFILE_TOKENS, repeats: int = REPEATS) -> PrefillModel:
@@ -62,6 +69,53 @@ def measure_prefill(engine: Engine, tokens: int = PROFILE_TOKENS, repeats: int =
     return PrefillModel(overhead_s=0.0, per_token_s=fastest / tokens, source=SOURCE)
 
 
+def measure_step(engine: Engine, batches: tuple[int, int] = STEP_BATCHES, repeats: int = STEP_REPEATS) -> StepModel:
+    """The decode step line (seconds at batch B = base + per sequence x B) of ``engine``'s model and
+    threads, through the fastest decode-only step at each of ``batches``, from a scratch engine beside
+    it.  The configured line is one machine's 1-thread replica: on a 2-thread Sapphire Rapids
+    replica it said 50 ms at batch 16 where the step took 17 ms, so admission's TPOT bound and its
+    model of the streams beside a prompt were three times too slow until streams finished."""
+    small, large = batches
+    if not 0 < small < large:
+        raise ValueError(f"the step line needs two batches, smaller first, got {batches}")
+    cfg = engine.config
+    block = cfg.block_size
+    prompt_tokens = 64  # a context a chat stream holds, so the line carries some attention
+    per_seq_blocks = (prompt_tokens + 2 * repeats + 2) // block + 2
+    scratch = Engine(dataclasses.replace(
+        cfg, num_kv_blocks=large * per_seq_blocks + 1, enable_prefix_caching=False, kv_tiers=KVTierConfig(),
+        speculative=SpeculativeConfig(), grammar_compile_workers=1, kv_quotas=(),
+        scheduler=dataclasses.replace(cfg.scheduler, max_num_seqs=max(cfg.scheduler.max_num_seqs, large))),
+        loaded=engine.loaded)
+    try:
+        times = [_decode_step_s(scratch, b, prompt_tokens, repeats) for b in (small, large)]
+    finally:
+        scratch.close()
+    per_seq = max((times[1] - times[0]) / (large - small), 0.0)
+    base = max(times[0] - per_seq * small, 1e-4)
+    return StepModel(base_s=base, per_seq_s=per_seq, source=SOURCE)
+
+
+def _decode_step_s(engine: Engine, batch: int, prompt_tokens: int, repeats: int) -> float:
+    """The fastest of ``repeats`` decode-only steps of ``batch`` streams (prefilled first, untimed)."""
+    vocab = engine.loaded.config.vocab_size
+    for i in range(batch):
+        prompt = [(1000 + 7919 * (i * prompt_tokens + j)) % vocab for j in range(prompt_tokens)]
+        engine.add_request(f"startup-step-{batch}-{i}", prompt, greedy(repeats + 3, ignore_eos=True))
+    sched = engine.scheduler
+    while sched.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in sched.running):
+        engine.step()
+    engine.step()  # the first decode step of a batch warms what it reads
+    fastest = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        engine.step()
+        fastest = min(fastest, time.perf_counter() - started)
+    while engine.has_unfinished():
+        engine.step()
+    return fastest
+
+
 def _prefill_s(engine: Engine, tokens: int, tag: str) -> float:
     """Seconds from adding a ``tokens``-token prompt to its first token (every step it takes)."""
     vocab = engine.loaded.config.vocab_size
@@ -75,10 +129,19 @@ def _prefill_s(engine: Engine, tokens: int, tag: str) -> float:
 
 def measure_or_none(engine: Engine) -> PrefillModel | None:
     """measure_prefill, or None (logged) when it cannot: the configured line stays."""
+    return _measured_or_none(lambda: measure_prefill(engine), "prefill", "tokens")
+
+
+def measure_step_or_none(engine: Engine) -> StepModel | None:
+    """measure_step, or None (logged) when it cannot: the configured step line stays."""
+    return _measured_or_none(lambda: measure_step(engine), "decode step", "batch")
+
+
+def _measured_or_none(measure, what: str, unit: str):
     try:
-        model = measure_prefill(engine)
+        model = measure()
     except Exception as exc:  # noqa: BLE001 - a replica serves without its profile
-        log.warning("start-up prefill profile not measured (%s): admission keeps the configured speed model", exc)
+        log.warning("start-up %s profile not measured (%s): admission keeps the configured line", what, exc)
         return None
-    log.info("start-up prefill profile: %s", model.describe("tokens"))
+    log.info("start-up %s profile: %s", what, model.describe(unit))
     return model

@@ -37,16 +37,21 @@ def test_sixteen_simultaneous_short_chats_are_all_served(two_core_default):
 
 
 def test_admission_starts_from_the_replicas_start_up_prefill_time(two_core_default):
-    """The replica timed its own prefill at start-up (startup_profile.py) and published it;
-    the gateway's admission took that per-token time in place of the configured line."""
+    """The replica timed its own prefill and decode step at start-up (startup_profile.py) and
+    published them; the gateway's admission took those lines in place of the configured ones."""
     url = f"http://127.0.0.1:{two_core_default.config.port}"
     (entry,) = [s for s in board(two_core_default) if s["role"] == "colocated"]
     measured = entry["prefill_per_token_s"]
     assert 0 < measured < 1, entry
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi!"}], "max_tokens": 2}
     assert httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).status_code == 200
-    model = httpx.get(f"{url}/health", timeout=10).json()["admission"]["prefill_model"]
+    view = httpx.get(f"{url}/health", timeout=10).json()["admission"]
+    model = view["prefill_model"]
     assert model.startswith("measured at start-up") and f"{measured:.4g} s x prompt tokens" in model, (model, measured)
+    # and the decode step line the colocated replica timed (batch 1 and 16), in place of the configured one
+    base, per_seq = entry["decode_step_s"]
+    assert 0 < base < 1 and 0 <= per_seq < 1, entry
+    assert view["step_model"] == f"measured at start-up: {base:.4g} s + {per_seq:.4g} s x streams", (view, entry)
 
 
 def test_eight_simultaneous_200_token_streams_are_all_served_whole(two_core_default):

@@ -328,3 +328,28 @@ def test_the_start_up_prefill_time_replaces_the_configured_one_once_and_only_bef
     configured = _admission()  # the config's own line (adopts_measured_prefill False)
     assert not configured.adopt_prefill(0.0005) and configured.rules.prefill == RULES.prefill
     assert not _admission(adopts_measured_prefill=True).adopt_prefill(float("nan"))
+
+
+def test_the_start_up_step_line_replaces_the_configured_one_once_and_only_before_any_sample():
+    """The decode replicas' start-up step line (startup_profile.measure_step) replaces the configured
+    one: a step three times faster than configured runs more streams within the TPOT bound.  Only
+    before the first TTFT or TPOT sample, once, with a sane line, and never where the config named
+    its own line (adopts_measured_step False)."""
+    slow = RULES.step
+    fast = _admission(adopts_measured_step=True)
+    assert fast.may_adopt_step
+    assert not fast.adopt_step((2.0, 0.001)) and not fast.adopt_step((0.01, float("nan")))
+    assert not fast.adopt_step(None) and fast.rules.step == slow
+    assert fast.adopt_step((slow.base_s / 3, slow.per_seq_s / 3))
+    assert fast.rules.step.base_s == pytest.approx(slow.base_s / 3) and fast.rules.step.source == "measured at start-up"
+    assert not fast.may_adopt_step and not fast.adopt_step((0.001, 0.0001))  # once
+    assert fast.slo_seats(1, 1 << 30) > _admission().slo_seats(1, 1 << 30)
+    assert "measured at start-up" in fast.view()["step_model"]
+    late = _admission(adopts_measured_step=True)
+    _calibrate(late, DECODE)  # a first token was measured: the prior stays
+    assert not late.may_adopt_step and not late.adopt_step((0.005, 0.0005))
+    after_tpot = _admission(adopts_measured_step=True)
+    after_tpot.tpot.observe(0.05, 0.05)
+    assert not after_tpot.adopt_step((0.005, 0.0005))
+    configured = _admission()
+    assert not configured.adopt_step((0.005, 0.0005)) and configured.rules.step == slow

@@ -85,8 +85,9 @@ def test_shedding_off_admits_everything_but_seats():
 def test_modelled_ttft_batches_the_queue_into_steps():
     # 1600 queued chat tokens + 100: two 1024-token steps, not 17 per-request overheads.
     assert modelled_ttft_s(100, PlaceLoad(1, 1600, 16), RULES) == pytest.approx(2 * 0.02 + 1.7)
-    # beside 10 decoding streams, each step also runs their decode step (20 + 20 ms)
-    assert modelled_ttft_s(100, PlaceLoad(1, 0, 0), RULES, beside_streams=10) == pytest.approx(0.04 + 0.02 + 0.1)
+    # beside 10 decoding streams, each step also runs their 10 rows (10 x 2 ms), not a decode step of
+    # their own: the step streams the weights once for the prompt's rows and theirs
+    assert modelled_ttft_s(100, PlaceLoad(1, 0, 0), RULES, beside_streams=10) == pytest.approx(0.02 + 0.02 + 0.1)
 
 
 @pytest.mark.parametrize("queued, arriving, expected_tokens", [
@@ -136,7 +137,7 @@ def test_short_prompts_leave_out_the_long_ones_queued_at_a_decoding_replica(prom
     load = PlaceLoad(1, queued, 1, queued_long_tokens=longs)
     got = modelled_ttft_s(prompt, load, SHORT_FIRST, beside_streams=2, joining=False)
     steps = -(-expected_tokens // 128)
-    assert got == pytest.approx(steps * (0.02 + SHORT_FIRST.step.step_s(2)) + 0.001 * expected_tokens)
+    assert got == pytest.approx(steps * (0.02 + SHORT_FIRST.step.rows_s(2)) + 0.001 * expected_tokens)
 
 
 def test_a_prefill_replica_keeps_arrival_order():

@@ -10,7 +10,8 @@ import pytest
 from pdcluster.services.config import AutoscaleSpeed, ClusterConfig
 from pdcluster.services.engine.config import EngineConfig
 from pdcluster.services.engine.engine import Engine
-from pdcluster.services.pools.startup_profile import SOURCE, measure_or_none, measure_prefill
+from pdcluster.services.pools.startup_profile import (SOURCE, measure_or_none, measure_prefill, measure_step,
+                                                      measure_step_or_none)
 
 
 @pytest.fixture(scope="module")
@@ -29,6 +30,18 @@ def test_the_measurement_is_a_per_token_time_and_leaves_the_serving_engine_untou
     engine.check_integrity()
 
 
+def test_the_step_line_is_measured_beside_the_serving_engine_and_leaves_it_untouched(engine_and_events):
+    engine, events = engine_and_events
+    model = measure_step(engine, batches=(1, 4), repeats=2)
+    assert model.source == SOURCE and model.base_s > 0 and model.per_seq_s >= 0
+    assert model.step_s(4) >= model.step_s(1) > 0
+    stats = engine.stats()
+    assert (stats.num_steps, stats.prompt_tokens_computed, stats.kv_blocks_cached) == (0, 0, 0)
+    assert stats.kv_blocks_free == stats.kv_blocks_total and events == []
+    with pytest.raises(ValueError, match="two batches"):
+        measure_step(engine, batches=(4, 4))
+
+
 def test_a_measurement_that_fails_leaves_the_configured_line(engine_and_events, monkeypatch):
     from pdcluster.services.pools import startup_profile
 
@@ -36,7 +49,9 @@ def test_a_measurement_that_fails_leaves_the_configured_line(engine_and_events, 
         raise RuntimeError("the scratch engine could not start")
 
     monkeypatch.setattr(startup_profile, "measure_prefill", fails)
+    monkeypatch.setattr(startup_profile, "measure_step", fails)
     assert measure_or_none(engine_and_events[0]) is None
+    assert measure_step_or_none(engine_and_events[0]) is None
 
 
 def test_a_config_that_names_its_prefill_line_is_not_replaced():
@@ -44,4 +59,7 @@ def test_a_config_that_names_its_prefill_line_is_not_replaced():
     assert not AutoscaleSpeed(prefill_per_token_s=0.002).measures_at_start()
     assert not AutoscaleSpeed(measure_at_start=False).measures_at_start()
     cfg = ClusterConfig.model_validate({"autoscaling": {"speed": {"prefill_per_token_s": 0.002}}})
-    assert not cfg.autoscaling.speed.measures_at_start()
+    assert not cfg.autoscaling.speed.measures_at_start() and cfg.autoscaling.speed.measures_step_at_start()
+    assert AutoscaleSpeed().measures_step_at_start()
+    assert not AutoscaleSpeed(step_per_seq_s=0.001).measures_step_at_start()
+    assert not AutoscaleSpeed(measure_at_start=False).measures_step_at_start()
