@@ -240,13 +240,20 @@ class Admission:
     def may_adopt_prefill(self) -> bool:
         return self._may_adopt_prefill and self.num_measured == 0
 
-    def adopt_prefill(self, per_token_s: float | None, source: str = "measured at start-up") -> bool:
-        """The prefill line's seconds per token from the replicas' own start-up measurement
+    def adopt_prefill(self, per_token_s: float | None, per_token2_s: float | None = None,
+                      source: str = "measured at start-up") -> bool:
+        """The prefill line from the replicas' own start-up measurement
         (pdcluster/services/pools/startup_profile.py), if no first token was measured yet: the
-        calibration's samples compare with the model they were made under.  Once."""
+        calibration's samples compare with the model they were made under.  Once.  With its square
+        term (``per_token2_s``) the measured line replaces the configured one whole, per-step
+        overhead included (the measured per-token time holds each chunk's step); without it only
+        the seconds per token."""
         if not self.may_adopt_prefill or not per_token_s or not 0 < per_token_s < 1:
             return False
-        self.rules = replace(self.rules, prefill=replace(self.rules.prefill, per_token_s=per_token_s, source=source))
+        prefill = replace(self.rules.prefill, per_token_s=per_token_s, source=source)
+        if per_token2_s is not None and 0 <= per_token2_s < 1e-3:
+            prefill = replace(prefill, overhead_s=0.0, per_token2_s=per_token2_s)
+        self.rules = replace(self.rules, prefill=prefill)
         self._may_adopt_prefill = False
         return True
 

@@ -163,7 +163,8 @@ class ClusterBackend(Backend):
         if not self.admission.may_adopt_prefill:
             return
         for role in ("colocated",) if self.mode == "colocated" else ("prefill", "decode"):
-            if self.admission.adopt_prefill(self.liveness.prefill_per_token_s(role)):
+            line = self.liveness.prefill_line(role)
+            if line and self.admission.adopt_prefill(*line):
                 return
 
     async def _prefill_live(self) -> int | None:

@@ -25,7 +25,7 @@ class PoolLiveness:
         self._client = None
         self._counts: dict[str, int] = {}
         self._targets: dict[str, int] = {}
-        self._per_token_s: dict[str, list[float]] = {}  # role -> its live replicas' start-up prefill times
+        self._prefill: dict[str, list[tuple[float, float | None]]] = {}  # role -> start-up prefill lines
         self._steps: dict[str, list[tuple[float, float]]] = {}  # role -> their start-up decode step lines
         self._read_at = 0.0
 
@@ -36,11 +36,16 @@ class PoolLiveness:
             return None
         return self._counts.get(role, 0)
 
-    def prefill_per_token_s(self, role: str) -> float | None:
-        """The median prefill seconds per token ``role``'s live replicas measured at start-up
-        (startup_profile.py), as of the last read; None when none published one."""
-        times = sorted(self._per_token_s.get(role, ()))
-        return times[len(times) // 2] if times else None
+    def prefill_line(self, role: str) -> tuple[float, float | None] | None:
+        """(seconds per token, per squared token) of the prefill line ``role``'s live replicas measured
+        at start-up (startup_profile.py), each the median over them, as of the last read (the square
+        term None when no replica published one); None when none published a line."""
+        lines = self._prefill.get(role, ())
+        if not lines:
+            return None
+        per_token = sorted(a for a, _ in lines)
+        squares = sorted(b for _, b in lines if b is not None)
+        return per_token[len(per_token) // 2], (squares[len(squares) // 2] if squares else None)
 
     def decode_step_s(self, role: str) -> tuple[float, float] | None:
         """(base seconds, seconds per sequence) of the decode step ``role``'s live replicas measured at
@@ -66,7 +71,7 @@ class PoolLiveness:
         now = time.monotonic()
         if now - self._read_at > _CACHE_S:
             try:
-                self._counts, self._per_token_s, self._steps = await self._read()
+                self._counts, self._prefill, self._steps = await self._read()
                 self._targets = await pool_targets.read(self._client, self.cluster)
             except Exception as exc:  # noqa: BLE001 - liveness is advisory
                 log.debug("pool liveness unknown: %s", exc)
@@ -74,23 +79,26 @@ class PoolLiveness:
             self._read_at = now
         return True
 
-    async def _read(self) -> tuple[dict[str, int], dict[str, list[float]], dict[str, list[tuple[float, float]]]]:
+    async def _read(self) -> tuple[dict[str, int], dict[str, list[tuple[float, float | None]]],
+                                   dict[str, list[tuple[float, float]]]]:
         import redis.asyncio as aioredis
 
         if self._client is None:
             self._client = aioredis.from_url(self.redis_url, socket_timeout=0.2, socket_connect_timeout=0.2)
         counts: dict[str, int] = {}
-        per_token: dict[str, list[float]] = {}
+        prefill: dict[str, list[tuple[float, float | None]]] = {}
         steps: dict[str, list[tuple[float, float]]] = {}
         for status in await read_statuses(self._client, self.cluster):
             if status.get("engine_alive", True):  # a replica whose engine died does not count
                 role = status.get("role", "")
                 counts[role] = counts.get(role, 0) + 1
                 measured = status.get("prefill_per_token_s")
+                square = status.get("prefill_per_token2_s")
                 if isinstance(measured, (int, float)) and 0 < measured < 1:  # a board entry is data, not trusted
-                    per_token.setdefault(role, []).append(float(measured))
+                    square = float(square) if isinstance(square, (int, float)) and 0 <= square < 1e-3 else None
+                    prefill.setdefault(role, []).append((float(measured), square))
                 step = status.get("decode_step_s")
                 if (isinstance(step, list) and len(step) == 2 and all(isinstance(x, (int, float)) for x in step)
                         and 0 < step[0] < 1 and 0 <= step[1] < 1):
                     steps.setdefault(role, []).append((float(step[0]), float(step[1])))
-        return counts, per_token, steps
+        return counts, prefill, steps

@@ -17,11 +17,16 @@ How: a scratch engine on the same loaded weights (a small KV pool of its
 own, no prefix cache, no tiers, no speculation; nothing of the serving
 engine is touched: its counters, cache and KV events stay as they were)
 prefills one prompt of PROFILE_TOKENS tokens, alone, REPEATS times after
-one untimed warm-up; the fastest time over the prompt's tokens is the
-per-token time admission adopts (its per-step overhead stays the
-configured one).  One prompt in the step sizes the replica's scheduler
-takes, so chunking costs what it costs in service.  0.4-0.8 s of one
-replica's start on this machine.
+one untimed warm-up, then one of LONG_PROFILE_TOKENS once; the prefill line
+admission adopts goes through the fastest short time and the long one:
+t(n) = per_token x n + per_token2 x n^2 (attention grows with the prompt),
+no separate overhead (each chunk's step overhead is in per_token).  The
+configured per_token2 (1.7e-7 s, one machine's 1-thread replica) said 2.35 s
+for a lone 3,072-token prompt that a 2-thread Sapphire Rapids replica
+prefilled in 1.03 s (256 tokens 57 ms, 1,024 244 ms, 2,048 581 ms), so
+admission refused long prompts it could serve.  The prompts go through the
+step sizes the replica's scheduler takes, so chunking costs what it costs
+in service.  About 1 s of one replica's start on that machine.
 
 A replica that decodes also draws its decode step line (measure_step): the
 fastest decode-only step of 1 and of 16 streams of 64-token prompts, on a
@@ -42,6 +47,7 @@ from pdcluster.services.engine.sampling_params import greedy
 log = logging.getLogger(__name__)
 
 PROFILE_TOKENS = 256  # one step of a replica that decodes (scheduler.decode_step_prefill_tokens)
+LONG_PROFILE_TOKENS = 1536  # long enough for attention's square to show, short enough for a slow class's start
 REPEATS = 2
 WARMUP_TOKENS = 16
 SOURCE = "measured at start-up"
@@ -49,24 +55,41 @@ STEP_BATCHES = (1, 16)  # decode batches the step line is drawn through
 STEP_REPEATS = 4        # decode-only steps timed at each (the fastest counts)
 
 
-def measure_prefill(engine: Engine, tokens: int = PROFILE_TOKENS, repeats: int = REPEATS) -> PrefillModel:
-    """Seconds per prompt token of ``engine``'s model, threads and scheduler, from a scratch
-    engine beside it (``engine`` itself is not used to compute), as a line through 0."""
+def measure_prefill(engine: Engine, tokens: int = PROFILE_TOKENS, repeats: int = REPEATS,
+                    long_tokens: int = LONG_PROFILE_TOKENS) -> PrefillModel:
+    """The prefill line of ``engine``'s model, threads and scheduler, from a scratch engine beside
+    it (``engine`` itself is not used to compute): through 0, the fastest of ``repeats`` prompts of
+    ``tokens`` and one of ``long_tokens`` (none when the model's length leaves no longer prompt:
+    then a line with no square term)."""
     cfg = engine.config
     tokens = min(tokens, engine.max_model_len - 1)
+    long_tokens = min(long_tokens, engine.max_model_len - 1)
     if tokens < 1:
         raise ValueError(f"max_model_len {engine.max_model_len} leaves no prompt to time")
     block = cfg.block_size
     scratch = Engine(dataclasses.replace(
-        cfg, num_kv_blocks=(tokens + 2 * block) // block + 1, enable_prefix_caching=False,
+        cfg, num_kv_blocks=(max(tokens, long_tokens) + 2 * block) // block + 1, enable_prefix_caching=False,
         kv_tiers=KVTierConfig(), speculative=SpeculativeConfig(), grammar_compile_workers=1,
         kv_quotas=()), loaded=engine.loaded)
     try:
         _prefill_s(scratch, min(WARMUP_TOKENS, tokens), "warmup")
         fastest = min(_prefill_s(scratch, tokens, str(r)) for r in range(max(repeats, 1)))
+        long_s = _prefill_s(scratch, long_tokens, "long") if long_tokens > tokens else None
     finally:
         scratch.close()
-    return PrefillModel(overhead_s=0.0, per_token_s=fastest / tokens, source=SOURCE)
+    per_token, per_token2 = prefill_line(tokens, fastest, long_tokens, long_s)
+    return PrefillModel(overhead_s=0.0, per_token_s=per_token, per_token2_s=per_token2, source=SOURCE)
+
+
+def prefill_line(short: int, short_s: float, long: int, long_s: float | None) -> tuple[float, float]:
+    """(per_token, per_token2) of t(n) = per_token x n + per_token2 x n^2 through (short, short_s) and
+    (long, long_s) (pure).  per_token2 >= 0 (a long prompt timed faster per token than the short one
+    is noise: then the short one's line through 0) and per_token > 0."""
+    per_short = short_s / short
+    if long_s is None or long <= short:
+        return per_short, 0.0
+    per_token2 = max((long_s / long - per_short) / (long - short), 0.0)
+    return max(per_short - per_token2 * short, per_short * 0.5), per_token2
 
 
 def measure_step(engine: Engine, batches: tuple[int, int] = STEP_BATCHES, repeats: int = STEP_REPEATS) -> StepModel:

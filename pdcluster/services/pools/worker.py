@@ -240,6 +240,7 @@ class Worker:
             "host": self.host, "threads": self.pool.num_threads, "compute_threads": self.engine.compute_threads,
             "thread_changes": self.threads.num_changes,
             "prefill_per_token_s": self.prefill_profile.per_token_s if self.prefill_profile else None,
+            "prefill_per_token2_s": self.prefill_profile.per_token2_s if self.prefill_profile else None,
             "decode_step_s": ([self.step_profile.base_s, self.step_profile.per_seq_s] if self.step_profile
                               else None),
             "time": time.time(),

@@ -48,6 +48,9 @@ def test_admission_starts_from_the_replicas_start_up_prefill_time(two_core_defau
     view = httpx.get(f"{url}/health", timeout=10).json()["admission"]
     model = view["prefill_model"]
     assert model.startswith("measured at start-up") and f"{measured:.4g} s x prompt tokens" in model, (model, measured)
+    square = entry["prefill_per_token2_s"]  # timed through a long prompt too: the whole line, no step overhead
+    assert 0 <= square < 1e-3 and model.startswith("measured at start-up: 0 s + "), (model, entry)
+    assert square == 0 or f"{square:.4g} s x prompt tokens^2" in model, (model, entry)
     # and the decode step line the colocated replica timed (batch 1 and 16), in place of the configured one
     base, per_seq = entry["decode_step_s"]
     assert 0 < base < 1 and 0 <= per_seq < 1, entry

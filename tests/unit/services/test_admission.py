@@ -330,6 +330,28 @@ def test_the_start_up_prefill_time_replaces_the_configured_one_once_and_only_bef
     assert not _admission(adopts_measured_prefill=True).adopt_prefill(float("nan"))
 
 
+def test_a_start_up_line_with_its_square_term_replaces_the_configured_line_whole():
+    """A replica that timed a short and a long prompt publishes per_token and per_token2: admission
+    takes both, and no per-step overhead (the measured per-token time holds each chunk's step).  The
+    configured square term (1.7e-7 s) modelled a lone 3,072-token prompt at 2.4 s on a replica that
+    prefilled it in 1.0 s: with the measured line a 3k prompt behind a short one is admitted."""
+    squared = replace(RULES, prefill=PrefillModel(0.02, 0.001, 1.7e-7))  # the configured default's square term
+    measured = Admission(ttft_slo_s=2.0, max_in_flight=1000, rules=squared, adopts_measured_prefill=True)
+    assert measured.adopt_prefill(0.00021, 4e-8)
+    assert (measured.rules.prefill.per_token_s, measured.rules.prefill.per_token2_s,
+            measured.rules.prefill.overhead_s) == (0.00021, 4e-8, 0.0)
+    assert measured.rules.prefill.time_s(3072) == pytest.approx(0.00021 * 3072 + 4e-8 * 3072 ** 2)
+    configured = Admission(ttft_slo_s=2.0, max_in_flight=1000, rules=squared, adopts_measured_prefill=True)
+    assert configured.adopt_prefill(0.00021, float("inf"))  # a nonsense square term: only the per-token time
+    assert configured.rules.prefill.per_token2_s == 1.7e-7
+    for adm in (measured, configured):
+        _calibrate(adm, DECODE)
+        adm.place(200, 0, 1)  # queued work, so a prediction may refuse
+    measured.place(3072, 0, 1)
+    with pytest.raises(BackendOverloaded):
+        configured.place(3072, 0, 1)
+
+
 def test_the_start_up_step_line_replaces_the_configured_one_once_and_only_before_any_sample():
     """The decode replicas' start-up step line (startup_profile.measure_step) replaces the configured
     one: a step three times faster than configured runs more streams within the TPOT bound.  Only

@@ -128,6 +128,7 @@ async def test_a_prefill_pool_scaled_to_zero_on_purpose_prefills_on_the_decode_r
     ("disaggregated", {"decode": 0.0009}, 0.0009),
     ("colocated", {"colocated": 0.0006}, 0.0006),
     ("disaggregated", {}, None),                                       # none published: the configured line
+    ("colocated", {"colocated": (0.0006, 4e-8)}, 0.0006),              # with its square term: the whole line
 ])
 async def test_admission_starts_from_the_replicas_start_up_prefill_time(mode, published, adopted):
     from pdcluster.services.gateway.admission import DEFAULT_RULES, Admission
@@ -140,3 +141,8 @@ async def test_admission_starts_from_the_replicas_start_up_prefill_time(mode, pu
     configured = DEFAULT_RULES.prefill.per_token_s
     assert admission.rules.prefill.per_token_s == (adopted or configured)
     assert ("measured at start-up" in admission.view()["prefill_model"]) is (adopted is not None)
+    square = published.get(mode)
+    if isinstance(square, tuple):
+        assert (admission.rules.prefill.per_token2_s, admission.rules.prefill.overhead_s) == (square[1], 0.0)
+    else:
+        assert admission.rules.prefill.per_token2_s == DEFAULT_RULES.prefill.per_token2_s

@@ -11,7 +11,7 @@ from pdcluster.services.config import AutoscaleSpeed, ClusterConfig
 from pdcluster.services.engine.config import EngineConfig
 from pdcluster.services.engine.engine import Engine
 from pdcluster.services.pools.startup_profile import (SOURCE, measure_or_none, measure_prefill, measure_step,
-                                                      measure_step_or_none)
+                                                      measure_step_or_none, prefill_line)
 
 
 @pytest.fixture(scope="module")
@@ -22,8 +22,8 @@ def engine_and_events():
 
 def test_the_measurement_is_a_per_token_time_and_leaves_the_serving_engine_untouched(engine_and_events):
     engine, events = engine_and_events
-    model = measure_prefill(engine, tokens=64, repeats=1)
-    assert model.source == SOURCE and model.per_token_s > 0 and model.overhead_s == 0
+    model = measure_prefill(engine, tokens=32, repeats=1, long_tokens=96)
+    assert model.source == SOURCE and model.per_token_s > 0 and model.per_token2_s >= 0 and model.overhead_s == 0
     stats = engine.stats()
     assert (stats.num_steps, stats.prompt_tokens_computed, stats.kv_blocks_cached) == (0, 0, 0)
     assert stats.kv_blocks_free == stats.kv_blocks_total and events == []
@@ -40,6 +40,18 @@ def test_the_step_line_is_measured_beside_the_serving_engine_and_leaves_it_untou
     assert stats.kv_blocks_free == stats.kv_blocks_total and events == []
     with pytest.raises(ValueError, match="two batches"):
         measure_step(engine, batches=(4, 4))
+
+
+def test_the_prefill_line_goes_through_both_timed_prompts():
+    """t(n) = a n + b n^2 through (256, 57 ms) and (2048, 581 ms) (a 2-thread Sapphire Rapids replica)."""
+    a, b = prefill_line(256, 0.057, 2048, 0.581)
+    assert a * 256 + b * 256 ** 2 == pytest.approx(0.057) and a * 2048 + b * 2048 ** 2 == pytest.approx(0.581)
+    assert b > 0
+    assert prefill_line(256, 0.057, 2048, None) == (0.057 / 256, 0.0)       # no long prompt timed
+    assert prefill_line(256, 0.057, 256, 0.057) == (0.057 / 256, 0.0)       # none longer than the short one
+    assert prefill_line(256, 0.057, 2048, 0.2) == (0.057 / 256, 0.0)        # faster per token when longer: noise
+    a, b = prefill_line(256, 0.001, 2048, 10.0)                             # a wild long time: a stays positive
+    assert a == pytest.approx(0.001 / 256 * 0.5) and b > 0
 
 
 def test_a_measurement_that_fails_leaves_the_configured_line(engine_and_events, monkeypatch):
