@@ -71,11 +71,13 @@ class PlaceQueue:
         self.long_prefill_tokens = long_prefill_tokens  # 0: the place prefills in arrival order
         self.queued_tokens = 0
         self.queued_long_tokens = 0  # of them: prompts over long_prefill_tokens, which yield to shorter ones
+        self.queued_square = self.queued_long_square = 0.0  # their squared lengths summed (attention's share)
         self.queued_requests = 0
         self.backlog_tokens = 0  # of them: admitted while the place had no live replica (an outage's)
         self.by_class: dict[Class, int] = {}  # queued prompt tokens per (priority, tenant)
         self.served_tokens = 0  # prompt tokens answered here with a first token, ever
         self.served_long_tokens = 0  # of them: long prompts'
+        self.served_square = self.served_long_square = 0.0  # their squared lengths summed
         self.calibration = Calibration()
         self._pending: deque[tuple[float, Ticket, float]] = deque()  # (first token at, ticket, measured TTFT)
         self._arrivals: deque[tuple[float, int]] = deque()  # (admitted at, prompt tokens), the last ARRIVALS_S
@@ -93,7 +95,10 @@ class PlaceQueue:
         request arrived.  No sample when ``replica`` had answered none before the request arrived."""
         self.settle(now)
         self.served_tokens += ticket.tokens
-        self.served_long_tokens += ticket.tokens if self.is_long(ticket.tokens) else 0
+        self.served_square += ticket.tokens ** 2
+        if self.is_long(ticket.tokens):
+            self.served_long_tokens += ticket.tokens
+            self.served_long_square += ticket.tokens ** 2
         if replica and ticket.arrived_at < self._first_answer(replica, now):
             self.samples_left_out += 1
             return
@@ -116,9 +121,10 @@ class PlaceQueue:
         batched with or overtaken by)."""
         while self._pending and self._pending[0][0] + COBATCH_S < now:
             _, ticket, measured_s = self._pending.popleft()
-            self.calibration.observe(ticket.modelled_for(self.served_tokens - ticket.served_before,
-                                                         self.served_long_tokens - ticket.served_long_before),
-                                     measured_s)
+            self.calibration.observe(ticket.modelled_for(
+                self.served_tokens - ticket.served_before, self.served_long_tokens - ticket.served_long_before,
+                self.served_square - ticket.served_square_before,
+                self.served_long_square - ticket.served_long_square_before), measured_s)
 
     def load(self, live_replicas: int, now: float, who: Class | None = None, prompt_tokens: int = 0,
              weights: dict[str, float] | None = None) -> PlaceLoad:
@@ -129,9 +135,11 @@ class PlaceQueue:
             self._arriving_tokens -= self._arrivals.popleft()[1]
         ahead = self.queued_tokens if who is None else tokens_ahead(self.by_class, who[1], who[0], prompt_tokens,
                                                                    weights or {})
+        share = min(ahead / self.queued_tokens, 1.0) if self.queued_tokens > 0 else 0.0  # of the squares: ahead's
         return PlaceLoad(live_replicas, ahead, self.queued_requests if ahead else 0, self.calibration.predict,
                          self.calibration.margin_s, self._arriving_tokens / ARRIVALS_S,
-                         min(self.queued_long_tokens, ahead), self.backlog_tokens)
+                         min(self.queued_long_tokens, ahead), self.backlog_tokens,
+                         max(self.queued_square, 0.0) * share, max(self.queued_long_square, 0.0) * share)
 
     def admit(self, who: Class, tokens: int, now: float, in_outage: bool = False) -> None:
         self.add(who, tokens, +1, in_outage)
@@ -141,7 +149,10 @@ class PlaceQueue:
     def add(self, who: Class, tokens: int, sign: int, in_outage: bool = False) -> None:
         self.queued_tokens += sign * tokens
         self.backlog_tokens += sign * tokens if in_outage else 0
-        self.queued_long_tokens += sign * tokens if self.is_long(tokens) else 0
+        self.queued_square += sign * tokens ** 2
+        if self.is_long(tokens):
+            self.queued_long_tokens += sign * tokens
+            self.queued_long_square += sign * tokens ** 2
         self.queued_requests += sign
         left = self.by_class.get(who, 0) + sign * tokens
         if left or sign > 0:
@@ -162,6 +173,7 @@ class Ticket:
         self.pool = placement.pool
         place = admission.places[self.pool]
         self.served_before, self.served_long_before = place.served_tokens, place.served_long_tokens
+        self.served_square_before, self.served_long_square_before = place.served_square, place.served_long_square
         self._longs_ahead = place.queued_long_tokens  # long prompts queued there at its admission
         now = time.monotonic()
         self.arrived_at = arrived_at if 0 < arrived_at <= now else now  # the gateway's clock, or now
@@ -180,19 +192,23 @@ class Ticket:
         self._num_tokens += num_tokens
         self._last_s = now
 
-    def modelled_for(self, served_tokens: int, served_long_tokens: int = 0) -> float:
+    def modelled_for(self, served_tokens: int, served_long_tokens: int = 0, served_square: float = 0.0,
+                     served_long_square: float = 0.0) -> float:
         """The model's TTFT for this prompt at a place that served ``served_tokens`` (its own
-        included; ``served_long_tokens`` of them long prompts') while it waited, with the
-        replicas and streams of its admission.  A short prompt at a place that takes short
-        ones first counts the long prompts queued at its admission as served beside it too:
-        their chunks filled its steps, whether or not they finished meanwhile."""
+        included; ``served_long_tokens`` of them long prompts'; ``served_*square``: their squared
+        lengths summed) while it waited, with the replicas and streams of its admission.  A short
+        prompt at a place that takes short ones first counts the long prompts queued at its
+        admission as served beside it too: their chunks filled its steps, whether or not they
+        finished meanwhile (their squares not: the steps it waited for were counted full)."""
         p = self.placement
         others = max(served_tokens - self.tokens, 0)
+        squares = max(served_square - self.tokens ** 2, 0.0)
         longs = max(served_long_tokens, self._longs_ahead)
         if longs and not self._admission.places[self.pool].is_long(self.tokens):
-            load = PlaceLoad(p.live_replicas, others - served_long_tokens + longs, queued_long_tokens=longs)
+            load = PlaceLoad(p.live_replicas, others - served_long_tokens + longs, queued_long_tokens=longs,
+                             queued_square_tokens=max(squares - served_long_square, 0.0))
         else:
-            load = PlaceLoad(p.live_replicas, others)
+            load = PlaceLoad(p.live_replicas, others, queued_square_tokens=squares)
         return modelled_ttft_s(self.tokens, load, self._admission.rules, p.beside_streams, joining=False)
 
     def close(self) -> None:

@@ -17,7 +17,7 @@ snapshot of the gateway's own counters:
                  any are queued its steps count full (their leftover goes to a long chunk)
     steps      = ceil((per_rep + join) / prompt tokens one step takes there)
     modelled   = steps x (step overhead [+ the rows of the streams beside it, on decode])
-                 + per_token x (per_rep + join) + per_token2 x prompt^2
+                 + per_token x (per_rep + join) + per_token2 x (prompt^2 + the queued prompts' squares / replicas)
     ttft_p     = calibrated(modelled)          (pdcluster/planning/calibration.py: measured vs modelled)
 
 The decode replica may prefill only while its streams keep their TPOT:
@@ -72,6 +72,8 @@ class PlaceLoad:
     arriving_tokens_per_s: float = 0.0  # prompt tokens admitted here per second, lately
     queued_long_tokens: int = 0     # of queued_tokens: prompts over Rules.long_prefill_tokens (short first)
     backlog_tokens: int = 0         # of queued_tokens: admitted while the place had no live replica
+    queued_square_tokens: float = 0.0   # the sum of the queued prompts' squared lengths (their attention)
+    queued_long_square_tokens: float = 0.0  # of it: the long prompts'
 
 
 @dataclass(frozen=True)
@@ -139,7 +141,9 @@ def modelled_ttft_s(prompt_tokens: int, load: PlaceLoad, rules: Rules, beside_st
     steps = max(math.ceil(per_replica / step_tokens), 1)
     if longs:  # a long prompt's chunk fills what each of those steps leaves
         per_replica = min(steps * step_tokens, per_replica + longs / replicas)
-    return steps * (p.overhead_s + step_extra) + p.per_token_s * per_replica + p.per_token2_s * prompt_tokens ** 2
+    squares = load.queued_square_tokens - (load.queued_long_square_tokens if longs else 0.0)
+    return (steps * (p.overhead_s + step_extra) + p.per_token_s * per_replica
+            + p.per_token2_s * (prompt_tokens ** 2 + max(squares, 0.0) / replicas))
 
 
 def local_prefill_s(prompt_tokens: int, rules: Rules) -> float:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import time
+
 import pytest
 
 from pdcluster.services.backend import BackendOverloaded
@@ -375,3 +377,16 @@ def test_the_start_up_step_line_replaces_the_configured_one_once_and_only_before
     assert not after_tpot.adopt_step((0.005, 0.0005))
     configured = _admission()
     assert not configured.adopt_step((0.005, 0.0005)) and configured.rules.step == slow
+
+
+def test_the_queue_counts_its_prompts_squares_and_gives_them_back():
+    adm = _admission()
+    first = adm.place(3000, 0, 1)
+    second = adm.place(100, 0, 1)
+    load = adm.snapshot(0, 1, time.monotonic()).decode
+    assert (load.queued_tokens, load.queued_square_tokens) == (3100, 3000.0 ** 2 + 100.0 ** 2)
+    first.first_token()
+    second.close()
+    load = adm.snapshot(0, 1, time.monotonic()).decode
+    assert (load.queued_tokens, load.queued_square_tokens) == (0, 0.0)
+    assert adm.places[DECODE].served_square == 3000.0 ** 2  # the one answered with a first token

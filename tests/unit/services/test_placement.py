@@ -144,3 +144,22 @@ def test_a_prefill_replica_keeps_arrival_order():
     load = PlaceLoad(1, 3000, 1, queued_long_tokens=3000)
     assert modelled_ttft_s(100, load, SHORT_FIRST, joining=False) == \
         modelled_ttft_s(100, PlaceLoad(1, 3000, 1), SHORT_FIRST, joining=False)
+
+
+def test_the_queued_prompts_attention_counts_with_their_tokens():
+    """Attention grows with each prompt's square: a 3,000-token prompt behind another one waits for
+    that one's square term too, not only for its tokens (per_token2 x 3000^2 = 0.36 s here)."""
+    rules = Rules(prefill=PrefillModel(0.0, 0.00024, 4e-8), step=StepModel(0.012, 0.0003))
+    alone = modelled_ttft_s(3000, PlaceLoad(1, 3000, 1), rules)
+    behind = modelled_ttft_s(3000, PlaceLoad(1, 3000, 1, queued_square_tokens=3000.0 ** 2), rules)
+    assert behind - alone == pytest.approx(4e-8 * 3000 ** 2)
+    halves = modelled_ttft_s(3000, PlaceLoad(2, 3000, 1, queued_square_tokens=3000.0 ** 2), rules)
+    assert halves < behind  # two replicas share the queue: half of its squares each
+    # a short prompt at a place that takes short ones first waits for no long prompt's square
+    short_first = Rules(prefill=rules.prefill, step=rules.step, long_prefill_tokens=512)
+    load = PlaceLoad(1, 3100, 2, queued_long_tokens=3000, queued_square_tokens=3000.0 ** 2 + 100.0 ** 2,
+                     queued_long_square_tokens=3000.0 ** 2)
+    base = PlaceLoad(1, 3100, 2, queued_long_tokens=3000, queued_square_tokens=100.0 ** 2,
+                     queued_long_square_tokens=0.0)
+    assert modelled_ttft_s(100, load, short_first, beside_streams=1) == pytest.approx(
+        modelled_ttft_s(100, base, short_first, beside_streams=1))
