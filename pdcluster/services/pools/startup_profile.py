@@ -17,7 +17,8 @@ How: a scratch engine on the same loaded weights (a small KV pool of its
 own, no prefix cache, no tiers, no speculation; nothing of the serving
 engine is touched: its counters, cache and KV events stay as they were)
 prefills one prompt of PROFILE_TOKENS tokens, alone, REPEATS times after
-one untimed warm-up, then one of LONG_PROFILE_TOKENS once; the prefill line
+one untimed warm-up, then one of LONG_PROFILE_TOKENS once (fewer on a slow
+replica: long_prompt_tokens); the prefill line
 admission adopts goes through the fastest short time and the long one:
 t(n) = per_token x n + per_token2 x n^2 (attention grows with the prompt),
 no separate overhead (each chunk's step overhead is in per_token).  The
@@ -47,7 +48,8 @@ from pdcluster.services.engine.sampling_params import greedy
 log = logging.getLogger(__name__)
 
 PROFILE_TOKENS = 256  # one step of a replica that decodes (scheduler.decode_step_prefill_tokens)
-LONG_PROFILE_TOKENS = 1536  # long enough for attention's square to show, short enough for a slow class's start
+LONG_PROFILE_TOKENS = 1536  # long enough for attention's square to show ...
+LONG_BUDGET_S = 0.5  # ... and shorter where the short prompt says it would take longer than this (slow classes)
 REPEATS = 2
 WARMUP_TOKENS = 16
 SOURCE = "measured at start-up"
@@ -74,11 +76,22 @@ def measure_prefill(engine: Engine, tokens: int = PROFILE_TOKENS, repeats: int =
     try:
         _prefill_s(scratch, min(WARMUP_TOKENS, tokens), "warmup")
         fastest = min(_prefill_s(scratch, tokens, str(r)) for r in range(max(repeats, 1)))
+        long_tokens = long_prompt_tokens(tokens, fastest, long_tokens)
         long_s = _prefill_s(scratch, long_tokens, "long") if long_tokens > tokens else None
     finally:
         scratch.close()
     per_token, per_token2 = prefill_line(tokens, fastest, long_tokens, long_s)
     return PrefillModel(overhead_s=0.0, per_token_s=per_token, per_token2_s=per_token2, source=SOURCE)
+
+
+def long_prompt_tokens(short: int, short_s: float, most: int, budget_s: float = LONG_BUDGET_S) -> int:
+    """The long prompt's length (pure): at most ``most``, at most what ``budget_s`` prefills at the
+    short prompt's pace (its attention then adds some), at least twice the short one (so the two
+    points still tell the square term apart).  2-thread Sapphire Rapids (256 tokens in ~60 ms):
+    1,536; a replica 9x slower (the AVX2 class's kernels): 512, about a second, not four."""
+    if short_s <= 0:
+        return most
+    return min(most, max(2 * short, int(short * budget_s / short_s)))
 
 
 def prefill_line(short: int, short_s: float, long: int, long_s: float | None) -> tuple[float, float]:

@@ -11,7 +11,7 @@ from pdcluster.services.config import AutoscaleSpeed, ClusterConfig
 from pdcluster.services.engine.config import EngineConfig
 from pdcluster.services.engine.engine import Engine
 from pdcluster.services.pools.startup_profile import (SOURCE, measure_or_none, measure_prefill, measure_step,
-                                                      measure_step_or_none, prefill_line)
+                                                      long_prompt_tokens, measure_step_or_none, prefill_line)
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +52,13 @@ def test_the_prefill_line_goes_through_both_timed_prompts():
     assert prefill_line(256, 0.057, 2048, 0.2) == (0.057 / 256, 0.0)        # faster per token when longer: noise
     a, b = prefill_line(256, 0.001, 2048, 10.0)                             # a wild long time: a stays positive
     assert a == pytest.approx(0.001 / 256 * 0.5) and b > 0
+
+
+def test_a_slow_replica_times_a_shorter_long_prompt():
+    assert long_prompt_tokens(256, 0.06, 1536) == 1536   # 2-thread Sapphire Rapids: the whole one
+    assert long_prompt_tokens(256, 0.2, 1536) == 640     # about 0.5 s at the short prompt's pace
+    assert long_prompt_tokens(256, 0.55, 1536) == 512    # never under twice the short one
+    assert long_prompt_tokens(256, 0.0, 1536) == 1536
 
 
 def test_a_measurement_that_fails_leaves_the_configured_line(engine_and_events, monkeypatch):
