@@ -22,8 +22,9 @@ admitted) promises a TTFT p95 within the SLO, and with the 90th one run in
 three here read p95 2.13 s against 2.0 s.  Both resist a few outliers: at
 least TAIL_SUPPORT samples land at or above the margin (of 11 samples the
 95th percentile would be the largest, which one slow sample sets), and the
-line is fitted again without the samples above it.  Measured here: the decode replica's first two first tokens after
-start took 3.1-3.2 s for 60-token prompts (0.17 s after), and with them in a
+line is fitted again without the samples above it.  Measured here: the
+decode replica's first two first tokens after start took 3.1-3.2 s for
+60-token prompts (0.17 s after), and with them in a
 window of 11 the line's offset rose about 0.8 s and the margin to 2.5 s,
 which refused a 119-token chat 68 s later."""
 

@@ -23,8 +23,9 @@ admission adopts goes through the fastest short time and the long one:
 t(n) = per_token x n + per_token2 x n^2 (attention grows with the prompt),
 no separate overhead (each chunk's step overhead is in per_token).  The
 configured per_token2 (1.7e-7 s, one machine's 1-thread replica) said 2.35 s
-for a lone 3,072-token prompt that a 2-thread Sapphire Rapids replica
-prefilled in 1.03 s (256 tokens 57 ms, 1,024 244 ms, 2,048 581 ms), so
+for a lone 3,072-token prompt that a 2-thread Sapphire Rapids engine
+(512-token chunks, no prefix cache) prefilled in 1.03 s (256 tokens 57 ms,
+1,024 244 ms, 2,048 581 ms), so
 admission refused long prompts it could serve.  The prompts go through the
 step sizes the replica's scheduler takes, so chunking costs what it costs
 in service.  About 1 s of one replica's start on that machine.
