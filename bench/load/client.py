@@ -40,6 +40,7 @@ class RequestRecord:
     error: str | None = None
     error_detail: str = ""
     usage_reported: bool = False
+    retry_after: str | None = None  # a refusal's Retry-After header
 
     @property
     def ok(self) -> bool:
@@ -184,6 +185,7 @@ async def send_request(
             if response.status != 200:
                 record.error = f"http_{response.status}"
                 record.error_detail = (await response.text())[:200]
+                record.retry_after = response.headers.get("retry-after")
             else:
                 await _read_stream(response, record, sent)
     except Exception as exc:  # every failure becomes a recorded kind

@@ -6,6 +6,9 @@ vLLM-CPU on the same cores, one server at a time, our load generator
          (~1,500 in / 32 out) 25%, long outputs (~100 in / 256 out) 25%
     (ii) short chats at 1 req/s, with bursts of four 3,000-token prompts
          (32 out) every 20 s
+    (iii) ours only: 3x the capacity a closed loop measures first
+         (bench/load/overload.py): refusals are 429 + Retry-After, and the
+         admitted requests' TTFT p99 stays within the SLO
 
 A request is good when it was served (a 429 or any error counts as a miss),
 its TTFT <= 2 s and its TPOT <= 100 ms.  The rates are the issue's, set on a
@@ -29,6 +32,7 @@ from pathlib import Path
 from bench.fingerprint import print_fingerprint
 from bench.load.client import RequestRecord
 from bench.load.loadgen import run_workload
+from bench.load.overload import Overload, run_overload
 from bench.load.servers import REPO, OurServer, PeerServer
 from bench.targets import print_target
 from bench.tokenizer import load_tokenizer
@@ -133,8 +137,9 @@ def measure_ttft_512_s(url: str, tokenizer) -> float:
     return ttfts[len(ttfts) // 2]
 
 
-def run_server(server, make_cases, tokenizer) -> dict[str, Goodput]:
-    """``make_cases(url)`` builds the cases once the server is up (ours measures the scale first)."""
+def run_server(server, make_cases, tokenizer, overload_s: float = 0.0) -> tuple[dict[str, Goodput], Overload | None]:
+    """``make_cases(url)`` builds the cases once the server is up (ours measures the scale first);
+    ``overload_s`` > 0 runs case iii for that long after them."""
     print(f"... {server.name}: launching", file=sys.stderr, flush=True)
     server.start()
     print(f"... {server.name}: ready in {server.launch_to_ready_s:.1f} s", file=sys.stderr, flush=True)
@@ -143,7 +148,8 @@ def run_server(server, make_cases, tokenizer) -> dict[str, Goodput]:
                            10.0, 1)
         asyncio.run(run_workload(server.url, warmup, tokenizer, show_progress=False))
         cases = make_cases(server.url)
-        return {key: goodput(asyncio.run(_run_case(server.url, case, tokenizer))) for key, case in cases.items()}
+        judged = {key: goodput(asyncio.run(_run_case(server.url, case, tokenizer))) for key, case in cases.items()}
+        return judged, (run_overload(server.url, tokenizer, overload_s) if overload_s > 0 else None)
     finally:
         server.stop()
 
@@ -155,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--peer-script", default=str(REPO.parent / "shared" / "peer" / "vllm-cpu.sh"))
     ap.add_argument("--config", default=None, help="our cluster's config (default: none, as `pdcluster up`)")
     ap.add_argument("--no-peer", action="store_true", help="ours only (the vs-vLLM targets are then missed)")
+    ap.add_argument("--overload-duration", type=float, default=30.0, help="seconds of case iii (0: skip it)")
     args = ap.parse_args(argv)
     print_fingerprint()
     layout = default_mode()
@@ -176,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
             scale = chosen["scale"]
             print(f"# rate scale {scale:.2f}: (i) {scale:.2f} req/s, (ii) chats {scale:.2f} req/s + 4 x 3k every "
                   f"{20 / scale:.0f} s", flush=True)
-            extra = (f" --config {args.config}" if args.config else "") + (" --no-peer" if args.no_peer else "")
+            extra = ((f" --config {args.config}" if args.config else "") + (" --no-peer" if args.no_peer else "")
+                     + f" --overload-duration {args.overload_duration:g}")
             print(f"# reproduce: python -m bench.load.mixed_goodput --duration {args.duration:g} --scale "
                   f"{scale:.2f}{extra}", flush=True)
         return workloads(chosen["scale"], args.duration)
@@ -185,11 +193,12 @@ def main(argv: list[str] | None = None) -> int:
     config = Path(args.config) if args.config else None
     (REPO / "runs").mkdir(exist_ok=True)
     ours = OurServer(config, free_service_port(), REPO / "runs" / "mixed_goodput_ours.log")
-    results = {"pdcluster": run_server(ours, cases_for, tokenizer)}
+    results: dict[str, dict[str, Goodput]] = {}
+    results["pdcluster"], over = run_server(ours, cases_for, tokenizer, args.overload_duration)
     if not args.no_peer:
         peer = PeerServer(Path(args.peer_script), free_service_port())
         peer.setup()
-        results["vLLM"] = run_server(peer, cases_for, tokenizer)
+        results["vLLM"], _ = run_server(peer, cases_for, tokenizer)
     else:
         nothing = Goodput(0, 0, 0, 0, 0, 0)
         results["vLLM"] = {key: nothing for key in results["pdcluster"]}
@@ -206,6 +215,12 @@ def main(argv: list[str] | None = None) -> int:
         for name, by_case in results.items():
             if by_case[key].sent:
                 print(f"# {key} {name} misses: {by_case[key].misses}")
+    if over is not None:
+        print(f"# iii_overload pdcluster: capacity {over.capacity_rps:.2f} req/s, sent {over.sent}, "
+              f"{len(over.admitted_ttft_s)} admitted, {over.refused} refused with 429 "
+              f"({over.refused_with_retry_after} with Retry-After), {over.errors} other errors; admitted TTFT p50 "
+              f"{over.ttft_quantile(0.5):.2f} s, p95 {over.ttft_quantile(0.95):.2f} s, "
+              f"p99 {over.ttft_quantile(0.99):.2f} s, max {over.ttft_quantile(1.0):.2f} s")
     ours_r, peer_r = results["pdcluster"], results["vLLM"]
     print_target("i_mix_goodput", ours_r["i_mix"].ratio, ">=", 0.95)
     print_target("i_mix_goodput_vs_vllm", ours_r["i_mix"].ratio / max(peer_r["i_mix"].ratio, 1e-9), ">=", 1.5)
@@ -213,6 +228,10 @@ def main(argv: list[str] | None = None) -> int:
     ii = ours_r["ii_bursts"]
     print_target("ii_bursts_chats_good", ii.chats_good / ii.chats if ii.chats else float("nan"), ">=", 1.0)
     print_target("ii_bursts_goodput_vs_vllm", ii.ratio / max(peer_r["ii_bursts"].ratio, 1e-9), ">=", 1.5)
+    if over is not None:
+        print_target("iii_overload_refusals_with_retry_after", over.retry_after_share, ">=", 1.0)
+        print_target("iii_overload_other_errors", float(over.errors), "==", 0.0, fmt=".0f")
+        print_target("iii_overload_admitted_ttft_p99_s", over.ttft_quantile(0.99), "<=", TTFT_SLO_S)
     return 0
 
 

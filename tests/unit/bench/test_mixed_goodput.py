@@ -3,10 +3,13 @@ TPOT within the SLO; a refusal is a miss; short chats counted apart."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from bench.load.client import RequestRecord
 from bench.load.mixed_goodput import goodput, is_good, misses, workloads
+from bench.load.overload import judge
 
 
 def rec(bucket="short_chat", ttft=0.5, e2e=3.0, out=64, error=None) -> RequestRecord:
@@ -43,3 +46,26 @@ def test_workloads_scale_the_rates_and_burst_period():
     assert cases["i_mix"][0].arrival.rate_rps == 0.5
     chats, bursts = cases["ii_bursts"]
     assert chats.arrival.rate_rps == 0.5 and bursts.arrival.period_s == 40.0 and bursts.arrival.burst_size == 4
+
+
+def test_overload_judges_refusals_their_retry_after_and_the_admitted_tail():
+    records = [rec(ttft=t) for t in (0.4, 1.9, 0.8, 2.5)] + [
+        rec(error="http_429", ttft=None, e2e=None), rec(error="http_503", ttft=None, e2e=None)]
+    records[4].retry_after = "2"
+    judged = judge(records, capacity_rps=7.0)
+    assert (judged.sent, judged.refused, judged.refused_with_retry_after, judged.errors) == (6, 1, 1, 1)
+    assert judged.admitted_ttft_s == (0.4, 0.8, 1.9, 2.5)
+    assert judged.ttft_quantile(0.5) == 1.9 and judged.ttft_quantile(0.99) == 2.5 and judged.ttft_quantile(1.0) == 2.5
+    assert judged.retry_after_share == 1.0
+
+
+@pytest.mark.parametrize("header", [None, "0", "soon", ""])
+def test_a_refusal_without_a_usable_retry_after_is_counted_apart(header):
+    refused = rec(error="http_429", ttft=None, e2e=None)
+    refused.retry_after = header
+    assert judge([refused], 1.0).retry_after_share == 0.0
+
+
+def test_nothing_refused_or_admitted_reads_nan_so_its_target_is_missed():
+    judged = judge([], 1.0)
+    assert math.isnan(judged.retry_after_share) and math.isnan(judged.ttft_quantile(0.99))
