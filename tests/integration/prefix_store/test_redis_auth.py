@@ -105,16 +105,16 @@ def test_pdcluster_status_reads_the_0600_state_file_and_prints_only_the_redacted
 
     from pdcluster.services.cli import status as cli_status
     from pdcluster.services.cli.cluster_runtime import STATE_FILE, write_state
+    from pdcluster.services.pools.status_board import put_status_sync
 
     monkeypatch.chdir(tmp_path)
     write_state({"pid": 1, "redis_url": redis_server.url, "port": 8000, "mode": "disaggregated",
                  "cluster": unique_model, "config": {"index_url": redis_server.url}})
     assert os.stat(STATE_FILE).st_mode & 0o777 == 0o600
-    redis.Redis.from_url(redis_server.url).set(
-        f"pdc:status:{unique_model}:decode-1", json.dumps(
-            {"name": "decode-1", "role": "decode", "running": 0, "waiting": 0, "kv_blocks_total": 8,
-             "kv_blocks_free": 8, "leased_blocks": 0, "prompt_tokens_cached": 0, "prompt_tokens_computed": 0}),
-        ex=30)
+    put_status_sync(redis.Redis.from_url(redis_server.url), unique_model, "decode-1",
+                    {"name": "decode-1", "role": "decode", "running": 0, "waiting": 0, "kv_blocks_total": 8,
+                     "kv_blocks_free": 8, "leased_blocks": 0, "prompt_tokens_cached": 0, "prompt_tokens_computed": 0},
+                    ttl_s=30)
     assert cli_status.run_status(argparse.Namespace(json=False)) == 0
     table = capsys.readouterr().out
     assert "decode-1" in table and f"index redis://:***@127.0.0.1:{redis_server.port}/0" in table

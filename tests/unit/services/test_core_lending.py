@@ -6,12 +6,12 @@ unchanged by the thread count it computes with, even when it changes every step.
 from __future__ import annotations
 
 import asyncio
-import json
 
 import pytest
 import torch
 
 from pdcluster.services.pools.busy_flag import BusyFlag, FlagReader, flag_path, remove_flags
+from pdcluster.services.pools.status_board import put_status
 from pdcluster.services.pools.core_lending import (NOTHING, Lending, ThreadChooser, borrow_forever,
                                                   host_id, is_idle, lending, threads_now)
 
@@ -125,7 +125,7 @@ async def test_the_borrower_follows_the_board_and_gives_the_threads_back(redis_s
     host = host_id()
 
     async def put(**load):
-        await client.set("pdc:status:lend:dec", json.dumps(entry("dec", host=host, **load)))
+        await put_status(client, "lend", "dec", entry("dec", host=host, **load))
 
     async def until(n: int):
         for _ in range(400):  # bounded: 400 x 0.01 s reads

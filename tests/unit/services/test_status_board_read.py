@@ -1,6 +1,7 @@
-"""The status board's one scan (pdcluster/services/pools/status_board.read_statuses),
-as the gateway's pool liveness and /metrics reader use it: statuses parsed,
-expired keys and values that are not a status skipped."""
+"""The status board's read (pdcluster/services/pools/status_board.read_statuses),
+as the gateway's pool liveness, its /metrics reader and core lending use it: the cluster's member
+set and one MGET, never a SCAN of the keyspace; statuses parsed, expired keys pruned from the set
+and values that are not a status skipped."""
 
 from __future__ import annotations
 
@@ -14,18 +15,20 @@ DEAD_DECODE = {"role": "decode", "name": "d1", "engine_alive": False}
 
 
 class _Redis:
-    """A redis.asyncio client's SCAN and MGET over a dict."""
+    """A redis.asyncio client's SMEMBERS, MGET and EVAL over a dict (every key listed in the set)."""
 
     def __init__(self, values: dict[str, bytes | None]):
-        self.values, self.patterns = values, []
+        self.values, self.sets, self.pruned = values, [], []
 
-    async def scan_iter(self, pattern):
-        self.patterns.append(pattern)
-        for key in self.values:
-            yield key.encode()
+    async def smembers(self, name):
+        self.sets.append(name)
+        return {key.encode() for key in self.values}
 
     async def mget(self, keys):
         return [self.values[k.decode()] for k in keys]
+
+    async def eval(self, script, numkeys, *keys_and_args):
+        self.pruned.append(keys_and_args)
 
     async def hgetall(self, key):
         return {}  # no pool targets published
@@ -36,11 +39,13 @@ def _board() -> _Redis:
                    "pdc:status:c:gone": None, "pdc:status:c:odd": b"not json", "pdc:status:c:list": b"[1]"})
 
 
-async def test_read_statuses_scans_the_clusters_keys_and_skips_what_is_not_a_status():
+async def test_read_statuses_reads_the_clusters_set_and_skips_what_is_not_a_status():
     client = _board()
-    assert await read_statuses(client, "c") == [PREFILL, DEAD_DECODE]
-    assert client.patterns == ["pdc:status:c:*"]
-    assert await read_statuses(_Redis({}), "c") == []
+    assert sorted(await read_statuses(client, "c"), key=lambda s: s["name"]) == [DEAD_DECODE, PREFILL]
+    assert client.sets == ["pdc:status-keys:c"]
+    assert client.pruned == [("pdc:status-keys:c", b"pdc:status:c:gone")]  # only the expired key
+    empty = _Redis({})
+    assert await read_statuses(empty, "c") == [] and empty.pruned == []
 
 
 async def test_pool_liveness_counts_replicas_whose_engine_is_alive():
@@ -76,6 +81,43 @@ async def test_a_worker_that_stops_takes_its_key_off_the_board_at_once():
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         assert await read_statuses(client, "c") == []  # right after the stop: no wait for the TTL
+    finally:
+        await client.aclose()
+        server.stop()
+
+
+async def test_the_board_lists_only_its_members_and_prunes_a_replica_that_died_without_goodbye():
+    """Real redis-server: a status key that expired leaves the member set at the next read, one
+    published again stays, other clusters' statuses and unrelated keys are not read."""
+    import asyncio
+
+    import pytest
+    import redis
+    import redis.asyncio as aioredis
+
+    from pdcluster.prefix_store.redis_server import RedisServer
+    from pdcluster.services.pools.status_board import put_status, put_status_sync, read_board
+
+    try:
+        server = RedisServer().start()
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+    client = aioredis.from_url(server.url)
+    try:
+        await client.set("pdc:status:c:stray", json.dumps(PREFILL))   # not a member: never read
+        await put_status(client, "other", "o1", {"role": "decode", "name": "o1"})
+        await put_status(client, "c", "p1", PREFILL)
+        put_status_sync(redis.Redis.from_url(server.url), "c", "d1", DEAD_DECODE, ttl_s=1)
+        assert sorted(s["name"] for s in await read_statuses(client, "c")) == ["d1", "p1"]
+        assert [s["name"] for s in read_board(server.url, "c")] == ["d1", "p1"]   # sorted by role, name
+        for _ in range(300):  # a hang guard of 30 s: d1's key expires after 1 s
+            if not await client.exists("pdc:status:c:d1"):
+                break
+            await asyncio.sleep(0.1)
+        assert await read_statuses(client, "c") == [PREFILL]
+        assert await client.smembers("pdc:status-keys:c") == {b"pdc:status:c:p1"}
+        await put_status(client, "c", "d1", DEAD_DECODE)   # back: listed again
+        assert sorted(s["name"] for s in await read_statuses(client, "c")) == ["d1", "p1"]
     finally:
         await client.aclose()
         server.stop()
