@@ -5,7 +5,10 @@ and values that are not a status skipped."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+
+import pytest
 
 from pdcluster.services.gateway.liveness import PoolLiveness
 from pdcluster.services.pools.status_board import read_statuses
@@ -54,22 +57,29 @@ async def test_pool_liveness_counts_replicas_whose_engine_is_alive():
     assert (await liveness.live("prefill"), await liveness.live("decode")) == (1, 0)
 
 
-async def test_a_worker_that_stops_takes_its_key_off_the_board_at_once():
-    """Real redis-server: a publisher's key is on the board while it runs and gone as soon as
-    it is cancelled (a replica's graceful stop), not _TTL_S later."""
-    import asyncio
-
-    import pytest
+@pytest.fixture
+def board_redis():
+    """A real redis-server on a free loopback port, and a ``redis.asyncio`` client of it."""
     import redis.asyncio as aioredis
 
     from pdcluster.prefix_store.redis_server import RedisServer
-    from pdcluster.services.pools.status_board import _TTL_S, publish_forever
 
     try:
         server = RedisServer().start()
     except FileNotFoundError as exc:
         pytest.skip(str(exc))
-    client = aioredis.from_url(server.url)
+    try:
+        yield server, aioredis.from_url(server.url)
+    finally:
+        server.stop()
+
+
+async def test_a_worker_that_stops_takes_its_key_off_the_board_at_once(board_redis):
+    """Real redis-server: a publisher's key is on the board while it runs and gone as soon as
+    it is cancelled (a replica's graceful stop), not _TTL_S later."""
+    from pdcluster.services.pools.status_board import _TTL_S, publish_forever
+
+    server, client = board_redis
     try:
         task = asyncio.create_task(publish_forever(server.url, "c", "p1", lambda: PREFILL))
         for _ in range(3000):  # a hang guard of 30 s: the first publish comes at once
@@ -83,26 +93,16 @@ async def test_a_worker_that_stops_takes_its_key_off_the_board_at_once():
         assert await read_statuses(client, "c") == []  # right after the stop: no wait for the TTL
     finally:
         await client.aclose()
-        server.stop()
 
 
-async def test_the_board_lists_only_its_members_and_prunes_a_replica_that_died_without_goodbye():
+async def test_the_board_lists_only_its_members_and_prunes_a_replica_that_died_without_goodbye(board_redis):
     """Real redis-server: a status key that expired leaves the member set at the next read, one
     published again stays, other clusters' statuses and unrelated keys are not read."""
-    import asyncio
-
-    import pytest
     import redis
-    import redis.asyncio as aioredis
 
-    from pdcluster.prefix_store.redis_server import RedisServer
     from pdcluster.services.pools.status_board import put_status, put_status_sync, read_board
 
-    try:
-        server = RedisServer().start()
-    except FileNotFoundError as exc:
-        pytest.skip(str(exc))
-    client = aioredis.from_url(server.url)
+    server, client = board_redis
     try:
         await client.set("pdc:status:c:stray", json.dumps(PREFILL))   # not a member: never read
         await put_status(client, "other", "o1", {"role": "decode", "name": "o1"})
@@ -120,4 +120,3 @@ async def test_the_board_lists_only_its_members_and_prunes_a_replica_that_died_w
         assert sorted(s["name"] for s in await read_statuses(client, "c")) == ["d1", "p1"]
     finally:
         await client.aclose()
-        server.stop()
