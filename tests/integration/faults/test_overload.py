@@ -8,7 +8,7 @@ Whether admitted requests meet the SLO itself is a performance figure, measured 
 not asserted here: the load generator shares this 2-core machine with the cluster, and CI read a
 p95 of 2.18 s against the 2.0 s SLO once (p50 1.16 s, 164 of 323 admitted), 1.50-1.88 s in 16 runs
 on a quiet machine.  Without shedding, 3x overload for 15 s queues requests for tens of seconds
-(about 30 s for the last ones), so the bound fails by far if admission stops shedding."""
+(by arithmetic, about 30 s for the last ones: twice the capacity in excess for 15 s), so the bound fails by far if admission stops shedding."""
 
 from __future__ import annotations
 
