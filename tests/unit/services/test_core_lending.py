@@ -125,7 +125,9 @@ async def test_the_borrower_follows_the_board_and_gives_the_threads_back(redis_s
     host = host_id()
 
     async def put(**load):
-        await put_status(client, "lend", "dec", entry("dec", host=host, **load))
+        # An hour's TTL: the neighbour must not expire while a stalled test machine runs it (the
+        # unit tests run at idle priority beside the cluster tests).
+        await put_status(client, "lend", "dec", entry("dec", host=host, **load), ttl_s=3600)
 
     async def until(n: int):
         for _ in range(400):  # bounded: 400 x 0.01 s reads

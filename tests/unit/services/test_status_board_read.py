@@ -106,7 +106,7 @@ async def test_the_board_lists_only_its_members_and_prunes_a_replica_that_died_w
     try:
         await client.set("pdc:status:c:stray", json.dumps(PREFILL))   # not a member: never read
         await put_status(client, "other", "o1", {"role": "decode", "name": "o1"})
-        await put_status(client, "c", "p1", PREFILL)
+        await put_status(client, "c", "p1", PREFILL, ttl_s=3600)   # stays through any stall of this machine
         put_status_sync(redis.Redis.from_url(server.url), "c", "d1", DEAD_DECODE, ttl_s=1)
         assert sorted(s["name"] for s in await read_statuses(client, "c")) == ["d1", "p1"]
         assert [s["name"] for s in read_board(server.url, "c")] == ["d1", "p1"]   # sorted by role, name
