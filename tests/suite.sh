@@ -22,6 +22,9 @@ PY=${1:?usage: tests/suite.sh PYTHON [PYTEST_ARGS...]}
 shift
 mkdir -p runs
 UNIT_LOG=runs/unit-tests.log
+WALL_CLOCK_LOG=runs/wall-clock-tests.log
+INTEGRATION_LOG=runs/integration-tests.log
+: >"$WALL_CLOCK_LOG"
 
 idle() {  # SCHED_IDLE where chrt can set it, else the lowest nice value
   if command -v chrt >/dev/null 2>&1 && chrt --idle 0 true 2>/dev/null; then
@@ -47,19 +50,22 @@ if [ "${#WALL_CLOCK_PATHS[@]}" -eq 0 ]; then
   echo "tests/wall_clock.py named no file" >&2
   WALL_CLOCK_RC=1
 else
-  "$PY" -m pytest -ra -n 2 --dist loadfile "${WALL_CLOCK_PATHS[@]}" -m wall_clock "$@"
-  WALL_CLOCK_RC=$?
+  "$PY" -m pytest -ra -n 2 --dist loadfile "${WALL_CLOCK_PATHS[@]}" -m wall_clock "$@" 2>&1 | tee "$WALL_CLOCK_LOG"
+  WALL_CLOCK_RC=${PIPESTATUS[0]}
 fi
 
 echo "==> cluster integration tests, one at a time"
-"$PY" -m pytest -ra tests/integration --ignore=tests/integration/engine "$@"
-INTEGRATION_RC=$?
+"$PY" -m pytest -ra tests/integration --ignore=tests/integration/engine "$@" 2>&1 | tee "$INTEGRATION_LOG"
+INTEGRATION_RC=${PIPESTATUS[0]}
 
 echo "==> waiting for the tests beside them"
 wait "$UNIT_PID"
 UNIT_RC=$?
 echo "==> the tests beside them ($UNIT_LOG), last lines:"
 tail -n 60 "$UNIT_LOG"
+# Last, so that a log that keeps only the tail (CI's) still names every test that failed.
+echo "==> tests that failed or errored, all three parts:"
+grep -h -E '^(FAILED|ERROR) ' "$WALL_CLOCK_LOG" "$INTEGRATION_LOG" "$UNIT_LOG" || echo "(none)"
 echo "==> exit status: wall_clock tests $WALL_CLOCK_RC, unit + engine tests $UNIT_RC, cluster integration tests" \
      "$INTEGRATION_RC"
 [ "$WALL_CLOCK_RC" -eq 0 ] && [ "$UNIT_RC" -eq 0 ] && [ "$INTEGRATION_RC" -eq 0 ]

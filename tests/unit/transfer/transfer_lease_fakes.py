@@ -66,8 +66,14 @@ class FakeLeases:
             self.calls.append(("end", lease_id))
             self.reading[lease_id] -= 1
 
-    def check_integrity(self) -> None:
-        assert all(n == 0 for n in self.reading.values()), f"reads begun but never ended: {self.reading}"
+    def check_integrity(self, timeout_s: float = 10.0) -> None:
+        """Every read begun has ended.  end_read runs on the owner's thread after
+        the last byte left, which can be after the puller's pull returned: waits
+        for it (up to ``timeout_s``) rather than racing it."""
+        def all_ended() -> bool:
+            with self._lock:
+                return all(n == 0 for n in self.reading.values())
+        assert wait_until(all_ended, timeout_s), f"reads begun but never ended: {self.reading}"
 
 
 def make_pool(num_blocks: int, seed: int, layout: KVLayout = LAYOUT) -> torch.Tensor:
