@@ -269,6 +269,12 @@ def available() -> bool:
     return library() is not None
 
 
+def loaded_library_name() -> str | None:
+    """The file name of the loaded build (its variant and a hash of its source and flags), or None."""
+    loaded = _loaded()
+    return Path(loaded[0]._name).name if loaded else None
+
+
 def loaded_variant() -> str | None:
     """The name of the variant in use ("amx_bf16", "avx512_bf16", "avx2"), or None."""
     loaded = _loaded()

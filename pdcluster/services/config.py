@@ -277,6 +277,12 @@ class AutoscaleSpeed(_Strict):
                           "admission starts from those lines instead of prefill_per_token_s and step_*, unless "
                           "they are set here")
 
+    reuse_saved_profile: bool = Field(
+        True, description="a replica reads its start-up profile from the model cache once three replicas measured "
+                          "it on this machine with the same weights and settings (the fastest of them: "
+                          "pdcluster/services/pools/profile_store.py) instead of measuring; false: every replica "
+                          "measures")
+
     def prefill_set(self) -> bool:
         """Whether the config names its own prefill line (then no start-up measurement replaces it)."""
         return "prefill_per_token_s" in self.model_fields_set

@@ -36,7 +36,8 @@ from pdcluster.services.pools.peer_fetch import PeerFetcher, lend_prefix
 from pdcluster.services.pools.pull_estimate import PullEstimate
 from pdcluster.services.pools.busy_flag import BusyFlag, flag_path
 from pdcluster.services.pools.core_lending import Lending, ThreadChooser, borrow_forever, host_id
-from pdcluster.services.pools.startup_profile import measure_or_none, measure_step_or_none
+from pdcluster.services.pools.profile_store import profile_store_for
+from pdcluster.services.pools.startup_profile import start_up_profiles
 from pdcluster.services.pools.status_board import publish_forever
 from pdcluster.services.supervisor import RestartPolicy, Supervisor
 from pdcluster.transfer import KVLayout, create_backend
@@ -85,12 +86,13 @@ class Worker:
         self.engine = Engine(config.engine_config(pool, replica=self.name), on_kv_event=self.publisher.on_event,
                              on_tier_event=self.publisher.on_tier_event)
         # Timed before the engine loop starts: admission's first prior (startup_profile.py).
-        speed = config.autoscaling.speed
-        self.prefill_profile = measure_or_none(self.engine) if speed.measures_at_start() else None
         # A replica that decodes also times its decode step (admission's TPOT bound and the streams
-        # beside a prompt it prefills).
-        self.step_profile = (measure_step_or_none(self.engine) if role != "prefill" and speed.measures_step_at_start()
-                             else None)
+        # beside a prompt it prefills).  Both come from the model cache once measured there (profile_store.py).
+        speed = config.autoscaling.speed
+        self.prefill_profile, self.step_profile = start_up_profiles(
+            self.engine, prefill=speed.measures_at_start(),
+            step=role != "prefill" and speed.measures_step_at_start(),
+            store=profile_store_for(self.engine) if speed.reuse_saved_profile else None)
         self.aengine = AsyncEngine(self.engine)
         self.transfer = None
         self.internal_address = config.topology.internal_address()  # where its KV peer serves
