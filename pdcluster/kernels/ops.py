@@ -124,6 +124,12 @@ def argmax_rows(logits: torch.Tensor) -> tuple[list[int], list[bool]]:
     return best, [bool(f) for f in finite]
 
 
+def native_build() -> str | None:
+    """The native CPU kernels' loaded build (its file name: variant and a hash of source and flags),
+    or None when the torch references run (``cpu_native.loaded_library_name``)."""
+    return cpu_native.loaded_library_name()
+
+
 def linear_path(m: int, n: int, k: int) -> str:
     """Which kernel :func:`linear` runs for x [m, k] times a packed [n, k]
     weight on this machine: "amx", "dot" or "torch" (``cpu_native.linear_path``)."""

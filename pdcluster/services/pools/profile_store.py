@@ -107,7 +107,7 @@ def machine_identity() -> dict:
     and the native kernels' build (its file name carries a hash of their source)."""
     import torch
 
-    from pdcluster.kernels import cpu_native
+    from pdcluster.kernels import ops
 
     model, flags = "", ""
     try:
@@ -120,7 +120,7 @@ def machine_identity() -> dict:
     except OSError:
         pass
     return {"cpu": model, "flags": flags, "cpus": len(os.sched_getaffinity(0)), "torch": torch.__version__,
-            "native": cpu_native.loaded_library_name()}
+            "native": ops.native_build()}
 
 
 class ProfileStore:
