@@ -64,8 +64,14 @@ class LeaseTable:
         self._num_held = 0  # block references held: live leases, draining and freeable ones
         self.num_expired = 0
         self.num_refused_reads = 0
+        self._pin_listeners: list[Callable[[], None]] = []  # add_pin_listener
 
     # ---- the engine thread ------------------------------------------------
+    def add_pin_listener(self, listener: Callable[[], None]) -> None:
+        """``listener()`` runs after every pin, on the pinning thread (a transfer owner's idle
+        ticker wakes for the pull that follows: pdcluster/transfer/nixl_backend.py)."""
+        self._pin_listeners.append(listener)
+
     def pin(self, lease_id: str, block_ids: list[int], ttl_s: float | None = None,
             now: float | None = None) -> Lease:
         ttl_s = ttl_s or self.default_ttl_s
@@ -75,6 +81,8 @@ class LeaseTable:
                 raise KeyError(f"lease {lease_id!r} already exists")
             self._leases[lease_id] = lease
             self._num_held += len(lease.block_ids)
+        for listener in self._pin_listeners:
+            listener()
         return lease
 
     def shorten(self, lease_id: str, ttl_s: float, now: float | None = None) -> Lease | None:
