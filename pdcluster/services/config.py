@@ -495,6 +495,10 @@ class ClusterConfig(_Strict):
             raise ValueError(f"{path}: not valid YAML: {' '.join(str(e).split())}") from None
         if not isinstance(data, dict):
             raise ValueError(f"{path}: expected a mapping of config keys at the top level")
+        if "applications" in data:
+            raise ValueError(f"{path} is a Ray Serve config (`applications:`), for `serve run {path}`; "
+                             "`pdcluster up --config` takes a cluster config: the keys under the pdcluster "
+                             "application's `args:` at the top level (see deploy/race.yaml)")
         return cls.model_validate({**data, **(overrides or {})})
 
     def resume_local_max_tokens(self) -> int:

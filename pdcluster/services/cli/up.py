@@ -29,7 +29,8 @@ Ctrl-C stops everything this command started (Serve, Ray, Redis)."""
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("up", help="start a local cluster (Redis, Ray, Serve); the gateway on --host:--port")
-    p.add_argument("--config", help="cluster YAML (see deploy/local.yaml)")
+    p.add_argument("--config", help="cluster config YAML: ClusterConfig's keys at the top level "
+                                     "(e.g. deploy/race.yaml; deploy/local.yaml is for `serve run`)")
     p.add_argument("--mode", choices=["disaggregated", "colocated"],
                    help="without --config: the layout measured best for this machine (one colocated replica on "
                         "2 cores or fewer, else 1 prefill + 1 decode replica; services/cli/default_layout.py)")

@@ -126,6 +126,15 @@ def test_from_yaml_with_flag_overrides(tmp_path):
     assert (config.host, config.port, config.client_api_key()) == ("0.0.0.0", 9200, KEY)
 
 
+def test_a_serve_run_file_is_refused_naming_what_up_takes(tmp_path):
+    """deploy/local.yaml is for `serve run`: its `applications:` list is no cluster config."""
+    local = REPO / "deploy" / "local.yaml"
+    with pytest.raises(ValueError, match=r"local.yaml is a Ray Serve config .*`serve run .*local.yaml`.*"
+                                         r"the pdcluster application's `args:`"):
+        ClusterConfig.from_yaml(local)
+    assert ClusterConfig.from_yaml(REPO / "deploy" / "race.yaml").mode == "colocated"  # the one the message names
+
+
 # -- `pdcluster up` ----------------------------------------------------------------------------
 
 def _up(*flags: str, env: dict | None = None) -> subprocess.CompletedProcess:
