@@ -14,7 +14,7 @@ import pytest
 from pdcluster.planning.speed import PrefillModel, StepModel
 from pdcluster.services.engine.config import EngineConfig
 from pdcluster.services.engine.engine import Engine
-from pdcluster.services.pools import startup_profile
+from pdcluster.services.pools import profile_store, startup_profile
 from pdcluster.services.pools.profile_store import (SAMPLES, SAVED_SOURCE, ProfileStore, SavedProfiles,
                                                     engine_settings, fold, machine_identity, profile_key,
                                                     profile_store_for, reusable)
@@ -120,19 +120,20 @@ def test_without_a_store_every_replica_measures_and_a_failed_measurement_is_not_
 
 
 def test_the_bundled_model_is_measured_then_read_back(tmp_path, monkeypatch):
-    """The real path once: a store for a real engine under a model cache of its own, SAMPLES
-    measurements (kept short), then a read that measures nothing."""
-    monkeypatch.setenv("PDCLUSTER_MODEL_CACHE", str(tmp_path))
+    """The real path once: a store for a real engine under a model cache of its own, one short
+    measurement (reused after one here: SAMPLES is the stand-ins' business above), then a read
+    that measures nothing."""
+    monkeypatch.setattr(profile_store, "SAMPLES", 1)
     engine = Engine(EngineConfig(num_threads=1, num_kv_blocks=64))
+    monkeypatch.setenv("PDCLUSTER_MODEL_CACHE", str(tmp_path))  # after the load: the store's root only
     store = profile_store_for(engine)
     assert store is not None and store.path.parent == tmp_path / "profiles"
     assert store.path.stem == profile_key(engine_settings(engine), machine_identity())
     real_measure = startup_profile.measure_prefill
     monkeypatch.setattr(startup_profile, "measure_prefill",
                         lambda e: real_measure(e, tokens=32, repeats=1, long_tokens=96))
-    for _ in range(SAMPLES):
-        prefill, step = start_up_profiles(engine, prefill=True, step=False, store=store)
-        assert prefill.source == SOURCE and prefill.per_token_s > 0 and step is None
+    prefill, step = start_up_profiles(engine, prefill=True, step=False, store=store)
+    assert prefill.source == SOURCE and prefill.per_token_s > 0 and step is None
     monkeypatch.setattr(startup_profile, "measure_prefill", lambda e: pytest.fail("measured again"))
     prefill, _ = start_up_profiles(engine, prefill=True, step=False, store=store)
     assert prefill.source.startswith(SAVED_SOURCE) and prefill == reusable(store.load(), "prefill")
