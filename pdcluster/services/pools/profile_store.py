@@ -28,6 +28,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 import os
 import tempfile
 from dataclasses import dataclass
@@ -42,6 +43,8 @@ FORMAT_VERSION = 1  # bump when the file's meaning changes
 SAVED_SOURCE = "saved start-up profile"
 PREFILL_REFERENCE_TOKENS = (256, 1536)  # a prefill line is judged by its time at these prompt lengths
 STEP_REFERENCE_BATCH = 16               # a step line by its time at this batch
+MIN_PER_TOKEN_S = 1e-8  # no replica prefills 100M tokens a second: a smaller figure is no measurement
+MIN_STEP_S = 1e-4       # measure_step's own floor for a step's base
 
 
 @dataclass(frozen=True)
@@ -83,6 +86,26 @@ def _prefill_s(line: PrefillModel) -> float:
 
 def _step_s(line: StepModel) -> float:
     return line.step_s(STEP_REFERENCE_BATCH)
+
+
+def implausible(saved: SavedProfiles) -> str:
+    """Why ``saved`` cannot be a measurement ("" when it can), pure: a damaged or hand-edited file
+    must not become admission's prior (a negative or infinite line would admit or refuse anything)."""
+    numbers = []
+    if saved.prefill is not None:
+        p = saved.prefill
+        numbers += [p.overhead_s, p.per_token_s, p.per_token2_s]
+        if not p.per_token_s >= MIN_PER_TOKEN_S:
+            return f"prefill per_token_s {p.per_token_s!r} is under {MIN_PER_TOKEN_S:g} s"
+    if saved.step is not None:
+        numbers += [saved.step.base_s, saved.step.per_seq_s, saved.step.compute_per_seq_s]
+        if not saved.step.base_s >= MIN_STEP_S:
+            return f"step base_s {saved.step.base_s!r} is under {MIN_STEP_S:g} s"
+    if not all(isinstance(x, (int, float)) and math.isfinite(x) and x >= 0 for x in numbers):
+        return f"a line holds a negative, infinite or non-numeric figure: {numbers!r}"
+    if saved.prefill_samples < 0 or saved.step_samples < 0:
+        return "a negative sample count"
+    return ""
 
 
 def profile_key(settings: dict, machine: dict) -> str:
@@ -132,10 +155,14 @@ class ProfileStore:
     def load(self) -> SavedProfiles | None:
         try:
             raw = json.loads(self.path.read_text())
-            return SavedProfiles(
+            saved = SavedProfiles(
                 prefill=PrefillModel(**raw["prefill"]) if raw.get("prefill") else None,
                 step=StepModel(**raw["step"]) if raw.get("step") else None,
                 prefill_samples=int(raw.get("prefill_samples", 0)), step_samples=int(raw.get("step_samples", 0)))
+            why = implausible(saved)
+            if why:
+                raise ValueError(why)
+            return saved
         except FileNotFoundError:
             return None
         except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:

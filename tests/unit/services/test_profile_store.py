@@ -59,7 +59,17 @@ def test_the_store_round_trips_and_treats_a_damaged_file_as_absent(tmp_path):
     saved = SavedProfiles(prefill=FAST, step=STEP_SLOW, prefill_samples=2, step_samples=1)
     assert store.save(saved) and store.load() == saved
     assert [p.name for p in store.path.parent.iterdir()] == ["k.json"]  # no temporary file left
-    for damage in ("{not json", '{"prefill": {"per_token_s": "fast"}}', "[]", '{"prefill": {"bogus": 1}}'):
+    line = '"overhead_s": 0.0, "per_token2_s": 0.0, "source": "x"'
+    for damage in ("{not json", '{"prefill": {"per_token_s": "fast"}}', "[]", '{"prefill": {"bogus": 1}}',
+                   '{"prefill": {"per_token_s": -0.001, %s}, "prefill_samples": 3}' % line,
+                   '{"prefill": {"per_token_s": 0.0, %s}, "prefill_samples": 3}' % line,
+                   '{"prefill": {"per_token_s": Infinity, %s}, "prefill_samples": 3}' % line,
+                   '{"prefill": {"per_token_s": NaN, %s}, "prefill_samples": 3}' % line,
+                   '{"step": {"base_s": 0.01, "per_seq_s": -1, "source": "x"}, "step_samples": 3}',
+                   '{"step": {"base_s": 0.01, "per_seq_s": "0", "source": "x"}, "step_samples": 3}',
+                   '{"prefill": {"per_token_s": 5e-324, %s}, "prefill_samples": 3}' % line,  # denormal
+                   '{"step": {"base_s": 1e-300, "per_seq_s": 0.001, "source": "x"}, "step_samples": 3}',
+                   '{"prefill": {"per_token_s": 0.001, %s}, "prefill_samples": -1}' % line):
         store.path.write_text(damage)
         assert store.load() is None, damage
 

@@ -44,10 +44,10 @@ def test_a_quiet_owner_serves_the_pull_that_follows_a_pin(monkeypatch, kind):
         owner.register_pool(owner_pool, LAYOUT, lease_guard=leases)
         puller.register_pool(puller_pool, LAYOUT)
         assert owner._may_go_quiet
-        before = owner._last_activity
+        owner._last_activity = 0.0  # nothing else touches it before the pull: no notification, no write
         free.difference_update([5, 6])
         lease = leases.pin("req-1", [5, 6])
-        assert owner._last_activity > before  # the pin woke the owner's ticker
+        assert owner._last_activity > 0.0  # the pin woke the owner's ticker
         puller.pull(owner.describe(), [5, 6], [0, 1], notif="req-1", lease_deadline_unix=lease.deadline_unix)
         assert same_bytes(puller_pool[:2], owner_pool[5:7])
         notes = []
