@@ -17,7 +17,11 @@ profile (autoscaling.speed, what `pdcluster plan --profile` measures) and is
 calibrated online from the measured TTFTs (pdcluster/planning/calibration.py).
 A first token is compared with the model of the work its place actually
 served meanwhile: the prompt tokens answered there from its admission to
-COBATCH_S after its first token, its own included.  Not the queue it was
+COBATCH_S after its first token, its own included, each prompt counted by the
+tokens its replica computed (a prefix-cache hit is no work: a repeated 1,024-token
+prompt answered in 0.18 s, taken as 1,024 computed tokens, pulled the line's
+slope to its floor, and a burst of fresh prompts right after set a 2 s tail
+margin that refused the next seven on an idle replica).  Not the queue it was
 admitted behind: an engine step prefills a burst's prompts together, so the
 first of a burst waits for the later ones of its step, and a later arrival
 can overtake an earlier one; against the queue model those first tokens
@@ -94,11 +98,11 @@ class PlaceQueue:
         """``ticket``'s first token came out of ``replica`` ("": unknown) ``measured_s`` after the
         request arrived.  No sample when ``replica`` had answered none before the request arrived."""
         self.settle(now)
-        self.served_tokens += ticket.tokens
-        self.served_square += ticket.tokens ** 2
-        if self.is_long(ticket.tokens):
-            self.served_long_tokens += ticket.tokens
-            self.served_long_square += ticket.tokens ** 2
+        self.served_tokens += ticket.computed
+        self.served_square += ticket.computed_square
+        if self.is_long(ticket.computed):
+            self.served_long_tokens += ticket.computed
+            self.served_long_square += ticket.computed_square
         if replica and ticket.arrived_at < self._first_answer(replica, now):
             self.samples_left_out += 1
             return
@@ -164,7 +168,9 @@ class PlaceQueue:
 class Ticket:
     """One admitted request: ``first_token()`` when its first token arrives,
     ``close()`` when it ends (either order; both idempotent).  ``pool`` is
-    where its prompt is prefilled: "prefill" or "decode"."""
+    where its prompt is prefilled: "prefill" or "decode".  ``computed``: the
+    prompt tokens its replica computed (all of them until the first token says
+    how many were cached)."""
 
     def __init__(self, admission: Admission, placement: Placement, tokens: int, who: Class = (0, DEFAULT_TENANT),
                  arrived_at: float = 0.0, in_outage: bool = False):
@@ -181,12 +187,22 @@ class Ticket:
         self._streams_at_start = admission.in_flight + 1  # the decode batch it joins (itself included)
         self._first_s = self._last_s = 0.0
         self._num_tokens = 0
+        self.computed = tokens
 
-    def first_token(self, num_tokens: int = 1, replica: str = "") -> None:
-        """A chunk of ``num_tokens`` came out (the first one: its first token, from ``replica``)."""
+    @property
+    def computed_square(self) -> float:
+        """Its attention's share: the computed tokens each attend to the whole prompt so far
+        (tokens^2 - cached^2)."""
+        cached = self.tokens - self.computed
+        return float(self.tokens ** 2 - cached ** 2)
+
+    def first_token(self, num_tokens: int = 1, replica: str = "", cached_tokens: int = 0) -> None:
+        """A chunk of ``num_tokens`` came out (the first one: its first token, from ``replica``,
+        which found ``cached_tokens`` of the prompt in its prefix cache)."""
         now = time.monotonic()
         if self._queued:
             self._queued = False
+            self.computed = self.tokens - min(max(cached_tokens, 0), self.tokens)
             self._first_s = now
             self._admission._dequeue(self, now - self.arrived_at, replica)
         self._num_tokens += num_tokens
@@ -201,15 +217,16 @@ class Ticket:
         admission as served beside it too: their chunks filled its steps, whether or not they
         finished meanwhile (their squares not: the steps it waited for were counted full)."""
         p = self.placement
-        others = max(served_tokens - self.tokens, 0)
-        squares = max(served_square - self.tokens ** 2, 0.0)
+        others = max(served_tokens - self.computed, 0)
+        squares = max(served_square - self.computed_square, 0.0)
         longs = max(served_long_tokens, self._longs_ahead)
-        if longs and not self._admission.places[self.pool].is_long(self.tokens):
+        if longs and not self._admission.places[self.pool].is_long(self.computed):
             load = PlaceLoad(p.live_replicas, others - served_long_tokens + longs, queued_long_tokens=longs,
                              queued_square_tokens=max(squares - served_long_square, 0.0))
         else:
             load = PlaceLoad(p.live_replicas, others, queued_square_tokens=squares)
-        return modelled_ttft_s(self.tokens, load, self._admission.rules, p.beside_streams, joining=False)
+        return modelled_ttft_s(self.computed, load, self._admission.rules, p.beside_streams, joining=False,
+                               prompt_square=self.computed_square)
 
     def close(self) -> None:
         if self._queued:

@@ -184,7 +184,7 @@ class ClusterBackend(Backend):
                                 first_token_s)
         try:
             async for chunk in chunks:
-                ticket.first_token(len(chunk.token_ids), chunk.worker_name)
+                ticket.first_token(len(chunk.token_ids), chunk.worker_name, chunk.num_cached_tokens)
                 yield chunk
         finally:
             ticket.close()

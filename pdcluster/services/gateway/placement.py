@@ -120,10 +120,11 @@ def is_long_prompt(prompt_tokens: int, long_prefill_tokens: int) -> bool:
 
 
 def modelled_ttft_s(prompt_tokens: int, load: PlaceLoad, rules: Rules, beside_streams: float | None = None,
-                    joining: bool = True) -> float:
+                    joining: bool = True, prompt_square: float | None = None) -> float:
     """The uncalibrated time to a first token at a place (pure); ``beside_streams``: the streams
     per replica it decodes meanwhile (a decode replica), None for a prefill replica; ``joining``:
-    with the prompts expected to join its last step (False: ``load.queued_tokens`` is all of it)."""
+    with the prompts expected to join its last step (False: ``load.queued_tokens`` is all of it);
+    ``prompt_square``: its attention's share when not ``prompt_tokens``^2 (a cached prefix)."""
     p = rules.prefill
     replicas = max(load.live_replicas, 1)
     short_first = (beside_streams is not None and rules.long_prefill_tokens > 0
@@ -143,7 +144,8 @@ def modelled_ttft_s(prompt_tokens: int, load: PlaceLoad, rules: Rules, beside_st
         per_replica = min(steps * step_tokens, per_replica + longs / replicas)
     squares = load.queued_square_tokens - (load.queued_long_square_tokens if longs else 0.0)
     return (steps * (p.overhead_s + step_extra) + p.per_token_s * per_replica
-            + p.per_token2_s * (prompt_tokens ** 2 + max(squares, 0.0) / replicas))
+            + p.per_token2_s * ((prompt_tokens ** 2 if prompt_square is None else prompt_square)
+                                + max(squares, 0.0) / replicas))
 
 
 def local_prefill_s(prompt_tokens: int, rules: Rules) -> float:

@@ -118,6 +118,37 @@ def test_first_tokens_of_separate_steps_keep_their_own_work(monkeypatch):
     assert cal.num_samples == 8 and cal.predict(both) + cal.margin_s > both + 2.0
 
 
+@pytest.mark.parametrize("cached_reported", [True, False], ids=["cached_counted", "cached_unknown"])
+def test_prefix_cache_hits_calibrate_by_the_tokens_computed(monkeypatch, cached_reported):
+    """Prompts answered from the prefix cache (1,024 tokens, 1,008 of them cached) are fast
+    because little was computed, not because the replica is fast: taken as 1,024 computed
+    tokens they pulled the line's slope to its floor, a burst of fresh prompts right after set a
+    2 s tail margin, and the next prompt was refused on an idle replica (seen on a bare
+    `pdcluster up`, Dec 6).  The contrast case shows the test can fail."""
+    clock = _Clock()
+    monkeypatch.setattr(admission_module.time, "monotonic", clock)
+    adm = _admission(decode_seats_per_replica=1 << 20)
+    adm.rules = replace(adm.rules, max_local_prefill_s=0.0)
+    for _ in range(2):  # two rounds of 4 repeated prompts, one at a time, nearly all cached
+        for _ in range(4):
+            t = adm.place(1024, 1, 1)
+            clock.now += modelled_ttft_s(16, PlaceLoad(1, 0), RULES, prompt_square=1024 ** 2 - 1008 ** 2)
+            t.first_token(1, "", 1008 if cached_reported else 0)
+            clock.now += 1.0
+            t.close()
+    for _ in range(4):  # then fresh 1,024-token prompts, one at a time, as the model says
+        t = adm.place(1024, 1, 1)
+        clock.now += modelled_ttft_s(1024, PlaceLoad(1, 0), RULES)
+        t.first_token()
+        clock.now += 1.0
+        t.close()
+    adm.snapshot(1, 1, clock.now)
+    cal = adm.places[PREFILL].calibration
+    assert cal.num_samples == 12
+    fits = abs(cal.line.slope - 1.0) < 0.05 and cal.margin_s < 0.05
+    assert fits == cached_reported, (cal.line, cal.margin_s)
+
+
 def test_refusal_waits_for_measurements_then_gives_retry_after():
     adm = _admission()
     adm.place(3000, 1, 1)                       # idle: admitted however long
