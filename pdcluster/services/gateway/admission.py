@@ -177,6 +177,8 @@ class Ticket:
         self._admission, self.placement, self.tokens, self.who = admission, placement, tokens, who
         self.in_outage = in_outage  # admitted while its place had no live replica
         self.pool = placement.pool
+        # what its place counts queued for it: the prompt less the prefix the index says is cached there
+        self.queued = placement.computed_tokens or tokens
         place = admission.places[self.pool]
         self.served_before, self.served_long_before = place.served_tokens, place.served_long_tokens
         self.served_square_before, self.served_long_square_before = place.served_square, place.served_long_square
@@ -187,7 +189,7 @@ class Ticket:
         self._streams_at_start = admission.in_flight + 1  # the decode batch it joins (itself included)
         self._first_s = self._last_s = 0.0
         self._num_tokens = 0
-        self.computed = tokens
+        self.computed = self.queued  # until its first token says what was cached
 
     @property
     def computed_square(self) -> float:
@@ -327,9 +329,11 @@ class Admission:
                         calibrated=self.num_measured >= MIN_SAMPLES)
 
     def place(self, prompt_tokens: int, prefill_live: int | None, decode_live: int | None,
-              tenant: str = DEFAULT_TENANT, priority: int = 0, arrived_at: float = 0.0) -> Ticket:
+              tenant: str = DEFAULT_TENANT, priority: int = 0, arrived_at: float = 0.0,
+              cached: dict[str, int] | None = None) -> Ticket:
         """A ticket naming where the prompt is prefilled, or BackendOverloaded (429 with Retry-After).
-        ``arrived_at``: time.monotonic() when the gateway got the request (0: now)."""
+        ``arrived_at``: time.monotonic() when the gateway got the request (0: now); ``cached``: per
+        place, the prompt's leading tokens the prefix index says its replicas hold."""
         if self.in_flight >= self.max_in_flight:
             self.num_over_capacity += 1
             metrics.count_admission_rejection("in_flight_cap")
@@ -354,7 +358,7 @@ class Admission:
                     f"the decode pool runs within the {self.rules.tpot_slo_s:g} s TPOT SLO (x {self.headroom:g}), "
                     "its fair share or more while other tenants are sending; retry shortly or add decode replicas",
                     retry_after_s=1.0))
-        choice = place(prompt_tokens, snap, self.rules)
+        choice = place(prompt_tokens, snap, self.rules, cached)
         if choice.pool is None:
             self.num_shed += 1
             metrics.count_admission_rejection("slo")
@@ -368,7 +372,7 @@ class Admission:
 
     def _enqueue(self, choice: Placement, prompt_tokens: int, who: Class, now: float, arrived_at: float,
                  in_outage: bool = False) -> Ticket:
-        self.places[choice.pool].admit(who, prompt_tokens, now, in_outage)
+        self.places[choice.pool].admit(who, choice.computed_tokens or prompt_tokens, now, in_outage)
         self.in_flight += 1
         self.streams_of[who[1]] = self.streams_of.get(who[1], 0) + 1
         self.num_admitted += 1
@@ -403,7 +407,7 @@ class Admission:
 
     def _dequeue(self, ticket: Ticket, measured_s: float | None, replica: str = "") -> None:
         q = self.places[ticket.pool]
-        q.add(ticket.who, ticket.tokens, -1, ticket.in_outage)
+        q.add(ticket.who, ticket.queued, -1, ticket.in_outage)
         if measured_s is not None:
             q.answered(ticket, measured_s, time.monotonic(), replica)
 

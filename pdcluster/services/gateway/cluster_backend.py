@@ -48,7 +48,9 @@ from ray import exceptions as ray_exceptions
 from ray.serve.exceptions import BackPressureError
 
 from pdcluster.observability import metrics
+from pdcluster.prefix_store.index import PrefixIndex
 from pdcluster.router.routing_header import RoutingHeader
+from pdcluster.services.gateway.cached_prefix import cache_routed_place, cached_tokens
 from pdcluster.services.backend import (
     Backend, BackendError, BackendFailure, BackendOverloaded, BackendUnavailable, for_client,
 )
@@ -108,7 +110,8 @@ class ClusterBackend(Backend):
                  local_prefill_max_tokens: int = 0, admission: Admission | None = None,
                  request_timeout_s: float = 300.0, inter_token_timeout_s: float = 30.0,
                  max_failovers: int = 2, failovers: FailoverLog | None = None, resume_local_max_tokens: int = 512,
-                 handoff_wait_s: float = 30.0, first_token_timeout_s: float = math.inf):
+                 handoff_wait_s: float = 30.0, first_token_timeout_s: float = math.inf,
+                 prefix_index: PrefixIndex | None = None, prefill_policy: str = "cache_aware"):
         self.handles = handles
         self.max_failovers = max_failovers
         # A resumed stream with more tokens to prefill again than this goes through the prefill pool.
@@ -134,6 +137,9 @@ class ClusterBackend(Backend):
         self.max_model_len = max_model_len
         self.block_size = block_size
         self.prefill_retries = 0
+        # admission counts a prompt's work less what the index says the cache-routed place holds
+        self.prefix_index = prefix_index
+        self.cache_routed = cache_routed_place(mode, prefill_policy)
 
     def _prefill_at_zero(self) -> bool:
         """The prefill pool is scaled to zero on purpose (pdcluster/services/pools/pool_targets.py), as of the
@@ -149,7 +155,8 @@ class ClusterBackend(Backend):
         local = self.mode == "colocated" or prefill_locally(num_tokens, self.local_prefill_max_tokens)
         prefill_live = 0 if local else await self._prefill_live()
         self._adopt_startup_profile()
-        return self.admission.place(num_tokens, prefill_live, decode_live, **who)
+        cached = await cached_tokens(self.prefix_index, req.routing.block_hashes, self.block_size, self.cache_routed)
+        return self.admission.place(num_tokens, prefill_live, decode_live, **who, cached=cached)
 
     def _adopt_startup_profile(self) -> None:
         """Admission's prefill line from the replicas' start-up measurement, before its first

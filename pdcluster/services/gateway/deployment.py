@@ -11,6 +11,7 @@ from ray import serve
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pdcluster.observability import tracing
+from pdcluster.prefix_store.index import make_index
 from pdcluster.prefix_store.url_reference import resolve_index_url
 from pdcluster.services.config import ClusterConfig
 from pdcluster.services.engine.model.default import resolve_model_path
@@ -127,7 +128,12 @@ class Gateway:
                                  first_token_timeout_s=adm.first_token_timeout(),
                                  max_failovers=cfg.max_failovers,
                                  resume_local_max_tokens=cfg.resume_local_max_tokens(),
-                                 failovers=FailoverLog(cfg.index_url, cfg.cluster_name))
+                                 failovers=FailoverLog(cfg.index_url, cfg.cluster_name),
+                                 prefix_index=make_index(cfg.index_url, cluster=cfg.cluster_name,
+                                                         model=cfg.served_model_name,
+                                                         lookup_timeout_s=cfg.router.lookup_timeout_s)
+                                 if cfg.enable_prefix_caching and cfg.index_url else None,
+                                 prefill_policy=cfg.router.prefill_policy)
         gateway_metrics = GatewayMetrics(board=self.board, admission_view=backend.admission.view,
                                          failover_view=backend.failovers.view, model_name=cfg.served_model_name,
                                          block_size=cfg.block_size,

@@ -5,7 +5,9 @@ decode replica), or the decode replica that will decode it (no transfer,
 but its streams wait while it computes).  For each place p, from one
 snapshot of the gateway's own counters:
 
-    work       = prompt tokens queued at p (admitted, no first token yet) + this prompt's
+    work       = prompt tokens queued at p (admitted, no first token yet) + this prompt's, each
+                 less the leading blocks the prefix index says p's replicas hold (``cached``):
+                 a chat's turn computes its new message, not its history
     per_rep    = work / live replicas of p
     join       = prompts that will share its last engine step: the room left in that step
                  (-per_rep mod the step's prompt tokens), at most what arrives at p per replica
@@ -111,6 +113,7 @@ class Placement:
     retry_after_s: float = 0.0
     live_replicas: int = 1          # the place's live replicas, and the streams per replica it decodes
     beside_streams: float | None = None  # beside the prompt (None: a prefill replica): what the model assumed
+    computed_tokens: int = 0        # of the prompt: what the place is expected to compute (less its cached prefix)
 
 
 def is_long_prompt(prompt_tokens: int, long_prefill_tokens: int) -> bool:
@@ -148,43 +151,67 @@ def modelled_ttft_s(prompt_tokens: int, load: PlaceLoad, rules: Rules, beside_st
                                 + max(squares, 0.0) / replicas))
 
 
-def local_prefill_s(prompt_tokens: int, rules: Rules) -> float:
+def local_prefill_s(prompt_tokens: int, rules: Rules, prompt_square: float | None = None) -> float:
+    """``prompt_tokens`` to compute (``prompt_square``: their attention's share when a cached prefix
+    leaves it other than ``prompt_tokens``^2)."""
     p = rules.prefill
-    return p.per_token_s * prompt_tokens + p.per_token2_s * prompt_tokens ** 2
+    return p.per_token_s * prompt_tokens + p.per_token2_s * (prompt_tokens ** 2 if prompt_square is None
+                                                           else prompt_square)
 
 
-def decode_keeps_tpot(prompt_tokens: int, snap: Snapshot, rules: Rules) -> tuple[bool, str]:
-    """Whether the decode replicas' streams keep their TPOT if this prompt is prefilled there."""
+@dataclass(frozen=True)
+class Work:
+    """What a prompt costs a place: the tokens it computes, and their attention's share (each
+    computed token attends to the whole prompt so far: tokens^2 - cached^2)."""
+    tokens: int
+    square: float
+
+    @classmethod
+    def of(cls, prompt_tokens: int, cached_tokens: int = 0) -> "Work":
+        """At least one token is computed: the first token's logits need it."""
+        cached = min(max(cached_tokens, 0), max(prompt_tokens - 1, 0))
+        return cls(prompt_tokens - cached, float(prompt_tokens ** 2 - cached ** 2))
+
+
+def decode_keeps_tpot(prompt_tokens: int, snap: Snapshot, rules: Rules, prompt_square: float | None = None
+                      ) -> tuple[bool, str]:
+    """Whether the decode replicas' streams keep their TPOT if this prompt (``prompt_tokens`` to
+    compute) is prefilled there."""
     replicas = max(snap.decode.live_replicas, 1)
-    busy = (snap.decode_busy_s + local_prefill_s(prompt_tokens, rules)) / (rules.window_s * replicas)
+    local = local_prefill_s(prompt_tokens, rules, prompt_square)
+    busy = (snap.decode_busy_s + local) / (rules.window_s * replicas)
     if busy >= 1.0:
         return False, f"decode replicas already {busy:.0%} busy prefilling"
     tpot = rules.step.step_s(snap.decode_streams / replicas + 1) / (1.0 - busy)
     if tpot > rules.tpot_slo_s * rules.headroom:
         return False, f"TPOT would reach {tpot * 1e3:.0f} ms"
-    local = local_prefill_s(prompt_tokens, rules)
     if local > rules.max_local_prefill_s:
         return False, f"its prefill would take the decode replica {local:.2f} s"
     return True, ""
 
 
-def place(prompt_tokens: int, snap: Snapshot, rules: Rules) -> Placement:
-    """Where ``prompt_tokens`` is prefilled, or a refusal (pure)."""
+def place(prompt_tokens: int, snap: Snapshot, rules: Rules, cached: dict[str, int] | None = None) -> Placement:
+    """Where ``prompt_tokens`` is prefilled, or a refusal (pure); ``cached``: per place, the
+    prompt's leading tokens its replicas hold (the prefix index's answer; none: computed whole)."""
+    cached = cached or {}
     if snap.decode_streams >= snap.decode_seats:
         return Placement(None, math.inf, reason=(
             f"every decode seat is taken ({snap.decode_streams} streams); add decode replicas or raise "
             "scheduler.max_num_seqs / decode.max_queue"), retry_after_s=1.0)
     replicas = max(snap.decode.live_replicas, 1)
     beside = snap.decode_streams / replicas
-    d_model = modelled_ttft_s(prompt_tokens, snap.decode, rules, beside_streams=beside)
-    local = Placement(DECODE, snap.decode.calibrated(d_model), d_model, local_prefill_s(prompt_tokens, rules),
-                      live_replicas=replicas, beside_streams=beside)
+    d_work = Work.of(prompt_tokens, cached.get(DECODE, 0))
+    d_model = modelled_ttft_s(d_work.tokens, snap.decode, rules, beside_streams=beside, prompt_square=d_work.square)
+    local = Placement(DECODE, snap.decode.calibrated(d_model), d_model,
+                      local_prefill_s(d_work.tokens, rules, d_work.square), live_replicas=replicas,
+                      beside_streams=beside, computed_tokens=d_work.tokens)
     if snap.prefill is None or snap.prefill.live_replicas <= 0:
         return _admit_or_refuse(_with(local, "no_prefill_replica"), snap.decode, snap, rules)
-    p_model = modelled_ttft_s(prompt_tokens, snap.prefill, rules)
+    p_work = Work.of(prompt_tokens, cached.get(PREFILL, 0))
+    p_model = modelled_ttft_s(p_work.tokens, snap.prefill, rules, prompt_square=p_work.square)
     remote = Placement(PREFILL, snap.prefill.calibrated(p_model), p_model, reason="prefill_pool",
-                       live_replicas=snap.prefill.live_replicas)
-    keeps, _why = decode_keeps_tpot(prompt_tokens, snap, rules)
+                       live_replicas=snap.prefill.live_replicas, computed_tokens=p_work.tokens)
+    keeps, _why = decode_keeps_tpot(d_work.tokens, snap, rules, d_work.square)
     if keeps and local.predicted_ttft_s < remote.predicted_ttft_s:
         return _admit_or_refuse(_with(local, "earlier_on_decode"), snap.decode, snap, rules)
     return _admit_or_refuse(remote, snap.prefill, snap, rules)

@@ -2,7 +2,8 @@
 cores or fewer (pdcluster/services/cli/default_layout.py: one colocated
 replica on both cores), shedding on: an idle cluster serves a burst of 16
 short chats and one of 8 200-token streams, as the disaggregated layout does
-(test_serve_what_can_be_served.py), and a SIGKILL of its only replica under 4
+(test_serve_what_can_be_served.py), and the next turns of six chats whose
+histories it caches, and a SIGKILL of its only replica under 4
 requests/s loses no request (they wait for Serve's replacement), nor refuses one:
 the first tokens of the requests that waited out the restart are no calibration
 samples (admission.py).  Its own cluster, stopped at the end of this module,
@@ -17,6 +18,7 @@ from pdcluster.prefix_store.redis_server import free_service_port
 from pdcluster.services.cli.default_layout import default_layout
 from pdcluster.services.config import ClusterConfig
 from tests.integration.admission.test_serve_what_can_be_served import (loses_nothing_when_its_only_replica_of,
+                                                                       serves_chat_turns_with_cached_histories,
                                                                        serves_eight_simultaneous_streams_whole,
                                                                        serves_sixteen_simultaneous_chats)
 from tests.integration.cluster.conftest import board, directory_cluster
@@ -59,6 +61,10 @@ def test_admission_starts_from_the_replicas_start_up_prefill_time(two_core_defau
 
 def test_eight_simultaneous_200_token_streams_are_all_served_whole(two_core_default):
     serves_eight_simultaneous_streams_whole(f"http://127.0.0.1:{two_core_default.config.port}", two_core_default)
+
+
+def test_the_next_turns_of_six_chats_with_cached_histories_are_all_served(two_core_default):
+    serves_chat_turns_with_cached_histories(f"http://127.0.0.1:{two_core_default.config.port}", two_core_default)
 
 
 def _left_out(url: str) -> int:

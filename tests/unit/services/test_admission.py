@@ -421,3 +421,19 @@ def test_the_queue_counts_its_prompts_squares_and_gives_them_back():
     load = adm.snapshot(0, 1, time.monotonic()).decode
     assert (load.queued_tokens, load.queued_square_tokens) == (0, 0.0)
     assert adm.places[DECODE].served_square == 3000.0 ** 2  # the one answered with a first token
+
+
+def test_a_cached_estimate_queues_its_work_and_the_first_token_says_what_was_computed():
+    adm = _admission()
+    chat = adm.place(2000, 1, 1, cached={PREFILL: 1984})
+    assert chat.pool == PREFILL and adm.places[PREFILL].queued_tokens == 16
+    other = adm.place(2000, 1, 1)
+    assert adm.places[PREFILL].queued_tokens == 16 + 2000
+    chat.first_token(1, "", cached_tokens=0)  # the replica had evicted it: computed whole
+    other.first_token(1, "", cached_tokens=1000)
+    q = adm.places[PREFILL]
+    assert q.queued_tokens == 0 and q.queued_requests == 0
+    assert q.served_tokens == 2000 + 1000
+    for t in (chat, other):
+        t.close()
+    assert adm.in_flight == 0

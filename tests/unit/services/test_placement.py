@@ -163,3 +163,27 @@ def test_the_queued_prompts_attention_counts_with_their_tokens():
                      queued_long_square_tokens=0.0)
     assert modelled_ttft_s(100, load, short_first, beside_streams=1) == pytest.approx(
         modelled_ttft_s(100, base, short_first, beside_streams=1))
+
+
+@pytest.mark.parametrize("case, prompt, snapshot, cached, pool", [
+    # A chat's next turn resends a 2,000-token history its replica still holds: the turn computes
+    # its new message.  Counted whole, the third of three such turns was refused.
+    ("third chat turn, history cached on the prefill pool", 2000, snap(prefill=(1, 200, 2), streams=2),
+     {PREFILL: 1984}, PREFILL),
+    ("the same turn, nothing cached: refused", 2000, snap(prefill=(1, 4000, 2), streams=2), {}, None),
+    ("colocated: the history cached on the colocated pool", 2000, snap(prefill=None, decode=(1, 200, 2), streams=2),
+     {DECODE: 1984}, DECODE),
+    ("cached on the decode pool: a decode-side prefill computes 16 tokens", 2000,
+     snap(prefill=(1, 4000, 2), streams=2), {DECODE: 1984}, DECODE),
+])
+def test_a_cached_prefix_is_no_work(case, prompt, snapshot, cached, pool):
+    p = place(prompt, snapshot, RULES, cached)
+    assert p.pool == pool, (case, p)
+    if pool is not None:
+        assert p.computed_tokens == prompt - cached[pool], case
+        assert p.predicted_ttft_s < 0.5, (case, p)
+
+
+def test_a_fully_cached_prompt_still_computes_one_token():
+    p = place(64, snap(), RULES, {PREFILL: 64})
+    assert p.computed_tokens == 1

@@ -1,0 +1,55 @@
+"""How much of a prompt the replicas of each place already hold, for
+admission's prediction (placement.py counts a place's work less it).
+
+A chat's next turn resends its whole history, which the replica that served
+the last turn still caches: counted whole, a 2,000-token history predicted
+0.8 s of prefill where the turn computes its new message in tens of
+milliseconds, and three such turns at once were refused on an idle replica.
+
+One prefix-index lookup per request (the one the cache-aware router makes
+too; bounded by ``router.lookup_timeout_s``).  Only the place whose router
+follows the cache counts its match: the prefill pool in a disaggregated
+cluster, the colocated pool in a colocated one (both routed cache-aware).
+A decode replica is chosen by free KV, not by prefix, so a decode-side
+prefill is predicted whole.  An index that cannot answer predicts every
+prompt whole, as before.  The first token reports what was really cached,
+and calibration uses that (admission.py)."""
+
+from __future__ import annotations
+
+import logging
+
+from pdcluster.prefix_store.index import LookupResult, PrefixIndex
+from pdcluster.services.gateway.placement import DECODE, PREFILL
+
+log = logging.getLogger(__name__)
+
+
+def cache_routed_place(mode: str, prefill_policy: str) -> tuple[str, str] | None:
+    """(worker-name role, admission place) whose match the router follows, or None (pure)."""
+    if prefill_policy != "cache_aware":
+        return None
+    return ("colocated", DECODE) if mode == "colocated" else ("prefill", PREFILL)
+
+
+def cached_by_place(lookup: LookupResult, block_size: int, routed: tuple[str, str] | None) -> dict[str, int]:
+    """Per place, the leading prompt tokens its best-matching live replica holds (pure; any tier:
+    a block loads from host memory or disk in well under a millisecond, against recomputing it)."""
+    if routed is None or lookup.degraded:
+        return {}
+    role, place = routed
+    blocks = max((n for name, n in lookup.matched_blocks.items() if name == role or name.startswith(role + "-")),
+                 default=0)
+    return {place: blocks * block_size} if blocks > 0 else {}
+
+
+async def cached_tokens(index: PrefixIndex | None, block_hashes: tuple[int, ...], block_size: int,
+                        routed: tuple[str, str] | None) -> dict[str, int]:
+    """The index's answer for a prompt's full blocks ({} without an index, hashes or an answer)."""
+    if index is None or routed is None or not block_hashes:
+        return {}
+    try:
+        return cached_by_place(await index.lookup(block_hashes), block_size, routed)
+    except Exception as exc:  # noqa: BLE001 - a prediction input, never a reason to fail the request
+        log.warning("prefix lookup for admission failed (%s); predicting the prompt whole", exc)
+        return {}
