@@ -349,6 +349,11 @@ class AutoscalingSettings(_Strict):
         return self
 
 
+# The keys that say how the pools are laid out: a config file naming none of them gets the layout
+# measured best for the machine (pdcluster/services/cli/default_layout.py), as a bare `pdcluster up` does.
+LAYOUT_KEYS = frozenset({"mode", "prefill", "decode", "colocated"})
+
+
 class ClusterConfig(_Strict):
     # A validation error must never print its input: it may hold an API key.
     model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
@@ -487,8 +492,10 @@ class ClusterConfig(_Strict):
         return self.api_keys[0].get_secret_value() if self.api_keys else None
 
     @classmethod
-    def from_yaml(cls, path: str | Path, overrides: dict | None = None) -> "ClusterConfig":
-        """``overrides``: top-level keys that win over the file's (command-line flags)."""
+    def from_yaml(cls, path: str | Path, overrides: dict | None = None,
+                  default_layout: dict | None = None) -> "ClusterConfig":
+        """``overrides``: top-level keys that win over the file's (command-line flags);
+        ``default_layout``: pool fields used when the file names no layout (none of LAYOUT_KEYS)."""
         try:
             data = yaml.safe_load(Path(path).read_text()) or {}
         except yaml.YAMLError as e:
@@ -499,6 +506,8 @@ class ClusterConfig(_Strict):
             raise ValueError(f"{path} is a Ray Serve config (`applications:`), for `serve run {path}`; "
                              "`pdcluster up --config` takes a cluster config: the keys under the pdcluster "
                              "application's `args:` at the top level (see deploy/race.yaml)")
+        if default_layout and not LAYOUT_KEYS & data.keys():
+            data = {**default_layout, **data}
         return cls.model_validate({**data, **(overrides or {})})
 
     def resume_local_max_tokens(self) -> int:

@@ -12,7 +12,8 @@ beside them, short prompts ahead of long ones
 (`scheduler.long_prefill_tokens`).  `python -m bench.load.mixed_goodput`,
 Dec 4, that class: the mix (i) 97-100% good colocated against 88%
 disaggregated, the bursts (ii) 81% both, every short chat good in both
-(bench/README.md).  `--mode` or a config's `mode` always wins."""
+(bench/README.md).  `--mode` or a config naming a layout (mode, prefill, decode, colocated)
+always wins; a config that names none keeps this layout."""
 
 from __future__ import annotations
 

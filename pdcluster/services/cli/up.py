@@ -32,8 +32,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--config", help="cluster config YAML: ClusterConfig's keys at the top level "
                                      "(e.g. deploy/race.yaml; deploy/local.yaml is for `serve run`)")
     p.add_argument("--mode", choices=["disaggregated", "colocated"],
-                   help="without --config: the layout measured best for this machine (one colocated replica on "
-                        "2 cores or fewer, else 1 prefill + 1 decode replica; services/cli/default_layout.py)")
+                   help="default: the layout measured best for this machine (one colocated replica on 2 cores or "
+                        "fewer, else 1 prefill + 1 decode replica; services/cli/default_layout.py), also under a "
+                        "--config that names no layout (none of mode, prefill, decode, colocated)")
     p.add_argument("--host", help="address the gateway listens on (default 127.0.0.1); any non-loopback "
                                   "address needs an API key (PDCLUSTER_API_KEY, api_keys, api_key_file)")
     p.add_argument("--port", type=int)
@@ -68,10 +69,12 @@ def load_config(args: argparse.Namespace) -> ClusterConfig:
     if args.insecure_no_auth:
         overrides["insecure_no_auth"] = True
     try:
+        # the layout measured best here, unless the flags or the file name one
+        layout = {} if "mode" in overrides or getattr(args, "head", False) else default_layout(usable_cores())
         if args.config:
-            return ClusterConfig.from_yaml(args.config, overrides)
-        if "mode" not in overrides and not getattr(args, "head", False):
-            overrides = {**default_layout(usable_cores()), **overrides}  # the layout measured best here
+            return ClusterConfig.from_yaml(args.config, overrides, default_layout=layout)
+        if layout:
+            overrides = {**layout, **overrides}
         return ClusterConfig.model_validate(overrides)
     except ValidationError as exc:  # the errors' inputs are hidden: they may hold an API key
         problems = [_problem(e) for e in exc.errors(include_url=False, include_input=False)]

@@ -36,5 +36,13 @@ def test_a_bare_up_takes_the_layout_and_a_named_mode_or_config_wins(monkeypatch,
     assert up.load_config(_parse("--mode", "disaggregated")).mode == "disaggregated"
     (tmp_path / "c.yaml").write_text("mode: disaggregated\n")
     assert up.load_config(_parse("--config", str(tmp_path / "c.yaml"))).mode == "disaggregated"
+    # a config that tunes something else keeps the machine's layout (it switched a 2-core machine to
+    # two 1-core pools); one that names a pool is the user's layout
+    (tmp_path / "admission.yaml").write_text("admission: {ttft_headroom: 1.0}\n")
+    tuned = up.load_config(_parse("--config", str(tmp_path / "admission.yaml")))
+    assert (tuned.mode, tuned.admission.ttft_headroom) == (bare.mode, 1.0)
+    assert tuned.colocated == bare.colocated
+    (tmp_path / "pools.yaml").write_text("decode: {num_threads: 1}\n")
+    assert up.load_config(_parse("--config", str(tmp_path / "pools.yaml"))).mode == "disaggregated"
     assert up.load_config(_parse("--head")).mode == "disaggregated"  # multi-host: pools named by role
 
