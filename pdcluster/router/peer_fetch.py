@@ -16,8 +16,10 @@ The whole rule (pure; pdcluster/services/pools/peer_fetch.py does the I/O):
   never its last token's block: at least one token is computed, since its
   logits give the first output token.
 * ``pull_overhead_s`` is one lease call to the holder plus the transfer's
-  setup (a round trip between replicas, measured as a few ms); a short
-  prefix is cheaper to recompute than to ask for.
+  setup and the landing; a short prefix is cheaper to recompute than to ask
+  for.  The puller measures it from its own recent fetches
+  (pdcluster/services/pools/fetch_overhead.py; DEFAULT_PULL_OVERHEAD_S until
+  it has): on a fast CPU with busy holders it costs more than recomputing.
 * A failover's resume avoids the replicas its stream lost: the index may
   still list a dead one for a few seconds, and asking it costs the lend
   call's whole timeout.

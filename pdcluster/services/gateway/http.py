@@ -44,6 +44,13 @@ def listening_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+# How long an idle kept-alive connection stays open.  uvicorn's 5 s default closed connections that
+# clients pool between a chat's turns (a user thinking 15 s): a request sent as the server closed its
+# connection failed with "Server disconnected" (seen once in 768 turns of bench.load.prefix_tiers).
+# Longer than the 60 s idle timeout of common load balancers, which must close first.
+KEEP_ALIVE_S = 75
+
+
 class GatewayHTTPServer:
     """uvicorn serving ``app`` on ``host:port`` from the running event loop."""
 
@@ -52,7 +59,7 @@ class GatewayHTTPServer:
         self._socket = listening_socket(host, port)
         self._server = uvicorn.Server(uvicorn.Config(
             RequestIdMiddleware(app, forward_header=True), lifespan="off", log_level="warning", access_log=False,
-            timeout_graceful_shutdown=30))
+            timeout_graceful_shutdown=30, timeout_keep_alive=KEEP_ALIVE_S))
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:

@@ -22,7 +22,7 @@ from pdcluster.prefix_store.events import EventBatch
 from pdcluster.prefix_store.hashing import hash_prompt_blocks
 from pdcluster.prefix_store.memory_index import InMemoryPrefixIndex
 from pdcluster.prefix_store.worker_id import WorkerId
-from pdcluster.router.peer_fetch import DEFAULT_PULL_S_PER_BLOCK
+from pdcluster.router.peer_fetch import DEFAULT_PULL_OVERHEAD_S, DEFAULT_PULL_S_PER_BLOCK
 from pdcluster.router.routing_header import RoutingHeader
 from pdcluster.services.engine.engine import Engine
 from pdcluster.services.engine.kv_cache import KVCache, KVCacheSpec
@@ -160,6 +160,30 @@ async def test_the_puller_gets_the_holders_blocks_into_its_prefix_cache(pair):
     _accounted(puller)
     # The next one finds them here: nothing to pull.
     assert (await fetcher.fetch(_request("r2"))).outcome == "skipped"
+
+
+async def test_a_fetch_measured_dearer_than_recomputing_is_not_asked_for(pair):
+    """The rule weighs this replica's own fetches: the first one measures what asking costs beyond
+    the transfer; made to cost more than recomputing the blocks, the next prompt is computed here,
+    and the puller holds nothing from the holder."""
+    holder, puller, _ = pair
+    fetcher = PeerFetcher(puller, _lend_from(holder), min_blocks=2)
+    assert fetcher.overhead.seconds() == DEFAULT_PULL_OVERHEAD_S  # nothing measured yet
+    first = await fetcher.fetch(_request())
+    assert first.outcome == "pulled" and 0 <= first.transfer_s <= first.seconds
+    assert fetcher.overhead.seconds() == pytest.approx(first.seconds - first.transfer_s)
+    await asyncio.to_thread(_settle, holder)
+    recompute_s = len(HASHES) * puller.engine.kv_spec.block_size * fetcher._recompute_s_per_token()
+    fetcher.overhead.observe(recompute_s * 10)
+    fetcher.overhead.observe(recompute_s * 10)  # the median of three: the dear ones
+    puller.engine.kv.reset_prefix_cache()  # the pulled blocks gone: there is something to pull again
+    assert puller.engine.kv.match_prefix(HASHES, TOKENS).num_blocks == 0
+    assert (await fetcher.fetch(_request("r2"))).outcome == "skipped"
+    # the contrast: with nothing measured, the same prompt is pulled
+    again = await PeerFetcher(puller, _lend_from(holder), min_blocks=2).fetch(_request("r3"))
+    assert again.outcome == "pulled", again
+    await asyncio.to_thread(_settle, holder)
+    _accounted(puller)
 
 
 async def test_only_the_blocks_past_the_pullers_own_are_pulled(pair):
