@@ -53,7 +53,7 @@ from pdcluster.services.backend import BackendOverloaded, for_client
 from pdcluster.services.config import AutoscaleSpeed
 from pdcluster.services.engine.sampling_params import DEFAULT_TENANT
 from pdcluster.services.gateway.fair_share import Class, may_take_seat, tokens_ahead
-from pdcluster.services.gateway.placement import (DECODE, PREFILL, PlaceLoad, Placement, Rules, Snapshot,
+from pdcluster.services.gateway.placement import (DECODE, PREFILL, PlaceLoad, Placement, Rules, Snapshot, Work,
                                                   is_long_prompt, modelled_ttft_s, place)
 
 MIN_SAMPLES = 4  # first tokens measured (any place) before a prediction may refuse
@@ -193,10 +193,8 @@ class Ticket:
 
     @property
     def computed_square(self) -> float:
-        """Its attention's share: the computed tokens each attend to the whole prompt so far
-        (tokens^2 - cached^2)."""
-        cached = self.tokens - self.computed
-        return float(self.tokens ** 2 - cached ** 2)
+        """Its attention's share (placement.Work: tokens^2 - cached^2)."""
+        return Work.of(self.tokens, self.tokens - self.computed).square
 
     def first_token(self, num_tokens: int = 1, replica: str = "", cached_tokens: int = 0) -> None:
         """A chunk of ``num_tokens`` came out (the first one: its first token, from ``replica``,
@@ -204,7 +202,7 @@ class Ticket:
         now = time.monotonic()
         if self._queued:
             self._queued = False
-            self.computed = self.tokens - min(max(cached_tokens, 0), self.tokens)
+            self.computed = Work.of(self.tokens, cached_tokens).tokens
             self._first_s = now
             self._admission._dequeue(self, now - self.arrived_at, replica)
         self._num_tokens += num_tokens
