@@ -22,7 +22,10 @@ The whole rule:
   (``peer_pull_s_per_block`` set), the blocks another replica caches past
   i's own are pulled rather than recomputed when that is predicted cheaper
   (pdcluster/router/peer_fetch.py): ``pulled_tokens(i)`` of them cost ``pull_s(i)``
-  and no recompute charge.  ``recompute_weight = 0`` is the plain
+  and no recompute charge.  ``pull_s(i)`` uses i's own measured pull cost (seconds per
+  block and a fetch's fixed part, from its routing stats), the figures its fetcher
+  decides with, so the router does not send a prefix to a replica that will then
+  find the pull too dear and recompute it.  ``recompute_weight = 0`` is the plain
   TTFT rule; bench/load/routing.py measured it losing 10-40% of the hit rate above
   1x load, and weight 1 collapsing (spill cascade) at 2x; 2 (default) held.
 * IMBALANCE GUARD: a cache hit may buy at most ``max_extra_queue_s``

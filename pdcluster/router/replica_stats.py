@@ -25,6 +25,10 @@ class ReplicaStats:
     free_kv_blocks: int | None = None
     queued_prefill_tokens: int = 0          # as the replica sees it (all routers' requests)
     running_requests: int = 0
+    # What a pull costs this replica, measured on its own pulls (peer prefix fetch on):
+    # seconds per block (pools/pull_estimate.py) and the fixed part of a fetch (pools/fetch_overhead.py)
+    pull_s_per_block: float | None = None
+    pull_overhead_s: float | None = None
 
     def to_routing_stats(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if v is not None}
@@ -46,4 +50,6 @@ class ReplicaStats:
                    prefill_tokens_per_s=rate if rate else None,
                    free_kv_blocks=num("free_kv_blocks", int, None),
                    queued_prefill_tokens=num("queued_prefill_tokens", int, 0),
-                   running_requests=num("running_requests", int, 0))
+                   running_requests=num("running_requests", int, 0),
+                   pull_s_per_block=num("pull_s_per_block", float, None),
+                   pull_overhead_s=num("pull_overhead_s", float, None))

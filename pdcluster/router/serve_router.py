@@ -191,7 +191,8 @@ class PrefixAwareRequestRouter(RequestRouter):
                 running_requests=max(count, stats.running_requests),
                 free_kv_blocks=(stats.free_kv_blocks if stats.free_kv_blocks is not None
                                 else self.default_free_kv_blocks),
-                prefill_tokens_per_s=stats.prefill_tokens_per_s or self.default_prefill_tokens_per_s))
+                prefill_tokens_per_s=stats.prefill_tokens_per_s or self.default_prefill_tokens_per_s,
+                pull_s_per_block=stats.pull_s_per_block, pull_overhead_s=stats.pull_overhead_s))
             if lookup is not None and header is not None:
                 name = self.worker_name(replica)
                 blocks = lookup.matched_blocks.get(name, 0)

@@ -12,7 +12,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from pdcluster.router.peer_fetch import pull_s, should_pull
+from pdcluster.router.peer_fetch import DEFAULT_PULL_OVERHEAD_S, pull_s, should_pull
 
 
 @dataclass(frozen=True)
@@ -22,6 +22,10 @@ class ReplicaLoad:
     running_requests: int = 0           # requests in flight on this replica
     free_kv_blocks: int = 0
     prefill_tokens_per_s: float = 1.0   # measured prefill throughput
+    # What a pull from a peer costs this replica, as it measured its own (None: the request's
+    # peer_pull_s_per_block and the rule's default overhead; pdcluster/router/peer_fetch.py)
+    pull_s_per_block: float | None = None
+    pull_overhead_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.prefill_tokens_per_s <= 0:
@@ -86,16 +90,20 @@ def estimated_ttft_s(replica: ReplicaLoad, request: RequestShape) -> float:
 def peer_pull(replica: ReplicaLoad, request: RequestShape) -> tuple[int, float]:
     """(blocks, seconds): what ``replica`` would pull from the replica caching the
     most of the prompt, past its own cached blocks and short of the last token's
-    (pdcluster/router/peer_fetch.py's rule); (0, 0.0) when peer fetch is off or computing them is cheaper."""
+    (pdcluster/router/peer_fetch.py's rule, priced with the replica's own measured pull cost where it
+    reports one: the same figures its fetcher decides with); (0, 0.0) when peer fetch is off or computing
+    them is cheaper."""
     if request.peer_pull_s_per_block is None or not request.matched_tokens:
         return 0, 0.0
     usable = max(request.num_prompt_tokens - 1, 0)
     best = min(max(request.matched_tokens.values()), usable)
     blocks = (best - min(request.cached_tokens(replica.replica_id), usable)) // request.block_size
     per_token_s = 1.0 / replica.prefill_tokens_per_s
-    if not should_pull(blocks, request.block_size, request.peer_pull_s_per_block, per_token_s):
+    per_block_s = replica.pull_s_per_block if replica.pull_s_per_block is not None else request.peer_pull_s_per_block
+    overhead_s = replica.pull_overhead_s if replica.pull_overhead_s is not None else DEFAULT_PULL_OVERHEAD_S
+    if not should_pull(blocks, request.block_size, per_block_s, per_token_s, overhead_s):
         return 0, 0.0
-    return blocks, pull_s(blocks, request.peer_pull_s_per_block)
+    return blocks, pull_s(blocks, per_block_s, overhead_s)
 
 
 # Seconds to bring one block back from a lower tier, when the router is not told

@@ -216,9 +216,12 @@ class Worker:
     # ---- views -------------------------------------------------------------
     def routing_stats(self) -> dict:
         s = self.aengine.stats
+        fetch = self.peer_fetch  # with peer fetch on, the router prices a pull as this replica measured it
         return ReplicaStats(worker_name=self.name, prefill_tokens_per_s=self._prefill_rate_tps or None,
                             free_kv_blocks=s.kv_blocks_free, running_requests=s.num_running,
-                            queued_prefill_tokens=0).to_routing_stats()
+                            queued_prefill_tokens=0,
+                            pull_s_per_block=self.pull_estimate.per_block_s() if fetch else None,
+                            pull_overhead_s=fetch.overhead.seconds() if fetch else None).to_routing_stats()
 
     def status(self) -> dict:
         s = self.aengine.stats

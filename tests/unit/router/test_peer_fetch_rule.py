@@ -87,6 +87,37 @@ def test_the_router_weighs_a_pull_from_the_holder_against_recomputing():
     assert peer_pull(slow.replicas[1], slow.request) == (0, 0.0) and cache_aware(slow).replica_id == "a"
 
 
+def test_the_router_prices_a_pull_with_the_replicas_own_measured_cost():
+    """A replica that measured its fetches dear (a busy holder's lease call) is not
+    sent a prefix on the promise of a cheap pull it would then decline."""
+    from dataclasses import replace
+
+    from pdcluster.router.cache_aware import cache_aware
+    from pdcluster.router.snapshot import RoutingSnapshot, peer_pull
+
+    on = _snapshot(0.001)
+    cases = [  # (b's measured pull_s_per_block, pull_overhead_s) -> (blocks b pulls, chosen)
+        ((None, None), (20, "b")),     # nothing measured: the request's figure, the default overhead
+        ((0.001, 0.02), (20, "b")),    # measured as the defaults
+        ((0.001, 0.5), (0, "a")),      # fetches measured at 0.5 s each: dearer than 0.32 s of compute
+        ((0.020, 0.02), (0, "a")),     # a slow link: 20 blocks in 0.4 s
+    ]
+    for (per_block, overhead), (blocks, chosen) in cases:
+        b = replace(on.replicas[1], pull_s_per_block=per_block, pull_overhead_s=overhead)
+        snap = RoutingSnapshot((on.replicas[0], b), on.request)
+        assert peer_pull(b, snap.request)[0] == blocks, (per_block, overhead)
+        assert cache_aware(snap).replica_id == chosen, (per_block, overhead)
+
+
+def test_a_replica_reports_its_measured_pull_cost_only_with_peer_fetch_on():
+    from pdcluster.router.replica_stats import ReplicaStats
+
+    stats = ReplicaStats("w", pull_s_per_block=0.002, pull_overhead_s=0.15)
+    assert ReplicaStats.from_routing_stats(stats.to_routing_stats()) == stats
+    assert "pull_overhead_s" not in ReplicaStats("w").to_routing_stats()
+    assert ReplicaStats.from_routing_stats({"pull_overhead_s": "slow", "pull_s_per_block": -1}) == ReplicaStats()
+
+
 def test_the_pools_routers_know_when_replicas_pull_from_their_peers():
     from pdcluster.services.app import _pool_options
     from pdcluster.services.config import ClusterConfig, PeerFetchSettings

@@ -20,3 +20,27 @@ def test_a_replica_tries_again_after_a_quiet_window():
     assert est.seconds() == 0.3
     now[0] = WINDOW_S + 1
     assert est.seconds() == 0.02
+
+
+def test_a_replica_with_peer_fetch_reports_what_its_pulls_cost_to_the_router():
+    """Worker.routing_stats carries the figures the fetcher decides with (so the
+    router prices a pull as the replica will); without peer fetch, none."""
+    from types import SimpleNamespace
+
+    from pdcluster.router.peer_fetch import DEFAULT_PULL_S_PER_BLOCK
+    from pdcluster.router.replica_stats import ReplicaStats
+    from pdcluster.services.pools.pull_estimate import PullEstimate
+    from pdcluster.services.pools.worker import Worker
+
+    estimate = PullEstimate(DEFAULT_PULL_S_PER_BLOCK)
+    estimate.observe(20, 0.06)
+    fetcher = SimpleNamespace(overhead=FetchOverhead(0.02))
+    fetcher.overhead.observe(0.25)
+    engine = SimpleNamespace(stats=SimpleNamespace(kv_blocks_free=10, num_running=1))
+    replica = SimpleNamespace(aengine=engine, name="w", _prefill_rate_tps=900.0, pull_estimate=estimate,
+                              peer_fetch=fetcher)
+    stats = ReplicaStats.from_routing_stats(Worker.routing_stats(replica))
+    assert (stats.pull_s_per_block, stats.pull_overhead_s) == (0.003, 0.25)
+    replica.peer_fetch = None
+    stats = ReplicaStats.from_routing_stats(Worker.routing_stats(replica))
+    assert (stats.pull_s_per_block, stats.pull_overhead_s) == (None, None)
