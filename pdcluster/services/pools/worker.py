@@ -37,6 +37,7 @@ from pdcluster.services.pools.pull_estimate import PullEstimate
 from pdcluster.services.pools.busy_flag import BusyFlag, flag_path
 from pdcluster.services.pools.core_lending import Lending, ThreadChooser, borrow_forever, host_id
 from pdcluster.services.pools.profile_store import profile_store_for
+from pdcluster.services.pools.shutdown_steps import run_steps
 from pdcluster.services.pools.startup_profile import start_up_profiles
 from pdcluster.services.pools.status_board import publish_forever
 from pdcluster.services.supervisor import RestartPolicy, Supervisor
@@ -47,6 +48,7 @@ _NOTIF_WAIT_S = 1.0  # the notification waiter's longest sleep (it wakes at once
 # A step takes well under a second (chunked prefill bounds it); an engine
 # loop silent for this long is stuck, and Serve should replace the replica.
 _STUCK_LOOP_S = 60.0
+SHUTDOWN_STEP_S = 5.0  # each shutdown step's bound (Serve's grace period for the whole: shutdown_timeout_s, 30 s)
 
 
 @dataclass
@@ -275,20 +277,19 @@ class Worker:
             await asyncio.sleep(0.05)
 
     async def shutdown(self) -> None:
+        """Timed, bounded steps (shutdown_steps.py): a stuck one costs SHUTDOWN_STEP_S and is named
+        on the replica's log, not Serve's whole grace period unnamed."""
         if self.transfer is not None and self.aengine.alive:
-            try:
-                await self.drain_leases()
-            except Exception:  # noqa: BLE001 - the engine died meanwhile: nothing left to drain
-                log.warning("lease drain stopped: the engine loop is gone")
-        await self.supervisor.stop()
-        await self.publisher.stop()
-        await self.aengine.shutdown()
-        self.threads.reader.close()
+            # bounded by the lease TTL itself; an engine that died meanwhile has nothing left to drain
+            await run_steps(self.name, [("drain_leases", self.drain_leases)], self.config.lease_ttl_s + 1.0)
+        steps = [("supervisor", self.supervisor.stop), ("publisher", self.publisher.stop),
+                 ("engine_loop", self.aengine.shutdown), ("board_reader", self.threads.reader.close)]
         if self.busy_flag is not None:
-            self.busy_flag.close()
-        self.engine.close()  # the tiers' workers; the disk tier's directory goes with them
+            steps.append(("busy_flag", self.busy_flag.close))
+        steps.append(("engine", self.engine.close))  # the tiers' workers; the disk tier's directory goes with them
         if self.transfer is not None:
-            self.transfer.close()
+            steps.append(("transfer", self.transfer.close))
+        await run_steps(self.name, steps, SHUTDOWN_STEP_S)
 
 
 async def stream_whole_request(worker: Worker, request: GenerateRequest, capacity: int):
