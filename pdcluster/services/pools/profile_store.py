@@ -7,7 +7,10 @@ them instead of spending its own ~1.3 s (two threads) on them.
 
     key   blake2b of what sets the speed: the weights (weights_id) and their model config,
           dtype, weight and KV dtypes, block size, threads, the scheduler's step sizes, and
-          the machine (CPU model, flags, logical CPUs, torch, the native kernels' build)
+          the machine (CPU model, flags, logical CPUs, torch, the native kernels' build), and
+          the code that runs a step (a digest of the engine's and the kernels' Python sources):
+          after an upgrade or an edit a replica measures again instead of reusing the old
+          code's speed as admission's prior
 
 A measurement is noisy on a shared machine -- two replicas of one cluster
 start together and each measures while the other takes the cores -- so a
@@ -25,6 +28,7 @@ sample: the next start measures again."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -125,6 +129,23 @@ def engine_settings(engine) -> dict:
             "prefill_chunk_size": sched.prefill_chunk_size}
 
 
+PACKAGE_ROOT = Path(__file__).resolve().parents[2]   # pdcluster/
+STEP_CODE = ("services/engine", "kernels")           # the Python that runs a step, under PACKAGE_ROOT
+
+
+@functools.lru_cache(maxsize=4)
+def code_digest(root: Path = PACKAGE_ROOT, folders: tuple[str, ...] = STEP_CODE) -> str:
+    """A digest of the ``*.py`` files under ``folders`` of ``root``: their paths and bytes."""
+    h = hashlib.blake2b(digest_size=8)
+    for path in sorted(f for folder in folders for f in (root / folder).rglob("*.py")):
+        h.update(str(path.relative_to(root)).encode() + b"\0")
+        try:
+            h.update(path.read_bytes())
+        except OSError:
+            h.update(b"(unreadable)")
+    return h.hexdigest()
+
+
 def machine_identity() -> dict:
     """This machine as far as speed goes: CPU model and flags, logical CPUs it may use, torch,
     and the native kernels' build (its file name carries a hash of their source)."""
@@ -143,7 +164,7 @@ def machine_identity() -> dict:
     except OSError:
         pass
     return {"cpu": model, "flags": flags, "cpus": len(os.sched_getaffinity(0)), "torch": torch.__version__,
-            "native": ops.native_build()}
+            "native": ops.native_build(), "code": code_digest()}
 
 
 class ProfileStore:

@@ -53,6 +53,26 @@ def test_the_key_changes_with_what_sets_the_speed_and_only_with_it():
     assert key != profile_key(settings, {**machine, "cpus": 4})
 
 
+def test_the_machine_key_follows_the_code_that_runs_a_step(tmp_path):
+    """An edit (or an upgrade) of the engine's or the kernels' Python gives another key, so a
+    replica measures the new code instead of reusing the old code's speed."""
+    from pdcluster.services.pools.profile_store import PACKAGE_ROOT, STEP_CODE, code_digest
+
+    for folder in ("services/engine", "kernels", "router"):
+        (tmp_path / folder).mkdir(parents=True)
+        (tmp_path / folder / "a.py").write_text("x = 1\n")
+    before = code_digest(tmp_path, STEP_CODE)
+    (tmp_path / "router" / "a.py").write_text("x = 2\n")        # not on a step's path
+    assert code_digest.__wrapped__(tmp_path, STEP_CODE) == before
+    (tmp_path / "kernels" / "a.py").write_text("x = 2\n")
+    assert code_digest.__wrapped__(tmp_path, STEP_CODE) != before
+    (tmp_path / "kernels" / "a.py").write_text("x = 1\n")
+    (tmp_path / "services/engine" / "b.py").write_text("")        # a new file counts too
+    assert code_digest.__wrapped__(tmp_path, STEP_CODE) != before
+    assert machine_identity()["code"] == code_digest(PACKAGE_ROOT, STEP_CODE)
+    assert (PACKAGE_ROOT / "services" / "engine" / "engine.py").exists()  # the digest reads the real sources
+
+
 def test_the_store_round_trips_and_treats_a_damaged_file_as_absent(tmp_path):
     store = ProfileStore(tmp_path, "k")
     assert store.load() is None
