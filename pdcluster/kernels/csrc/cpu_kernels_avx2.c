@@ -587,17 +587,17 @@ static void prefill_attend_chunk(void *arg, int64_t begin, int64_t end) {
 }
 
 
-/* Rotate-half RoPE in place on the heads of one row-strided tensor, with HF's
- * bf16 rounding steps (the portable kernel's, 8 lanes at a time):
- * out1 = bf16(bf16(x1*c) + bf16(-x2*s)), out2 = bf16(bf16(x2*c) + bf16(x1*s)),
+/* Rotate-half RoPE in place on the heads of rows [t0, t1) of one row-strided
+ * tensor, with HF's bf16 rounding steps (the portable kernel's, 8 lanes at a
+ * time): out1 = bf16(bf16(x1*c) + bf16(-x2*s)), out2 = bf16(bf16(x2*c) + bf16(x1*s)),
  * c and s rounded to bf16 first (once per token, shared by its heads). */
 #define PD_VARIANT_ROPE
-void pd_rope_bf16(bf16 *x, int64_t row_stride, int64_t T, int64_t heads, int64_t D,
-                  const int64_t *positions, const float *cos_cache, const float *sin_cache) {
+static void rope_rows(bf16 *x, int64_t row_stride, int64_t t0, int64_t t1, int64_t heads, int64_t D,
+                      const int64_t *positions, const float *cos_cache, const float *sin_cache) {
     const int64_t hd = D / 2, whole = hd / 8 * 8;
     const __m256 sign = _mm256_set1_ps(-0.f);
     float *cs = (float *)malloc(sizeof(float) * (size_t)(2 * D));  /* bf16-rounded cos | sin */
-    for (int64_t t = 0; t < T; t++) {
+    for (int64_t t = t0; t < t1; t++) {
         const float *c = cos_cache + positions[t] * D, *s = sin_cache + positions[t] * D;
         for (int64_t i = 0; i < D; i++) cs[i] = to_f32(to_bf16(c[i])), cs[D + i] = to_f32(to_bf16(s[i]));
         for (int64_t h = 0; h < heads; h++) {

@@ -22,14 +22,14 @@ void pd_pack_weight_bf16(const bf16 *w, bf16 *wp, int64_t N, int64_t K) {
             }
 }
 
-#ifndef PD_VARIANT_ROPE /* a variant may define its own, vectorised, with the same rounding */
-/* Rotate-half RoPE in place on the heads of one row-strided tensor, with HF's
- * bf16 rounding steps: out1 = bf16(bf16(x1*c) + bf16(-x2*s)),
+#ifndef PD_VARIANT_ROPE /* a variant may define its own rope_rows, vectorised, with the same rounding */
+/* Rotate-half RoPE in place on the heads of rows [t0, t1) of one row-strided
+ * tensor, with HF's bf16 rounding steps: out1 = bf16(bf16(x1*c) + bf16(-x2*s)),
  * out2 = bf16(bf16(x2*c) + bf16(x1*s)), c and s rounded to bf16 first. */
-void pd_rope_bf16(bf16 *x, int64_t row_stride, int64_t T, int64_t heads, int64_t D,
-                  const int64_t *positions, const float *cos_cache, const float *sin_cache) {
+static void rope_rows(bf16 *x, int64_t row_stride, int64_t t0, int64_t t1, int64_t heads, int64_t D,
+                      const int64_t *positions, const float *cos_cache, const float *sin_cache) {
     const int64_t hd = D / 2;
-    for (int64_t t = 0; t < T; t++) {
+    for (int64_t t = t0; t < t1; t++) {
         const float *c = cos_cache + positions[t] * D, *s = sin_cache + positions[t] * D;
         for (int64_t h = 0; h < heads; h++) {
             bf16 *p = x + t * row_stride + h * D;
@@ -46,6 +46,32 @@ void pd_rope_bf16(bf16 *x, int64_t row_stride, int64_t T, int64_t heads, int64_t
     }
 }
 #endif
+
+/* RoPE on every row, on the calling thread (the ctypes entry point). */
+void pd_rope_bf16(bf16 *x, int64_t row_stride, int64_t T, int64_t heads, int64_t D,
+                  const int64_t *positions, const float *cos_cache, const float *sin_cache) {
+    rope_rows(x, row_stride, 0, T, heads, D, positions, cos_cache, sin_cache);
+}
+
+typedef struct {
+    bf16 *x;
+    int64_t row_stride, heads, D;
+    const int64_t *positions;
+    const float *cos_cache, *sin_cache;
+} rope_job;
+
+static void rope_chunk(void *arg, int64_t begin, int64_t end) {
+    const rope_job *a = (const rope_job *)arg;
+    rope_rows(a->x, a->row_stride, begin, end, a->heads, a->D, a->positions, a->cos_cache, a->sin_cache);
+}
+
+/* RoPE on the work pool, rows split between the threads (a prefill step's
+ * q and k heads of 1,024 tokens took 7% of its time on one thread). */
+static void rope_threaded(bf16 *x, int64_t row_stride, int64_t T, int64_t heads, int64_t D, const int64_t *positions,
+                          const float *cos_cache, const float *sin_cache, int nthreads) {
+    rope_job job = {x, row_stride, heads, D, positions, cos_cache, sin_cache};
+    pool_run(rope_chunk, &job, T, T > 16 ? pool_chunk(T, nthreads, 2) : T, nthreads);
+}
 
 /* H x / sqrt(D) in place on each of the first ``heads`` heads of every row
  * (H: D x D Sylvester Hadamard, D a power of two): q and K of an 8-bit pool,
@@ -135,8 +161,8 @@ static void decoder_layer(const pd_layer_weights *w, const pd_layer_step *s, bf1
     const int64_t T = s->T, qs = s->H * s->D, kvs = s->KVH * s->D, width = qs + 2 * kvs;
     pd_add_rmsnorm_bf16(prev, residual, w->ln1, s->normed, T, s->hidden, s->eps, s->nthreads);
     layer_linear(s, s->normed, w->w_qkv, w->b_qkv, s->qkv, width, s->hidden);
-    pd_rope_bf16(s->qkv, width, T, s->H, s->D, s->positions, s->cos, s->sin);
-    pd_rope_bf16(s->qkv + qs, width, T, s->KVH, s->D, s->positions, s->cos, s->sin);
+    /* q's heads and k's follow one another in a row: one pass over both */
+    rope_threaded(s->qkv, width, T, s->H + s->KVH, s->D, s->positions, s->cos, s->sin, s->nthreads);
     const int q8 = (int)s->kv_kind;
     if (q8 && s->k_rotate) pd_hadamard_rows_bf16(s->qkv, width, T, s->H + s->KVH, s->D);  /* q | k heads */
     if (q8)

@@ -60,3 +60,24 @@ def test_tile_linear_equals_torch_within_bf16_rounding(rows, n, k):
     assert torch.all((got.double() - exact).abs() <= exact.abs() * 2**-8 + 1e-3 * math.sqrt(k))
     ref = F.linear(x, w, bias)  # torch (oneDNN, its own tiles here) rounds the same way up to summation order
     assert (got.float() - ref.float()).abs().max() <= ref.float().abs().max() * 2**-7
+
+
+@pytest.mark.skipif(not cpu_native.available(), reason="needs the native CPU kernels")
+@pytest.mark.parametrize("n,k", [(3072, 576), (576, 1536)])
+def test_a_row_is_the_same_in_any_batch_and_on_any_threads(n, k, monkeypatch):
+    """Exact resume: a row alone, or among 37, 300 or 1,100 rows (several row blocks, and the tile
+    groups csrc/amx_linear.h sizes by rows and threads), on 1 or 2 threads, gives the same bits."""
+    gen = torch.Generator().manual_seed(n + k)
+    x = torch.randn(1100, k, generator=gen).to(BF16)
+    packed = ops.pack_linear_weight((torch.randn(n, k, generator=gen) * k ** -0.5).to(BF16))
+    bias = torch.randn(n, generator=gen).to(BF16)
+    picked = (0, 17, 36, 299, 1099)
+    monkeypatch.setattr(cpu_native, "_threads", 1)  # set_num_threads, undone after the test
+    alone = {r: ops.linear(x[r:r + 1], packed, bias) for r in picked}
+    for rows in (37, 300, 1100):
+        for threads in (1, 2):
+            monkeypatch.setattr(cpu_native, "_threads", threads)
+            batch = ops.linear(x[:rows], packed, bias)
+            for r in picked:
+                if r < rows:
+                    assert torch.equal(batch[r:r + 1], alone[r]), (rows, threads, r)
