@@ -413,7 +413,9 @@ class Engine:
                 self.tiers.wait(_TIER_LOAD_WAIT_S)  # only tier loads are pending: nothing to run meanwhile
             return []
         self.num_steps += 1
+        started = time.perf_counter()
         sampled = self.runner.execute(out)
+        self.scheduler.step_cost.observe(out.num_tokens, time.perf_counter() - started)
         if sampled.failed:
             outputs += [self._fail(s.request, sampled.failed[s.request.request_id])
                         for s in out.scheduled if s.request.request_id in sampled.failed]

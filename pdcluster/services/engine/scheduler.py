@@ -53,6 +53,7 @@ from pdcluster.services.engine.kv_cache import KVCache, PrefixMatch
 from pdcluster.services.engine.kv_tiers import KVTiers, LandedLoad
 from pdcluster.services.engine.request import FinishReason, Request, RequestStatus
 from pdcluster.services.engine.spec_decode import Speculator
+from pdcluster.services.engine.step_limits import StepCost, step_limits
 
 
 @dataclass
@@ -119,6 +120,7 @@ class Scheduler:
         # Set by the engine with its thread count: computing on borrowed cores (core_lending.py),
         # so the step takes at most config.borrowed_prefill_tokens of prompt.
         self.borrowing = False
+        self.step_cost = StepCost()  # fed by the engine with each step's time: how wide a step may go
         self.fair = FairClock(dict(config.tenant_weights))
         self.num_preemptions = 0
         self.num_prompt_tokens_computed = 0
@@ -218,10 +220,9 @@ class Scheduler:
         if self.tiers is not None:
             self.land_tier_loads()
         out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
-        # Prompt tokens this step may take: fewer on borrowed cores, whose owner gets them
-        # back between steps (decode tokens are not counted against it).
-        prompt_left = self.config.borrowed_prefill_tokens if self.borrowing else budget
+        decoding = any(r.num_computed_tokens >= r.num_prompt_tokens for r in self.running)
+        limits = step_limits(self.config, self.borrowing, decoding, self.step_cost.seconds_per_token)
+        budget, prompt_left, chunk = limits.tokens, limits.prompt_tokens, limits.chunk
         deferred: list[Request] = []  # long prefills: they take what the rest of the step leaves
         i = 0
         while i < len(self.running) and budget > 0:
@@ -232,7 +233,7 @@ class Scheduler:
                     deferred.append(req)
                     i += 1
                     continue
-                num_new = min(num_new, self.config.prefill_chunk_size, prompt_left)
+                num_new = min(num_new, chunk, prompt_left)
                 if num_new <= 0:
                     i += 1
                     continue
@@ -246,9 +247,10 @@ class Scheduler:
             budget -= entry.num_new_tokens
             i += 1
         if not out.preempted:
-            taken = self._admit(out, min(budget, prompt_left), long_slots=self.config.max_long_prefills - len(deferred))
+            taken = self._admit(out, min(budget, prompt_left), chunk,
+                                long_slots=self.config.max_long_prefills - len(deferred))
             budget, prompt_left = budget - taken, prompt_left - taken
-        self._schedule_long(out, deferred, min(budget, prompt_left))
+        self._schedule_long(out, deferred, min(budget, prompt_left), chunk)
         now = time.monotonic()
         for s in out.scheduled:
             if s.request.first_scheduled_s is None:  # queue time ends at its first step
@@ -261,7 +263,7 @@ class Scheduler:
         n = self.config.long_prefill_tokens
         return n > 0 and req.num_tokens - (req.num_computed_tokens if done is None else done) > n
 
-    def _schedule_long(self, out: SchedulerOutput, deferred: list[Request], budget: int) -> None:
+    def _schedule_long(self, out: SchedulerOutput, deferred: list[Request], budget: int, chunk: int) -> None:
         """The long prefills that yielded to the rest of the step take what it left, oldest first, at
         most ``max_long_prefills`` of them.  Their blocks come from free ones only: the requests a
         preemption would take may already be in this step.  Only a step with nothing else in it
@@ -272,7 +274,7 @@ class Scheduler:
                 return
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget, self.config.prefill_chunk_size)
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget, chunk)
             if out.is_empty:
                 if not self._grow(req, num_new, out):
                     return
@@ -340,10 +342,10 @@ class Scheduler:
             self._admission_paused = False
         return not self._admission_paused
 
-    def _admit(self, out: SchedulerOutput, budget: int, long_slots: int = 1 << 30) -> int:
-        """Admits waiting requests in queue order within ``budget`` prompt tokens; returns the
-        tokens they take.  A long one (``_is_long``) waits while ``long_slots`` long prefills
-        already run, and the shorter ones behind it go ahead."""
+    def _admit(self, out: SchedulerOutput, budget: int, chunk: int, long_slots: int = 1 << 30) -> int:
+        """Admits waiting requests in queue order within ``budget`` prompt tokens, at most ``chunk``
+        of a prompt each; returns the tokens they take.  A long one (``_is_long``) waits while
+        ``long_slots`` long prefills already run, and the shorter ones behind it go ahead."""
         cfg, bs = self.config, self.block_size
         start, j = budget, 0
         while j < len(self.waiting) and budget > 0 and len(self.running) < cfg.max_num_seqs:
@@ -364,7 +366,7 @@ class Scheduler:
                 continue
             num_new = min(req.num_tokens - cached, budget)
             if cached + num_new < req.num_prompt_tokens:
-                num_new = min(num_new, cfg.prefill_chunk_size)
+                num_new = min(num_new, chunk)
             need = _cdiv(cached + num_new, bs) - match.num_blocks
             free_after = self.kv.num_free_blocks - match.num_evictable - need
             if free_after < 0:

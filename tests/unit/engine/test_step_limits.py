@@ -1,0 +1,84 @@
+"""How wide an engine step may go (engine/step_limits.py): the pure rule as a
+table, the measured cost a token it reads, and the scheduler taking longer
+prompt steps only while nothing on the replica decodes."""
+
+import pytest
+import torch
+
+from pdcluster.services.engine.config import SchedulerConfig
+from pdcluster.services.engine.kv_cache import KVCache, KVCacheSpec
+from pdcluster.services.engine.request import Request
+from pdcluster.services.engine.sampling_params import greedy
+from pdcluster.services.engine.scheduler import Scheduler
+from pdcluster.services.engine.step_limits import MIN_SAMPLE_TOKENS, WIDE_STEP_S, StepCost, StepLimits, step_limits
+
+# A colocated replica's scheduler as the cluster config builds it (services/config.py)
+COLOCATED = SchedulerConfig(max_num_batched_tokens=320, prefill_chunk_size=256, borrowed_prefill_tokens=128,
+                            prefill_tokens_without_decodes=1024)
+FAST, SLOW = 0.25e-3, 2.3e-3  # seconds a token: AMX on 2 cores, AVX2 on 2 cores (measured, step_limits.py)
+
+
+@pytest.mark.parametrize("config,borrowing,decoding,cost,expected", [
+    # nothing decodes, fast kernels: the step goes as wide as the cap (0.3 s / 0.25 ms = 1200 > 1024)
+    (COLOCATED, False, False, FAST, StepLimits(1024, 1024, 1024)),
+    # a stream decodes: the caps that bound its pause
+    (COLOCATED, False, True, FAST, StepLimits(320, 320, 256)),
+    # nothing measured yet: no wider step
+    (COLOCATED, False, False, None, StepLimits(320, 320, 256)),
+    # slow kernels: 0.3 s holds 130 tokens, fewer than the caps already allow
+    (COLOCATED, False, False, SLOW, StepLimits(320, 320, 256)),
+    # in between: as many tokens as fit in WIDE_STEP_S
+    (COLOCATED, False, False, 0.5e-3, StepLimits(600, 600, 600)),
+    # on borrowed cores the prompt share stays short whatever the width
+    (COLOCATED, True, False, FAST, StepLimits(1024, 128, 1024)),
+    # the rule off (a prefill replica: its steps are whole already)
+    (SchedulerConfig(max_num_batched_tokens=1024, prefill_chunk_size=1024), False, False, FAST,
+     StepLimits(1024, 1024, 1024)),
+])
+def test_a_step_goes_wide_only_with_nothing_decoding_and_within_its_time(config, borrowing, decoding, cost, expected):
+    assert step_limits(config, borrowing, decoding, cost) == expected
+
+
+def test_the_cost_a_token_is_smoothed_over_steps_big_enough_to_say():
+    cost = StepCost()
+    cost.observe(MIN_SAMPLE_TOKENS - 1, 1.0)  # a few decode rows: fixed costs, not a token's
+    assert cost.seconds_per_token is None
+    cost.observe(1000, 0.25)
+    assert cost.seconds_per_token == pytest.approx(0.25e-3)
+    cost.observe(1000, 0.5)
+    assert 0.25e-3 < cost.seconds_per_token < 0.5e-3
+    cost.observe(1000, 0.0)  # a clock that did not move: ignored
+    assert 0.25e-3 < cost.seconds_per_token < 0.5e-3
+
+
+def test_prefill_tokens_without_decodes_is_checked():
+    with pytest.raises(ValueError, match="prefill_tokens_without_decodes"):
+        SchedulerConfig(prefill_tokens_without_decodes=-1)
+
+
+def _scheduler() -> Scheduler:
+    kv = KVCache(KVCacheSpec(512, 16, 1, 1, 2, torch.float32))
+    s = Scheduler(COLOCATED, kv, hash_seed=42)
+    s.step_cost.seconds_per_token = FAST
+    return s
+
+
+def _step(s: Scheduler):
+    out = s.schedule()
+    s.update(out, {e.request.request_id: 7 for e in out.scheduled if e.samples})
+    return out
+
+
+def test_a_lone_prompt_takes_wide_steps_until_it_decodes_then_another_prompt_takes_the_capped_chunk():
+    s = _scheduler()
+    a = Request("a", list(range(2000)), greedy(4))
+    s.add(a)
+    assert [e.num_new_tokens for e in _step(s).prefills] == [1024]
+    assert [e.num_new_tokens for e in _step(s).prefills] == [976]  # the rest, first token sampled
+    assert a.output_token_ids == [7]
+    b = Request("b", list(range(5000, 7000)), greedy(4))
+    s.add(b)
+    out = _step(s)  # a decodes: b's share is capped as before
+    assert [e.request.request_id for e in out.decodes] == ["a"]
+    assert [e.num_new_tokens for e in out.prefills] == [256]
+    assert WIDE_STEP_S / FAST > 1024  # the table's premise
