@@ -279,7 +279,7 @@ def main(argv: list[str] | None = None) -> None:
         lone = lone_prompt.measure(LONE_PROMPT_TOKENS)
         rate = max(fp.torch_bf16_gemm_tflops, fp.ours_bf16_gemm_tflops)
         print(f"lone prompt: {lone.tokens} tokens in {lone.seconds:.2f} s on {lone.threads} threads "
-              f"(the default prefill engine, idle host: its own thread + the ones it borrows); "
+              f"(the engine a bare `pdcluster up` prefills with here: the {lone.layout} layout's, idle host); "
               f"{lone.flops / 1e12:.2f} TFLOP at the fingerprint's best GEMM rate {rate * 1e3:.1f} GFLOP/s "
               f"= {lone.flops / (rate * 1e12):.2f} s")
         for m in PREFILL_TARGET_ROWS:

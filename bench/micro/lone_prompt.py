@@ -2,10 +2,12 @@
 machine's GEMM rate (issue 34: "a lone 3k-token prompt's prefill within 1.5x
 of its FLOPs divided by the fingerprint's GEMM rate").
 
-The engine is the default cluster's prefill engine (``pdcluster up`` with no
-config) computing with the threads a prefill replica has on an idle host: its
-own plus the idle neighbours' it borrows (pdcluster/services/pools/core_lending.py),
-i.e. the host's CPUs.  The FLOPs are the model's matmuls for the prompt (every
+The engine is the one a bare ``pdcluster up`` prefills with on this machine
+(pdcluster/services/cli/default_layout.py): on two cores or fewer its one
+colocated replica, on its own threads (all the cores); on more, the prefill
+replica, computing with the threads it has on an idle host: its own plus the
+idle neighbours' it borrows (pdcluster/services/pools/core_lending.py), i.e.
+the host's CPUs.  The FLOPs are the model's matmuls for the prompt (every
 projection for every token, causal attention's QK^T and PV, the LM head for
 the last token); the rate is the better of the fingerprint's two bf16 GEMM
 figures (torch's oneDNN and ours), so the bound is the stricter one."""
@@ -23,6 +25,7 @@ class LonePrompt:
     threads: int
     seconds: float          # best of the timed runs (prefix caching off)
     flops: float
+    layout: str = "disaggregated"  # the default layout whose engine ran it: "colocated" or "disaggregated"
 
     def ratio(self, gemm_tflops: float) -> float:
         """Measured time over the time the FLOPs take at ``gemm_tflops``."""
@@ -40,13 +43,14 @@ def prompt_flops(cfg, tokens: int) -> float:
 def measure(tokens: int = 3072, threads: int | None = None, repeats: int = 2) -> LonePrompt:
     import os
 
+    from pdcluster.services.cli.default_layout import default_layout, usable_cores
     from pdcluster.services.config import ClusterConfig
     from pdcluster.services.engine.engine import Engine
     from pdcluster.services.engine.sampling_params import greedy
 
-    cluster = ClusterConfig()
+    cluster = ClusterConfig.model_validate(default_layout(usable_cores()))
     threads = threads or len(os.sched_getaffinity(0))
-    config = cluster.engine_config(cluster.prefill)
+    config = cluster.engine_config(cluster.colocated if cluster.mode == "colocated" else cluster.prefill)
     engine = Engine(dataclasses.replace(config, enable_prefix_caching=False,
                                         kv_cache_bytes=max(config.kv_cache_bytes, 256 * 2**20)))
     engine.set_compute_threads(threads)
@@ -58,6 +62,6 @@ def measure(tokens: int = 3072, threads: int | None = None, repeats: int = 2) ->
         took = time.perf_counter() - start
         if run:
             best = min(best, took)
-        print(f"  lone prompt {tokens} tokens, {threads} threads: {took:.2f} s"
+        print(f"  lone prompt {tokens} tokens, {threads} threads, {cluster.mode} layout's engine: {took:.2f} s"
               + (" (warm-up)" if not run else ""), flush=True)
-    return LonePrompt(tokens, threads, best, prompt_flops(engine.loaded.config, tokens))
+    return LonePrompt(tokens, threads, best, prompt_flops(engine.loaded.config, tokens), cluster.mode)

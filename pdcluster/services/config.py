@@ -185,7 +185,8 @@ class SchedulerSettings(_Strict):
         128, ge=1, description="prompt tokens a step takes while its replica computes on an idle neighbour's "
                                "cores (borrow_idle_cores): the cores go back between steps, so a short step "
                                "returns them sooner (128 tokens: about 0.3 s on 2 AVX2 threads, at the same "
-                               "tokens/s as 1024-token steps)")
+                               "tokens/s as 1024-token steps); more where the replica computes more in 0.3 s by "
+                               "its measured cost a token (AMX: about 1,000; engine/step_limits.py)")
     decode_step_prefill_tokens: int = Field(
         256, ge=1, description="prompt tokens a replica that decodes (a decode replica: its own prompts, resumed "
                                "streams; a colocated replica: every prompt) prefills per step beside its decodes: "

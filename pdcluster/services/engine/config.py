@@ -15,6 +15,8 @@ class SchedulerConfig:
     # (pools/core_lending.py): it hands them back between steps, so a short step hands them
     # back sooner.  128: a 2,900-token prompt prefilled in 128-token steps ran at 431 tok/s,
     # in 1024-token steps at 403-454 (2 AVX2 threads, 2026-12-04), a step then 0.3 s vs 2.4 s.
+    # At least this many: as many as the replica computes in 0.3 s where that is more
+    # (engine/step_limits.py; on AMX 128-token steps cost a third more a token).
     borrowed_prefill_tokens: int = 128
     # Prompt tokens (and, per request, chunk) a step may take while no request on the replica
     # decodes: nothing to pause, so a colocated or decode replica, whose steps beside decodes take

@@ -29,8 +29,13 @@ FAST, SLOW = 0.25e-3, 2.3e-3  # seconds a token: AMX on 2 cores, AVX2 on 2 cores
     (COLOCATED, False, False, SLOW, StepLimits(320, 320, 256)),
     # in between: as many tokens as fit in WIDE_STEP_S
     (COLOCATED, False, False, 0.5e-3, StepLimits(600, 600, 600)),
-    # on borrowed cores the prompt share stays short whatever the width
-    (COLOCATED, True, False, FAST, StepLimits(1024, 128, 1024)),
+    # on borrowed cores: what the replica computes in WIDE_STEP_S, at least borrowed_prefill_tokens
+    (COLOCATED, True, False, FAST, StepLimits(1024, 1024, 1024)),
+    (COLOCATED, True, True, FAST, StepLimits(320, 320, 256)),
+    (COLOCATED, True, False, SLOW, StepLimits(320, 130, 256)),
+    (COLOCATED, True, False, None, StepLimits(320, 128, 256)),
+    (SchedulerConfig(max_num_batched_tokens=1024, prefill_chunk_size=1024), True, False, 0.5e-3,
+     StepLimits(1024, 600, 1024)),
     # the rule off (a prefill replica: its steps are whole already)
     (SchedulerConfig(max_num_batched_tokens=1024, prefill_chunk_size=1024), False, False, FAST,
      StepLimits(1024, 1024, 1024)),
