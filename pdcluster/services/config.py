@@ -191,8 +191,8 @@ class SchedulerSettings(_Strict):
         256, ge=1, description="prompt tokens a replica that decodes (a decode replica: its own prompts, resumed "
                                "streams; a colocated replica: every prompt) prefills per step beside its decodes: "
                                "bounds the pause its streams see (256 tokens: about 0.3 s on one 2-core-machine "
-                               "thread).  While nothing on the replica decodes, a step takes up to "
-                               "max_num_batched_tokens of prompt, as many as it computes in 0.3 s by its measured "
+                               "thread).  With one request on the replica, a prompt, a step takes up to "
+                               "max_num_batched_tokens of it, as many as it computes in 0.3 s by its measured "
                                "cost a token (engine/step_limits.py)")
     long_prefill_tokens: int = Field(
         512, ge=0, description="replicas that decode (colocated, and decode replicas prefilling their own prompts) "
@@ -555,8 +555,8 @@ class ClusterConfig(_Strict):
         decodes = self.mode == "colocated" or pool is self.decode
         return SchedulerConfig(max_num_seqs=s.max_num_seqs, max_num_batched_tokens=batched, prefill_chunk_size=chunk,
                                borrowed_prefill_tokens=s.borrowed_prefill_tokens,
-                               # no stream to pause: the whole step (engine/step_limits.py)
-                               prefill_tokens_without_decodes=s.max_num_batched_tokens if decodes else 0,
+                               # a lone prompt: no stream to pause, no prompt behind it (engine/step_limits.py)
+                               lone_prompt_step_tokens=s.max_num_batched_tokens if decodes else 0,
                                long_prefill_tokens=s.long_prefill_tokens if decodes else 0,
                                kv_watermark_high=s.kv_watermark_high, kv_watermark_low=s.kv_watermark_low,
                                tenant_weights=tuple((t.name, t.weight) for t in self.tenants if t.weight != 1))

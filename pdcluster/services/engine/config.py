@@ -18,12 +18,12 @@ class SchedulerConfig:
     # At least this many: as many as the replica computes in 0.3 s where that is more
     # (engine/step_limits.py; on AMX 128-token steps cost a third more a token).
     borrowed_prefill_tokens: int = 128
-    # Prompt tokens (and, per request, chunk) a step may take while no request on the replica
-    # decodes: nothing to pause, so a colocated or decode replica, whose steps beside decodes take
-    # at most prefill_chunk_size of a prompt, prefills in longer steps, which cost less a token
-    # (2-core Sapphire Rapids, 8 x 1,024-token prompts: 5.4-5.6 s in 1,024-token steps, 6.5-6.8 s
-    # in 256-token ones, 2026-12-06).  0: no longer steps.
-    prefill_tokens_without_decodes: int = 0
+    # Prompt tokens a step may take when the replica's one request is a prompt (nothing decodes,
+    # nothing waits): a colocated or decode replica, whose steps take at most prefill_chunk_size
+    # of a prompt, then prefills it in longer steps, which cost less a token (2-core Sapphire
+    # Rapids: a lone 3,072-token prompt 1.0 s against 1.1 s in 256-token steps, 2026-12-06),
+    # as many as it computes in 0.3 s (engine/step_limits.py).  0: no longer steps.
+    lone_prompt_step_tokens: int = 0
     # Prompts with more than this many tokens left to compute yield to shorter ones: a step
     # schedules the short prefills first and gives what is left to at most max_long_prefills
     # long ones, so a short chat is not queued behind a 3,000-token prompt.  0: arrival order.
@@ -40,9 +40,8 @@ class SchedulerConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if not 1 <= self.prefill_chunk_size:
             raise ValueError(f"prefill_chunk_size must be >= 1, got {self.prefill_chunk_size}")
-        if self.prefill_tokens_without_decodes < 0:
-            raise ValueError("prefill_tokens_without_decodes must be >= 0 (0: no longer steps), got "
-                             f"{self.prefill_tokens_without_decodes}")
+        if self.lone_prompt_step_tokens < 0:
+            raise ValueError(f"lone_prompt_step_tokens must be >= 0 (0: no longer steps), got {self.lone_prompt_step_tokens}")
         if not 1 <= self.borrowed_prefill_tokens:
             raise ValueError(f"borrowed_prefill_tokens must be >= 1, got {self.borrowed_prefill_tokens}")
         if self.long_prefill_tokens < 0:

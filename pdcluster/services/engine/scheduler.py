@@ -220,8 +220,7 @@ class Scheduler:
         if self.tiers is not None:
             self.land_tier_loads()
         out = SchedulerOutput()
-        decoding = any(r.num_computed_tokens >= r.num_prompt_tokens for r in self.running)
-        limits = step_limits(self.config, self.borrowing, decoding, self.step_cost.seconds_per_token)
+        limits = step_limits(self.config, self.borrowing, self._lone_prompt(), self.step_cost.seconds_per_token)
         budget, prompt_left, chunk = limits.tokens, limits.prompt_tokens, limits.chunk
         deferred: list[Request] = []  # long prefills: they take what the rest of the step leaves
         i = 0
@@ -256,6 +255,13 @@ class Scheduler:
             if s.request.first_scheduled_s is None:  # queue time ends at its first step
                 s.request.first_scheduled_s = now
         return out
+
+    def _lone_prompt(self) -> bool:
+        """One request on the replica, and it has prompt left to compute (engine/step_limits.py)."""
+        if len(self.running) + len(self.waiting) + len(self.loading) + len(self.awaiting_kv) != 1:
+            return False
+        req = self.running[0] if self.running else self.waiting[0] if self.waiting else None
+        return req is not None and req.num_computed_tokens < req.num_prompt_tokens
 
     def _is_long(self, req: Request, done: int | None = None) -> bool:
         """More than ``long_prefill_tokens`` of its prompt left to compute past ``done`` tokens

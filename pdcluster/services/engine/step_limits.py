@@ -14,17 +14,18 @@ AMX they take about 40 ms, a step short enough to cost a third more a token
 ones, 2-core Sapphire Rapids).
 
 A replica that decodes (colocated, decode) caps each step's prompt share so its
-streams' pause stays short (``prefill_chunk_size``, ``max_num_batched_tokens``).
-While none of its requests decodes there is no stream to pause, and a longer
-step costs less a token where the kernels are fast (2-core Sapphire Rapids, AMX:
-eight 1,024-token prompts 17% faster in 1,024-token steps than in 256-token
-ones), so the step may take up to ``prefill_tokens_without_decodes`` -- as many
-as the replica computes in WIDE_STEP_S by its own measured cost a token
+streams' pause stays short and the prompts queued behind get their turn soon
+(``prefill_chunk_size``, ``max_num_batched_tokens``).  With one request on the
+replica, a prompt (nothing decodes, nothing waits), neither reason holds, and a
+longer step costs less a token where the kernels are fast (2-core Sapphire
+Rapids, AMX: a lone 3,072-token prompt 1.0 s in wide steps, 1.1 s in 256-token
+ones), so the step may take up to ``lone_prompt_step_tokens`` -- as many as
+the replica computes in WIDE_STEP_S by its own measured cost a token
 (:class:`StepCost`), since a request that arrives meanwhile waits for the step:
-on a 2-core AVX2 machine (about 2.3 ms a token) that is fewer than the cap
-already allows, and steps stay as they were (there, 128- and 1,024-token steps
-ran at the same tokens/s).  The step after a prompt completes decodes it, and
-the cap is back.
+on a 2-core AVX2 machine (about 2.3 ms a token) that is fewer than the caps
+already allow, and steps stay as they were.  Not with several prompts queued:
+one wide step gives them all their first token at its end, later on average
+than narrow steps one after another, which admission's prediction assumes.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from dataclasses import dataclass
 
 from pdcluster.services.engine.config import SchedulerConfig
 
-WIDE_STEP_S = 0.3      # the longest step taken because nothing decodes: what a request arriving then may wait
+WIDE_STEP_S = 0.3      # the longest wide step: what a request arriving meanwhile may wait
 MIN_SAMPLE_TOKENS = 64  # steps with fewer tokens say more about fixed costs than about a token's
 SMOOTHING = 0.3         # weight of the newest step in the running cost a token
 
@@ -45,14 +46,13 @@ class StepLimits:
     chunk: int
 
 
-def step_limits(config: SchedulerConfig, borrowing: bool, decoding: bool,
+def step_limits(config: SchedulerConfig, borrowing: bool, lone_prompt: bool,
                 seconds_per_token: float | None) -> StepLimits:
-    """``borrowing``: the step computes on a neighbour's cores; ``decoding``: some
-    request on the replica has its whole prompt computed (it decodes this step);
-    ``seconds_per_token``: the replica's measured step time a token, None before
-    any (then no wider step)."""
+    """``borrowing``: the step computes on a neighbour's cores; ``lone_prompt``: the
+    replica's one request is a prompt still to prefill; ``seconds_per_token``: the
+    replica's measured step time a token, None before any (then no wider step)."""
     timed = int(WIDE_STEP_S / seconds_per_token) if seconds_per_token and seconds_per_token > 0 else 0
-    wide = 0 if decoding else min(config.prefill_tokens_without_decodes, timed)
+    wide = min(config.lone_prompt_step_tokens, timed) if lone_prompt else 0
     tokens = max(config.max_num_batched_tokens, wide)
     chunk = max(config.prefill_chunk_size, wide)
     prompt = min(tokens, max(config.borrowed_prefill_tokens, timed)) if borrowing else tokens
