@@ -154,17 +154,17 @@ static void amx_rows_times_tiles(int64_t M, const bf16 *x, int64_t ldx, int64_t 
  * steps, 2 threads, three alternations with the one-tile items): the
  * projections took 2.94-3.03 s of three runs against 3.59-3.72, the whole
  * prefill 5.4-5.6 s against 6.1-6.3; a lone 3,072-token prompt 0.95 s
- * against 1.10.  512 KB groups, or 8 items a thread at 4 or 16, or 128- or
- * 512-row blocks: no better (2 MB the same). */
+ * against 1.10.  256 KB groups, or 8 items a thread at 4 or 16, or 128- or
+ * 512-row blocks: no better (1 MB the same). */
 #ifndef AMX_GROUP_BYTES
-#define AMX_GROUP_BYTES (1 << 20)
+#define AMX_GROUP_BYTES (1 << 19)
 #endif
 #define AMX_ITEMS_PER_THREAD 8
 #define AMX_GROUP_MIN_ROWS 128  /* fewer rows (decode steps) read each weight once anyway: one tile an item */
 
 static int64_t amx_tiles_per_item(int64_t M, int64_t K, int64_t tiles, int nthreads) {
     if (M < AMX_GROUP_MIN_ROWS) return 1;
-    int64_t group = AMX_GROUP_BYTES / (K * 2 * TILE_N * (int64_t)sizeof(bf16));
+    int64_t group = AMX_GROUP_BYTES / (K * TILE_N * (int64_t)sizeof(bf16));  /* a packed tile: K x 32 bf16 */
     if (group < 1) group = 1;
     if (group > tiles) group = tiles;
     const int64_t row_blocks = (M + AMX_M_BLOCK - 1) / AMX_M_BLOCK;
@@ -191,15 +191,8 @@ static void amx_linear_chunk(void *arg, int64_t begin, int64_t end) {
         const int64_t j0 = item / row_blocks * g->group, mb = item % row_blocks;
         const int64_t j1 = j0 + g->group < a->tiles ? j0 + g->group : a->tiles;
         const int64_t m0 = mb * AMX_M_BLOCK, m_end = m0 + AMX_M_BLOCK < a->M ? m0 + AMX_M_BLOCK : a->M;
-        for (int64_t m = m0; m < m_end; m += 2 * AMX_ROWS) {
-            const int64_t left = m_end - m;
-            const int r0 = left < AMX_ROWS ? (int)left : AMX_ROWS;
-            const int r1 = left - r0 < AMX_ROWS ? (int)(left - r0) : AMX_ROWS;
-            if (r0 != cfg[0] || r1 != cfg[1]) amx_configure(cfg[0] = r0, cfg[1] = r1);
-            for (int64_t j = j0; j < j1; j++)
-                amx_block(a->x + m * a->K, a->K, a->K, a->wp + j * tile_elems, a->bias ? a->bias + j * TILE_N : NULL,
-                          a->y + m * a->N + j * TILE_N, NULL, a->N, r0, r1);
-        }
+        amx_rows_times_tiles(m_end - m0, a->x + m0 * a->K, a->K, a->K, a->wp + j0 * tile_elems, tile_elems, j1 - j0,
+                             a->bias ? a->bias + j0 * TILE_N : NULL, a->y + m0 * a->N + j0 * TILE_N, NULL, a->N, cfg);
     }
     _tile_release();
 }

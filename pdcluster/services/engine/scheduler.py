@@ -118,7 +118,7 @@ class Scheduler:
         self._tier_loaded: set[str] = set()  # parked once since their last admission: never twice in a row
         self._admission_paused = False
         # Set by the engine with its thread count: computing on borrowed cores (core_lending.py),
-        # so the step takes at most config.borrowed_prefill_tokens of prompt.
+        # so the step takes a short prompt share (engine/step_limits.py).
         self.borrowing = False
         self.step_cost = StepCost()  # fed by the engine with each step's time: how wide a step may go
         self.fair = FairClock(dict(config.tenant_weights))
