@@ -30,6 +30,7 @@ than narrow steps one after another, which admission's prediction assumes.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from pdcluster.services.engine.config import SchedulerConfig
@@ -51,7 +52,10 @@ def step_limits(config: SchedulerConfig, borrowing: bool, lone_prompt: bool,
     """``borrowing``: the step computes on a neighbour's cores; ``lone_prompt``: the
     replica's one request is a prompt still to prefill; ``seconds_per_token``: the
     replica's measured step time a token, None before any (then no wider step)."""
-    timed = int(WIDE_STEP_S / seconds_per_token) if seconds_per_token and seconds_per_token > 0 else 0
+    measured = seconds_per_token is not None and math.isfinite(seconds_per_token) and seconds_per_token > 0
+    # capped before int(): a denormal cost would make the quotient infinite
+    timed = int(min(WIDE_STEP_S / seconds_per_token, config.max_num_batched_tokens + config.lone_prompt_step_tokens
+                    + config.borrowed_prefill_tokens)) if measured else 0
     wide = min(config.lone_prompt_step_tokens, timed) if lone_prompt else 0
     tokens = max(config.max_num_batched_tokens, wide)
     chunk = max(config.prefill_chunk_size, wide)
@@ -66,8 +70,8 @@ class StepCost:
     seconds_per_token: float | None = None
 
     def observe(self, tokens: int, seconds: float) -> None:
-        if tokens < MIN_SAMPLE_TOKENS or seconds <= 0:
-            return
+        if tokens < MIN_SAMPLE_TOKENS or not (math.isfinite(seconds) and seconds > 0):
+            return  # a NaN kept would stick: every later average would be NaN
         sample = seconds / tokens
         old = self.seconds_per_token
         self.seconds_per_token = sample if old is None else old + SMOOTHING * (sample - old)

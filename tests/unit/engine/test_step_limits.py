@@ -37,6 +37,12 @@ FAST, SLOW = 0.25e-3, 2.3e-3  # seconds a token: AMX on 2 cores, AVX2 on 2 cores
     (COLOCATED, True, True, None, StepLimits(320, 128, 256)),
     (SchedulerConfig(max_num_batched_tokens=1024, prefill_chunk_size=1024), True, False, 0.5e-3,
      StepLimits(1024, 600, 1024)),
+    # costs no clock gives: denormal (as fast as can be: the caps), zero, negative, NaN, infinite (nothing measured)
+    (COLOCATED, True, True, 5e-324, StepLimits(1024, 1024, 1024)),
+    (COLOCATED, True, True, 0.0, StepLimits(320, 128, 256)),
+    (COLOCATED, True, True, -1.0, StepLimits(320, 128, 256)),
+    (COLOCATED, True, True, float("nan"), StepLimits(320, 128, 256)),
+    (COLOCATED, True, True, float("inf"), StepLimits(320, 128, 256)),
     # the rule off (a prefill replica: its steps are whole already)
     (SchedulerConfig(max_num_batched_tokens=1024, prefill_chunk_size=1024), False, True, FAST,
      StepLimits(1024, 1024, 1024)),
@@ -53,8 +59,10 @@ def test_the_cost_a_token_is_smoothed_over_steps_big_enough_to_say():
     assert cost.seconds_per_token == pytest.approx(0.25e-3)
     cost.observe(1000, 0.5)
     assert 0.25e-3 < cost.seconds_per_token < 0.5e-3
-    cost.observe(1000, 0.0)  # a clock that did not move: ignored
-    assert 0.25e-3 < cost.seconds_per_token < 0.5e-3
+    before = cost.seconds_per_token
+    for seconds in (0.0, -1.0, float("nan"), float("inf")):  # a clock that did not move, or nonsense: ignored
+        cost.observe(1000, seconds)
+    assert cost.seconds_per_token == before
 
 
 def test_lone_prompt_step_tokens_is_checked():
