@@ -555,8 +555,10 @@ class ClusterConfig(_Strict):
         decodes = self.mode == "colocated" or pool is self.decode
         return SchedulerConfig(max_num_seqs=s.max_num_seqs, max_num_batched_tokens=batched, prefill_chunk_size=chunk,
                                borrowed_prefill_tokens=s.borrowed_prefill_tokens,
-                               # a lone prompt: no stream to pause, no prompt behind it (engine/step_limits.py)
-                               lone_prompt_step_tokens=s.max_num_batched_tokens if decodes else 0,
+                               # a lone prompt, or streams that can afford a longer step (engine/step_limits.py)
+                               wide_step_tokens=s.max_num_batched_tokens if decodes else 0,
+                               wide_step_tpot_s=self.admission.tpot_slo_s * self.admission.ttft_headroom
+                               if decodes else 0.0,
                                long_prefill_tokens=s.long_prefill_tokens if decodes else 0,
                                kv_watermark_high=s.kv_watermark_high, kv_watermark_low=s.kv_watermark_low,
                                tenant_weights=tuple((t.name, t.weight) for t in self.tenants if t.weight != 1))

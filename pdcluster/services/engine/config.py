@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -18,12 +19,16 @@ class SchedulerConfig:
     # At least this many: as many as the replica computes in 0.3 s where that is more
     # (engine/step_limits.py; on AMX 128-token steps cost a third more a token).
     borrowed_prefill_tokens: int = 128
-    # Prompt tokens a step may take when the replica's one request is a prompt (nothing decodes,
-    # nothing waits): a colocated or decode replica, whose steps take at most prefill_chunk_size
-    # of a prompt, then prefills it in longer steps, which cost less a token (2-core Sapphire
-    # Rapids: a lone 3,072-token prompt 1.0 s against 1.1 s in 256-token steps, 2026-12-06),
-    # as many as it computes in 0.3 s (engine/step_limits.py).  0: no longer steps.
-    lone_prompt_step_tokens: int = 0
+    # Tokens a step may take past the caps above, as many as the replica computes in 0.3 s
+    # (engine/step_limits.py): when its one request is a prompt (nothing decodes, nothing
+    # waits), or, with wide_step_tpot_s set, while every stream it decodes can still end
+    # within that mean TPOT.  Longer steps cost less a token where the kernels are fast
+    # (2-core Sapphire Rapids: a lone 3,072-token prompt 1.0 s against 1.1 s in 256-token
+    # steps, 2026-12-06).  0: no longer steps.
+    wide_step_tokens: int = 0
+    # The mean TPOT the streams keep when a step goes wide beside them (the cluster: its TPOT
+    # SLO x admission headroom on a replica that decodes).  0: only a lone prompt widens a step.
+    wide_step_tpot_s: float = 0.0
     # Prompts with more than this many tokens left to compute yield to shorter ones: a step
     # schedules the short prefills first and gives what is left to at most max_long_prefills
     # long ones, so a short chat is not queued behind a 3,000-token prompt.  0: arrival order.
@@ -40,8 +45,10 @@ class SchedulerConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if not 1 <= self.prefill_chunk_size:
             raise ValueError(f"prefill_chunk_size must be >= 1, got {self.prefill_chunk_size}")
-        if self.lone_prompt_step_tokens < 0:
-            raise ValueError(f"lone_prompt_step_tokens must be >= 0 (0: no longer steps), got {self.lone_prompt_step_tokens}")
+        if self.wide_step_tokens < 0:
+            raise ValueError(f"wide_step_tokens must be >= 0 (0: no longer steps), got {self.wide_step_tokens}")
+        if not (self.wide_step_tpot_s >= 0 and math.isfinite(self.wide_step_tpot_s)):
+            raise ValueError(f"wide_step_tpot_s must be a finite number >= 0 (0: off), got {self.wide_step_tpot_s}")
         if not 1 <= self.borrowed_prefill_tokens:
             raise ValueError(f"borrowed_prefill_tokens must be >= 1, got {self.borrowed_prefill_tokens}")
         if self.long_prefill_tokens < 0:

@@ -415,7 +415,8 @@ class Engine:
         self.num_steps += 1
         started = time.perf_counter()
         sampled = self.runner.execute(out)
-        self.scheduler.step_cost.observe(out.num_tokens, time.perf_counter() - started)
+        self.scheduler.step_cost.observe(out.num_tokens, time.perf_counter() - started,
+                                         sum(e.num_new_tokens for e in out.prefills))
         if sampled.failed:
             outputs += [self._fail(s.request, sampled.failed[s.request.request_id])
                         for s in out.scheduled if s.request.request_id in sampled.failed]

@@ -53,7 +53,7 @@ from pdcluster.services.engine.kv_cache import KVCache, PrefixMatch
 from pdcluster.services.engine.kv_tiers import KVTiers, LandedLoad
 from pdcluster.services.engine.request import FinishReason, Request, RequestStatus
 from pdcluster.services.engine.spec_decode import Speculator
-from pdcluster.services.engine.step_limits import StepCost, step_limits
+from pdcluster.services.engine.step_limits import StepCost, Stream, step_limits, widest_step
 
 
 @dataclass
@@ -191,6 +191,7 @@ class Scheduler:
         req.num_computed_tokens = req.num_tokens
         self.commit_computed_blocks(req)
         req.output_token_ids.append(first_token_id)
+        req.first_token_s = time.monotonic()  # its TPOT's clock (step_limits.tpot_room_s) starts here
         req.status = RequestStatus.RUNNING
         _insert_by_priority(self.running, req)
         return req
@@ -220,7 +221,8 @@ class Scheduler:
         if self.tiers is not None:
             self.land_tier_loads()
         out = SchedulerOutput()
-        limits = step_limits(self.config, self.borrowing, self._lone_prompt(), self.step_cost.seconds_per_token)
+        limits = step_limits(self.config, self.borrowing, self._lone_prompt(), self.step_cost.seconds_per_token,
+                             self._widest_step())
         budget, prompt_left, chunk = limits.tokens, limits.prompt_tokens, limits.chunk
         deferred: list[Request] = []  # long prefills: they take what the rest of the step leaves
         i = 0
@@ -262,6 +264,23 @@ class Scheduler:
             return False
         req = self.running[0] if self.running else self.waiting[0] if self.waiting else None
         return req is not None and req.num_computed_tokens < req.num_prompt_tokens
+
+    def _widest_step(self) -> float | None:
+        """The most prompt tokens the next step may take with every stream here still able to end
+        within ``wide_step_tpot_s`` (engine/step_limits.py); None with the rule off or untimed."""
+        cost = self.step_cost
+        if self.config.wide_step_tpot_s <= 0 or cost.decode_step_s is None or cost.seconds_per_token is None:
+            return None
+        now = time.monotonic()
+        streams, queued = [], 0
+        for r in self.running:
+            if r.num_computed_tokens < r.num_prompt_tokens:
+                queued += r.num_prompt_tokens - r.num_computed_tokens
+            elif r.first_token_s is not None and r.output_token_ids:
+                # a resumed stream's tokens from another replica count as taking no time here
+                streams.append(Stream(now - r.first_token_s, len(r.output_token_ids), r.params.max_tokens))
+        queued += sum(r.num_tokens for r in self.waiting)
+        return widest_step(streams, self.config.wide_step_tpot_s, cost.decode_step_s, cost.seconds_per_token, queued)
 
     def _is_long(self, req: Request, done: int | None = None) -> bool:
         """More than ``long_prefill_tokens`` of its prompt left to compute past ``done`` tokens
@@ -472,6 +491,8 @@ class Scheduler:
             req.num_computed_tokens += s.num_new_tokens
             self.commit_computed_blocks(req)
             if req.request_id in sampled:
+                if req.first_token_s is None:
+                    req.first_token_s = time.monotonic()
                 req.output_token_ids.append(sampled[req.request_id])
                 got_token.append(req)
         return got_token
