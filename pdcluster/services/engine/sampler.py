@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pdcluster.kernels import ops
+from pdcluster.services.engine.categorical import draw
 from pdcluster.services.engine.errors import RequestFailedError
 from pdcluster.services.engine.grammar_guide import GrammarGuide
 from pdcluster.services.engine.logprobs import TokenLogprob, token_logprobs
@@ -77,7 +78,7 @@ class Sampler:
         draws what the original would have.  Unseeded: one OS-seeded stream."""
         g = self._generators.get(request_id)
         if g is None:
-            g = torch.Generator(device=device)  # multinomial wants it where the probabilities are
+            g = torch.Generator(device=device)  # the draw wants it where the probabilities are
             if seed is None:
                 g.seed()
             self._generators[request_id] = g
@@ -133,11 +134,10 @@ class Sampler:
                f"top_k={p.top_k}) gave no valid probabilities; retry, or use temperature 0")
         try:
             probs = probabilities(row, p)
-            if not bool(torch.isfinite(probs).all()) or not float(probs.sum()) > 0:
-                return why
             g = self._generator(request_id, seed, row.device, self._output_position(request_id))
-            return int(torch.multinomial(probs, 1, generator=g).item())
-        except RuntimeError as exc:  # multinomial's own check, or a generator that will not seed
+            token = draw(probs, g)
+            return why if token is None else token
+        except RuntimeError as exc:  # a generator that will not seed
             return f"{why} ({exc})"
 
     def verify_batch(self, logits: torch.Tensor, drafted: Sequence) -> SampleResult:

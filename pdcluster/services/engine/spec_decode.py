@@ -42,6 +42,7 @@ from typing import Protocol
 
 import torch
 
+from pdcluster.services.engine.categorical import draw
 from pdcluster.services.engine.config import SpeculativeConfig
 from pdcluster.services.engine.request import Request
 from pdcluster.services.engine.spec_ngram import NgramProposer
@@ -70,7 +71,9 @@ def verify_sampled(probs: Callable[[int], torch.Tensor], draft: Sequence[int],
     cost nothing."""
     out: list[int] = []
     for j in range(len(draft) + 1):
-        token = int(torch.multinomial(probs(j), 1, generator=generator(j)).item())
+        token = draw(probs(j), generator(j))
+        if token is None:
+            raise RuntimeError("the target distribution has no valid mass")
         out.append(token)
         if j == len(draft) or token != draft[j]:
             break

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from pdcluster.services.engine.categorical import draw
 from pdcluster.services.engine.errors import InvalidRequestError
 from pdcluster.services.engine.penalties import Penalties
 from pdcluster.services.engine.random_stream import position_seed
@@ -106,7 +107,7 @@ def test_sampled_rows_draw_from_the_penalised_logits_then_temperature():
         probs = probabilities(reference(logits[row], p, histories[rid]), p)
         # The draw for output position k is seeded from (seed, k): random_stream.py.
         seed = position_seed(3, len(histories[rid].output_token_ids))
-        want = int(torch.multinomial(probs, 1, generator=torch.Generator().manual_seed(seed)))
+        want = draw(probs, torch.Generator().manual_seed(seed))
         assert tokens[row] == want, rid
 
 

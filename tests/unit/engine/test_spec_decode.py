@@ -4,6 +4,7 @@ and the scheduler's roll-back of rejected drafts (exact block ids)."""
 
 import torch
 
+from pdcluster.services.engine.categorical import draw
 from pdcluster.services.engine.config import SchedulerConfig, SpeculativeConfig
 from pdcluster.services.engine.kv_cache import KVCache, KVCacheSpec
 from pdcluster.services.engine.request import Request
@@ -63,7 +64,7 @@ def test_a_seeded_verification_draws_what_plain_sampling_draws():
     def gen(j):  # the random stream: one generator per output position
         return torch.Generator().manual_seed(100 + j)
 
-    plain = [int(torch.multinomial(p[j], 1, generator=gen(j))) for j in range(3)]
+    plain = [draw(p[j], gen(j)) for j in range(3)]
     out = verify_sampled(lambda j: p[j], plain[:2], gen)
     assert out == plain
 
