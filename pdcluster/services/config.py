@@ -191,9 +191,10 @@ class SchedulerSettings(_Strict):
         256, ge=1, description="prompt tokens a replica that decodes (a decode replica: its own prompts, resumed "
                                "streams; a colocated replica: every prompt) prefills per step beside its decodes: "
                                "bounds the pause its streams see (256 tokens: about 0.3 s on one 2-core-machine "
-                               "thread).  With one request on the replica, a prompt, a step takes up to "
-                               "max_num_batched_tokens of it, as many as it computes in 0.3 s by its measured "
-                               "cost a token (engine/step_limits.py)")
+                               "thread).  With one request on the replica, a prompt, or beside streams that can "
+                               "still end within admission.tpot_slo_s x ttft_headroom, a step takes up to "
+                               "max_num_batched_tokens, as many as it computes in 0.3 s by its measured cost a "
+                               "token (engine/step_limits.py)")
     long_prefill_tokens: int = Field(
         512, ge=0, description="replicas that decode (colocated, and decode replicas prefilling their own prompts) "
                                "prefill prompts with at most this many tokens left to compute ahead of longer "
