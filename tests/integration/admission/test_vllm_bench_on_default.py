@@ -21,9 +21,9 @@ the closed loop, stayed within 0.83 s.  Likely why
 (from the model, not read from the refusals): a second 1024-token prompt queued behind the first
 lands near 1.7 s, past 0.8 x the SLO (admission.ttft_headroom), and the client re-sends at once,
 spending its 24 prompts on refusals while the first is served.  On a 2-vCPU Sapphire Rapids (AMX;
-Dec 6, after wide steps beside streams that can afford them, ce562a1, and the inverse-CDF sampler,
-8894498: vLLM's client samples at temperature 1) both shapes completed in 2 of 3 runs; the third
-completed 7 of the 24 at c8: eight simultaneous 1,024-token prompts get their first tokens within
+Dec 6, after wide steps beside streams that can afford them, ce562a1, and a faster sampler, 8894498:
+vLLM's client samples at temperature 1) both shapes completed in 2 of 3 runs; the third completed 7
+of the 24 at c8, as did the same two shapes run by hand at ea8eac1: eight simultaneous 1,024-token prompts get their first tokens within
 about 1.7 s there, and the 7th and 8th are predicted (with their tail) over 0.8 x the 2 s SLO, which
 the overload case of bench/load/mixed_goodput.py needs to keep its admitted TTFT p99 within the SLO."""
 
