@@ -191,7 +191,7 @@ class Scheduler:
         req.num_computed_tokens = req.num_tokens
         self.commit_computed_blocks(req)
         req.output_token_ids.append(first_token_id)
-        req.first_token_s = time.monotonic()  # its TPOT's clock (step_limits.tpot_room_s) starts here
+        req.first_token_s = time.monotonic()  # its TPOT's clock (step_limits.widest_step) starts here
         req.status = RequestStatus.RUNNING
         _insert_by_priority(self.running, req)
         return req

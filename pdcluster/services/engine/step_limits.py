@@ -19,16 +19,20 @@ streams' pause stays short and the prompts queued behind get their turn soon
 replica, a prompt (nothing decodes, nothing waits), neither reason holds, and a
 longer step costs less a token where the kernels are fast (2-core Sapphire
 Rapids, AMX: a lone 3,072-token prompt 1.0 s in wide steps, 1.1 s in 256-token
-ones), so the step may take up to ``lone_prompt_step_tokens`` -- as many as
-the replica computes in WIDE_STEP_S by its own measured cost a token
+ones), so the step may take up to ``wide_step_tokens`` -- as many as the
+replica computes in WIDE_STEP_S by its own measured cost a token
 (:class:`StepCost`), since a request that arrives meanwhile waits for the step:
 on a 2-core AVX2 machine (about 2.3 ms a token) that is fewer than the caps
-already allow, and steps stay as they were.  Not with several prompts queued:
-one wide step gives them all their first token at its end, later on average
-than narrow steps one after another, which admission's prediction assumes.
+already allow, and steps stay as they were.  With ``wide_step_tpot_s`` off, not
+with several prompts queued: short prompts sharing one wide step all get their
+first token at its end, later on average than in narrow steps one after another
+(wide steps whenever nothing decoded read a TTFT p99 of 2.01 s against 1.89 s
+in mixed_goodput's overload case, one run each, 2026-12-06).
 
 With ``wide_step_tpot_s`` set (the cluster sets the TPOT SLO x headroom on the
-replicas that decode), a step also goes wide beside streams that can afford it.
+replicas that decode), a step also goes wide beside streams that can afford it,
+and while nothing decodes (the overload case read a TTFT p99 of 1.84 s in two
+runs with it, 2026-12-06).
 A stream's TPOT is its mean gap between tokens: (time since its first token +
 the steps still to come) / (max_tokens - 1).  Its steps to come each take the
 decode rows' time, plus the prompt work queued at the replica that runs beside
