@@ -72,8 +72,10 @@ def widest_step(streams: list[Stream], tpot_s: float, decode_step_s: float, seco
     """The most tokens a step of the queued prompts may take with every stream still able to
     end within a mean TPOT of ``tpot_s`` (pure; inf where no stream limits it, 0 where one is
     past keeping it whatever the width).  Each step from the next on takes ``decode_step_s``
-    for the decode rows plus ``seconds_per_token`` a prompt token it computes."""
+    for the decode rows plus ``seconds_per_token`` a prompt token it computes (none: no limit)."""
     widest = math.inf
+    if not seconds_per_token > 0:
+        return widest
     for s in streams:
         gaps = s.max_tokens - 1
         steps = s.max_tokens - s.tokens  # the next one included

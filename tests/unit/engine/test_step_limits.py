@@ -130,6 +130,7 @@ TPOT, DECODE_STEP, TOKEN = 0.08, 0.02, 0.2e-3  # the cluster's TPOT x headroom; 
 ])
 def test_a_step_is_as_wide_as_the_tightest_stream_affords(streams, queued, expected):
     assert widest_step(streams, TPOT, DECODE_STEP, TOKEN, queued) == expected
+    assert widest_step(streams, TPOT, DECODE_STEP, 0.0, queued) == math.inf  # prompt work that costs nothing
 
 
 @pytest.mark.parametrize("widest,lone,expected", [
