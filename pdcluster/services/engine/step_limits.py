@@ -129,10 +129,10 @@ class StepCost:
         if not (math.isfinite(seconds) and seconds > 0):
             return  # a NaN kept would stick: every later average would be NaN
         if prompt_tokens == 0 and tokens > 0:
-            old = self.decode_step_s
-            self.decode_step_s = seconds if old is None else old + SMOOTHING * (seconds - old)
-        if tokens < MIN_SAMPLE_TOKENS:
-            return
-        sample = seconds / tokens
-        old = self.seconds_per_token
-        self.seconds_per_token = sample if old is None else old + SMOOTHING * (sample - old)
+            self.decode_step_s = _smoothed(self.decode_step_s, seconds)
+        if tokens >= MIN_SAMPLE_TOKENS:
+            self.seconds_per_token = _smoothed(self.seconds_per_token, seconds / tokens)
+
+
+def _smoothed(old: float | None, sample: float) -> float:
+    return sample if old is None else old + SMOOTHING * (sample - old)

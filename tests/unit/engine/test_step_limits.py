@@ -5,6 +5,7 @@ TPOT affords them."""
 
 import dataclasses
 import math
+import types
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from pdcluster.services.engine.config import SchedulerConfig
 from pdcluster.services.engine.kv_cache import KVCache, KVCacheSpec
 from pdcluster.services.engine.request import FinishReason, Request
 from pdcluster.services.engine.sampling_params import greedy
+from pdcluster.services.engine import scheduler as scheduler_module
 from pdcluster.services.engine.scheduler import Scheduler
 from pdcluster.services.engine.step_limits import (MIN_SAMPLE_TOKENS, WIDE_STEP_S, StepCost, StepLimits, Stream,
                                                    step_limits, widest_step)
@@ -161,7 +163,9 @@ def test_the_decode_step_time_is_measured_on_steps_without_prompt_tokens():
     assert cost.decode_step_s == before
 
 
-def test_a_burst_beside_a_young_stream_takes_wide_steps_and_a_stream_near_its_end_brings_the_caps_back():
+def test_a_burst_beside_a_young_stream_takes_wide_steps_and_a_stream_near_its_end_brings_the_caps_back(monkeypatch):
+    now = [1000.0]  # the scheduler's clock, stopped: the streams' ages are what the test sets, not wall time
+    monkeypatch.setattr(scheduler_module, "time", types.SimpleNamespace(monotonic=lambda: now[0]))
     kv = KVCache(KVCacheSpec(2048, 16, 1, 1, 2, torch.float32))
     s = Scheduler(dataclasses.replace(COLOCATED, wide_step_tpot_s=TPOT), kv, hash_seed=42)
     s.step_cost.seconds_per_token, s.step_cost.decode_step_s = TOKEN, DECODE_STEP
@@ -174,6 +178,6 @@ def test_a_burst_beside_a_young_stream_takes_wide_steps_and_a_stream_near_its_en
     out = _step(s)
     assert [e.request.request_id for e in out.decodes] == ["a"]
     assert sum(e.num_new_tokens for e in out.prefills) == 1023  # the wide cap, less a's decode row
-    a.first_token_s -= 2.4  # a has spent its TPOT (0.08 x 31 = 2.48 s) on its first gap: the caps
+    now[0] += 2.4  # a has spent its TPOT (0.08 x 31 = 2.48 s) on its first gap: the caps
     out = _step(s)
     assert sum(e.num_new_tokens for e in out.prefills) <= COLOCATED.max_num_batched_tokens - 1
