@@ -28,5 +28,6 @@ def draw(probs: torch.Tensor, generator: torch.Generator) -> int | None:
     total = float(probs.sum())
     if not (math.isfinite(total) and total > 0):
         return None
-    races = torch.rand(probs.shape, dtype=torch.float64, generator=generator).log_().neg_()  # Exp(1), never 0
+    races = torch.rand(probs.shape, dtype=torch.float64, device=probs.device,  # where the generator is
+                       generator=generator).log_().neg_()  # Exp(1), never 0
     return int(torch.argmax(probs.double() / races))

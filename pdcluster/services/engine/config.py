@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 
@@ -47,8 +46,8 @@ class SchedulerConfig:
             raise ValueError(f"prefill_chunk_size must be >= 1, got {self.prefill_chunk_size}")
         if self.wide_step_tokens < 0:
             raise ValueError(f"wide_step_tokens must be >= 0 (0: no longer steps), got {self.wide_step_tokens}")
-        if not (self.wide_step_tpot_s >= 0 and math.isfinite(self.wide_step_tpot_s)):
-            raise ValueError(f"wide_step_tpot_s must be a finite number >= 0 (0: off), got {self.wide_step_tpot_s}")
+        if not self.wide_step_tpot_s >= 0:  # NaN fails too; inf: every stream affords any width
+            raise ValueError(f"wide_step_tpot_s must be a number >= 0 (0: off), got {self.wide_step_tpot_s}")
         if not 1 <= self.borrowed_prefill_tokens:
             raise ValueError(f"borrowed_prefill_tokens must be >= 1, got {self.borrowed_prefill_tokens}")
         if self.long_prefill_tokens < 0:

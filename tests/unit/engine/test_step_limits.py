@@ -10,6 +10,7 @@ import types
 import pytest
 import torch
 
+from pdcluster.services.config import ClusterConfig
 from pdcluster.services.engine.config import SchedulerConfig
 from pdcluster.services.engine.kv_cache import KVCache, KVCacheSpec
 from pdcluster.services.engine.request import FinishReason, Request
@@ -75,9 +76,19 @@ def test_the_cost_a_token_is_smoothed_over_steps_big_enough_to_say():
 def test_wide_step_settings_are_checked():
     with pytest.raises(ValueError, match="wide_step_tokens"):
         SchedulerConfig(wide_step_tokens=-1)
-    for bad in (-0.1, float("nan"), float("inf")):
+    for bad in (-0.1, float("nan")):
         with pytest.raises(ValueError, match="wide_step_tpot_s"):
             SchedulerConfig(wide_step_tpot_s=bad)
+
+
+@pytest.mark.parametrize("tpot_slo_s", [float("inf"), 1e308, 1e-300])
+def test_any_tpot_slo_the_cluster_config_takes_gives_an_engine_config(tpot_slo_s):
+    """admission.tpot_slo_s only has to be > 0: the replicas' wide-step TPOT follows it, inf included
+    (no stream then limits a step), never a start-up error about a setting the user did not write."""
+    cluster = ClusterConfig.model_validate({"mode": "colocated", "admission": {"tpot_slo_s": tpot_slo_s}})
+    tpot = cluster.engine_config(cluster.colocated).scheduler.wide_step_tpot_s
+    assert tpot == tpot_slo_s * cluster.admission.ttft_headroom
+    assert widest_step([Stream(0.0, 1, 32)], tpot, DECODE_STEP, TOKEN, 8192) >= 0
 
 
 def _scheduler() -> Scheduler:
