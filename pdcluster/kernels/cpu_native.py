@@ -147,6 +147,9 @@ _SIGNATURES = {
                                 _i64, _i64, _f32, _int, _int, _ptr, _ptr, _i64, _ptr, _ptr],
 }
 
+# Only in the AVX-512 builds (csrc/greedy_head.h; cpu_kernels.c): the greedy head's int8 screen
+_SCREEN_SIGNATURES = {"pd_greedy_head_screen": [_ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _int]}
+
 # Only in the amx_bf16 build (csrc/amx_linear.h): whether the tiles run here, and which linears take them.
 _AMX_SIGNATURES = {"pd_amx_ready": [], "pd_linear_uses_amx": [_i64, _i64, _i64]}
 
@@ -252,6 +255,9 @@ def _loaded() -> tuple[ctypes.CDLL, Variant] | None:
         for name, argtypes in _SIGNATURES.items():
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = argtypes, None
+        for name, argtypes in _SCREEN_SIGNATURES.items() if candidate.source.name == "cpu_kernels.c" else ():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = argtypes, ctypes.c_int64
         for name, argtypes in _AMX_SIGNATURES.items() if candidate.name == "amx_bf16" else ():
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = argtypes, ctypes.c_int

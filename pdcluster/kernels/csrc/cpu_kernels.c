@@ -685,3 +685,4 @@ static void rope_rows(bf16 *x, int64_t row_stride, int64_t t0, int64_t t1, int64
 
 #include "portable_kernels.h"
 #include "logits_argmax.h"
+#include "greedy_head.h"

@@ -47,6 +47,14 @@ def replay_start(s: ScheduledRequest, exact_resume: bool) -> int:
     return min(end, max(r.num_computed_tokens, r.num_prompt_tokens))
 
 
+def _plain_greedy(req: Request) -> bool:
+    """The row needs only its argmax of the raw logits: greedy, nothing that reads or changes the logits
+    (logprobs, prompt logprobs, penalties, logit bias, min_tokens, a grammar)."""
+    p = req.params
+    return (p.greedy and not p.adjusts_logits and p.logprobs is None and p.guided is None
+            and req.draw.prompt_logprobs is None)
+
+
 class ModelRunner:
     def __init__(self, model: LlamaModel, kv: KVCache, device: str | torch.device = "cpu",
                  eos_token_ids: Sequence[int] = (), histories: Mapping[str, TokenHistory] | None = None,
@@ -159,6 +167,13 @@ class ModelRunner:
         """Runs the step; returns the sampled token of each request whose
         prompt is done, and which of them failed (non-finite logits)."""
         batch, to_sample, spans, drafted = self.build_batch(out)
+        if to_sample and not spans and not drafted and all(_plain_greedy(r) for r in to_sample) \
+                and hasattr(self.model, "greedy_tokens"):
+            x = self.model.final_hidden(batch, self.kv.kv_pool)
+            tokens = self.model.greedy_tokens(x)
+            if tokens is not None:
+                return SampleResult(dict(zip((r.request_id for r in to_sample), tokens)), {})
+            return self._sample(self.model.logits(x), to_sample)
         logits = self.model(batch, self.kv.kv_pool)
         n_sampled = len(to_sample)
         n_verify = sum(s.num_new_tokens for s in drafted)

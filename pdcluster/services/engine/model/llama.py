@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pdcluster.kernels import ops
+from pdcluster.kernels import greedy_head, ops
 from pdcluster.kernels.kv_quant import is_quantized
 from pdcluster.services.engine.forward_batch import ForwardBatch
 from pdcluster.services.engine.model.config import ModelConfig
@@ -110,6 +110,8 @@ class LlamaModel(nn.Module):
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     lm_head_packed: torch.Tensor | None = None
+    # the int8 screen that gives greedy rows their token without the whole bf16 head (kernels/greedy_head.py)
+    greedy_screen: greedy_head.ScreenedHead | None = None
     # weight_dtype int8: the LM head's own int8 copy (codes [vocab, hidden] or packed) and its group scales
     lm_head_int8: torch.Tensor | None = None
     lm_head_scales: torch.Tensor | None = None
@@ -157,6 +159,9 @@ class LlamaModel(nn.Module):
             self.lm_head_packed = packed if packed is not self.embed_tokens.weight else None
         self._stream_weights_from_huge_pages()
         self.native_stack = self._native_stack()
+        head = self.lm_head_weight
+        if self.greedy_screen is None and head.dim() == 4 and head.dtype is torch.bfloat16:
+            self.greedy_screen = greedy_head.build(ops.unpack_linear_weight(head))
 
     def _stream_weights_from_huge_pages(self) -> None:
         """Moves what a decode step reads end to end (every projection and the LM head's own
@@ -215,6 +220,11 @@ class LlamaModel(nn.Module):
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_pool: torch.Tensor) -> torch.Tensor:
         """Returns fp32 logits [len(batch.logits_indices), vocab]."""
+        return self.logits(self.final_hidden(batch, kv_pool))
+
+    @torch.inference_mode()
+    def final_hidden(self, batch: ForwardBatch, kv_pool: torch.Tensor) -> torch.Tensor:
+        """The normed last hidden states of the rows in ``batch.logits_indices``: what the LM head takes."""
         eps = self.cfg.rms_norm_eps
         hidden = self.embed_tokens(batch.input_ids)
         k_shift, rotate = self.pool_k_shift(kv_pool), self.rotates_kv(kv_pool)
@@ -234,7 +244,21 @@ class LlamaModel(nn.Module):
         residual = residual.index_select(0, batch.logits_indices)
         x = x.index_select(0, batch.logits_indices)
         x, _ = ops.fused_add_rmsnorm(x, residual, self.norm, eps)
+        return x
+
+    @torch.inference_mode()
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """fp32 logits of :meth:`final_hidden`'s rows."""
         return ops.linear(x, self.lm_head_weight, None, self.lm_head_scales).float()
+
+    @torch.inference_mode()
+    def greedy_tokens(self, x: torch.Tensor) -> list[int] | None:
+        """Each row's argmax of :meth:`logits` (``torch.argmax``'s tie-break), from the int8 screen and
+        the candidates' exact logits; None where the screen does not run or cannot decide: take the logits."""
+        if self.greedy_screen is None or x.shape[0] > greedy_head.SCREEN_ROWS:
+            return None
+        return greedy_head.choose(self.greedy_screen, self.lm_head_weight, x)
+
 
     def load_hf_state(self, state: dict[str, torch.Tensor]) -> None:
         """Loads weights named as in Hugging Face checkpoints, fusing q/k/v and
