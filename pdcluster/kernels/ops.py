@@ -33,10 +33,11 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from pdcluster.kernels import cpu_native, int8_linear
+from pdcluster.kernels import cpu_native, greedy_head, int8_linear
 from pdcluster.kernels.activation import silu_mul_ref
 from pdcluster.kernels.block_copy import gather_blocks_ref, scatter_blocks_ref
 from pdcluster.kernels.cpu_native import DecoderStack
+from pdcluster.kernels.greedy_head import ScreenedHead
 from pdcluster.kernels.huge_pages import on_huge_pages
 from pdcluster.kernels.kv_quant import is_quantized
 from pdcluster.kernels.int8_linear import dequantize as dequantize_int8_weight
@@ -55,8 +56,22 @@ __all__ = [
     "unpack_linear_weight", "pack_int8_linear_weight", "quantize_int8_weight", "int8_weight_from_gguf",
     "dequantize_int8_weight", "silu_mul", "triton_available", "rotate_heads", "rotates",
     "ChunkKV", "DecoderStack", "decoder_stack", "decoder_stack_takes", "set_native_threads", "native_variant", "rope_cos_sin",
-    "on_huge_pages", "argmax_rows",
+    "on_huge_pages", "argmax_rows", "build_greedy_head", "greedy_choice", "GREEDY_SCREEN_ROWS", "ScreenedHead",
 ]
+
+GREEDY_SCREEN_ROWS = greedy_head.SCREEN_ROWS
+
+
+def build_greedy_head(weight: torch.Tensor) -> ScreenedHead | None:
+    """The int8 screen of a bf16 LM head ``weight`` [V, K] (kernels/greedy_head.py), or None where it
+    cannot run here."""
+    return greedy_head.build(weight)
+
+
+def greedy_choice(head: ScreenedHead, packed: torch.Tensor, x: torch.Tensor) -> list[int] | None:
+    """Each row's argmax of ``x`` times the packed bf16 head, through the screen ``head``; None: run the
+    full head."""
+    return greedy_head.choose(head, packed, x)
 
 
 @functools.cache

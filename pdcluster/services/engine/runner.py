@@ -68,6 +68,9 @@ class ModelRunner:
         self.block_size = kv.spec.block_size
         self.exact_resume = exact_resume
         self.sampler = Sampler(eos_token_ids, histories)
+        # Plain greedy rows take their token from the model's screened head where it has one
+        # (LlamaModel.greedy_tokens), not from the sampler's logits; off: every row through the sampler.
+        self.screen_greedy = True
 
     def build_batch(self, out: SchedulerOutput
                     ) -> tuple[ForwardBatch, list[Request], list[PromptSpan], list[ScheduledRequest]]:
@@ -167,8 +170,8 @@ class ModelRunner:
         """Runs the step; returns the sampled token of each request whose
         prompt is done, and which of them failed (non-finite logits)."""
         batch, to_sample, spans, drafted = self.build_batch(out)
-        if to_sample and not spans and not drafted and all(_plain_greedy(r) for r in to_sample) \
-                and hasattr(self.model, "greedy_tokens"):
+        if self.screen_greedy and to_sample and not spans and not drafted \
+                and all(_plain_greedy(r) for r in to_sample) and hasattr(self.model, "greedy_tokens"):
             x = self.model.final_hidden(batch, self.kv.kv_pool)
             tokens = self.model.greedy_tokens(x)
             if tokens is not None:

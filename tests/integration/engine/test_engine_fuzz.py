@@ -53,6 +53,7 @@ def fuzz_engine(smol_bf16):
             logits[rows] = math.nan
         return inner(logits, rids, params, seeds)
     engine.runner.sampler.sample_batch = sample_batch
+    engine.runner.screen_greedy = False  # greedy rows too: the poison is in the sampler's logits
     aeng = AsyncEngine(engine)
     yield aeng, poisoned
     asyncio.run(aeng.shutdown())

@@ -46,6 +46,7 @@ def poison(engine, request_ids: set[str], at_sample: int = 1):
             logits[rows] = math.nan
         return inner(logits, rids, params, seeds)
     engine.runner.sampler.sample_batch = sample_batch
+    engine.runner.screen_greedy = False  # greedy rows too: the poison is in the sampler's logits
 
 
 @pytest.mark.parametrize("temperature", [5e-324, 1e-300, 1e-40, 1e-8])

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pdcluster.kernels import greedy_head, ops
+from pdcluster.kernels import ops
 from pdcluster.kernels.kv_quant import is_quantized
 from pdcluster.services.engine.forward_batch import ForwardBatch
 from pdcluster.services.engine.model.config import ModelConfig
@@ -111,7 +111,7 @@ class LlamaModel(nn.Module):
 
     lm_head_packed: torch.Tensor | None = None
     # the int8 screen that gives greedy rows their token without the whole bf16 head (kernels/greedy_head.py)
-    greedy_screen: greedy_head.ScreenedHead | None = None
+    greedy_screen: ops.ScreenedHead | None = None
     # weight_dtype int8: the LM head's own int8 copy (codes [vocab, hidden] or packed) and its group scales
     lm_head_int8: torch.Tensor | None = None
     lm_head_scales: torch.Tensor | None = None
@@ -161,7 +161,7 @@ class LlamaModel(nn.Module):
         self.native_stack = self._native_stack()
         head = self.lm_head_weight
         if self.greedy_screen is None and head.dim() == 4 and head.dtype is torch.bfloat16:
-            self.greedy_screen = greedy_head.build(ops.unpack_linear_weight(head))
+            self.greedy_screen = ops.build_greedy_head(ops.unpack_linear_weight(head))
 
     def _stream_weights_from_huge_pages(self) -> None:
         """Moves what a decode step reads end to end (every projection and the LM head's own
@@ -255,9 +255,9 @@ class LlamaModel(nn.Module):
     def greedy_tokens(self, x: torch.Tensor) -> list[int] | None:
         """Each row's argmax of :meth:`logits` (``torch.argmax``'s tie-break), from the int8 screen and
         the candidates' exact logits; None where the screen does not run or cannot decide: take the logits."""
-        if self.greedy_screen is None or x.shape[0] > greedy_head.SCREEN_ROWS:
+        if self.greedy_screen is None or x.shape[0] > ops.GREEDY_SCREEN_ROWS:
             return None
-        return greedy_head.choose(self.greedy_screen, self.lm_head_weight, x)
+        return ops.greedy_choice(self.greedy_screen, self.lm_head_weight, x)
 
 
     def load_hf_state(self, state: dict[str, torch.Tensor]) -> None:
