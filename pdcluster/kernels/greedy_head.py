@@ -35,9 +35,9 @@ from pdcluster.kernels.huge_pages import on_huge_pages
 
 COLS, GROUP = 16, 32          # GH_COLS, GH_K in csrc/greedy_head.h
 GROUP_BYTES = COLS * GROUP + 3 * COLS * 2
-MAX_ROWS = 16                 # at most GH_MAX_ROWS (64); past 4 rows the full head was as fast (measured)
-SCREEN_ROWS = 4
-MAX_CANDIDATE_TILES = 64      # past this many 32-column tiles, the full head is as cheap
+MAX_ROWS = 16                 # at most GH_MAX_ROWS (64)
+SCREEN_ROWS = 1  # in the engine, 4 and 8 rows ran slower with the screen than without (AMD EPYC Zen 4)
+CANDIDATE_SHARE = 8           # at most 1 / 8 of the head's tiles as candidates: their exact logits cost 1 / 8 of it
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ class ScreenedHead:
 
 def scratch_bytes(vocab: int, rows: int = MAX_ROWS) -> int:
     """What pd_greedy_head_screen needs for ``rows`` rows (csrc/greedy_head.h)."""
-    return rows * vocab * 4 + vocab * 4 + rows * (vocab // COLS) * 4 + rows * (vocab // 32)
+    return rows * vocab * 4 + rows * (vocab // COLS) * 4 + rows * (vocab // 32)
 
 
 def _round_up_bf16(t: torch.Tensor) -> torch.Tensor:
@@ -132,7 +132,7 @@ def choose(head: ScreenedHead, packed_bf16: torch.Tensor, x: torch.Tensor) -> li
     """Each row's argmax over ``x @ W^T`` (bf16 ``x`` [M, K]; ``packed_bf16``: W as
     ``cpu_native.pack_weight`` packs it, what the full head runs), or None: run the full head."""
     tiles = candidate_tiles(head, x)
-    if tiles is None or len(tiles) > MAX_CANDIDATE_TILES:
+    if tiles is None or len(tiles) * CANDIDATE_SHARE > head.vocab // 32:
         return None
     exact = cpu_native.linear(x, packed_bf16.index_select(0, tiles)).float()
     if not bool(torch.isfinite(exact).all()):

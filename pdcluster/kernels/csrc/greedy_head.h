@@ -15,8 +15,8 @@
  *     a[r, n] = sum_g d[n, g] s[r, g] sum_k q[n, k] xq[r, k]
  *     |W x - a| <= sum_g E[n, g] |x_g|_1 + L[n, g] s[r, g] / 2     (+ fp32 rounding, below)
  *
- * One bound per column serves every row of the call: it takes each group's
- * largest |x_g|_1 and s over the rows.  The fp32 rounding of the exact kernel (576 bf16
+ * Each row has its own bound (a row with a large activation does not widen
+ * another's).  The fp32 rounding of the exact kernel (576 bf16
  * products in fp32) and of a is under 1e-4 of sum_k |W x|, itself under
  * sum_g (L + 32 E) * 127 s: the coefficients below fold that in, with 0.1%
  * to spare.  A column n is ruled out for row r when bf16(a + B) < bf16(t_r),
@@ -31,7 +31,7 @@
 #define GH_GROUP_BYTES (GH_CODES + 3 * GH_COLS * 2)  /* codes, d fp16, L bf16, E bf16 */
 #define GH_MAX_ROWS 64
 #ifndef GH_PREFETCH
-#define GH_PREFETCH 4096              /* bytes ahead of the group being read */
+#define GH_PREFETCH 8192              /* bytes ahead of the block being read */
 #endif
 #define GH_MAX_K 8192
 
@@ -41,8 +41,8 @@ typedef struct {
     const int8_t *xq;         /* [M][K] */
     const float *s;           /* [M][G] */
     const int32_t *corr;      /* [M][G]: 128 * sum of the group's xq */
-    const float *c_e, *c_l;   /* [G]: the bound's coefficients of E and L */
-    float *a, *bound;         /* [M][V], [V] */
+    const float *c_e, *c_l;   /* [M][G]: the bound's coefficients of E and L, per row and group */
+    float *hi;                /* [M][V]: a + bound, each logit's upper bound */
     float *low;               /* [M][V / 16]: each block's max of a - bound, per row */
     uint8_t *marks;           /* [M][V / 32] */
 } gh_job;
@@ -57,55 +57,53 @@ static inline __m512i gh_quad(const int8_t *x) {
     return _mm512_set1_epi32(quad);
 }
 
-/* ROWS rows (a constant: 4 or 1) of one group against its 8 code vectors; returns the int32 sums (of
- * independent chains, so the VPDPBUSD latency overlaps) */
+/* ROWS rows (a constant, 1 to 4) of x against one 16-column block, every group: their logits' upper
+ * bounds into hi and each row's best lower bound of the block into low.  The rows' sums and bounds stay
+ * in registers across the groups; the block's codes (10 KB) come from L1 after the first rows. */
 __attribute__((target("avx512vnni"), always_inline))
-static inline void gh_rows(const int ROWS, const gh_job *j, int64_t r0, int64_t g, const __m512i *w, const __m512 d,
-                           __m512 *f) {
-    const int64_t K = j->G * GH_K;
-    __m512i acc[4], acc2[4];
-    for (int i = 0; i < ROWS; i++) {
-        acc[i] = _mm512_set1_epi32(-j->corr[(r0 + i) * j->G + g]);
-        acc2[i] = _mm512_setzero_si512();
-    }
-    for (int q = 0; q < 8; q += 2)
-        for (int i = 0; i < ROWS; i++) {
-            const int8_t *x = j->xq + (r0 + i) * K + g * GH_K + 4 * q;
-            acc[i] = _mm512_dpbusd_epi32(acc[i], w[q], gh_quad(x));
-            acc2[i] = _mm512_dpbusd_epi32(acc2[i], w[q + 1], gh_quad(x + 4));
+static inline void gh_rows(const int ROWS, const gh_job *j, int64_t nb, int64_t r0) {
+    const int64_t K = j->G * GH_K, blocks = j->V / GH_COLS;
+    const uint8_t *blk = j->packed + nb * j->G * GH_GROUP_BYTES;
+    __m512 f[4], bnd[4];
+    for (int i = 0; i < ROWS; i++) f[i] = bnd[i] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < j->G; g++) {
+        const uint8_t *grp = blk + g * GH_GROUP_BYTES;
+        __m512i acc[4];
+        for (int i = 0; i < ROWS; i++) acc[i] = _mm512_set1_epi32(-j->corr[(r0 + i) * j->G + g]);
+        for (int q = 0; q < 8; q++) {
+            const __m512i w = _mm512_loadu_si512(grp + 64 * q);
+            for (int i = 0; i < ROWS; i++)
+                acc[i] = _mm512_dpbusd_epi32(acc[i], w, gh_quad(j->xq + (r0 + i) * K + g * GH_K + 4 * q));
         }
-    for (int i = 0; i < ROWS; i++)
-        f[r0 + i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(acc[i], acc2[i])),
-                                    _mm512_mul_ps(d, _mm512_set1_ps(j->s[(r0 + i) * j->G + g])), f[r0 + i]);
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(grp + GH_CODES)));
+        const __m512 L = gh_load_bf16((const uint16_t *)(grp + GH_CODES + 32));
+        const __m512 E = gh_load_bf16((const uint16_t *)(grp + GH_CODES + 64));
+        for (int i = 0; i < ROWS; i++) {
+            const int64_t rg = (r0 + i) * j->G + g;
+            f[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[i]), _mm512_mul_ps(d, _mm512_set1_ps(j->s[rg])), f[i]);
+            bnd[i] = _mm512_fmadd_ps(E, _mm512_set1_ps(j->c_e[rg]), _mm512_fmadd_ps(L, _mm512_set1_ps(j->c_l[rg]), bnd[i]));
+        }
+    }
+    for (int i = 0; i < ROWS; i++) {
+        const __m512 b = _mm512_mul_ps(bnd[i], _mm512_set1_ps(1.001f));
+        _mm512_storeu_ps(j->hi + (r0 + i) * j->V + nb * GH_COLS, _mm512_add_ps(f[i], b));
+        j->low[(r0 + i) * blocks + nb] = _mm512_reduce_max_ps(_mm512_sub_ps(f[i], b));
+    }
 }
 
 __attribute__((target("avx512vnni")))
 static void gh_screen_chunk(void *arg, int64_t begin, int64_t end) {
     const gh_job *j = (const gh_job *)arg;
-    const int64_t blocks = j->V / GH_COLS;
-    __m512 f[GH_MAX_ROWS];
     for (int64_t nb = begin; nb < end; nb++) {
         const uint8_t *blk = j->packed + nb * j->G * GH_GROUP_BYTES;
-        for (int64_t r = 0; r < j->M; r++) f[r] = _mm512_setzero_ps();
-        __m512 b = _mm512_setzero_ps();
-        for (int64_t g = 0; g < j->G; g++) {
-            const uint8_t *grp = blk + g * GH_GROUP_BYTES;
-            for (int c = 0; c < GH_GROUP_BYTES; c += 64) _mm_prefetch((const char *)grp + GH_PREFETCH + c, _MM_HINT_T0);
-            __m512i w[8];
-            for (int q = 0; q < 8; q++) w[q] = _mm512_loadu_si512(grp + 64 * q);
-            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(grp + GH_CODES)));
-            const __m512 L = gh_load_bf16((const uint16_t *)(grp + GH_CODES + 32));
-            const __m512 E = gh_load_bf16((const uint16_t *)(grp + GH_CODES + 64));
-            b = _mm512_fmadd_ps(E, _mm512_set1_ps(j->c_e[g]), _mm512_fmadd_ps(L, _mm512_set1_ps(j->c_l[g]), b));
-            int64_t r = 0;
-            for (; r + 4 <= j->M; r += 4) gh_rows(4, j, r, g, w, d, f);
-            for (; r < j->M; r++) gh_rows(1, j, r, g, w, d, f);
-        }
-        b = _mm512_mul_ps(b, _mm512_set1_ps(1.001f));
-        _mm512_storeu_ps(j->bound + nb * GH_COLS, b);
-        for (int64_t r = 0; r < j->M; r++) {
-            _mm512_storeu_ps(j->a + r * j->V + nb * GH_COLS, f[r]);
-            j->low[r * blocks + nb] = _mm512_reduce_max_ps(_mm512_sub_ps(f[r], b));
+        for (int64_t c = 0; c < j->G * GH_GROUP_BYTES; c += 64) _mm_prefetch((const char *)blk + GH_PREFETCH + c, _MM_HINT_T0);
+        int64_t r = 0;
+        for (; r + 4 <= j->M; r += 4) gh_rows(4, j, nb, r);
+        switch (j->M - r) {
+        case 3: gh_rows(3, j, nb, r); break;
+        case 2: gh_rows(2, j, nb, r); break;
+        case 1: gh_rows(1, j, nb, r); break;
+        default: break;
         }
     }
 }
@@ -127,10 +125,9 @@ static void gh_mark_chunk(void *arg, int64_t begin, int64_t end) {
         for (int64_t nb = 0; nb < blocks; nb++) t = j->low[r * blocks + nb] > t ? j->low[r * blocks + nb] : t;
         const __m512 floor_ = gh_bf16_round16(_mm512_set1_ps(t));
         uint8_t *marks = j->marks + r * (j->V / 32);
-        const float *ar = j->a + r * j->V;
+        const float *hr = j->hi + r * j->V;
         for (int64_t n = 0; n < j->V; n += 32) {
-            const __m512 hi0 = _mm512_add_ps(_mm512_loadu_ps(ar + n), _mm512_loadu_ps(j->bound + n));
-            const __m512 hi1 = _mm512_add_ps(_mm512_loadu_ps(ar + n + 16), _mm512_loadu_ps(j->bound + n + 16));
+            const __m512 hi0 = _mm512_loadu_ps(hr + n), hi1 = _mm512_loadu_ps(hr + n + 16);
             /* NLT_UQ: true for >= and for NaN, so a NaN marks its tile and the exact logits say it */
             const __mmask16 m0 = _mm512_cmp_ps_mask(gh_bf16_round16(hi0), floor_, _CMP_NLT_UQ);
             const __mmask16 m1 = _mm512_cmp_ps_mask(gh_bf16_round16(hi1), floor_, _CMP_NLT_UQ);
@@ -142,20 +139,19 @@ static void gh_mark_chunk(void *arg, int64_t begin, int64_t end) {
 /* x [M, K] bf16 (M <= GH_MAX_ROWS, K = 32 G <= GH_MAX_K), the screen's packed head [V / 16][G][GH_GROUP_BYTES]:
  * writes to tiles[] the ascending indices of the 32-column tiles holding a column that may be some row's
  * argmax and returns how many; -1 when x holds a value that is not finite (or the shapes are outside the
- * limits), so the caller runs the full head.  scratch: at least M * V * 4 + V * 4 + M * V / 16 * 4 + M * V / 32
- * bytes, 64-byte aligned. */
+ * limits), so the caller runs the full head.  scratch: at least M * V * 4 + M * V / 16 * 4 + M * V / 32 bytes,
+ * 64-byte aligned. */
 __attribute__((target("avx512vnni")))
 int64_t pd_greedy_head_screen(const bf16 *x, int64_t M, int64_t K, const uint8_t *packed, int64_t V, void *scratch,
                               int32_t *tiles, int nthreads) {
     if (M < 1 || M > GH_MAX_ROWS || K % GH_K || K > GH_MAX_K || V % 32) return -1;
     const int64_t G = K / GH_K;
     int8_t *xqp = (int8_t *)malloc((size_t)(M * K));
-    float *s = (float *)malloc(sizeof(float) * (size_t)(M * G + 2 * G));
+    float *s = (float *)malloc(sizeof(float) * (size_t)(3 * M * G));
     int32_t *corr = (int32_t *)malloc(sizeof(int32_t) * (size_t)(M * G));
     int64_t result = 0;
     if (!xqp || !s || !corr) result = -1;
-    float *c_e = s ? s + M * G : NULL, *c_l = c_e ? c_e + G : NULL;
-    for (int64_t g = 0; g < G && result == 0; g++) c_e[g] = c_l[g] = 0.f;
+    float *c_e = s ? s + M * G : NULL, *c_l = c_e ? c_e + M * G : NULL;
     for (int64_t r = 0; r < M && result == 0; r++) {
         for (int64_t g = 0; g < G; g++) {
             const bf16 *xg = x + r * K + g * GH_K;
@@ -177,15 +173,14 @@ int64_t pd_greedy_head_screen(const bf16 *x, int64_t M, int64_t K, const uint8_t
             s[r * G + g] = scale;
             corr[r * G + g] = 128 * sum;
             /* |x - s xq| <= s / 2 (0.1% for the rounding of x / s); the fp32 slack: 1e-4 * 127 s (L + 32 E) */
-            const float e = l1 * 1.001f + scale * (0.0127f * 32.f), l = scale * (0.5005f + 0.0127f);
-            c_e[g] = e > c_e[g] ? e : c_e[g];
-            c_l[g] = l > c_l[g] ? l : c_l[g];
+            c_e[r * G + g] = l1 * 1.001f + scale * (0.0127f * 32.f);
+            c_l[r * G + g] = scale * (0.5005f + 0.0127f);
         }
     }
     if (result == 0) {
-        float *a = (float *)scratch, *bound = a + M * V, *low = bound + V;
+        float *hi = (float *)scratch, *low = hi + M * V;
         uint8_t *marks = (uint8_t *)(low + M * (V / GH_COLS));
-        gh_job job = {packed, M, G, V, xqp, s, corr, c_e, c_l, a, bound, low, marks};
+        gh_job job = {packed, M, G, V, xqp, s, corr, c_e, c_l, hi, low, marks};
         const int64_t blocks = V / GH_COLS;
         pool_run(gh_screen_chunk, &job, blocks, pool_chunk(blocks, nthreads, 8), nthreads);
         pool_run(gh_mark_chunk, &job, M, 1, nthreads);
