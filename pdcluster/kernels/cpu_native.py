@@ -148,7 +148,8 @@ _SIGNATURES = {
 }
 
 # Only in the AVX-512 builds (csrc/greedy_head.h; cpu_kernels.c): the greedy head's int8 screen
-_SCREEN_SIGNATURES = {"pd_greedy_head_screen": [_ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _int]}
+_SCREEN_SIGNATURES = {"pd_greedy_head_screen": [_ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _int],
+                      "pd_greedy_head_pick": [_ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _int]}
 
 # Only in the amx_bf16 build (csrc/amx_linear.h): whether the tiles run here, and which linears take them.
 _AMX_SIGNATURES = {"pd_amx_ready": [], "pd_linear_uses_amx": [_i64, _i64, _i64]}

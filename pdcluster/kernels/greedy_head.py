@@ -49,6 +49,8 @@ class ScreenedHead:
     hidden: int
     scratch: torch.Tensor      # the kernel's logits, bounds and marks for MAX_ROWS rows
     tiles: torch.Tensor        # int32 [vocab / 32]: the candidate tiles' indices
+    exact: torch.Tensor        # bf16 [MAX_ROWS, 32]: one candidate tile's exact logits
+    picked: torch.Tensor       # int64 [MAX_ROWS]: each row's token
 
 
 def scratch_bytes(vocab: int, rows: int = MAX_ROWS) -> int:
@@ -96,7 +98,8 @@ def pack(weight: torch.Tensor) -> ScreenedHead:
 
     packed = on_huge_pages([torch.cat([codes, per_block(d), per_block(l1), per_block(err)], dim=-1)])[0]
     return ScreenedHead(packed, v, k, torch.empty(scratch_bytes(v) // 4 + 16, dtype=torch.float32),
-                        torch.empty(v // 32, dtype=torch.int32))
+                        torch.empty(v // 32, dtype=torch.int32), torch.empty(MAX_ROWS, 32, dtype=torch.bfloat16),
+                        torch.empty(MAX_ROWS, dtype=torch.int64))
 
 
 def available() -> bool:
@@ -114,28 +117,35 @@ def build(weight: torch.Tensor) -> ScreenedHead | None:
     return pack(weight)
 
 
+def _screen(head: ScreenedHead, x: torch.Tensor) -> int:
+    """Runs the screen on ``x`` (contiguous); the number of candidate tiles now in ``head.tiles``, or -1."""
+    rows = x.shape[0]
+    if rows > MAX_ROWS or x.shape[1] != head.hidden:
+        return -1
+    scratch = head.scratch.data_ptr()
+    return cpu_native.library().pd_greedy_head_screen(
+        x.data_ptr(), rows, head.hidden, head.packed.data_ptr(), head.vocab, scratch + (-scratch) % 64,
+        head.tiles.data_ptr(), cpu_native.num_threads())
+
+
 def candidate_tiles(head: ScreenedHead, x: torch.Tensor) -> torch.Tensor | None:
     """The 32-column tiles (ascending indices) that may hold some row's argmax, or None when the
     screen cannot say (a non-finite value, too many rows)."""
-    rows = x.shape[0]
-    if rows > MAX_ROWS or x.shape[1] != head.hidden:
-        return None
-    x = x.contiguous()
-    scratch = head.scratch.data_ptr()
-    found = cpu_native.library().pd_greedy_head_screen(
-        x.data_ptr(), rows, head.hidden, head.packed.data_ptr(), head.vocab, scratch + (-scratch) % 64,
-        head.tiles.data_ptr(), cpu_native.num_threads())
+    found = _screen(head, x.contiguous())
     return None if found < 0 else head.tiles[:found].long()
 
 
 def choose(head: ScreenedHead, packed_bf16: torch.Tensor, x: torch.Tensor) -> list[int] | None:
     """Each row's argmax over ``x @ W^T`` (bf16 ``x`` [M, K]; ``packed_bf16``: W as
     ``cpu_native.pack_weight`` packs it, what the full head runs), or None: run the full head."""
-    tiles = candidate_tiles(head, x)
-    if tiles is None or len(tiles) * CANDIDATE_SHARE > head.vocab // 32:
+    if packed_bf16.dim() != 4 or packed_bf16.shape[0] * 32 != head.vocab or not packed_bf16.is_contiguous():
         return None
-    exact = cpu_native.linear(x, packed_bf16.index_select(0, tiles)).float()
-    if not bool(torch.isfinite(exact).all()):
+    x = x.contiguous()
+    found = _screen(head, x)
+    if found < 0 or found * CANDIDATE_SHARE > head.vocab // 32:
         return None
-    best = exact.argmax(dim=1)  # first index of the maximum: the columns keep the vocabulary's order
-    return (tiles[best // 32] * 32 + best % 32).tolist()
+    rows = x.shape[0]
+    failed = cpu_native.library().pd_greedy_head_pick(
+        x.data_ptr(), rows, head.hidden, packed_bf16.data_ptr(), head.tiles.data_ptr(), found,
+        head.exact.data_ptr(), head.picked.data_ptr(), cpu_native.num_threads())
+    return None if failed else head.picked[:rows].tolist()

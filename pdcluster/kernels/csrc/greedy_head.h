@@ -194,4 +194,26 @@ int64_t pd_greedy_head_screen(const bf16 *x, int64_t M, int64_t K, const uint8_t
     return result;
 }
 
+/* The exact part: each candidate tile (ascending) through pd_linear_packed_bf16, the kernel the full head
+ * runs, with the same rows (so the same path and the same bits per logit), into y [M][32] (caller's
+ * scratch); out[r] = the first column of row r's largest logit, as torch.argmax breaks ties.  Returns 0,
+ * or -1 when a logit is not finite (the caller runs the full head, whose sampler reports it). */
+int64_t pd_greedy_head_pick(const bf16 *x, int64_t M, int64_t K, const bf16 *wp, const int32_t *tiles,
+                            int64_t ntiles, bf16 *y, int64_t *out, int nthreads) {
+    float best[GH_MAX_ROWS];
+    if (M < 1 || M > GH_MAX_ROWS || ntiles < 1) return -1;
+    for (int64_t r = 0; r < M; r++) best[r] = -INFINITY, out[r] = -1;
+    for (int64_t t = 0; t < ntiles; t++) {
+        const int64_t tile = tiles[t];
+        pd_linear_packed_bf16(x, wp + tile * K * TILE_N, NULL, y, M, TILE_N, K, nthreads);
+        for (int64_t r = 0; r < M; r++)
+            for (int c = 0; c < TILE_N; c++) {
+                const float v = to_f32(y[r * TILE_N + c]);
+                if (!isfinite(v)) return -1;
+                if (v > best[r] || out[r] < 0) best[r] = v, out[r] = tile * TILE_N + c;
+            }
+    }
+    return 0;
+}
+
 #endif
