@@ -259,7 +259,6 @@ class LlamaModel(nn.Module):
             return None
         return ops.greedy_choice(self.greedy_screen, self.lm_head_weight, x)
 
-
     def load_hf_state(self, state: dict[str, torch.Tensor]) -> None:
         """Loads weights named as in Hugging Face checkpoints, fusing q/k/v and
         gate/up.  Raises ``KeyError`` naming any missing tensor."""
