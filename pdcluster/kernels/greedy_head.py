@@ -6,13 +6,14 @@ bf16 for the default model: 57 MB, 21% of a batch-1 step's bytes; measured
 (greedy, no logprobs, no penalties, no grammar) get it from a screen instead:
 
 1. an int8 copy of the head (per column and group of 32 k: codes and an fp16
-   scale; 31 MB with what the bound needs) times the activations quantized
+   scale; 34 MB with what the bound needs) times the activations quantized
    to int8 per group, by VPDPBUSD (csrc/greedy_head.h), with a proven bound
    on each column's distance from its exact logit;
 2. every column whose bound reaches the best lower bound is a candidate; the
    candidates' 32-column tiles of the packed bf16 head go through the same
-   kernel the full head runs (``cpu_native.linear``, same rows, so the same
-   path and the same bits per logit), and the argmax is taken over them.
+   kernel the full head runs (``pd_linear_packed_bf16``, tile by tile, same
+   rows, so the same path and the same bits per logit), and the argmax is
+   taken over them (csrc/greedy_head.h ``pd_greedy_head_pick``).
 
 A column left out rounds, in bf16, strictly below the best column's logit
 (csrc/greedy_head.h says why), so the token is the full head's argmax, its
@@ -131,6 +132,8 @@ def _screen(head: ScreenedHead, x: torch.Tensor) -> int:
 def candidate_tiles(head: ScreenedHead, x: torch.Tensor) -> torch.Tensor | None:
     """The 32-column tiles (ascending indices) that may hold some row's argmax, or None when the
     screen cannot say (a non-finite value, too many rows)."""
+    if x.dim() != 2 or x.dtype is not torch.bfloat16:
+        return None
     found = _screen(head, x.contiguous())
     return None if found < 0 else head.tiles[:found].long()
 
@@ -138,7 +141,8 @@ def candidate_tiles(head: ScreenedHead, x: torch.Tensor) -> torch.Tensor | None:
 def choose(head: ScreenedHead, packed_bf16: torch.Tensor, x: torch.Tensor) -> list[int] | None:
     """Each row's argmax over ``x @ W^T`` (bf16 ``x`` [M, K]; ``packed_bf16``: W as
     ``cpu_native.pack_weight`` packs it, what the full head runs), or None: run the full head."""
-    if packed_bf16.dim() != 4 or packed_bf16.shape[0] * 32 != head.vocab or not packed_bf16.is_contiguous():
+    if (packed_bf16.dim() != 4 or packed_bf16.shape[0] * 32 != head.vocab or not packed_bf16.is_contiguous()
+            or x.dim() != 2 or x.dtype is not torch.bfloat16):
         return None
     x = x.contiguous()
     found = _screen(head, x)

@@ -87,6 +87,8 @@ def test_what_the_screen_cannot_decide_goes_to_the_full_head():
     assert greedy_head.choose(head, packed, flat) is None
     too_many = torch.randn(greedy_head.MAX_ROWS + 1, 576, generator=gen).to(torch.bfloat16)
     assert greedy_head.choose(head, packed, too_many) is None
+    assert greedy_head.choose(head, packed, torch.randn(1, 576, generator=gen)) is None  # fp32 rows
+    assert greedy_head.choose(head, w, nan.nan_to_num()) is None  # an unpacked head
 
 
 def test_the_screen_is_not_built_where_it_cannot_run():
