@@ -1,27 +1,29 @@
 /* The greedy choice without reading the whole bf16 LM head: an int8 screen
  * with a proven error bound, then the exact bf16 logits of the few columns
- * the screen could not rule out (kernels/greedy_head.py does that part with
- * the same packed bf16 kernel the full head runs, so the chosen token is the
- * full head's argmax, ties included).
+ * the screen could not rule out (pd_greedy_head_pick, below: through the
+ * packed bf16 kernel the full head runs, so the chosen token is the full
+ * head's argmax, ties included).
  *
  * The screen's weights: per 16-column block and group g of 32 k, codes
  * q = round(W / d) in -127..127 stored as u8 (q + 128), d fp16 per (column,
  * group), and two bf16 figures per (column, group) measured when the head
  * is packed: E = max_k |W - d q| and L = d * sum_k |q| (both rounded up).
  * The activations: per (row, group) s = max |x| / 127 and xq = round(x / s),
- * so |x - s xq| <= s / 2.  VPDBUSD takes u8 x s8, so sum (q + 128) xq is
+ * so |x - s xq| <= s / 2.  VPDPBUSD takes u8 x s8, so sum (q + 128) xq is
  * corrected by 128 * sum xq per group.
  *
  *     a[r, n] = sum_g d[n, g] s[r, g] sum_k q[n, k] xq[r, k]
  *     |W x - a| <= sum_g E[n, g] |x_g|_1 + L[n, g] s[r, g] / 2     (+ fp32 rounding, below)
  *
  * Each row has its own bound (a row with a large activation does not widen
- * another's).  The fp32 rounding of the exact kernel (576 bf16
- * products in fp32) and of a is under 1e-4 of sum_k |W x|, itself under
- * sum_g (L + 32 E) * 127 s: the coefficients below fold that in, with 0.1%
- * to spare.  A column n is ruled out for row r when bf16(a + B) < bf16(t_r),
- * t_r = max_m (a[r, m] - B[m]): bf16 rounding is monotone, so its exact
- * logit rounds strictly below the logit of the column that reached t_r. */
+ * another's).  The fp32 rounding of the exact kernel (a sum of K products in
+ * fp32: under (K - 1) 2^-24 of sum_k |W x|) and of a (under 2^-20 of it) is
+ * under (K + 64) 2^-23 of sum_k |W x|, itself under sum_g (L + 32 E) 127 s:
+ * the coefficients below fold that in, with 0.1% to spare and 1e-30 for the
+ * denormals the bf16 dot products flush.  A column n is ruled out for row r
+ * when bf16(a + B) < bf16(t_r), t_r = max_m (a[r, m] - B[r, m]): bf16
+ * rounding is monotone, so its exact logit rounds strictly below the logit
+ * of the column that reached t_r. */
 #ifndef PD_GREEDY_HEAD_H
 #define PD_GREEDY_HEAD_H
 
@@ -85,7 +87,7 @@ static inline void gh_rows(const int ROWS, const gh_job *j, int64_t nb, int64_t 
         }
     }
     for (int i = 0; i < ROWS; i++) {
-        const __m512 b = _mm512_mul_ps(bnd[i], _mm512_set1_ps(1.001f));
+        const __m512 b = _mm512_fmadd_ps(bnd[i], _mm512_set1_ps(1.001f), _mm512_set1_ps(1e-30f));
         _mm512_storeu_ps(j->hi + (r0 + i) * j->V + nb * GH_COLS, _mm512_add_ps(f[i], b));
         j->low[(r0 + i) * blocks + nb] = _mm512_reduce_max_ps(_mm512_sub_ps(f[i], b));
     }
@@ -151,6 +153,7 @@ int64_t pd_greedy_head_screen(const bf16 *x, int64_t M, int64_t K, const uint8_t
     int32_t *corr = (int32_t *)malloc(sizeof(int32_t) * (size_t)(M * G));
     int64_t result = 0;
     if (!xqp || !s || !corr) result = -1;
+    const float rel = (float)(K + 64) * 1.1920929e-7f;  /* (K + 64) 2^-23: both sides' fp32 rounding */
     float *c_e = s ? s + M * G : NULL, *c_l = c_e ? c_e + M * G : NULL;
     for (int64_t r = 0; r < M && result == 0; r++) {
         for (int64_t g = 0; g < G; g++) {
@@ -172,9 +175,9 @@ int64_t pd_greedy_head_screen(const bf16 *x, int64_t M, int64_t K, const uint8_t
             }
             s[r * G + g] = scale;
             corr[r * G + g] = 128 * sum;
-            /* |x - s xq| <= s / 2 (0.1% for the rounding of x / s); the fp32 slack: 1e-4 * 127 s (L + 32 E) */
-            c_e[r * G + g] = l1 * 1.001f + scale * (0.0127f * 32.f);
-            c_l[r * G + g] = scale * (0.5005f + 0.0127f);
+            /* |x - s xq| <= s / 2 (0.1% for the rounding of x / s); the fp32 slack: rel * 127 s (L + 32 E) */
+            c_e[r * G + g] = l1 * 1.001f + scale * (rel * 127.f * 32.f);
+            c_l[r * G + g] = scale * (0.5005f + rel * 127.f);
         }
     }
     if (result == 0) {
