@@ -185,6 +185,11 @@ def _cpu_flags() -> frozenset[str]:
     return frozenset(flags)
 
 
+def cpu_has(flag: str) -> bool:
+    """Whether /proc/cpuinfo lists ``flag`` for this CPU."""
+    return flag in _cpu_flags()
+
+
 def supported_variants() -> list[Variant]:
     """The variants this CPU runs, best first."""
     return [v for v in VARIANTS if all(f in _cpu_flags() for f in v.cpu_flags)]

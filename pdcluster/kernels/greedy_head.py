@@ -27,6 +27,7 @@ VNNI (Sapphire Rapids, Zen 4); elsewhere :func:`build` returns None.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -43,20 +44,39 @@ CANDIDATE_SHARE = 8           # at most 1 / 8 of the head's tiles as candidates:
 
 @dataclass(frozen=True)
 class ScreenedHead:
-    """The screen's packed weights for a head of ``vocab`` x ``hidden``, and the scratch one call
-    at a time uses (an engine's steps are serial)."""
+    """The screen's packed weights for a head of ``vocab`` x ``hidden``."""
     packed: torch.Tensor       # uint8 [vocab / 16, hidden / 32, GROUP_BYTES]
     vocab: int
     hidden: int
-    scratch: torch.Tensor      # the kernel's logits, bounds and marks for MAX_ROWS rows
+
+
+@dataclass(frozen=True)
+class _Buffers:
+    """One thread's scratch for a vocabulary's size, kept between calls (a fresh allocation of this
+    size is an mmap that page-faults on every step); per thread, so engines sharing a model's
+    weights on different threads never share it."""
+    scratch: torch.Tensor      # the kernel's upper bounds, block lower bounds and marks for MAX_ROWS rows
     tiles: torch.Tensor        # int32 [vocab / 32]: the candidate tiles' indices
     exact: torch.Tensor        # bf16 [MAX_ROWS, 32]: one candidate tile's exact logits
     picked: torch.Tensor       # int64 [MAX_ROWS]: each row's token
 
 
+_local = threading.local()
+
+
 def scratch_bytes(vocab: int, rows: int = MAX_ROWS) -> int:
     """What pd_greedy_head_screen needs for ``rows`` rows (csrc/greedy_head.h)."""
     return rows * vocab * 4 + rows * (vocab // COLS) * 4 + rows * (vocab // 32)
+
+
+def _buffers(vocab: int) -> _Buffers:
+    held = getattr(_local, "buffers", {})
+    if vocab not in held:
+        held[vocab] = _Buffers(torch.empty(scratch_bytes(vocab) // 4 + 16, dtype=torch.float32),
+                               torch.empty(vocab // 32, dtype=torch.int32),
+                               torch.empty(MAX_ROWS, 32, dtype=torch.bfloat16), torch.empty(MAX_ROWS, dtype=torch.int64))
+        _local.buffers = held
+    return held[vocab]
 
 
 def _round_up_bf16(t: torch.Tensor) -> torch.Tensor:
@@ -98,15 +118,13 @@ def pack(weight: torch.Tensor) -> ScreenedHead:
             .view(torch.uint8).reshape(v // COLS, g, COLS * 2)
 
     packed = on_huge_pages([torch.cat([codes, per_block(d), per_block(l1), per_block(err)], dim=-1)])[0]
-    return ScreenedHead(packed, v, k, torch.empty(scratch_bytes(v) // 4 + 16, dtype=torch.float32),
-                        torch.empty(v // 32, dtype=torch.int32), torch.empty(MAX_ROWS, 32, dtype=torch.bfloat16),
-                        torch.empty(MAX_ROWS, dtype=torch.int64))
+    return ScreenedHead(packed, v, k)
 
 
 def available() -> bool:
     """The screen runs here: the native AVX-512 BF16 build (or AMX) on a CPU with AVX-512 VNNI."""
     return (cpu_native.loaded_variant() in ("amx_bf16", "avx512_bf16")
-            and "avx512_vnni" in cpu_native._cpu_flags())
+            and cpu_native.cpu_has("avx512_vnni"))
 
 
 def build(weight: torch.Tensor) -> ScreenedHead | None:
@@ -118,38 +136,18 @@ def build(weight: torch.Tensor) -> ScreenedHead | None:
     return pack(weight)
 
 
-def _screen(head: ScreenedHead, x: torch.Tensor) -> int:
-    """Runs the screen on ``x`` (contiguous); the number of candidate tiles now in ``head.tiles``, or -1."""
-    rows = x.shape[0]
-    if rows > MAX_ROWS or x.shape[1] != head.hidden:
-        return -1
-    scratch = head.scratch.data_ptr()
-    return cpu_native.library().pd_greedy_head_screen(
-        x.data_ptr(), rows, head.hidden, head.packed.data_ptr(), head.vocab, scratch + (-scratch) % 64,
-        head.tiles.data_ptr(), cpu_native.num_threads())
-
-
-def candidate_tiles(head: ScreenedHead, x: torch.Tensor) -> torch.Tensor | None:
-    """The 32-column tiles (ascending indices) that may hold some row's argmax, or None when the
-    screen cannot say (a non-finite value, too many rows)."""
-    if x.dim() != 2 or x.dtype is not torch.bfloat16:
-        return None
-    found = _screen(head, x.contiguous())
-    return None if found < 0 else head.tiles[:found].long()
-
-
 def choose(head: ScreenedHead, packed_bf16: torch.Tensor, x: torch.Tensor) -> list[int] | None:
     """Each row's argmax over ``x @ W^T`` (bf16 ``x`` [M, K]; ``packed_bf16``: W as
     ``cpu_native.pack_weight`` packs it, what the full head runs), or None: run the full head."""
     if (packed_bf16.dim() != 4 or packed_bf16.shape[0] * 32 != head.vocab or not packed_bf16.is_contiguous()
-            or x.dim() != 2 or x.dtype is not torch.bfloat16):
+            or x.dim() != 2 or x.dtype is not torch.bfloat16 or x.shape[0] > MAX_ROWS or x.shape[1] != head.hidden):
         return None
-    x = x.contiguous()
-    found = _screen(head, x)
+    x, rows, buf = x.contiguous(), x.shape[0], _buffers(head.vocab)
+    lib, threads, scratch = cpu_native.library(), cpu_native.num_threads(), buf.scratch.data_ptr()
+    found = lib.pd_greedy_head_screen(x.data_ptr(), rows, head.hidden, head.packed.data_ptr(), head.vocab,
+                                      scratch + (-scratch) % 64, buf.tiles.data_ptr(), threads)
     if found < 0 or found * CANDIDATE_SHARE > head.vocab // 32:
         return None
-    rows = x.shape[0]
-    failed = cpu_native.library().pd_greedy_head_pick(
-        x.data_ptr(), rows, head.hidden, packed_bf16.data_ptr(), head.tiles.data_ptr(), found,
-        head.exact.data_ptr(), head.picked.data_ptr(), cpu_native.num_threads())
-    return None if failed else head.picked[:rows].tolist()
+    failed = lib.pd_greedy_head_pick(x.data_ptr(), rows, head.hidden, packed_bf16.data_ptr(), buf.tiles.data_ptr(),
+                                     found, buf.exact.data_ptr(), buf.picked.data_ptr(), threads)
+    return None if failed else buf.picked[:rows].tolist()

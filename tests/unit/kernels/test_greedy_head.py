@@ -95,3 +95,26 @@ def test_the_screen_is_not_built_where_it_cannot_run():
     assert greedy_head.build(torch.randn(64, 96)) is None                       # fp32: not a bf16 head
     assert greedy_head.build(torch.randn(48, 96).to(torch.bfloat16)) is None     # 48 columns: not whole tiles
     assert greedy_head.build(torch.randn(64, 100).to(torch.bfloat16)) is None    # k not whole groups
+
+
+@SCREEN
+def test_threads_sharing_one_head_get_their_own_answers():
+    # engines that share a model's weights may step on different threads: the scratch is per thread
+    import threading
+
+    gen = torch.Generator().manual_seed(11)
+    w = _q8_like(4096, 576, gen)
+    head, packed = greedy_head.build(w), cpu_native.pack_weight(w)
+    rows = [(w[i * 131].float() * 60).to(torch.bfloat16).unsqueeze(0) for i in range(8)]
+    want = [_full_argmax(x, w) for x in rows]
+    got: dict[int, list] = {}
+
+    def work(t: int) -> None:
+        got[t] = [greedy_head.choose(head, packed, x) for _ in range(20) for x in rows]
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(got[t] == want * 20 for t in range(2))
