@@ -43,7 +43,7 @@ from pdcluster.planning.speed import PrefillModel, StepModel
 log = logging.getLogger(__name__)
 
 SAMPLES = 3         # measurements folded before a line is reused
-FORMAT_VERSION = 1  # bump when the file's meaning changes
+FORMAT_VERSION = 2  # bump when the file's meaning changes (2: step lines timed with every stream decoding)
 SAVED_SOURCE = "saved start-up profile"
 PREFILL_REFERENCE_TOKENS = (256, 1536)  # a prefill line is judged by its time at these prompt lengths
 STEP_REFERENCE_BATCH = 16               # a step line by its time at this batch

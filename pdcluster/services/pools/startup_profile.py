@@ -123,7 +123,7 @@ def measure_step(engine: Engine, batches: tuple[int, int] = STEP_BATCHES, repeat
     cfg = engine.config
     block = cfg.block_size
     prompt_tokens = 64  # a context a chat stream holds, so the line carries some attention
-    per_seq_blocks = (prompt_tokens + 2 * repeats + 2) // block + 2
+    per_seq_blocks = -(-(prompt_tokens + step_max_tokens(large, repeats)) // block) + 1
     scratch = Engine(dataclasses.replace(
         cfg, num_kv_blocks=large * per_seq_blocks + 1, enable_prefix_caching=False, kv_tiers=KVTierConfig(),
         speculative=SpeculativeConfig(), grammar_compile_workers=1, kv_quotas=(),
@@ -138,24 +138,43 @@ def measure_step(engine: Engine, batches: tuple[int, int] = STEP_BATCHES, repeat
     return StepModel(base_s=base, per_seq_s=per_seq, source=SOURCE)
 
 
+def step_max_tokens(batch: int, repeats: int) -> int:
+    """Tokens each of ``batch`` timed streams may generate (pure): one in each step that prefills
+    another's prompt (at most ``batch`` such steps while a step takes a whole 64-token prompt or
+    more), one warm-up step, ``repeats`` timed ones, and a spare, so no stream ends before the
+    timed steps do.  With ``repeats`` + 3 alone, a replica that decodes (it prefills
+    decode_step_prefill_tokens a step beside its streams) finished its first-prefilled streams
+    during the timed steps, and the fastest "16-stream" step ran fewer: the saved line said
+    11.2 ms at 16 streams where every step of 16 took 17-19 ms (the default colocated replica, AMD
+    EPYC avx512_bf16 class, Dec 6)."""
+    return batch + repeats + 2
+
+
 def _decode_step_s(engine: Engine, batch: int, prompt_tokens: int, repeats: int) -> float:
-    """The fastest of ``repeats`` decode-only steps of ``batch`` streams (prefilled first, untimed)."""
+    """The fastest of ``repeats`` decode-only steps of all ``batch`` streams (prefilled first,
+    untimed); ValueError where a timed step would not run them all (no line beats a wrong one)."""
     vocab = engine.loaded.config.vocab_size
+    params = greedy(step_max_tokens(batch, repeats), ignore_eos=True)
     for i in range(batch):
         prompt = [(1000 + 7919 * (i * prompt_tokens + j)) % vocab for j in range(prompt_tokens)]
-        engine.add_request(f"startup-step-{batch}-{i}", prompt, greedy(repeats + 3, ignore_eos=True))
+        engine.add_request(f"startup-step-{batch}-{i}", prompt, params)
     sched = engine.scheduler
-    while sched.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in sched.running):
-        engine.step()
-    engine.step()  # the first decode step of a batch warms what it reads
-    fastest = float("inf")
-    for _ in range(repeats):
-        started = time.perf_counter()
-        engine.step()
-        fastest = min(fastest, time.perf_counter() - started)
-    while engine.has_unfinished():
-        engine.step()
-    return fastest
+    try:
+        while sched.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in sched.running):
+            engine.step()
+        fastest = float("inf")
+        for timed in (False,) + (True,) * repeats:  # the first decode step of a batch warms what it reads
+            streams = sum(1 for r in sched.running if not r.is_finished)
+            if streams != batch:
+                raise ValueError(f"a decode step meant for {batch} streams would run {streams}")
+            started = time.perf_counter()
+            engine.step()
+            if timed:
+                fastest = min(fastest, time.perf_counter() - started)
+        return fastest
+    finally:
+        for i in range(batch):
+            engine.abort(f"startup-step-{batch}-{i}")
 
 
 def _prefill_s(engine: Engine, tokens: int, tag: str) -> float:

@@ -8,10 +8,12 @@ from __future__ import annotations
 import pytest
 
 from pdcluster.services.config import AutoscaleSpeed, ClusterConfig
-from pdcluster.services.engine.config import EngineConfig
+from pdcluster.services.engine.config import EngineConfig, SchedulerConfig
 from pdcluster.services.engine.engine import Engine
+from pdcluster.services.pools import startup_profile
 from pdcluster.services.pools.startup_profile import (SOURCE, measure_or_none, measure_prefill, measure_step,
-                                                      long_prompt_tokens, measure_step_or_none, prefill_line)
+                                                      long_prompt_tokens, measure_step_or_none, prefill_line,
+                                                      step_max_tokens)
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +42,34 @@ def test_the_step_line_is_measured_beside_the_serving_engine_and_leaves_it_untou
     assert stats.kv_blocks_free == stats.kv_blocks_total and events == []
     with pytest.raises(ValueError, match="two batches"):
         measure_step(engine, batches=(4, 4))
+
+
+def test_every_timed_step_decodes_the_whole_batch_where_prompts_are_prefilled_a_step_at_a_time(monkeypatch):
+    """A replica that decodes prefills a few prompt tokens a step beside its streams: here one
+    64-token prompt a step, so the first stream decodes while the last three prefill.  Each of the
+    warm-up and timed steps must still decode all 4 streams (with repeats + 3 tokens a stream, the
+    first streams ended during the timed steps and the "batch" step ran fewer)."""
+    engine = Engine(EngineConfig(num_threads=1, num_kv_blocks=64, scheduler=SchedulerConfig(
+        max_num_batched_tokens=64, prefill_chunk_size=64)))
+    seen = []
+    step = Engine.step
+
+    def counting(self):
+        seen.append((sum(1 for r in self.scheduler.running if not r.is_finished),
+                     all(r.num_computed_tokens >= r.num_prompt_tokens for r in self.scheduler.running),
+                     not self.scheduler.waiting))
+        return step(self)
+
+    monkeypatch.setattr(Engine, "step", counting)
+    assert startup_profile._decode_step_s(engine, 4, 64, repeats=3) > 0
+    assert len(seen) >= 4 + 4  # four prefill steps at least, then the warm-up and three timed ones
+    assert seen[-4:] == [(4, True, True)] * 4
+    assert not engine.has_unfinished()  # the streams are aborted, not left in the engine
+
+
+def test_a_timed_stream_has_a_token_for_each_prefill_step_the_warm_up_and_the_timed_steps():
+    assert step_max_tokens(16, 4) == 16 + 4 + 2
+    assert step_max_tokens(1, 4) == 1 + 4 + 2
 
 
 def test_the_prefill_line_goes_through_both_timed_prompts():
