@@ -62,7 +62,7 @@ static inline void store_row32(bf16 *y, float *yf, int64_t at, __m512 lo, __m512
 
 static inline __attribute__((always_inline)) void linear_tile(
     const int MR, const bf16 *x, int64_t ldx, int64_t K, const bf16 *wt, const bf16 *bias,
-    bf16 *y, float *yf, int64_t ldy, int prefetch) {
+    bf16 *y, float *yf, int64_t ldy, int prefetch, const bf16 *next) {
     __m512 acc[MR_MAX][2];
 #pragma GCC unroll 8
     for (int r = 0; r < MR; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
@@ -71,6 +71,7 @@ static inline __attribute__((always_inline)) void linear_tile(
         const bf16 *w = wt + p * 2 * TILE_N;
         if (prefetch) _mm_prefetch((const char *)w + PREFETCH_BYTES, _MM_HINT_T0),
                       _mm_prefetch((const char *)w + PREFETCH_BYTES + 64, _MM_HINT_T0);
+        if (next) _mm_prefetch((const char *)(next + p * 2 * TILE_N), _MM_HINT_T1);
         const __m512bh w0 = load32bh(w), w1 = load32bh(w + 32);
 #pragma GCC unroll 8
         for (int r = 0; r < MR; r++) {
@@ -91,16 +92,16 @@ static inline __attribute__((always_inline)) void linear_tile(
 
 /* Up to MR_MAX rows (rows >= 1) through linear_tile with MR a constant. */
 static void rows_times_tile(int rows, const bf16 *x, int64_t ldx, int64_t K, const bf16 *wt, const bf16 *bias,
-                            bf16 *y, float *yf, int64_t ldy, int prefetch) {
+                            bf16 *y, float *yf, int64_t ldy, int prefetch, const bf16 *next) {
     switch (rows < MR_MAX ? rows : MR_MAX) {
-    case 1: linear_tile(1, x, ldx, K, wt, bias, y, yf, ldy, prefetch); break;
-    case 2: linear_tile(2, x, ldx, K, wt, bias, y, yf, ldy, prefetch); break;
-    case 3: linear_tile(3, x, ldx, K, wt, bias, y, yf, ldy, prefetch); break;
-    case 4: linear_tile(4, x, ldx, K, wt, bias, y, yf, ldy, prefetch); break;
-    case 5: linear_tile(5, x, ldx, K, wt, bias, y, yf, ldy, prefetch); break;
-    case 6: linear_tile(6, x, ldx, K, wt, bias, y, yf, ldy, prefetch); break;
-    case 7: linear_tile(7, x, ldx, K, wt, bias, y, yf, ldy, prefetch); break;
-    default: linear_tile(8, x, ldx, K, wt, bias, y, yf, ldy, prefetch); break;
+    case 1: linear_tile(1, x, ldx, K, wt, bias, y, yf, ldy, prefetch, next); break;
+    case 2: linear_tile(2, x, ldx, K, wt, bias, y, yf, ldy, prefetch, next); break;
+    case 3: linear_tile(3, x, ldx, K, wt, bias, y, yf, ldy, prefetch, next); break;
+    case 4: linear_tile(4, x, ldx, K, wt, bias, y, yf, ldy, prefetch, next); break;
+    case 5: linear_tile(5, x, ldx, K, wt, bias, y, yf, ldy, prefetch, next); break;
+    case 6: linear_tile(6, x, ldx, K, wt, bias, y, yf, ldy, prefetch, next); break;
+    case 7: linear_tile(7, x, ldx, K, wt, bias, y, yf, ldy, prefetch, next); break;
+    default: linear_tile(8, x, ldx, K, wt, bias, y, yf, ldy, prefetch, next); break;
     }
 }
 
@@ -113,14 +114,24 @@ typedef struct {
 /* items: (block of M_BLOCK rows, 32-column tile), tile-major within a block */
 static void linear_chunk(void *arg, int64_t begin, int64_t end) {
     const linear_job *a = (const linear_job *)arg;
+    const int64_t tile_elems = (a->K / 2) * 2 * TILE_N;
     for (int64_t item = begin; item < end; item++) {
         const int64_t mb = item / a->tiles, j = item % a->tiles;
-        const bf16 *wt = a->wp + j * (a->K / 2) * 2 * TILE_N;
+        const bf16 *wt = a->wp + j * tile_elems;
         const bf16 *bj = a->bias ? a->bias + j * TILE_N : NULL;
         const int64_t m_end = (mb + 1) * M_BLOCK < a->M ? (mb + 1) * M_BLOCK : a->M;
-        for (int64_t m = mb * M_BLOCK; m < m_end; m += MR_MAX)
+        /* With more than one pass of MR_MAX rows over this tile, its passes pull this worker's
+         * next tile into L2, each k-pair's first line on the first pass and its second on the
+         * second, so the next tile's first pass reads L2 instead of waiting on memory for a
+         * whole tile while the passes after it wait on nothing (2-vCPU AMD EPYC avx512_bf16 class,
+         * 2 threads, alternating in one process: the 120 decoder projections at 16 rows 0.963x,
+         * 32 rows 0.980x, 256 and 1,024 rows 1.007x and 0.995x; a 16-stream decode step 0.963x and
+         * 0.983x in two runs, 8 streams 0.991x). */
+        const bf16 *next = item + 1 < end && m_end - mb * M_BLOCK > MR_MAX
+                               ? a->wp + ((item + 1) % a->tiles) * tile_elems : NULL;
+        for (int64_t m = mb * M_BLOCK, pass = 0; m < m_end; m += MR_MAX, pass++)
             rows_times_tile((int)(m_end - m), a->x + m * a->K, a->K, a->K, wt, bj, a->y + m * a->N + j * TILE_N,
-                            NULL, a->N, m == mb * M_BLOCK);
+                            NULL, a->N, m == mb * M_BLOCK, next && pass < 2 ? next + pass * TILE_N : NULL);
     }
 }
 
@@ -623,7 +634,7 @@ static void prefill_attend_chunk(void *arg, int64_t begin, int64_t end) {
         for (int64_t j = 0; j < tiles; j++)
             for (int64_t r = 0; r < m; r += MR_MAX)
                 rows_times_tile((int)(m - r), qi + r * stride, stride, D, kp + j * (D / 2) * 2 * TILE_N,
-                                NULL, NULL, sc + r * kpad + j * TILE_N, kpad, 0);
+                                NULL, NULL, sc + r * kpad + j * TILE_N, kpad, 0, NULL);
         for (int64_t r = 0; r < m; r++) {
             const int64_t valid = first + i0 + r + 1;
             inv[r] = softmax_unnormalised(sc + r * kpad, valid, a->scale, pb + r * kpad);
@@ -637,7 +648,7 @@ static void prefill_attend_chunk(void *arg, int64_t begin, int64_t end) {
         for (int64_t dj = 0; dj < D / TILE_N; dj++)
             for (int64_t r = 0; r < m; r += MR_MAX)
                 rows_times_tile((int)(m - r), pb + r * kpad, kpad, kpad, vp + dj * (ctx_pad / 2) * 2 * TILE_N,
-                                NULL, NULL, of + r * D + dj * TILE_N, D, 0);
+                                NULL, NULL, of + r * D + dj * TILE_N, D, 0, NULL);
         bf16 *oi = a->out + (q0 + i0) * H * D + hq * D;
         for (int64_t r = 0; r < m; r++) {
             const __m512 w = _mm512_set1_ps(inv[r]);
