@@ -16,6 +16,10 @@ already set wins.
   ~22% on 2 cores (issue 7 note).  Serve's own direct ingress, which it
   would also turn on, stays off: with ``ingress: gateway`` (the default) the
   gateway serves the configured port itself (pdcluster/services/gateway/http.py).
+  Nor does its log buffer (1,000 records a replica, written when full or on
+  an error): ``RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE=1`` writes a replica's
+  log, ours included (pdcluster/services/replica_logs.py), as it happens, and
+  a replica that is killed loses none of it; a request writes a few lines.
   The driver (``pdcluster up``, the tests, a script holding a handle) keeps
   Serve's router on its own loop, so handles still work from plain
   synchronous code; replicas get the router on their main loop
@@ -48,6 +52,7 @@ DEFAULTS = {
     "UCX_NET_DEVICES": "lo",
     "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
     "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0",
+    "RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE": "1",
     "TOKENIZERS_PARALLELISM": "false",
     "HF_HUB_OFFLINE": "1",
     "THP_MEM_ALLOC_ENABLE": "1",

@@ -31,6 +31,7 @@ from pdcluster.services.openai.replica_board import StatusBoardReader
 from pdcluster.services.openai.rate_limits import TenantLimit, TenantRateLimits
 from pdcluster.services.openai.routes import configure_app, create_app
 from pdcluster.services.openai.settings import OpenAISettings
+from pdcluster.services.replica_logs import into_replica_log
 from pdcluster.services.replica_loopback import bind_replica_grpc_to_loopback
 from pdcluster.services.supervisor import RestartPolicy, Supervisor
 
@@ -97,6 +98,7 @@ def admission_for(cfg: ClusterConfig) -> Admission:
 class Gateway:
     async def __init__(self, config: dict, **handles):
         bind_replica_grpc_to_loopback()
+        into_replica_log()
         cfg = ClusterConfig.model_validate(config)
         tracing.setup_tracing("pdcluster-gateway", jsonl_path=cfg.trace_file)
         cfg = cfg.model_copy(update={"index_url": resolve_index_url(cfg.index_url)})  # a reference in Serve's config

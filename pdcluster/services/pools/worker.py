@@ -29,6 +29,7 @@ from pdcluster.services.engine.async_engine import AsyncEngine
 from pdcluster.services.engine.engine import Engine
 from pdcluster.services.engine.kv_tier_stats import tier_status
 from pdcluster.services.gc_pauses import freeze_startup_heap
+from pdcluster.services.replica_logs import into_replica_log
 from pdcluster.services.replica_loopback import bind_replica_grpc_to_loopback
 from pdcluster.services.messages import GenerateRequest, PrefixLease, PrefixLeaseRequest, TokenDelta
 from pdcluster.router.peer_fetch import DEFAULT_PULL_S_PER_BLOCK
@@ -76,6 +77,7 @@ class Worker:
                  with_transfer: bool = True):
         os.environ.setdefault("UCX_NET_DEVICES", "lo")
         bind_replica_grpc_to_loopback()
+        into_replica_log()
         self.config, self.pool, self.role = config, pool, role
         self.name = name or f"{role}-{os.getpid()}"
         tracing.setup_tracing(f"pdcluster-{role}", config.trace_file, instance=self.name)
