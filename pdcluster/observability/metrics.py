@@ -27,6 +27,8 @@ the Ray dashboard and its Prometheus endpoint, as ``ray_<name>`` (counters
                                                                            that every place's queue was too full
                                                                            to take (offered again, never a 429)
     pdcluster_deadlines_exceeded         counter    kind                   gateway: request | inter_token
+    pdcluster_http_connections_closed    counter    reason                 gateway: head_timeout | connection_cap
+                                                                           (pdcluster/services/gateway/http_protocol.py)
     pdcluster_lease_events               counter    event                  prefill: late_notification (a release
                                                                            for a lease already gone)
     pdcluster_failovers                  counter    reason                 gateway: streams resumed on another
@@ -103,6 +105,9 @@ SPECS: dict[str, MetricSpec] = {
     "pdcluster_seat_waits": MetricSpec(
         "counter", "Admitted requests offered again because the pools' queues were full", ("pool",)),
     "pdcluster_deadlines_exceeded": MetricSpec("counter", "Requests aborted at a deadline", ("kind",)),
+    "pdcluster_http_connections_closed": MetricSpec(
+        "counter", "Client connections the gateway closed: no whole request head in time, or over its cap",
+        ("reason",)),
     "pdcluster_lease_events": MetricSpec(
         "counter", "KV lease outcomes on prefill replicas besides a pull's release", ("event",)),
     "pdcluster_failovers": MetricSpec(
@@ -254,6 +259,10 @@ def count_seat_wait(pool: str) -> None:
 
 def count_deadline(kind: str) -> None:
     _inc("pdcluster_deadlines_exceeded", 1, kind=kind)
+
+
+def count_http_connection_closed(reason: str) -> None:
+    _inc("pdcluster_http_connections_closed", 1, reason=reason)
 
 
 def count_lease_event(event: str) -> None:

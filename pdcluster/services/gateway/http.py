@@ -22,6 +22,7 @@ import socket
 import uvicorn
 from starlette.types import ASGIApp
 
+from pdcluster.services.gateway.http_protocol import HEAD_TIMEOUT_S, bounded_protocol
 from pdcluster.services.openai.request_id import RequestIdMiddleware
 
 log = logging.getLogger("pdcluster.gateway")
@@ -54,12 +55,16 @@ KEEP_ALIVE_S = 75
 class GatewayHTTPServer:
     """uvicorn serving ``app`` on ``host:port`` from the running event loop."""
 
-    def __init__(self, app: ASGIApp, host: str, port: int):
+    def __init__(self, app: ASGIApp, host: str, port: int, head_timeout_s: float = HEAD_TIMEOUT_S,
+                 max_connections: int | None = None):
+        """``head_timeout_s``, ``max_connections``: the connections' bounds (http_protocol.py; None:
+        from the process's descriptor limit)."""
         self.host, self.port = host, port
         self._socket = listening_socket(host, port)
         self._server = uvicorn.Server(uvicorn.Config(
             RequestIdMiddleware(app, forward_header=True), lifespan="off", log_level="warning", access_log=False,
-            timeout_graceful_shutdown=30, timeout_keep_alive=KEEP_ALIVE_S))
+            timeout_graceful_shutdown=30, timeout_keep_alive=KEEP_ALIVE_S,
+            http=bounded_protocol(head_timeout_s, max_connections)))
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:

@@ -26,6 +26,7 @@ def _call_everything() -> None:
     metrics.count_admission_rejection("slo")
     metrics.count_seat_wait("prefill")
     metrics.count_deadline("inter_token")
+    metrics.count_http_connection_closed("head_timeout")
     metrics.count_lease_event("late_notification")
     metrics.count_failover("replica_died")
     metrics.count_task_crash("status_board")
@@ -72,6 +73,7 @@ def test_every_metric_gets_its_declared_tags(fake_ray: dict[str, Any]) -> None:
     assert fake_ray["pdcluster_admission_rejections"].calls == [(1.0, {"reason": "slo"})]
     assert fake_ray["pdcluster_seat_waits"].calls == [(1.0, {"pool": "prefill"})]
     assert fake_ray["pdcluster_deadlines_exceeded"].calls == [(1.0, {"kind": "inter_token"})]
+    assert fake_ray["pdcluster_http_connections_closed"].calls == [(1.0, {"reason": "head_timeout"})]
     assert fake_ray["pdcluster_failovers"].calls == [(1.0, {"reason": "replica_died"})]
     assert fake_ray["pdcluster_task_crashes"].calls == [(1.0, {"task": "status_board"})]
 
