@@ -27,7 +27,7 @@ the Ray dashboard and its Prometheus endpoint, as ``ray_<name>`` (counters
                                                                            that every place's queue was too full
                                                                            to take (offered again, never a 429)
     pdcluster_deadlines_exceeded         counter    kind                   gateway: request | inter_token
-    pdcluster_http_connections_closed    counter    reason                 gateway: head_timeout | connection_cap
+    pdcluster_http_connections_closed    counter    reason                 gateway: head_timeout | body_timeout | connection_cap
                                                                            (pdcluster/services/gateway/http_protocol.py)
     pdcluster_lease_events               counter    event                  prefill: late_notification (a release
                                                                            for a lease already gone)

@@ -22,7 +22,7 @@ import socket
 import uvicorn
 from starlette.types import ASGIApp
 
-from pdcluster.services.gateway.http_protocol import HEAD_TIMEOUT_S, bounded_protocol
+from pdcluster.services.gateway.http_protocol import BODY_TIMEOUT_S, HEAD_TIMEOUT_S, bounded_protocol
 from pdcluster.services.openai.request_id import RequestIdMiddleware
 
 log = logging.getLogger("pdcluster.gateway")
@@ -56,15 +56,15 @@ class GatewayHTTPServer:
     """uvicorn serving ``app`` on ``host:port`` from the running event loop."""
 
     def __init__(self, app: ASGIApp, host: str, port: int, head_timeout_s: float = HEAD_TIMEOUT_S,
-                 max_connections: int | None = None):
-        """``head_timeout_s``, ``max_connections``: the connections' bounds (http_protocol.py; None:
-        from the process's descriptor limit)."""
+                 max_connections: int | None = None, body_timeout_s: float = BODY_TIMEOUT_S):
+        """``head_timeout_s``, ``max_connections``, ``body_timeout_s``: the connections' bounds
+        (http_protocol.py; ``max_connections`` None: from the process's descriptor limit)."""
         self.host, self.port = host, port
         self._socket = listening_socket(host, port)
         self._server = uvicorn.Server(uvicorn.Config(
             RequestIdMiddleware(app, forward_header=True), lifespan="off", log_level="warning", access_log=False,
             timeout_graceful_shutdown=30, timeout_keep_alive=KEEP_ALIVE_S,
-            http=bounded_protocol(head_timeout_s, max_connections)))
+            http=bounded_protocol(head_timeout_s, max_connections, body_timeout_s)))
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:

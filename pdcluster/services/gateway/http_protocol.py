@@ -1,9 +1,10 @@
-"""The gateway's HTTP connections under two bounds uvicorn does not keep.
+"""The gateway's HTTP connections under three bounds uvicorn does not keep.
 
 uvicorn times a kept-alive connection only once a response went out on it:
-a connection that never sends a byte, or sends its request head a byte a
-minute, stays open for as long as the client likes, each holding a file
-descriptor of the gateway's process.  Enough of them (its limit here:
+a connection that never sends a byte, sends its request head a byte a
+minute, or sends its head and then its body a byte a minute, stays open for
+as long as the client likes, each holding a file descriptor of the gateway's
+process (and, past the head, a task of the app waiting for the body).  Enough of them (its limit here:
 20,000) and the process can open nothing more -- no client connection, no
 Redis reconnect, no Ray socket -- so streams already running break too.
 
@@ -12,6 +13,15 @@ Redis reconnect, no Ray socket -- so streams already running break too.
                      or of the first byte of a later request on it; else the
                      connection is closed.  Idle time between requests stays
                      under the keep-alive timeout (http.py's KEEP_ALIVE_S).
+    body deadline    a request's body must be whole within ``body_timeout_s``
+                     of its head (the default body limit, 1 MiB, takes 8 s at
+                     1 Mbit/s); else the client gets 408 with an OpenAI-style
+                     body (or, once a response started, nothing more) and the
+                     connection is closed (after the 408, a lingering close:
+                     LINGER_S of the client's bytes read and dropped, so the
+                     close does not reset the connection before the client
+                     reads the answer): the app sees the client disconnect
+                     and its request ends.
     connection cap   past ``max_connections`` open connections, a new one is
                      closed as it opens: a flood costs new connections for a
                      while, never the process's other descriptors nor the
@@ -19,20 +29,23 @@ Redis reconnect, no Ray socket -- so streams already running break too.
                      process's descriptor limit (the rest: replicas' sockets,
                      Redis, logs).
 
-Both closes are counted (the Ray metric ``pdcluster_http_connections_closed``, by reason).
+Each close is counted (the Ray metric ``pdcluster_http_connections_closed``, by reason).
 Measured on a default `pdcluster up` (Zen 4 class, 2026-12-06): a completion answered 200 beside
 2,000 idle connections, which the gateway closed 30.0 s after they opened."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import resource
 
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 from pdcluster.observability import metrics
 
 HEAD_TIMEOUT_S = 30.0      # nginx's client_header_timeout is 60 s; an API client sends its head at once
+BODY_TIMEOUT_S = 30.0      # nginx's client_body_timeout (60 s) is between two reads; this is the whole body
+LINGER_S = 2.0             # after a 408, how long the rest of the body is read and dropped before the close
 MIN_CONNECTIONS = 64
 
 
@@ -48,13 +61,16 @@ def process_connection_cap() -> int:
 
 
 class BoundedHttpProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol with the head deadline and the connection cap above."""
+    """uvicorn's httptools protocol with the head and body deadlines and the connection cap above."""
 
     head_timeout_s = HEAD_TIMEOUT_S
+    body_timeout_s = BODY_TIMEOUT_S
     max_connections = 1 << 20
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         self._head_deadline: asyncio.TimerHandle | None = None
+        self._body_deadline: asyncio.TimerHandle | None = None
+        self._lingering: asyncio.TimerHandle | None = None  # after a 408: the close that ends it
         super().connection_made(transport)
         if len(self.connections) > self.max_connections:
             metrics.count_http_connection_closed("connection_cap")
@@ -63,6 +79,8 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         self._arm_head_deadline()
 
     def data_received(self, data: bytes) -> None:
+        if self._lingering is not None:
+            return  # the rest of an overdue body: read and dropped
         if self._head_deadline is None and (self.cycle is None or self.cycle.response_complete):
             self._arm_head_deadline()  # the first bytes of a request after a response: its head is due
         super().data_received(data)
@@ -70,9 +88,17 @@ class BoundedHttpProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._disarm_head_deadline()
         super().on_headers_complete()
+        self._body_deadline = self.loop.call_later(self.body_timeout_s, self._body_overdue, self.cycle)
+
+    def on_message_complete(self) -> None:
+        self._disarm_body_deadline()
+        super().on_message_complete()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_head_deadline()
+        self._disarm_body_deadline()
+        if self._lingering is not None:
+            self._lingering.cancel()
         super().connection_lost(exc)
 
     def _arm_head_deadline(self) -> None:
@@ -90,9 +116,45 @@ class BoundedHttpProtocol(HttpToolsProtocol):
             metrics.count_http_connection_closed("head_timeout")
             self.transport.close()
 
+    def _disarm_body_deadline(self) -> None:
+        if self._body_deadline is not None:
+            self._body_deadline.cancel()
+            self._body_deadline = None
 
-def bounded_protocol(head_timeout_s: float = HEAD_TIMEOUT_S, max_connections: int | None = None) -> type:
+    def _body_overdue(self, cycle: RequestResponseCycle) -> None:
+        """The body of ``cycle``'s request is still coming ``body_timeout_s`` after its head."""
+        self._body_deadline = None
+        if self.transport.is_closing():
+            return
+        metrics.count_http_connection_closed("body_timeout")
+        answer = not cycle.response_started
+        cycle.disconnected = True  # from now the app's receive() answers http.disconnect, its send() writes nothing
+        cycle.message_event.set()
+        if not answer or not self.transport.can_write_eof():
+            self.transport.close()
+            return
+        # A lingering close: the client is still sending, and a close with its bytes unread would reset
+        # the connection, which can discard the 408 before the client reads it.  So: the answer, then
+        # our side's end, then what still comes is read and dropped for LINGER_S before the close.
+        self.transport.write(body_timeout_response(self.body_timeout_s))
+        self.transport.write_eof()
+        self._lingering = self.loop.call_later(LINGER_S, self.transport.close)
+        self.flow.resume_reading()
+
+
+def body_timeout_response(body_timeout_s: float) -> bytes:
+    """The 408 a client gets whose request body was not whole ``body_timeout_s`` after its head (pure)."""
+    body = json.dumps({"error": {
+        "message": f"the request body was not complete {body_timeout_s:g} s after its headers; send the "
+                   "whole body at once (the gateway closes the connection)",
+        "type": "invalid_request_error", "param": None, "code": "request_timeout"}}).encode()
+    return (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
+            b"content-length: %d\r\n\r\n%s" % (len(body), body))
+
+
+def bounded_protocol(head_timeout_s: float = HEAD_TIMEOUT_S, max_connections: int | None = None,
+                     body_timeout_s: float = BODY_TIMEOUT_S) -> type:
     """The protocol class uvicorn instantiates per connection, with these bounds."""
     return type("BoundedHttpProtocol", (BoundedHttpProtocol,), {
-        "head_timeout_s": head_timeout_s,
+        "head_timeout_s": head_timeout_s, "body_timeout_s": body_timeout_s,
         "max_connections": process_connection_cap() if max_connections is None else max_connections})
