@@ -103,6 +103,12 @@ class PrefixIndex(ABC):
 
     counters: IndexCounters
 
+    @property
+    def shared_scope(self) -> str | None:
+        """The store and namespace this index reads, where another index object in this process may
+        read the same (its lookups may then be shared: recent_lookups.py); None: none can."""
+        return None
+
     @abstractmethod
     async def register(self, worker: WorkerId, ttl_s: float, info: dict | None = None) -> HeartbeatStatus:
         """Make ``worker`` live for ``ttl_s`` (same rules as ``heartbeat``)."""

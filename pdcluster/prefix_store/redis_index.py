@@ -72,6 +72,10 @@ class RedisPrefixIndex(PrefixIndex):
         self._client: aioredis.Redis | None = None
         self._client_loop: asyncio.AbstractEventLoop | None = None
 
+    @property
+    def shared_scope(self) -> str | None:
+        return f"{self.url}|{self.keys.namespace}"
+
     # -- connection ---------------------------------------------------------
     def _redis(self) -> aioredis.Redis:
         """A client bound to the running loop (redis.asyncio sockets are per loop)."""

@@ -3,7 +3,9 @@
 Per request (all on the router's event loop, nothing blocks it):
 
     header  = routing_header_of(args)                    block hashes from the gateway
-    matches = await index.lookup(header.block_hashes)    one Redis round trip, bounded
+    matches = await index.lookup(header.block_hashes)    one Redis round trip, bounded; or the
+                                                         answer admission got for the same request
+                                                         a moment ago (prefix_store/recent_lookups.py)
     loads   = in-flight tracked here + replica.routing_stats (rate, free KV)
     ranked  = policy.choose(snapshot).ranked             pure function
     return [[r] for r in ranked]                         Serve falls through when full
@@ -44,7 +46,8 @@ DEFAULT_POLICY = {"prefill": "cache_aware", "decode": "decode_by_kv"}
 class RouterCounters:
     decisions: int = 0
     without_header: int = 0
-    lookups: int = 0
+    lookups: int = 0             # asked of the index
+    shared_lookups: int = 0      # admission's answer taken instead (prefix_store/recent_lookups.py)
     degraded_lookups: int = 0
     cache_routed: int = 0        # chosen replica holds >= 1 block of the prompt
 
@@ -160,6 +163,11 @@ class PrefixAwareRequestRouter(RequestRouter):
         if self._index is None:  # created on the router's own loop
             self._index = make_index(self._index_url, lookup_timeout_s=self._lookup_timeout_s,
                                      **self._index_options)
+        from pdcluster.prefix_store.recent_lookups import RECENT_LOOKUPS  # not a global: the class is pickled
+        shared = RECENT_LOOKUPS.take(self._index.shared_scope, header.block_hashes)
+        if shared is not None:  # admission asked the same a moment ago, in this process
+            self.counters.shared_lookups += 1
+            return shared
         self.counters.lookups += 1
         reason = "degraded"
         try:

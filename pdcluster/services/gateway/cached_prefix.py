@@ -6,8 +6,9 @@ the last turn still caches: counted whole, a 2,000-token history predicted
 0.8 s of prefill where the turn computes its new message in tens of
 milliseconds, and three such turns at once were refused on an idle replica.
 
-One prefix-index lookup per request (the one the cache-aware router makes
-too; bounded by ``router.lookup_timeout_s``).  Only the place whose router
+One prefix-index lookup per request (bounded by ``router.lookup_timeout_s``),
+left for the cache-aware router that places the request next, which takes it
+instead of asking again (pdcluster/prefix_store/recent_lookups.py).  Only the place whose router
 follows the cache counts its match: the prefill pool in a disaggregated
 cluster, the colocated pool in a colocated one (both routed cache-aware).
 A decode replica is chosen by free KV, not by prefix, so a decode-side
@@ -20,6 +21,7 @@ from __future__ import annotations
 import logging
 
 from pdcluster.prefix_store.index import LookupResult, PrefixIndex
+from pdcluster.prefix_store.recent_lookups import RECENT_LOOKUPS
 from pdcluster.services.gateway.placement import DECODE, PREFILL
 
 log = logging.getLogger(__name__)
@@ -49,7 +51,9 @@ async def cached_tokens(index: PrefixIndex | None, block_hashes: tuple[int, ...]
     if index is None or routed is None or not block_hashes:
         return {}
     try:
-        return cached_by_place(await index.lookup(block_hashes), block_size, routed)
+        lookup = await index.lookup(block_hashes)
+        RECENT_LOOKUPS.put(index.shared_scope, block_hashes, lookup)  # the router's question too
+        return cached_by_place(lookup, block_size, routed)
     except Exception as exc:  # noqa: BLE001 - a prediction input, never a reason to fail the request
         log.warning("prefix lookup for admission failed (%s); predicting the prompt whole", exc)
         return {}

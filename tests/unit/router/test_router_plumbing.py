@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from pdcluster.prefix_store.events import EventBatch
-from pdcluster.prefix_store.index import LookupResult
+from pdcluster.prefix_store.index import LookupResult, make_index
 from pdcluster.prefix_store.memory_index import InMemoryPrefixIndex
 from pdcluster.prefix_store.worker_id import WorkerId
 from pdcluster.router.inflight import InFlightTracker
@@ -175,3 +175,34 @@ async def test_target_pins_while_prefer_falls_back_once_the_replica_is_gone():
     survivors = replicas[:1]                          # w-b died
     assert await router.choose_replicas(survivors, pending("q3", pinned)) == []
     assert [r[0].unique_id for r in await router.choose_replicas(survivors, pending("q4", preferred))] == ["ra"]
+
+
+# -- admission's lookup shared with the router (prefix_store/recent_lookups.py) -----------
+@pytest.fixture
+def redis_url():
+    from pdcluster.prefix_store.redis_server import RedisServer
+
+    with RedisServer() as server:
+        yield server.url
+
+
+async def test_the_router_takes_admissions_answer_instead_of_asking_redis_again(redis_url):
+    from pdcluster.services.gateway.cached_prefix import cached_tokens
+
+    gateway_index = make_index(redis_url, cluster="c", model="m")  # admission's, and the router's own
+    holder = WorkerId("prefill-b", 1)
+    await gateway_index.register(holder, ttl_s=60)
+    await gateway_index.publish(holder, EventBatch.of(stored=[11, 12]))
+    router = make_router(pool="prefill", index_url=redis_url, cluster="c", model="m")
+    replicas = [FakeReplica("ra", {"worker_name": "prefill-a"}), FakeReplica("rb", {"worker_name": "prefill-b"})]
+    header = RoutingHeader((11, 12, 13), num_prompt_tokens=60, block_size=16)
+
+    assert await cached_tokens(gateway_index, header.block_hashes, 16, ("prefill", "prefill")) == {"prefill": 32}
+    ranks = await router.choose_replicas(replicas, pending("q1", header))
+    assert ranks[0][0].unique_id == "rb"
+    assert (router.counters.shared_lookups, router.counters.lookups, router._index.counters.lookups) == (1, 0, 0)
+    # the next placement of the same prompt (a retry, a second choice) asks Redis itself
+    ranks = await router.choose_replicas(replicas, pending("q2", header))
+    assert ranks[0][0].unique_id == "rb"
+    assert (router.counters.shared_lookups, router.counters.lookups, router._index.counters.lookups) == (1, 1, 1)
+    assert gateway_index.counters.lookups == 1
