@@ -155,7 +155,8 @@ class ClusterBackend(Backend):
         local = self.mode == "colocated" or prefill_locally(num_tokens, self.local_prefill_max_tokens)
         prefill_live = 0 if local else await self._prefill_live()
         self._adopt_startup_profile()
-        cached = await cached_tokens(self.prefix_index, req.routing.block_hashes, self.block_size, self.cache_routed)
+        cached = await cached_tokens(self.prefix_index, req.routing.block_hashes, self.block_size, self.cache_routed,
+                                     decode_live)
         return self.admission.place(num_tokens, prefill_live, decode_live, **who, cached=cached)
 
     def _adopt_startup_profile(self) -> None:

@@ -1,6 +1,7 @@
 """What admission learns from the prefix index (pdcluster/services/gateway/cached_prefix.py):
-only the place whose router follows the cache counts its match, a degraded or failing index
-predicts the prompt whole, and a real in-process index answers with a replica's blocks."""
+the place whose router follows the cache counts its best match, the decode place (routed by free KV)
+what every live decode replica holds, a degraded or failing index predicts the prompt whole, and a
+real in-process index answers with a replica's blocks."""
 
 from __future__ import annotations
 
@@ -21,6 +22,18 @@ def test_only_the_cache_routed_place_counts_and_the_best_replica_of_its_role():
     assert cached_by_place(lookup, 16, cache_routed_place("disaggregated", "least_loaded")) == {}
     assert cached_by_place(LookupResult({"decode-c": 9}, 10), 16, ("prefill", PREFILL)) == {}
     assert cached_by_place(LookupResult.unavailable(10, "down"), 16, ("prefill", PREFILL)) == {}
+
+
+def test_the_decode_place_counts_what_every_live_decode_replica_holds():
+    routed = cache_routed_place("disaggregated", "cache_aware")
+    lookup = LookupResult({"prefill-a": 3, "decode-b": 9, "decode-c": 6}, 10)
+    assert cached_by_place(lookup, 16, routed, decode_live=1) == {PREFILL: 48, DECODE: 96}  # index lags: least
+    assert cached_by_place(lookup, 16, routed, decode_live=2) == {PREFILL: 48, DECODE: 96}
+    assert cached_by_place(lookup, 16, routed, decode_live=3) == {PREFILL: 48}  # a third holds none of it
+    assert cached_by_place(lookup, 16, routed, decode_live=None) == {PREFILL: 48}  # liveness unknown
+    assert cached_by_place(LookupResult({"decode-b": 9}, 10), 16, routed, decode_live=1) == {DECODE: 144}
+    # colocated: one place, the cache-routed one, as before
+    assert cached_by_place(lookup, 16, cache_routed_place("colocated", "cache_aware"), decode_live=1) == {}
 
 
 class _Failing:

@@ -175,6 +175,12 @@ def test_the_queued_prompts_attention_counts_with_their_tokens():
      {DECODE: 1984}, DECODE),
     ("cached on the decode pool: a decode-side prefill computes 16 tokens", 2000,
      snap(prefill=(1, 4000, 2), streams=2), {DECODE: 1984}, DECODE),
+    # 1 prefill + 1 decode: the prefill replica holds the history up to the last reply, the decode
+    # replica the history and the reply it generated (cached_prefix.py counts it now).
+    ("1p1d chat turn: the decode replica holds the reply too, an idle prefill pool", 2000,
+     snap(prefill=(1, 0, 0), streams=2), {PREFILL: 1904, DECODE: 1984}, DECODE),
+    ("the same turn with the decode replica's match unknown", 2000,
+     snap(prefill=(1, 0, 0), streams=2), {PREFILL: 1904}, PREFILL),
 ])
 def test_a_cached_prefix_is_no_work(case, prompt, snapshot, cached, pool):
     p = place(prompt, snapshot, RULES, cached)
