@@ -4,24 +4,23 @@ uvicorn times a kept-alive connection only once a response went out on it:
 a connection that never sends a byte, sends its request head a byte a
 minute, or sends its head and then its body a byte a minute, stays open for
 as long as the client likes, each holding a file descriptor of the gateway's
-process (and, past the head, a task of the app waiting for the body).  Enough of them (its limit here:
-20,000) and the process can open nothing more -- no client connection, no
-Redis reconnect, no Ray socket -- so streams already running break too.
+process (and, past the head, a task of the app waiting for the body).
+Enough of them (its limit here: 20,000) and the process can open nothing
+more -- no client connection, no Redis reconnect, no Ray socket -- so
+streams already running break too.
 
     head deadline    a request head (request line and headers) must be whole
                      within ``head_timeout_s`` of the connection's opening,
                      or of the first byte of a later request on it; else the
-                     connection is closed.  Idle time between requests stays
-                     under the keep-alive timeout (http.py's KEEP_ALIVE_S).
+                     client gets 408 where part of a head came (a connection
+                     that sent nothing gets no answer) and the connection is
+                     closed.  Idle time between requests stays under the
+                     keep-alive timeout (http.py's KEEP_ALIVE_S).
     body deadline    a request's body must be whole within ``body_timeout_s``
                      of its head (the default body limit, 1 MiB, takes 8 s at
-                     1 Mbit/s); else the client gets 408 with an OpenAI-style
-                     body (or, once a response started, nothing more) and the
-                     connection is closed (after the 408, a lingering close:
-                     LINGER_S of the client's bytes read and dropped, so the
-                     close does not reset the connection before the client
-                     reads the answer): the app sees the client disconnect
-                     and its request ends.
+                     1 Mbit/s); else the client gets 408 (or, once a response
+                     started, nothing more) and the connection is closed: the
+                     app sees the client disconnect and its request ends.
     connection cap   past ``max_connections`` open connections, a new one is
                      closed as it opens: a flood costs new connections for a
                      while, never the process's other descriptors nor the
@@ -29,9 +28,14 @@ Redis reconnect, no Ray socket -- so streams already running break too.
                      process's descriptor limit (the rest: replicas' sockets,
                      Redis, logs).
 
-Each close is counted (the Ray metric ``pdcluster_http_connections_closed``, by reason).
-Measured on a default `pdcluster up` (Zen 4 class, 2026-12-06): a completion answered 200 beside
-2,000 idle connections, which the gateway closed 30.0 s after they opened."""
+A 408 has an OpenAI-style body (code ``request_timeout``) and ends in a
+lingering close: LINGER_S of the client's late bytes read and dropped, so
+the close does not reset the connection before the client reads the answer.
+Each close is counted (the Ray metric ``pdcluster_http_connections_closed``,
+by reason).  Measured on a default `pdcluster up` (Zen 4 class, 2026-12-06):
+a completion answered 200 beside 2,000 idle connections, which the gateway
+closed 30.0 s after they opened; a body sent a byte a second got its 408 at
+30.0 s."""
 
 from __future__ import annotations
 
@@ -69,6 +73,7 @@ class BoundedHttpProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         self._head_deadline: asyncio.TimerHandle | None = None
+        self._head_begun = False  # bytes of the head that is due have come
         self._body_deadline: asyncio.TimerHandle | None = None
         self._lingering: asyncio.TimerHandle | None = None  # after a 408: the close that ends it
         super().connection_made(transport)
@@ -83,6 +88,8 @@ class BoundedHttpProtocol(HttpToolsProtocol):
             return  # the rest of an overdue body: read and dropped
         if self._head_deadline is None and (self.cycle is None or self.cycle.response_complete):
             self._arm_head_deadline()  # the first bytes of a request after a response: its head is due
+        if self._head_deadline is not None and data:
+            self._head_begun = True
         super().data_received(data)
 
     def on_headers_complete(self) -> None:
@@ -106,14 +113,19 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         self._head_deadline = self.loop.call_later(self.head_timeout_s, self._head_overdue)
 
     def _disarm_head_deadline(self) -> None:
+        self._head_begun = False
         if self._head_deadline is not None:
             self._head_deadline.cancel()
             self._head_deadline = None
 
     def _head_overdue(self) -> None:
         self._head_deadline = None
-        if not self.transport.is_closing():
-            metrics.count_http_connection_closed("head_timeout")
+        if self.transport.is_closing():
+            return
+        metrics.count_http_connection_closed("head_timeout")
+        if self._head_begun:
+            self._answer_and_close(timeout_response("head", self.head_timeout_s))
+        else:
             self.transport.close()
 
     def _disarm_body_deadline(self) -> None:
@@ -130,23 +142,30 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         answer = not cycle.response_started
         cycle.disconnected = True  # from now the app's receive() answers http.disconnect, its send() writes nothing
         cycle.message_event.set()
-        if not answer or not self.transport.can_write_eof():
+        if answer:
+            self._answer_and_close(timeout_response("body", self.body_timeout_s))
+        else:
+            self.transport.close()
+
+    def _answer_and_close(self, response: bytes) -> None:
+        """A lingering close: the client may still be sending, and a close with its bytes unread would
+        reset the connection, which can discard the answer before the client reads it.  So: the answer,
+        then our side's end, then what still comes is read and dropped for LINGER_S before the close."""
+        if not self.transport.can_write_eof():
             self.transport.close()
             return
-        # A lingering close: the client is still sending, and a close with its bytes unread would reset
-        # the connection, which can discard the 408 before the client reads it.  So: the answer, then
-        # our side's end, then what still comes is read and dropped for LINGER_S before the close.
-        self.transport.write(body_timeout_response(self.body_timeout_s))
+        self.transport.write(response)
         self.transport.write_eof()
         self._lingering = self.loop.call_later(LINGER_S, self.transport.close)
         self.flow.resume_reading()
 
 
-def body_timeout_response(body_timeout_s: float) -> bytes:
-    """The 408 a client gets whose request body was not whole ``body_timeout_s`` after its head (pure)."""
+def timeout_response(part: str, timeout_s: float) -> bytes:
+    """The 408 a client gets whose request ``part`` ("head": request line and headers, from the first
+    byte of the request or of the connection; "body": from the head) was not whole in ``timeout_s`` (pure)."""
     body = json.dumps({"error": {
-        "message": f"the request body was not complete {body_timeout_s:g} s after its headers; send the "
-                   "whole body at once (the gateway closes the connection)",
+        "message": f"the request {part} did not arrive whole within {timeout_s:g} s; send it at once "
+                   "(the gateway closes the connection)",
         "type": "invalid_request_error", "param": None, "code": "request_timeout"}}).encode()
     return (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
             b"content-length: %d\r\n\r\n%s" % (len(body), body))

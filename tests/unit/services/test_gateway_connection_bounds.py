@@ -1,8 +1,8 @@
 """The gateway's connections under head and body deadlines and a cap
 (pdcluster/services/gateway/http_protocol.py), on the real uvicorn server
-(GatewayHTTPServer) over loopback: a connection that sends nothing, or its
-head a piece at a time, is closed; a body still coming at its deadline gets
-408 and the app reading it (the gateway's own read_body) hears the client
+(GatewayHTTPServer) over loopback: a connection that sends nothing is closed,
+one that sends its head a piece at a time gets 408; a body still coming at
+its deadline gets 408 and the app reading it (the gateway's own read_body) hears the client
 leave; past the cap a new connection is closed as it opens; requests on the
 connections kept are answered, and an idle kept-alive connection has no head
 or body deadline running.  Each close is awaited
@@ -22,7 +22,7 @@ from starlette.requests import Request
 
 from pdcluster.services.gateway import http_protocol
 from pdcluster.services.gateway.http import GatewayHTTPServer
-from pdcluster.services.gateway.http_protocol import MIN_CONNECTIONS, body_timeout_response, connection_cap
+from pdcluster.services.gateway.http_protocol import MIN_CONNECTIONS, connection_cap, timeout_response
 from pdcluster.services.openai.errors import OpenAIError
 from pdcluster.services.openai.intake import read_body
 
@@ -89,12 +89,14 @@ def test_a_connection_that_sends_nothing_is_closed_at_the_head_deadline():
     _serve(test, head_timeout_s=HEAD_S)
 
 
-def test_a_head_sent_a_piece_at_a_time_is_closed_at_its_deadline():
+def test_a_head_sent_a_piece_at_a_time_gets_408_at_its_deadline():
     async def test(connect):
         reader, writer = await connect()
         writer.write(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n")  # and the rest never comes
         await writer.drain()
-        assert await _closed(reader)
+        answer = await asyncio.wait_for(reader.read(), WAIT_S)  # all the server sends, to its end
+        assert answer == timeout_response("head", HEAD_S)
+        assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "request_timeout"
     _serve(test, head_timeout_s=HEAD_S)
 
 
@@ -149,7 +151,7 @@ def test_a_body_still_coming_at_its_deadline_gets_408_and_the_app_hears_the_clie
         port = server._socket.getsockname()[1]
         answer = await asyncio.get_running_loop().run_in_executor(None, _late_body_client, port, outcomes)
         assert outcomes == ["the client disconnected while sending the request body"]
-        assert answer == body_timeout_response(HEAD_S)
+        assert answer == timeout_response("body", HEAD_S)
         head, body = answer.split(b"\r\n\r\n", 1)
         assert head.startswith(b"HTTP/1.1 408 ") and json.loads(body)["error"]["code"] == "request_timeout"
     _serve(test, with_server=True, app=_body_app(outcomes), body_timeout_s=HEAD_S)
