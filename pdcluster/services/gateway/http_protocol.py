@@ -49,7 +49,7 @@ from pdcluster.observability import metrics
 
 HEAD_TIMEOUT_S = 30.0      # nginx's client_header_timeout is 60 s; an API client sends its head at once
 BODY_TIMEOUT_S = 30.0      # nginx's client_body_timeout (60 s) is between two reads; this is the whole body
-LINGER_S = 2.0             # after a 408, how long the rest of the body is read and dropped before the close
+LINGER_S = 2.0             # after a 408, how long the client's late bytes are read and dropped before the close
 MIN_CONNECTIONS = 64
 
 
@@ -85,7 +85,7 @@ class BoundedHttpProtocol(HttpToolsProtocol):
 
     def data_received(self, data: bytes) -> None:
         if self._lingering is not None:
-            return  # the rest of an overdue body: read and dropped
+            return  # the rest of an overdue head or body: read and dropped
         if self._head_deadline is None and (self.cycle is None or self.cycle.response_complete):
             self._arm_head_deadline()  # the first bytes of a request after a response: its head is due
         if self._head_deadline is not None and data:
@@ -95,6 +95,7 @@ class BoundedHttpProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._disarm_head_deadline()
         super().on_headers_complete()
+        self._disarm_body_deadline()  # none runs here (a message completes before the next head); kept safe
         self._body_deadline = self.loop.call_later(self.body_timeout_s, self._body_overdue, self.cycle)
 
     def on_message_complete(self) -> None:
