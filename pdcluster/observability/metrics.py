@@ -106,7 +106,7 @@ SPECS: dict[str, MetricSpec] = {
         "counter", "Admitted requests offered again because the pools' queues were full", ("pool",)),
     "pdcluster_deadlines_exceeded": MetricSpec("counter", "Requests aborted at a deadline", ("kind",)),
     "pdcluster_http_connections_closed": MetricSpec(
-        "counter", "Client connections the gateway closed: no whole request head in time, or over its cap",
+        "counter", "Client connections the gateway closed: no whole request head or body in time, or over its cap",
         ("reason",)),
     "pdcluster_lease_events": MetricSpec(
         "counter", "KV lease outcomes on prefill replicas besides a pull's release", ("event",)),

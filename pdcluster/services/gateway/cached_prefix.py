@@ -25,6 +25,7 @@ import logging
 
 from pdcluster.prefix_store.index import LookupResult, PrefixIndex
 from pdcluster.prefix_store.recent_lookups import RECENT_LOOKUPS
+from pdcluster.router.peer_fetch import role_of
 from pdcluster.services.gateway.placement import DECODE, PREFILL
 
 log = logging.getLogger(__name__)
@@ -38,7 +39,7 @@ def cache_routed_place(mode: str, prefill_policy: str) -> tuple[str, str] | None
 
 
 def _matches(lookup: LookupResult, role: str) -> list[int]:
-    return [n for name, n in lookup.matched_blocks.items() if name == role or name.startswith(role + "-")]
+    return [n for name, n in lookup.matched_blocks.items() if role_of(name) == role]
 
 
 def cached_by_place(lookup: LookupResult, block_size: int, routed: tuple[str, str] | None,
