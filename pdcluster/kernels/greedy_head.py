@@ -29,10 +29,11 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from pdcluster.kernels import cpu_native
+from pdcluster.kernels import cpu_native, greedy_head_file
 from pdcluster.kernels.huge_pages import on_huge_pages
 
 COLS, GROUP = 16, 32          # GH_COLS, GH_K in csrc/greedy_head.h
@@ -104,8 +105,13 @@ def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     return q.to(torch.int8).reshape(v, k), d, _round_up_bf16(l1), _round_up_bf16(err)
 
 
-def pack(weight: torch.Tensor) -> ScreenedHead:
-    """The screen for a bf16 head ``weight`` [V, K] (V % 32 == 0, K % 32 == 0)."""
+def screen_shape(vocab: int, hidden: int) -> tuple[int, int, int]:
+    return vocab // COLS, hidden // GROUP, GROUP_BYTES
+
+
+def screen_bytes(weight: torch.Tensor) -> torch.Tensor:
+    """The screen's bytes for a bf16 head ``weight`` [V, K] (V % 32 == 0, K % 32 == 0), uint8
+    ``screen_shape(V, K)`` (pure)."""
     v, k = weight.shape
     g = k // GROUP
     q, d, l1, err = quantize(weight)
@@ -117,8 +123,18 @@ def pack(weight: torch.Tensor) -> ScreenedHead:
         return t.contiguous().view(torch.int16).reshape(v // COLS, COLS, g).permute(0, 2, 1).contiguous() \
             .view(torch.uint8).reshape(v // COLS, g, COLS * 2)
 
-    packed = on_huge_pages([torch.cat([codes, per_block(d), per_block(l1), per_block(err)], dim=-1)])[0]
-    return ScreenedHead(packed, v, k)
+    return torch.cat([codes, per_block(d), per_block(l1), per_block(err)], dim=-1)
+
+
+def pack(weight: torch.Tensor, keep_in: Path | None = None) -> ScreenedHead:
+    """The screen for a bf16 head ``weight`` [V, K], on huge pages; with ``keep_in``, read from the
+    file greedy_head_file.py keeps there when one holds this head's, else built and kept there."""
+    v, k = weight.shape
+    if keep_in is None:
+        payload = screen_bytes(weight)
+    else:
+        payload = greedy_head_file.read_or_make(keep_in, weight, screen_shape(v, k), lambda: screen_bytes(weight))
+    return ScreenedHead(on_huge_pages([payload])[0], v, k)
 
 
 def available() -> bool:
@@ -127,13 +143,14 @@ def available() -> bool:
             and cpu_native.cpu_has("avx512_vnni"))
 
 
-def build(weight: torch.Tensor) -> ScreenedHead | None:
-    """The screen for this head, or None where it cannot run (not a CPU bf16 head, shapes, ISA)."""
+def build(weight: torch.Tensor, keep_in: Path | None = None) -> ScreenedHead | None:
+    """The screen for this head, or None where it cannot run (not a CPU bf16 head, shapes, ISA);
+    ``keep_in``: see ``pack``."""
     v, k = weight.shape
     if (weight.dtype is not torch.bfloat16 or not weight.is_cpu or v % 32 or k % GROUP or k > 8192
             or not available()):
         return None
-    return pack(weight)
+    return pack(weight, keep_in)
 
 
 def choose(head: ScreenedHead, packed_bf16: torch.Tensor, x: torch.Tensor) -> list[int] | None:

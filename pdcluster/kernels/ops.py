@@ -28,6 +28,7 @@ from __future__ import annotations
 import functools
 import importlib
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -62,10 +63,10 @@ __all__ = [
 GREEDY_SCREEN_ROWS = greedy_head.SCREEN_ROWS
 
 
-def build_greedy_head(weight: torch.Tensor) -> ScreenedHead | None:
+def build_greedy_head(weight: torch.Tensor, keep_in: Path | None = None) -> ScreenedHead | None:
     """The int8 screen of a bf16 LM head ``weight`` [V, K] (kernels/greedy_head.py), or None where it
-    cannot run here."""
-    return greedy_head.build(weight)
+    cannot run here; ``keep_in``: a directory where it is kept once built (greedy_head_file.py)."""
+    return greedy_head.build(weight, keep_in)
 
 
 def greedy_choice(head: ScreenedHead, packed: torch.Tensor, x: torch.Tensor) -> list[int] | None:

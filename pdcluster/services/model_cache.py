@@ -50,6 +50,12 @@ def cache_root() -> Path:
     return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "pdcluster" / "models")
 
 
+def derived_dir() -> Path:
+    """Where files computed from weights are kept, each named by the digest of what it was
+    computed from (e.g. the greedy head's screen: pdcluster/kernels/greedy_head_file.py)."""
+    return cache_root() / "derived"
+
+
 def cache_key(gguf_path: Path) -> str:
     st = gguf_path.stat()
     h = hashlib.blake2b(digest_size=8)

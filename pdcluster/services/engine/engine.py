@@ -47,6 +47,7 @@ from pdcluster.services.engine.sampling_params import SamplingParams, StreamDraw
 from pdcluster.services.engine.scheduler import Scheduler, SchedulerOutput
 from pdcluster.services.engine.spec_decode import Speculator
 from pdcluster.services.engine.spec_draft import build_draft_proposer
+from pdcluster.services.model_cache import derived_dir
 
 log = logging.getLogger(__name__)
 # Steps that raise, in a row, before the engine gives up: one bad request
@@ -83,7 +84,7 @@ class Engine:
         if self.loaded.weight_dtype != config.weight_dtype:
             raise ValueError(f"the model was loaded with weight_dtype {self.loaded.weight_dtype}, the engine is "
                              f"configured for {config.weight_dtype}: load it with the engine's weight_dtype")
-        self.loaded.model.pack_weights()
+        self.loaded.model.pack_weights(screen_dir=derived_dir())
         # The native kernels run on their own work pool; torch's OpenMP team
         # would spin beside it, so torch ops inside a native step get one thread.
         self._native = self.loaded.model.native_stack is not None

@@ -39,6 +39,7 @@ from pdcluster.services.engine.model.default import resolve_model_path
 from pdcluster.services.engine.model.llama import LlamaModel
 from pdcluster.services.engine.model.loader import LoadedModel, load_model
 from pdcluster.services.engine.request import Request
+from pdcluster.services.model_cache import derived_dir
 
 GROW_TOKENS = 256      # a sequence's cache grows by doubling, in multiples of this
 CATCH_UP_CHUNK = 256   # tokens per draft forward when catching up (a prompt after a hand-off)
@@ -213,7 +214,7 @@ def build_draft_proposer(config: SpeculativeConfig, target: LoadedModel, dtype: 
         if problem:
             raise ValueError(f"speculative.draft_model {config.draft_model!r} has {problem}: a draft must share "
                              "the target's tokenizer; pick a model of the same family, or 'default'")
-        draft.model.pack_weights()
+        draft.model.pack_weights(screen_dir=derived_dir())
     total = draft.config.num_layers
     n = config.draft_num_layers or total
     if n > total:

@@ -5,6 +5,8 @@ pool through ``pdcluster.kernels.ops``."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from torch import nn
 
@@ -138,10 +140,11 @@ class LlamaModel(nn.Module):
         self.weight_scheme = scheme
 
     @torch.no_grad()
-    def pack_weights(self) -> None:
+    def pack_weights(self, screen_dir: Path | None = None) -> None:
         """Re-lays the projection weights out for this device's fastest
         ``ops.linear`` (idempotent; a no-op where nothing faster exists).
-        The tied lm_head gets its own packed copy: the embedding needs rows."""
+        The tied lm_head gets its own packed copy: the embedding needs rows.
+        ``screen_dir``: where the greedy head's screen is kept once built (ops.build_greedy_head)."""
         for layer in self.layers:
             for proj in layer.projections():
                 if proj.weight.dtype == torch.int8:
@@ -161,7 +164,7 @@ class LlamaModel(nn.Module):
         self.native_stack = self._native_stack()
         head = self.lm_head_weight
         if self.greedy_screen is None and head.dim() == 4 and head.dtype is torch.bfloat16:
-            self.greedy_screen = ops.build_greedy_head(ops.unpack_linear_weight(head))
+            self.greedy_screen = ops.build_greedy_head(ops.unpack_linear_weight(head), screen_dir)
 
     def _stream_weights_from_huge_pages(self) -> None:
         """Moves what a decode step reads end to end (every projection and the LM head's own
