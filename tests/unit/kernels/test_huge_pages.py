@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from pdcluster.kernels import cpu_native
-from pdcluster.kernels import huge_pages
 from pdcluster.kernels.huge_pages import HUGE_PAGE_BYTES, TENSOR_ALIGN_BYTES, on_huge_pages
 from tests.unit.kernels.test_fused_layers import mixed_batch, tiny_model
 
@@ -72,43 +71,6 @@ def test_empty_and_non_cpu_inputs():
 def test_the_mapping_is_advised_for_huge_pages():
     copies = on_huge_pages([torch.ones(3 * HUGE_PAGE_BYTES // 2, dtype=torch.bfloat16)])
     assert "hg" in _mapping(copies[0].data_ptr())[2]  # MADV_HUGEPAGE's flag; whether 2 MiB pages came is the kernel's
-
-
-def _anon_huge_kib(start: int, end: int) -> int:
-    """AnonHugePages (KiB) of the mapping in /proc/self/smaps that holds [start, end)."""
-    inside = False
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        head = line.split()[0]
-        if "-" in head and not head.endswith(":"):
-            lo, hi = (int(x, 16) for x in head.split("-"))
-            inside = lo <= start and end <= hi
-        elif inside and head == "AnonHugePages:":
-            return int(line.split()[1])
-    raise AssertionError(f"no mapping holds [{start:#x}, {end:#x})")
-
-
-@pytest.mark.parametrize("release, has", [("6.18.44-fc-v1272", True), ("6.1.0-13-amd64", True), ("6.0.19", False),
-                                          ("5.15.0-91-generic", False), ("4.19.0", False), ("weird", False)])
-def test_madv_collapse_is_used_from_linux_6_1(release, has):
-    assert huge_pages.collapse_supported(release) is has
-
-
-@pytest.mark.skipif(not THP.exists() or "[never]" in THP.read_text() or not huge_pages.collapse_supported(),
-                    reason="needs transparent huge pages and MADV_COLLAPSE (Linux 6.1+)")
-def test_the_copy_goes_to_small_pages_and_a_background_thread_collapses_it():
-    """The copy returns before any compaction (the collapse runs beside it); the bytes are unchanged after
-    the collapse, and the range is then on huge pages, unless the kernel found none free (it may say
-    EAGAIN): at least one of the three tries must get them on an idle 24 GiB machine."""
-    sizes = []
-    for attempt in range(3):
-        original = torch.arange(3 * HUGE_PAGE_BYTES, dtype=torch.int32).view(torch.uint8)[: 3 * HUGE_PAGE_BYTES]
-        copy = on_huge_pages([original])[0]
-        assert huge_pages.collapses_done(timeout_s=60)
-        assert torch.equal(copy, original)
-        sizes.append(_anon_huge_kib(copy.data_ptr(), copy.data_ptr() + copy.numel()))
-        if sizes[-1] >= 3 * HUGE_PAGE_BYTES // 1024:
-            break
-    assert max(sizes) >= 3 * HUGE_PAGE_BYTES // 1024, sizes
 
 
 @pytest.mark.parametrize("tied", [True, False])
