@@ -37,8 +37,13 @@ class ChatWorkload:
             (self.turns - 1) * self.output_tokens
 
     def working_set_tokens(self, frame_tokens: int) -> int:
-        """Tokens of K/V every session's last turn holds: what a pool would need to keep them all."""
+        """Tokens of K/V every session's last turn holds: what a pool would need to keep them all
+        (the footprint: more than is ever live at once, since sessions start and end at different times)."""
         return self.sessions * (self.final_prompt_tokens(frame_tokens) + self.output_tokens)
+
+    def turn_context_tokens(self, turn: int, frame_tokens: int) -> int:
+        """Tokens of K/V a session holds once turn ``turn`` (0-based) is answered."""
+        return self.system_tokens + (turn + 1) * (self.user_tokens + frame_tokens + self.output_tokens)
 
 
 @dataclass
@@ -81,6 +86,28 @@ def make_sessions(w: ChatWorkload, vocab_lo: int = 1000, vocab_hi: int = 40000) 
                         rng.exponential(w.think_s, size=w.turns).tolist())
                 for i in range(w.sessions)]
     return system, sessions
+
+
+def live_tokens_peak(w: ChatWorkload, sessions: list[Session], frame_tokens: int) -> int:
+    """The most K/V the conversations in progress hold at one moment of the schedule: each session
+    from its first turn to its last counts its context so far (what its next turn reuses), turns
+    answered the moment they arrive (replies take no time; the real schedule runs a little longer).
+    Sessions that have not started or have ended hold nothing a later turn reuses."""
+    events: list[tuple[float, int]] = []  # (when, change in live tokens)
+    for s in sessions:
+        at, held = s.start_s, 0
+        for turn in range(len(s.users)):
+            context = w.turn_context_tokens(turn, frame_tokens)
+            events.append((at, context - held))
+            held = context
+            if turn + 1 < len(s.users):
+                at += s.think_s[turn]
+        events.append((at, -held))  # ends with its last turn (sorted after that turn's own arrival)
+    live = peak = 0
+    for _, change in sorted(events, key=lambda e: (e[0], e[1] < 0)):
+        live += change
+        peak = max(peak, live)
+    return peak
 
 
 def next_prompt(system: list[int], frame: ChatFrame, s: Session) -> list[int]:

@@ -1,6 +1,15 @@
 """KV tiers under the pool: tiers off vs on, one multi-turn chat workload
 whose working set is 4x the KV pool, alternating in one run.
 
+The working set is what the conversations in progress hold at the busiest
+moment of the schedule (chat_sessions.live_tokens_peak): what a pool must
+keep for every next turn to find its history.  Until 2026-12-07 the pool
+was a quarter of every session's final context summed (``--working-set
+footprint``), but sessions start and end at different times: at the
+defaults the conversations in progress never held more than 2.2x that pool
+(0.56 of the footprint), so one pool kept most live histories and tiers off
+already hit much of them.
+
 Each mode runs the same workload (bench/load/chat_sessions.py: Poisson
 session starts, every turn's prompt the whole conversation so far) through
 one replica's engine in real time -- requests join when their arrival time
@@ -47,7 +56,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.fingerprint import print_fingerprint
-from bench.load.chat_sessions import ChatFrame, ChatWorkload, make_sessions, next_prompt
+from bench.load.chat_sessions import ChatFrame, ChatWorkload, live_tokens_peak, make_sessions, next_prompt
 from bench.targets import print_target
 from pdcluster.services.engine.config import EngineConfig, KVTierConfig, SchedulerConfig
 from pdcluster.services.engine.engine import Engine
@@ -169,6 +178,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rate", type=float, default=2.0, help="session starts per second (Poisson)")
     ap.add_argument("--think", type=float, default=15.0, help="mean seconds between a reply and the next turn")
     ap.add_argument("--pool-fraction", type=float, default=0.25, help="KV pool / working set")
+    ap.add_argument("--working-set", choices=("live", "footprint"), default="live",
+                    help="what the pool is a fraction of: the most K/V the conversations in progress hold at "
+                         "one moment (live), or every session's final context summed (footprint, the sizing "
+                         "before 2026-12-07)")
     ap.add_argument("--repeats", type=int, default=1, help="times each mode runs, alternating")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--modes", default=",".join(MODES))
@@ -190,16 +203,21 @@ def main(argv: list[str] | None = None) -> int:
     frame = ChatFrame.of(loaded.tokenizer)
     c = loaded.config
     block_bytes = c.num_layers * 2 * 16 * c.num_kv_heads * c.head_dim * 2  # bf16 pool
-    ws_tokens = w.working_set_tokens(frame.num_tokens)
-    pool_blocks = max(int(ws_tokens * args.pool_fraction) // 16,
+    ws_tokens = w.working_set_tokens(frame.num_tokens)  # the footprint: tiers are sized to hold it
+    live_tokens = live_tokens_peak(w, make_sessions(w)[1], frame.num_tokens)
+    sized_by = live_tokens if args.working_set == "live" else ws_tokens
+    pool_blocks = max(int(sized_by * args.pool_fraction) // 16,
                       -(-(w.final_prompt_tokens(frame.num_tokens) + w.output_tokens) // 16))
+    pool_tokens = pool_blocks * 16
     print(f"# workload: {w.sessions} sessions x {w.turns} turns, system {w.system_tokens} + {w.user_tokens} "
           f"tokens per user turn, {w.output_tokens} out, sessions start at {w.session_rate_rps}/s (Poisson), "
-          f"think {w.think_s} s; working set {ws_tokens} tokens = {ws_tokens / (pool_blocks * 16):.1f}x the pool "
-          f"({pool_blocks} blocks of 16, {pool_blocks * block_bytes / 2**20:.0f} MiB bf16)")
+          f"think {w.think_s} s; the conversations in progress hold at most {live_tokens} tokens at once "
+          f"= {live_tokens / pool_tokens:.1f}x the pool, every session's final context summed {ws_tokens} "
+          f"= {ws_tokens / pool_tokens:.1f}x (pool: {pool_blocks} blocks of 16, "
+          f"{pool_blocks * block_bytes / 2**20:.0f} MiB bf16, {args.pool_fraction:g} of the {args.working_set} set)")
     reproduce = (f"# reproduce: python -m bench.load.prefix_tiers --sessions {w.sessions} --turns {w.turns} "
                  f"--rate {w.session_rate_rps} --think {w.think_s} --pool-fraction {args.pool_fraction} "
-                 f"--repeats {args.repeats}")
+                 f"--working-set {args.working_set} --repeats {args.repeats}")
     if args.cluster:
         on = "tiers on (host tier = the pool, disk tier for the rest)" + \
             ("" if args.no_peer_fetch else " + peer prefix fetch")

@@ -2,8 +2,8 @@
 
 The whole rule (pure; pdcluster/services/pools/peer_fetch.py does the I/O):
 
-    extra(h)    = pool_blocks(h) - local_blocks           blocks holder h can lend past this replica's
-    pool_blocks(h) = matched_blocks(h) - its lower-tier ones  (the index's device_blocks)
+    extra(h)    = matched_blocks(h) - local_blocks        blocks holder h can lend past this replica's
+                                                          (its pool's and its tiers')
     pull_s(h)   = pull_overhead_s + extra(h) * pull_s_per_block
     compute_s(h)= extra(h) * block_size * recompute_s_per_token
 
@@ -23,14 +23,13 @@ The whole rule (pure; pdcluster/services/pools/peer_fetch.py does the I/O):
 * A failover's resume avoids the replicas its stream lost: the index may
   still list a dead one for a few seconds, and asking it costs the lend
   call's whole timeout.
-* A holder lends only blocks in its device pool, and only the leading run
-  of them (engine/peer_import.py ``lend_blocks``): blocks it holds in its
-  host or disk tier are not counted as pullable.  Asking for them anyway
-  costs a lease call that comes back empty -- in a 1p1d chat the decode
-  replica is such a holder whenever the reply it generated went from its
-  small pool to its tier, and the prefill replica's fetch then failed.
-  Of two holders with as many pool blocks, the one with fewer in a lower
-  tier ranks first.
+* A holder lends the leading run of its pool (engine/peer_import.py
+  ``lend_blocks``) after loading back what it holds only in its host or disk
+  tier (services/pools/peer_fetch.py ``stage_tier_blocks``): in a chat whose
+  turns move between replicas, the last replica's copy of the history has
+  usually gone from its pool to its tiers by the next turn.  Those loads cost
+  the holder a memory copy or a disk read a block, so of two holders with as
+  many blocks the one with fewer in a lower tier ranks first.
 """
 
 from __future__ import annotations
@@ -79,7 +78,7 @@ def plan_peer_fetch(lookup: LookupResult, self_name: str, local_blocks: int, num
     usable = max(num_prompt_tokens - 1, 0) // block_size  # the last token is always computed
 
     def extra(name: str) -> int:
-        return min(lookup.device_blocks(name), usable) - local_blocks
+        return min(lookup.matched_blocks.get(name, 0), usable) - local_blocks
 
     def rank(name: str) -> tuple[int, int, str]:
         lower = sum(lookup.tier_blocks.get(name, {}).values())

@@ -324,9 +324,25 @@ class Engine:
             return match.num_blocks
         return match.num_blocks + len(self.tiers.lookup(block_hashes, token_ids, match.num_blocks))
 
+    def stage_for_lending(self, key: str, block_hashes: Sequence[int], token_ids: Sequence[int]) -> int:
+        """Before a peer's lease: the prompt's blocks this replica holds only in its tiers go back
+        into its pool (scheduler.stage_tier_blocks), so ``lease_prefix`` can lend them.  Returns the
+        blocks still loading under ``key`` (0: nothing to wait for; ``tier_blocks_loading`` asks again)."""
+        if self.tiers is None:
+            return 0
+        return self.scheduler.stage_tier_blocks(key, block_hashes, token_ids)
+
+    def tier_blocks_loading(self, key: str) -> bool:
+        """Lands the tier loads that finished; whether the one under ``key`` is still loading."""
+        if self.tiers is None:
+            return False
+        self.scheduler.land_tier_loads()
+        return self.tiers.is_loading(key)
+
     def lease_prefix(self, lease_id: str, block_hashes: Sequence[int], token_ids: Sequence[int],
                      start: int) -> tuple[tuple[int, ...], float] | None:
-        """The holder's side of a peer's pull (peer_import.lend_blocks)."""
+        """The holder's side of a peer's pull (peer_import.lend_blocks): what its pool holds, tier
+        blocks included once ``stage_for_lending`` brought them back."""
         return lend_blocks(self.kv, self.leases, lease_id, block_hashes, token_ids, start)
 
     def land_peer_import(self, key: str, block_hashes: Sequence[int], token_ids: Sequence[int],

@@ -297,6 +297,10 @@ class KVTiers:
     def num_loads_in_flight(self) -> int:
         return len(self._loads)
 
+    def is_loading(self, request_id: str) -> bool:
+        """Whether a load started under ``request_id`` has not landed yet."""
+        return any(ld.request_id == request_id for ld in self._loads.values())
+
     def wait(self, timeout_s: float) -> None:
         """Waits up to ``timeout_s`` for a load to finish (an idle engine, nothing else to step)."""
         if self._loads:

@@ -50,7 +50,7 @@ from pdcluster.prefix_store.hashing import hash_prompt_blocks
 from pdcluster.services.engine.config import SchedulerConfig
 from pdcluster.services.engine.fair_queue import FairClock
 from pdcluster.services.engine.kv_cache import KVCache, PrefixMatch
-from pdcluster.services.engine.kv_tiers import KVTiers, LandedLoad
+from pdcluster.services.engine.kv_tiers import KVTiers, LandedLoad, TierSource
 from pdcluster.services.engine.request import FinishReason, Request, RequestStatus
 from pdcluster.services.engine.spec_decode import Speculator
 from pdcluster.services.engine.step_limits import StepCost, Stream, step_limits, widest_step
@@ -432,9 +432,7 @@ class Scheduler:
         """
         if req.request_id in self._tier_loaded:
             return False
-        room = self.kv.num_free_blocks - match.num_evictable
-        room -= int((1 - self.config.kv_watermark_high) * self.kv.num_total_blocks)
-        sources = self.tiers.lookup(hashes, req.all_token_ids, match.num_blocks)[:max(0, room)]
+        sources = self._tier_sources(hashes, req.all_token_ids, match)
         if not sources:
             return False
         self.kv.acquire(match.block_ids)
@@ -448,6 +446,34 @@ class Scheduler:
             del self.waiting[j]
             self.loading[req.request_id] = req
         return True
+
+    def _tier_sources(self, hashes: Sequence[int], token_ids: Sequence[int], match: PrefixMatch) -> list[TierSource]:
+        """The tiers' blocks past ``match``, as many as the pool has room for below the high watermark."""
+        room = self.kv.num_free_blocks - match.num_evictable
+        room -= int((1 - self.config.kv_watermark_high) * self.kv.num_total_blocks)
+        return self.tiers.lookup(hashes, token_ids, match.num_blocks)[:max(0, room)]
+
+    def stage_tier_blocks(self, key: str, hashes: Sequence[int], token_ids: Sequence[int]) -> int:
+        """Brings a prompt's blocks past the pool's match back from the tiers for no
+        request of this engine (a peer's lease takes them from the prefix cache,
+        peer_import.lend_blocks): host blocks land now, disk blocks once the loader
+        thread has read them (``land_tier_loads``: a load no request owns gives its
+        blocks back, cached).  Returns how many blocks are still loading under ``key``."""
+        match = self.kv.match_prefix(hashes, token_ids)
+        sources = self._tier_sources(hashes, token_ids, match)
+        if not sources:
+            return 0
+        self.kv.acquire(match.block_ids)
+        fresh = self.kv.allocate(len(sources))
+        if fresh is None:
+            self.kv.free(match.block_ids)
+            return 0
+        landed = self.tiers.start_load(key, list(match.block_ids) + fresh, fresh, hashes, token_ids,
+                                       match.num_blocks, sources)
+        if landed is None:
+            return len(sources)
+        self.kv.free(landed.keep + landed.drop)
+        return 0
 
     def land_tier_loads(self) -> None:
         """Requests whose loads landed go back to the head of the queue, holding their blocks."""

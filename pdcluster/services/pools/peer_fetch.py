@@ -6,7 +6,8 @@ blocks another live replica holds instead of recomputing them.
     index.lookup(hashes) -> who holds how many           (this replica too: a first plan from that)
     local = leading blocks here (pool + tiers)           (only when the first plan pulls)
     plan_peer_fetch (pdcluster/router/peer_fetch.py): pull?
-    lease_prefix(PrefixLeaseRequest) -- Serve call ----> match (hash + tokens), acquire,
+    lease_prefix(PrefixLeaseRequest) -- Serve call ----> its tier blocks back into its pool,
+                                                         match (hash + tokens), acquire,
                                                          pin under a lease, checksums
                <------------------------------------ PrefixLease(block ids, checksums, deadline)
     reserve fresh blocks (engine: peer_import.py)
@@ -44,6 +45,10 @@ log = logging.getLogger("pdcluster.peer_fetch")
 _SETTLE_POLL_S = 0.1
 # A lease with less than this left is not read: the pull could not finish inside it.
 _MIN_LEASE_LEFT_S = 0.5
+# A holder waits this long at most for its disk tier's blocks to load before it lends
+# (a block reads in ~0.2 ms; well inside the puller's lease_timeout_s, 2 s by default).
+LEND_TIER_WAIT_S = 0.5
+_TIER_POLL_S = 0.002
 
 CallHolder = Callable[[str, PrefixLeaseRequest], Awaitable[PrefixLease | None]]
 
@@ -236,6 +241,7 @@ async def lend_prefix(worker: Any, ask: PrefixLeaseRequest) -> PrefixLease | Non
     None when this replica's pool holds none of them (or it serves no transfer)."""
     if worker.transfer is None:
         return None
+    await stage_tier_blocks(worker, ask)
     lent = await worker.aengine.run(
         lambda e: e.lease_prefix(ask.lease_id, ask.block_hashes, ask.prompt_token_ids, ask.start))
     if lent is None:
@@ -250,6 +256,19 @@ async def lend_prefix(worker: Any, ask: PrefixLeaseRequest) -> PrefixLease | Non
     worker.counters.peer_blocks_lent += len(block_ids)
     return PrefixLease(ask.lease_id, tuple(block_ids), tuple(checksums), deadline_unix, worker.transfer.describe(),
                        worker.name)
+
+
+async def stage_tier_blocks(worker: Any, ask: PrefixLeaseRequest) -> None:
+    """The blocks this replica holds only in its host or disk tier go back into its pool first
+    (engine.stage_for_lending), so the lease lends them too: host blocks at once, disk blocks
+    waited for up to LEND_TIER_WAIT_S (past it the lease lends what has landed; the rest lands
+    later, cached).  A cancelled wait leaves the load to land by itself."""
+    key = f"lend:{ask.lease_id}"
+    loading = await worker.aengine.run(lambda e: e.stage_for_lending(key, ask.block_hashes, ask.prompt_token_ids))
+    deadline = time.monotonic() + LEND_TIER_WAIT_S
+    while loading and time.monotonic() < deadline:
+        await asyncio.sleep(_TIER_POLL_S)
+        loading = await worker.aengine.run(lambda e: e.tier_blocks_loading(key))
 
 
 _HANDLES: dict[str, Any] = {}

@@ -17,6 +17,8 @@ from pdcluster.services.engine.kv_cache import KVCache, KVCacheSpec
 from pdcluster.services.engine.kv_disk_tier import CorruptBlockError, DiskTier, read_record, write_record
 from pdcluster.services.engine.kv_host_tier import HostTier
 from pdcluster.services.engine.kv_tiers import KVTiers
+from pdcluster.services.engine.lease import LeaseTable
+from pdcluster.services.engine.peer_import import lend_blocks
 from pdcluster.services.engine.request import Request
 from pdcluster.services.engine.sampling_params import SamplingParams
 from pdcluster.services.engine.scheduler import Scheduler
@@ -120,6 +122,60 @@ def test_evicted_blocks_come_back_into_the_prefix_cache_with_their_bytes(tmp_pat
     assert (s.loaded_disk_blocks if disk else s.loaded_host_blocks) >= 1 and s.load_failures == 0
     assert s.loaded_host_blocks + s.loaded_disk_blocks == 3
     assert s.admissions == s.admissions_from_tiers == 1
+    tiers.close()
+
+
+@pytest.mark.parametrize("disk", [False, True], ids=["host", "disk"])
+def test_a_holder_brings_its_tier_blocks_back_to_lend_them_to_a_peer(tmp_path, disk):
+    """A peer's lease (peer_import.lend_blocks) lends what the pool holds; blocks the holder
+    keeps only in a tier are loaded back first, for no request of its own, and stay cached."""
+    kv = _pool(4)
+    config = KVTierConfig(enabled=True, host_bytes=(1 if disk else 8) * kv.spec.block_bytes,
+                          disk_dir=str(tmp_path) if disk else None)
+    tiers = KVTiers(config, kv, SEED)
+    kv.on_evict = tiers.on_evict
+    sched = Scheduler(SchedulerConfig(), kv, SEED, tiers=tiers)
+    prompt = list(range(100, 113))  # 3 full blocks + 1 token
+    hashes = hash_prompt_blocks(SEED, prompt, BS)
+    blocks = kv.allocate(3)
+    for i, b in enumerate(blocks):
+        kv.kv_pool[b].fill_(i + 1)
+    kv.commit(blocks, hashes, prompt)
+    kv.free(blocks)
+    kv.free(kv.allocate(4))  # evicts all three into the tiers
+    tiers.drain()
+    leases = LeaseTable(kv.free, default_ttl_s=30.0)
+    assert lend_blocks(kv, leases, "before", hashes, prompt, start=0) is None  # the pool holds none of them
+
+    loading = sched.stage_tier_blocks("lend:peer-1", hashes, prompt)
+    if disk:  # read by the loader thread, landed by the next pass
+        assert loading == 3 and tiers.is_loading("lend:peer-1")
+        tiers.drain()
+        sched.land_tier_loads()
+    assert loading == (3 if disk else 0) and not tiers.is_loading("lend:peer-1")
+    assert not tiers.held_block_ids() and kv.match_prefix(hashes, prompt).num_blocks == 3  # cached, no owner
+    lent, _ = lend_blocks(kv, leases, "peer-1", hashes, prompt, start=1)
+    assert [float(kv.kv_pool[b].float().mean()) for b in lent] == [2.0, 3.0]
+    assert leases.release("peer-1")
+    assert sched.stage_tier_blocks("lend:peer-2", hashes, prompt) == 0  # all in the pool now: nothing to load
+    kv.check_integrity()
+    tiers.close()
+
+
+def test_a_holder_lends_no_tier_block_whose_tokens_differ(tmp_path):
+    kv = _pool(4)
+    tiers = KVTiers(KVTierConfig(enabled=True, host_bytes=8 * kv.spec.block_bytes), kv, SEED)
+    kv.on_evict = tiers.on_evict
+    sched = Scheduler(SchedulerConfig(), kv, SEED, tiers=tiers)
+    prompt = list(range(100, 113))
+    hashes = hash_prompt_blocks(SEED, prompt, BS)
+    blocks = kv.allocate(3)
+    kv.commit(blocks, hashes, prompt)
+    kv.free(blocks)
+    kv.free(kv.allocate(4))
+    other = [1] + prompt[1:]  # the same hashes claimed for other tokens: nothing loads
+    assert sched.stage_tier_blocks("lend:x", hashes, other) == 0 and kv.num_cached_blocks == 0
+    kv.check_integrity()
     tiers.close()
 
 

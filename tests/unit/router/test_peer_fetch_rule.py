@@ -151,18 +151,18 @@ def test_the_lend_wait_is_bounded_in_the_config():
     assert PeerFetchSettings(lease_timeout_s=60).lease_timeout_s == 60
 
 
-def test_blocks_a_holder_keeps_only_in_its_tiers_are_not_pulled():
-    # decode-x matched 10 blocks, 6 of them only in its host tier: it can lend 4, we hold 2
+def test_blocks_a_holder_keeps_only_in_its_tiers_are_pulled_too():
+    # decode-x matched 10 blocks, 6 of them only in its host tier: it loads them back and lends 8 past our 2
     lookup = LookupResult({"decode-x": 10}, 10, tier_blocks={"decode-x": {"host": 6}})
-    plan = plan_peer_fetch(lookup, "prefill-me", local_blocks=2, num_prompt_tokens=10 * BS + 1, block_size=BS,
-                           recompute_s_per_token=0.003)  # a 2-core CPU's prefill: 2 blocks are worth a call
-    assert plan is not None and (plan.holder, plan.start, plan.num_blocks) == ("decode-x", 2, 2)
-    # ... and no lease call at all when its pool holds nothing past ours
-    lookup = LookupResult({"decode-x": 10}, 10, tier_blocks={"decode-x": {"host": 5, "disk": 3}})
-    assert plan_peer_fetch(lookup, "prefill-me", 2, 10 * BS + 1, BS) is None
+    plan = plan_peer_fetch(lookup, "prefill-me", local_blocks=2, num_prompt_tokens=10 * BS + 1, block_size=BS)
+    assert plan is not None and (plan.holder, plan.start, plan.num_blocks) == ("decode-x", 2, 8)
+    # ... all of them in its tiers, none in its pool: still a holder
+    lookup = LookupResult({"decode-x": 10}, 10, tier_blocks={"decode-x": {"host": 5, "disk": 5}})
+    plan = plan_peer_fetch(lookup, "prefill-me", 2, 10 * BS + 1, BS)
+    assert plan is not None and plan.num_blocks == 8
 
 
-def test_a_holder_with_more_in_its_pool_beats_one_with_more_matched_in_its_tiers():
+def test_the_holder_with_more_blocks_wins_whatever_tier_they_sit_in():
     lookup = LookupResult({"decode-x": 10, "prefill-b": 7}, 10, tier_blocks={"decode-x": {"disk": 6}})
     plan = plan_peer_fetch(lookup, "prefill-me", 0, 10 * BS + 1, BS)
-    assert plan is not None and (plan.holder, plan.num_blocks) == ("prefill-b", 7)
+    assert plan is not None and (plan.holder, plan.num_blocks) == ("decode-x", 10)
