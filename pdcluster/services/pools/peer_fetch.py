@@ -49,6 +49,7 @@ _MIN_LEASE_LEFT_S = 0.5
 # (a block reads in ~0.2 ms; well inside the puller's lease_timeout_s, 2 s by default).
 LEND_TIER_WAIT_S = 0.5
 _TIER_POLL_S = 0.002
+_STILL_LOADING = object()  # stage_then_lease: the engine call that found disk blocks still loading
 
 CallHolder = Callable[[str, PrefixLeaseRequest], Awaitable[PrefixLease | None]]
 
@@ -241,9 +242,7 @@ async def lend_prefix(worker: Any, ask: PrefixLeaseRequest) -> PrefixLease | Non
     None when this replica's pool holds none of them (or it serves no transfer)."""
     if worker.transfer is None:
         return None
-    await stage_tier_blocks(worker, ask)
-    lent = await worker.aengine.run(
-        lambda e: e.lease_prefix(ask.lease_id, ask.block_hashes, ask.prompt_token_ids, ask.start))
+    lent = await stage_then_lease(worker, ask)
     if lent is None:
         return None
     block_ids, deadline_unix = lent
@@ -258,17 +257,29 @@ async def lend_prefix(worker: Any, ask: PrefixLeaseRequest) -> PrefixLease | Non
                        worker.name)
 
 
-async def stage_tier_blocks(worker: Any, ask: PrefixLeaseRequest) -> None:
-    """The blocks this replica holds only in its host or disk tier go back into its pool first
-    (engine.stage_for_lending), so the lease lends them too: host blocks at once, disk blocks
-    waited for up to LEND_TIER_WAIT_S (past it the lease lends what has landed; the rest lands
-    later, cached).  A cancelled wait leaves the load to land by itself."""
-    key = f"lend:{ask.lease_id}"
-    loading = await worker.aengine.run(lambda e: e.stage_for_lending(key, ask.block_hashes, ask.prompt_token_ids))
-    deadline = time.monotonic() + LEND_TIER_WAIT_S
-    while loading and time.monotonic() < deadline:
+async def stage_then_lease(worker: Any, ask: PrefixLeaseRequest) -> tuple[tuple[int, ...], float] | None:
+    """The engine's lease (engine.lease_prefix) after the blocks this replica holds only in its
+    host or disk tier went back into its pool (engine.stage_for_lending), so the lease lends them
+    too.  Host blocks are copied in the same call as the lease; disk blocks are read by the tiers'
+    loader thread, waited for up to LEND_TIER_WAIT_S (then the lease lends what has landed; the
+    rest lands later, cached).  Each call waits for the engine's current step, so a lease with
+    nothing on disk costs one, as it did before tiers.  A cancelled wait leaves the load to land by
+    itself."""
+    key, deadline, first = f"lend:{ask.lease_id}", time.monotonic() + LEND_TIER_WAIT_S, True
+
+    def attempt(e):
+        nonlocal first
+        loading = e.stage_for_lending(key, ask.block_hashes, ask.prompt_token_ids) if first \
+            else e.tier_blocks_loading(key)
+        first = False
+        if loading and time.monotonic() < deadline:
+            return _STILL_LOADING
+        return e.lease_prefix(ask.lease_id, ask.block_hashes, ask.prompt_token_ids, ask.start)
+
+    while (lent := await worker.aengine.run(attempt)) is _STILL_LOADING:
         await asyncio.sleep(_TIER_POLL_S)
-        loading = await worker.aengine.run(lambda e: e.tier_blocks_loading(key))
+    return lent
+
 
 
 _HANDLES: dict[str, Any] = {}

@@ -158,3 +158,41 @@ def test_an_abort_while_blocks_load_leaks_nothing(smol_fp32, prompts, tmp_path):
 def engine_block_bytes(loaded) -> int:
     c = loaded.config
     return c.num_layers * 2 * 16 * c.num_kv_heads * c.head_dim * 4  # fp32 pool
+
+
+@pytest.mark.parametrize("disk", [False, True], ids=["host", "disk"])
+def test_a_prefix_a_peer_keeps_only_in_its_tiers_is_lent_and_gives_recomputes_output(smol_fp32, prompts, recomputed,
+                                                                                     tmp_path, disk):
+    """Peer prefix fetch from a holder whose copy left its pool: the holder loads the blocks back
+    (stage_for_lending), lends them under a lease, their bytes land in a second engine's pool
+    (the transfer's part, here a copy; tests/integration/cluster/test_cluster_peer_fetch.py runs
+    it over the transfer layer) and its greedy output equals recompute's."""
+    tiers = {"host_bytes": 4 * engine_block_bytes(smol_fp32), "disk_dir": str(tmp_path)} if disk else \
+        {"host_bytes": 64 * 2**20}
+    holder = _engine(smol_fp32, **tiers)
+    puller = Engine(EngineConfig(dtype="float32", num_kv_blocks=NUM_BLOCKS), loaded=smol_fp32)
+    try:
+        _evict_a(holder, prompts)
+        prompt = prompts["a"]
+        hashes = holder.scheduler.update_hashes(_req(holder, prompt))
+        full = (len(prompt) - 1) // 16
+        loading = holder.stage_for_lending("lend:peer", hashes, prompt)
+        while holder.tier_blocks_loading("lend:peer"):
+            holder.tiers.wait(1.0)
+        assert (loading > 0) == disk
+        lent, _ = holder.lease_prefix("peer", hashes, prompt, 0)
+        assert len(lent) >= full
+        fresh = puller.peer_imports.reserve("peer", full, GREEDY.tenant)
+        for src, dst in zip(lent, fresh):
+            puller.kv.kv_pool[dst].copy_(holder.kv.kv_pool[src])
+        assert holder.release_lease("peer")
+        assert puller.land_peer_import("peer", hashes, prompt, 0).num_committed == full
+        out = puller.generate([prompt], GREEDY)[0]
+        assert out.new_token_ids == recomputed and out.num_cached_tokens == full * 16
+        s = holder.stats().kv_tiers
+        assert (s.loaded_disk_blocks > 0 if disk else s.loaded_host_blocks == full) and s.load_failures == 0, s
+        holder.check_integrity()
+        assert not holder.tiers.held_block_ids()
+    finally:
+        holder.close()
+        puller.close()
