@@ -87,17 +87,17 @@ def _pool(num_blocks: int, dtype: torch.dtype = torch.bfloat16) -> KVCache:
     return KVCache(spec)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int8], ids=["bf16", "int8"])
-@pytest.mark.parametrize("disk", [False, True], ids=["host", "disk"])
-def test_evicted_blocks_come_back_into_the_prefix_cache_with_their_bytes(tmp_path, disk, dtype):
-    """An 8-bit pool's blocks (values and their scales) travel as the pool holds them."""
+def _three_blocks_in_tiers(tmp_path, disk: bool, dtype: torch.dtype = torch.bfloat16):
+    """A 4-block pool whose prompt of 3 full blocks (filled with 1, 2, 3) + 1 token was evicted
+    into the tiers (host only, or one host block and the rest on disk): (kv, tiers, scheduler,
+    prompt, its block hashes)."""
     kv = _pool(4, dtype)
     config = KVTierConfig(enabled=True, host_bytes=(1 if disk else 8) * kv.spec.block_bytes,
                           disk_dir=str(tmp_path) if disk else None)
     tiers = KVTiers(config, kv, SEED)
     kv.on_evict = tiers.on_evict
     sched = Scheduler(SchedulerConfig(), kv, SEED, tiers=tiers)
-    prompt = list(range(100, 113))  # 3 full blocks + 1 token
+    prompt = list(range(100, 113))
     hashes = hash_prompt_blocks(SEED, prompt, BS)
     blocks = kv.allocate(3)
     for i, b in enumerate(blocks):
@@ -106,6 +106,14 @@ def test_evicted_blocks_come_back_into_the_prefix_cache_with_their_bytes(tmp_pat
     kv.free(blocks)
     kv.free(kv.allocate(4))  # evicts all three into the tiers
     tiers.drain()
+    return kv, tiers, sched, prompt, hashes
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int8], ids=["bf16", "int8"])
+@pytest.mark.parametrize("disk", [False, True], ids=["host", "disk"])
+def test_evicted_blocks_come_back_into_the_prefix_cache_with_their_bytes(tmp_path, disk, dtype):
+    """An 8-bit pool's blocks (values and their scales) travel as the pool holds them."""
+    kv, tiers, sched, prompt, _ = _three_blocks_in_tiers(tmp_path, disk, dtype)
     assert kv.num_cached_blocks == 0
     req = Request("r", prompt, SamplingParams(max_tokens=1))
     sched.add(req)
@@ -129,21 +137,7 @@ def test_evicted_blocks_come_back_into_the_prefix_cache_with_their_bytes(tmp_pat
 def test_a_holder_brings_its_tier_blocks_back_to_lend_them_to_a_peer(tmp_path, disk):
     """A peer's lease (peer_import.lend_blocks) lends what the pool holds; blocks the holder
     keeps only in a tier are loaded back first, for no request of its own, and stay cached."""
-    kv = _pool(4)
-    config = KVTierConfig(enabled=True, host_bytes=(1 if disk else 8) * kv.spec.block_bytes,
-                          disk_dir=str(tmp_path) if disk else None)
-    tiers = KVTiers(config, kv, SEED)
-    kv.on_evict = tiers.on_evict
-    sched = Scheduler(SchedulerConfig(), kv, SEED, tiers=tiers)
-    prompt = list(range(100, 113))  # 3 full blocks + 1 token
-    hashes = hash_prompt_blocks(SEED, prompt, BS)
-    blocks = kv.allocate(3)
-    for i, b in enumerate(blocks):
-        kv.kv_pool[b].fill_(i + 1)
-    kv.commit(blocks, hashes, prompt)
-    kv.free(blocks)
-    kv.free(kv.allocate(4))  # evicts all three into the tiers
-    tiers.drain()
+    kv, tiers, sched, prompt, hashes = _three_blocks_in_tiers(tmp_path, disk)
     leases = LeaseTable(kv.free, default_ttl_s=30.0)
     assert lend_blocks(kv, leases, "before", hashes, prompt, start=0) is None  # the pool holds none of them
 
@@ -163,16 +157,7 @@ def test_a_holder_brings_its_tier_blocks_back_to_lend_them_to_a_peer(tmp_path, d
 
 
 def test_a_holder_lends_no_tier_block_whose_tokens_differ(tmp_path):
-    kv = _pool(4)
-    tiers = KVTiers(KVTierConfig(enabled=True, host_bytes=8 * kv.spec.block_bytes), kv, SEED)
-    kv.on_evict = tiers.on_evict
-    sched = Scheduler(SchedulerConfig(), kv, SEED, tiers=tiers)
-    prompt = list(range(100, 113))
-    hashes = hash_prompt_blocks(SEED, prompt, BS)
-    blocks = kv.allocate(3)
-    kv.commit(blocks, hashes, prompt)
-    kv.free(blocks)
-    kv.free(kv.allocate(4))
+    kv, tiers, sched, prompt, hashes = _three_blocks_in_tiers(tmp_path, disk=False)
     other = [1] + prompt[1:]  # the same hashes claimed for other tokens: nothing loads
     assert sched.stage_tier_blocks("lend:x", hashes, other) == 0 and kv.num_cached_blocks == 0
     kv.check_integrity()
