@@ -25,7 +25,7 @@ The whole rule (pure; pdcluster/services/pools/peer_fetch.py does the I/O):
   call's whole timeout.
 * A holder lends the leading run of its pool (engine/peer_import.py
   ``lend_blocks``) after loading back what it holds only in its host or disk
-  tier (services/pools/peer_fetch.py ``stage_tier_blocks``): in a chat whose
+  tier (services/pools/peer_fetch.py ``stage_then_lease``): in a chat whose
   turns move between replicas, the last replica's copy of the history has
   usually gone from its pool to its tiers by the next turn.  Those loads cost
   the holder a memory copy or a disk read a block, so of two holders with as
