@@ -281,7 +281,6 @@ async def stage_then_lease(worker: Any, ask: PrefixLeaseRequest) -> tuple[tuple[
     return lent
 
 
-
 _HANDLES: dict[str, Any] = {}
 
 

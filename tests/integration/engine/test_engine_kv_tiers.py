@@ -177,8 +177,11 @@ def test_a_prefix_a_peer_keeps_only_in_its_tiers_is_lent_and_gives_recomputes_ou
         hashes = holder.scheduler.update_hashes(_req(holder, prompt))
         full = (len(prompt) - 1) // 16
         loading = holder.stage_for_lending("lend:peer", hashes, prompt)
-        while holder.tier_blocks_loading("lend:peer"):
+        for _ in range(120):  # a hang guard: the loader reads a few blocks in milliseconds
+            if not holder.tier_blocks_loading("lend:peer"):
+                break
             holder.tiers.wait(1.0)
+        assert not holder.tier_blocks_loading("lend:peer")
         assert (loading > 0) == disk
         lent, _ = holder.lease_prefix("peer", hashes, prompt, 0)
         assert len(lent) >= full
