@@ -50,8 +50,9 @@ from pdcluster.prefix_store.hashing import hash_prompt_blocks
 from pdcluster.services.engine.config import SchedulerConfig
 from pdcluster.services.engine.fair_queue import FairClock
 from pdcluster.services.engine.kv_cache import KVCache, PrefixMatch
-from pdcluster.services.engine.kv_tiers import KVTiers, LandedLoad, TierSource
+from pdcluster.services.engine.kv_tiers import KVTiers, LandedLoad
 from pdcluster.services.engine.request import FinishReason, Request, RequestStatus
+from pdcluster.services.engine.sampling_params import DEFAULT_TENANT
 from pdcluster.services.engine.spec_decode import Speculator
 from pdcluster.services.engine.step_limits import StepCost, Stream, step_limits, widest_step
 
@@ -432,14 +433,11 @@ class Scheduler:
         """
         if req.request_id in self._tier_loaded:
             return False
-        sources = self._tier_sources(hashes, req.all_token_ids, match)
-        if not sources:
+        num_loading, landed = self._start_tier_load(req.request_id, hashes, req.all_token_ids, match,
+                                                    req.params.tenant)
+        if not num_loading:
             return False
-        self.kv.acquire(match.block_ids)
-        fresh = self.kv.allocate(len(sources), req.params.tenant)
         self._tier_loaded.add(req.request_id)
-        landed = self.tiers.start_load(req.request_id, list(match.block_ids) + fresh, fresh, hashes,
-                                       req.all_token_ids, match.num_blocks, sources)
         if landed is not None:
             self._hold(req, landed)
         else:
@@ -447,33 +445,32 @@ class Scheduler:
             self.loading[req.request_id] = req
         return True
 
-    def _tier_sources(self, hashes: Sequence[int], token_ids: Sequence[int], match: PrefixMatch) -> list[TierSource]:
-        """The tiers' blocks past ``match``, as many as the pool has room for below the high watermark."""
-        room = self.kv.num_free_blocks - match.num_evictable
-        room -= int((1 - self.config.kv_watermark_high) * self.kv.num_total_blocks)
-        return self.tiers.lookup(hashes, token_ids, match.num_blocks)[:max(0, room)]
-
     def stage_tier_blocks(self, key: str, hashes: Sequence[int], token_ids: Sequence[int]) -> int:
         """Brings a prompt's blocks past the pool's match back from the tiers for no
         request of this engine (a peer's lease takes them from the prefix cache,
         peer_import.lend_blocks): host blocks land now, disk blocks once the loader
         thread has read them (``land_tier_loads``: a load no request owns gives its
         blocks back, cached).  Returns how many blocks are still loading under ``key``."""
-        match = self.kv.match_prefix(hashes, token_ids)
-        sources = self._tier_sources(hashes, token_ids, match)
-        if not sources:
-            return 0
-        self.kv.acquire(match.block_ids)
-        fresh = self.kv.allocate(len(sources))
-        if fresh is None:
-            self.kv.free(match.block_ids)
-            return 0
-        landed = self.tiers.start_load(key, list(match.block_ids) + fresh, fresh, hashes, token_ids,
-                                       match.num_blocks, sources)
+        num_loading, landed = self._start_tier_load(key, hashes, token_ids, self.kv.match_prefix(hashes, token_ids))
         if landed is None:
-            return len(sources)
+            return num_loading
         self.kv.free(landed.keep + landed.drop)
         return 0
+
+    def _start_tier_load(self, key: str, hashes: Sequence[int], token_ids: Sequence[int], match: PrefixMatch,
+                         tenant: str = DEFAULT_TENANT) -> tuple[int, LandedLoad | None]:
+        """Loads the tiers' blocks past ``match`` into fresh pool blocks, as many as the pool has
+        room for below the high watermark; the load holds ``match``'s blocks too.  (blocks loaded,
+        the landed load when they were all in host memory, else None: the loader thread reads them)."""
+        room = self.kv.num_free_blocks - match.num_evictable
+        room -= int((1 - self.config.kv_watermark_high) * self.kv.num_total_blocks)
+        sources = self.tiers.lookup(hashes, token_ids, match.num_blocks)[:max(0, room)]
+        if not sources:
+            return 0, None
+        self.kv.acquire(match.block_ids)
+        fresh = self.kv.allocate(len(sources), tenant)  # room counted above: never None
+        return len(sources), self.tiers.start_load(key, list(match.block_ids) + fresh, fresh, hashes, token_ids,
+                                                   match.num_blocks, sources)
 
     def land_tier_loads(self) -> None:
         """Requests whose loads landed go back to the head of the queue, holding their blocks."""
