@@ -44,13 +44,14 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Sequence
+from itertools import takewhile
 from dataclasses import dataclass, field
 
 from pdcluster.prefix_store.hashing import hash_prompt_blocks
 from pdcluster.services.engine.config import SchedulerConfig
 from pdcluster.services.engine.fair_queue import FairClock
 from pdcluster.services.engine.kv_cache import KVCache, PrefixMatch
-from pdcluster.services.engine.kv_tiers import KVTiers, LandedLoad
+from pdcluster.services.engine.kv_tiers import HOST, KVTiers, LandedLoad
 from pdcluster.services.engine.request import FinishReason, Request, RequestStatus
 from pdcluster.services.engine.sampling_params import DEFAULT_TENANT
 from pdcluster.services.engine.spec_decode import Speculator
@@ -167,8 +168,15 @@ class Scheduler:
 
             [ prompt ........ | prior output ...... ]   req.num_tokens: K/V written from outside
             [ cached | reserved ................... ]   then commit_external: + first token, decode on
+
+        With tiers, the leading blocks past the pool's match that the host tier
+        holds are copied back first and count as cached (the sender skips them);
+        blocks on disk are pulled like the rest: a read would hold up this call.
         """
-        match = self.kv.match_prefix(self.update_hashes(req), req.all_token_ids)
+        hashes = self.update_hashes(req)
+        if self.tiers is not None:  # the blocks its host tier keeps need no pull (disk ones would wait a read)
+            self.stage_tier_blocks(req.request_id, hashes, req.all_token_ids, host_only=True)
+        match = self.kv.match_prefix(hashes, req.all_token_ids)
         need = _cdiv(req.num_tokens, self.block_size) - match.num_blocks
         if need > self.kv.num_free_blocks - match.num_evictable:
             return None
@@ -445,26 +453,33 @@ class Scheduler:
             self.loading[req.request_id] = req
         return True
 
-    def stage_tier_blocks(self, key: str, hashes: Sequence[int], token_ids: Sequence[int]) -> int:
+    def stage_tier_blocks(self, key: str, hashes: Sequence[int], token_ids: Sequence[int],
+                          host_only: bool = False) -> int:
         """Brings a prompt's blocks past the pool's match back from the tiers for no
         request of this engine (a peer's lease takes them from the prefix cache,
-        peer_import.lend_blocks): host blocks land now, disk blocks once the loader
-        thread has read them (``land_tier_loads``: a load no request owns gives its
-        blocks back, cached).  Returns how many blocks are still loading under ``key``."""
-        num_loading, landed = self._start_tier_load(key, hashes, token_ids, self.kv.match_prefix(hashes, token_ids))
+        peer_import.lend_blocks; a reservation, ``reserve_external``): host blocks
+        land now, disk blocks once the loader thread has read them (``land_tier_loads``:
+        a load no request owns gives its blocks back, cached); ``host_only``: the
+        leading run the host tier holds, nothing read from disk.  Returns how many
+        blocks are still loading under ``key``."""
+        num_loading, landed = self._start_tier_load(key, hashes, token_ids, self.kv.match_prefix(hashes, token_ids),
+                                                    host_only=host_only)
         if landed is None:
             return num_loading
         self.kv.free(landed.keep + landed.drop)
         return 0
 
     def _start_tier_load(self, key: str, hashes: Sequence[int], token_ids: Sequence[int], match: PrefixMatch,
-                         tenant: str = DEFAULT_TENANT) -> tuple[int, LandedLoad | None]:
+                         tenant: str = DEFAULT_TENANT, host_only: bool = False) -> tuple[int, LandedLoad | None]:
         """Loads the tiers' blocks past ``match`` into fresh pool blocks, as many as the pool has
-        room for below the high watermark; the load holds ``match``'s blocks too.  (blocks loaded,
-        the landed load when they were all in host memory, else None: the loader thread reads them)."""
+        room for below the high watermark (``host_only``: up to the first on disk); the load holds
+        ``match``'s blocks too.  (blocks loaded, the landed load when they were all in host memory,
+        else None: the loader thread reads them)."""
         room = self.kv.num_free_blocks - match.num_evictable
         room -= int((1 - self.config.kv_watermark_high) * self.kv.num_total_blocks)
         sources = self.tiers.lookup(hashes, token_ids, match.num_blocks)[:max(0, room)]
+        if host_only:
+            sources = list(takewhile(lambda src: src.tier == HOST, sources))
         if not sources:
             return 0, None
         self.kv.acquire(match.block_ids)

@@ -199,3 +199,26 @@ def test_a_prefix_a_peer_keeps_only_in_its_tiers_is_lent_and_gives_recomputes_ou
     finally:
         holder.close()
         puller.close()
+
+
+def test_a_hand_off_takes_the_prefix_its_host_tier_keeps_and_gives_recomputes_output(smol_fp32, prompts, recomputed):
+    """A decode engine whose host tier keeps a prompt's blocks reserves them as cached (reserve_external):
+    the prefill engine's hand-off sends only the rest, here the last partial block, over the transfer
+    layer (tests/integration/engine/hand_off.py), and the decoded tokens equal recompute's."""
+    from tests.integration.engine.hand_off import decode_all, prefill_and_pull
+
+    decode = _engine(smol_fp32, host_bytes=64 * 2**20)
+    prefill = Engine(EngineConfig(dtype="float32", num_kv_blocks=NUM_BLOCKS), loaded=smol_fp32)
+    try:
+        _evict_a(decode, prompts)
+        prompt = prompts["a"]
+        full, blocks = len(prompt) // 16, -(-len(prompt) // 16)
+        first, _, pulled = prefill_and_pull(prefill, decode, [("handed", prompt, GREEDY)])
+        s = decode.stats().kv_tiers
+        assert pulled == blocks - full and s.loaded_host_blocks == full and s.load_failures == 0, (pulled, s)
+        assert decode_all(decode, first)["handed"] == recomputed
+        decode.check_integrity()
+        assert not decode.tiers.held_block_ids()
+    finally:
+        prefill.close()
+        decode.close()

@@ -19,7 +19,7 @@ from pdcluster.services.engine.kv_host_tier import HostTier
 from pdcluster.services.engine.kv_tiers import KVTiers
 from pdcluster.services.engine.lease import LeaseTable
 from pdcluster.services.engine.peer_import import lend_blocks
-from pdcluster.services.engine.request import Request
+from pdcluster.services.engine.request import FinishReason, Request
 from pdcluster.services.engine.sampling_params import SamplingParams
 from pdcluster.services.engine.scheduler import Scheduler
 
@@ -152,6 +152,28 @@ def test_a_holder_brings_its_tier_blocks_back_to_lend_them_to_a_peer(tmp_path, d
     assert [float(kv.kv_pool[b].float().mean()) for b in lent] == [2.0, 3.0]
     assert leases.release("peer-1")
     assert sched.stage_tier_blocks("lend:peer-2", hashes, prompt) == 0  # all in the pool now: nothing to load
+    kv.check_integrity()
+    tiers.close()
+
+
+@pytest.mark.parametrize("disk", [False, True], ids=["host", "disk"])
+def test_a_reservation_takes_the_blocks_its_host_tier_keeps_and_leaves_disk_ones_to_the_pull(tmp_path, disk):
+    """A hand-off's decode side (reserve_external): the leading blocks its host tier holds come
+    back into the pool and count as cached, so the sender skips them; a block on disk ends the run
+    (reading it would hold up the engine thread) and is reserved for the pull like the rest."""
+    kv, tiers, sched, prompt, hashes = _three_blocks_in_tiers(tmp_path, disk)
+    sources = tiers.lookup(hashes, prompt, 0)
+    in_host = next((i for i, src in enumerate(sources) if src.tier != "host"), len(sources))
+    assert in_host == (1 if disk else 3)  # the disk case: the host tier kept the first block, the next two are on disk
+    req = Request("r", prompt, SamplingParams(max_tokens=1))
+    assert sched.reserve_external(req) == in_host
+    assert req.num_cached_tokens == in_host * BS and len(req.block_ids) == 4 and "r" in sched.awaiting_kv
+    assert [float(kv.kv_pool[b].float().mean()) for b in req.block_ids[:in_host]] == [1.0, 2.0, 3.0][:in_host]
+    s = tiers.snapshot()
+    assert s.loaded_host_blocks == in_host and s.loaded_disk_blocks == 0 and not tiers.num_loads_in_flight
+    assert not tiers.held_block_ids()
+    sched.finish(req, FinishReason.ABORT)  # its K/V never came: everything goes back
+    assert "r" not in sched.awaiting_kv and kv.num_free_blocks == kv.num_total_blocks
     kv.check_integrity()
     tiers.close()
 
