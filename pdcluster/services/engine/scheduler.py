@@ -44,8 +44,8 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Sequence
-from itertools import takewhile
 from dataclasses import dataclass, field
+from itertools import takewhile
 
 from pdcluster.prefix_store.hashing import hash_prompt_blocks
 from pdcluster.services.engine.config import SchedulerConfig
