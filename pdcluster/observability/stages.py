@@ -8,6 +8,9 @@ RequestOutput carries it), so nothing is held open across an ``await`` or a
     decode replica   entered ──kv.transfer── pulled ──decode.queue── first scheduled
                      ──decode.generate── done
                      (kv.transfer includes waiting for free blocks: kv.reserve_wait_ms)
+    both phases      entered ──prefill.queue── first scheduled ──prefill.compute── first token
+    on one replica   ──decode.generate── done      (colocated mode, a decode replica's fallback;
+                                                    the queue includes a peer prefix fetch)
 
 Without ``first_scheduled_s`` on RequestOutput the queue spans fall back to
 zero width (prefill) or end at the first output (decode).
@@ -62,6 +65,51 @@ class PrefillStages(_Stages):
 
     def failed(self, error: BaseException) -> None:
         self._record("prefill.compute", self.entered_s, time.monotonic(), error=error)
+
+
+class WholeStages(_Stages):
+    """Both phases on one replica's engine (``stream_whole_request``): spans only, the
+    caller keeps its metrics.  ``stages = WholeStages(request.trace_context, w.name,
+    block_size, tags)`` at entry, ``stages.on_output(out)`` per engine output,
+    ``stages.finish(error)`` in ``finally``."""
+
+    def __init__(self, carrier: Mapping[str, str], replica: str, block_size: int,
+                 tags: Mapping[str, Any] | None = None):
+        super().__init__(carrier, replica, block_size, tags)
+        self.scheduled_s: float | None = None
+        self.first_token_s: float | None = None
+        self.finished_s: float | None = None
+        self.prompt_attrs: dict[str, Any] = {}
+        self.num_tokens = 0
+        self.finish_reason: str | None = None
+
+    def on_output(self, out: Any) -> None:
+        now = time.monotonic()
+        if self.scheduled_s is None and _scheduled_s(out) is not None:
+            self.scheduled_s = _scheduled_s(out)
+        if not self.prompt_attrs:
+            self.prompt_attrs = {t.PROMPT_TOKENS: out.num_prompt_tokens, t.CACHED_TOKENS: out.num_cached_tokens,
+                                 t.CACHE_HIT_BLOCKS: out.num_cached_tokens // self.block_size}
+        if out.new_token_ids and self.first_token_s is None:
+            self.first_token_s = now
+        self.num_tokens += len(out.new_token_ids)
+        if out.finished:
+            self.finished_s = now
+            if out.finish_reason is not None:
+                self.finish_reason = out.finish_reason.value
+
+    def finish(self, error: BaseException | None = None) -> None:
+        # Ends with the last token, not when the generator is closed (the gateway's span may end first).
+        now = self.finished_s if error is None and self.finished_s is not None else time.monotonic()
+        scheduled = min(max(self.scheduled_s or now, self.entered_s), now)
+        self._record("prefill.queue", self.entered_s, scheduled)
+        if self.first_token_s is None:  # failed, or cancelled, before its first token
+            self._record("prefill.compute", scheduled, now, self.prompt_attrs, error=error)
+            return
+        first = min(max(self.first_token_s, scheduled), now)
+        self._record("prefill.compute", scheduled, first, self.prompt_attrs)
+        self._record("decode.generate", first, now, {t.OUTPUT_TOKENS: self.num_tokens,
+                                                     t.FINISH_REASON: self.finish_reason}, error=error)
 
 
 class DecodeStages(_Stages):

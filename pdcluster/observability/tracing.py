@@ -12,6 +12,9 @@ One request is one trace; the stage spans hang directly off the root:
     ├─ decode.queue                     decode replica
     └─ decode.generate                  decode replica
 
+Where one replica runs both phases (colocated mode, a decode replica's
+fallback) it records prefill.queue, prefill.compute and decode.generate.
+
 Exporters (``setup_tracing`` reads the standard variables once per process):
 
     OTEL_SDK_DISABLED=true              no tracing at all (also PDCLUSTER_TRACING=0)

@@ -22,6 +22,7 @@ from pdcluster.prefix_store.worker_id import WorkerId
 from pdcluster.router.replica_stats import ReplicaStats
 from pdcluster.services.pools import faults
 from pdcluster.observability import metrics, tracing
+from pdcluster.observability.stages import WholeStages
 from pdcluster.services.backend import BackendOverloaded, engine_errors_as_backend_errors
 from pdcluster.services.cluster_secret import cluster_secret
 from pdcluster.services.config import ClusterConfig, PoolConfig
@@ -298,27 +299,36 @@ async def stream_whole_request(worker: Worker, request: GenerateRequest, capacit
     """Both phases on this replica's engine (colocated mode, and the decode
     pool's fallback when no prefill replica is alive)."""
     timer = metrics.RequestTimer(worker.role, clock=time.monotonic)   # the engine's clock: first_scheduled_s
+    stages = WholeStages(request.trace_context, worker.name, worker.engine.kv_spec.block_size, request.span_tags())
     queued = prefilled = False
-    with worker.admitted(capacity), engine_errors_as_backend_errors():
-        if worker.peer_fetch is not None:
-            await worker.peer_fetch.fetch(request)
-        async for out in worker.aengine.generate(request.request_id, request.prompt_token_ids, request.params,
-                                                 prior_output_token_ids=request.prior_output_token_ids,
-                                                 block_hashes=worker.prompt_hashes(request), draw=request.draw):
-            if timer.num_tokens == 0:
-                metrics.count_prompt_tokens(worker.role, worker.name, out.num_prompt_tokens,
-                                            out.num_cached_tokens)
-            scheduled_s = getattr(out, "first_scheduled_s", None)
-            if not queued and scheduled_s is not None:
-                queued = True
-                metrics.observe_queue(worker.role, max(scheduled_s - timer.start_s, 0.0))
-            if not prefilled and out.new_token_ids and scheduled_s is not None:  # its prefill: peer fetch weighs it
-                prefilled = True
-                worker.note_prefill(out.num_prompt_tokens + len(request.prior_output_token_ids) - out.num_cached_tokens,
-                                    time.monotonic() - scheduled_s)
-            faults.drop_stream(request.faults, timer.num_tokens, resumed=bool(request.prior_output_token_ids))
-            timer.on_tokens(len(out.new_token_ids))
-            yield TokenDelta.of_output(out, streamed_by=worker.name, worker_name=worker.name)
+    error: BaseException | None = None
+    try:
+        with worker.admitted(capacity), engine_errors_as_backend_errors():
+            if worker.peer_fetch is not None:
+                await worker.peer_fetch.fetch(request)
+            async for out in worker.aengine.generate(request.request_id, request.prompt_token_ids, request.params,
+                                                     prior_output_token_ids=request.prior_output_token_ids,
+                                                     block_hashes=worker.prompt_hashes(request), draw=request.draw):
+                stages.on_output(out)
+                if timer.num_tokens == 0:
+                    metrics.count_prompt_tokens(worker.role, worker.name, out.num_prompt_tokens,
+                                                out.num_cached_tokens)
+                scheduled_s = getattr(out, "first_scheduled_s", None)
+                if not queued and scheduled_s is not None:
+                    queued = True
+                    metrics.observe_queue(worker.role, max(scheduled_s - timer.start_s, 0.0))
+                if not prefilled and out.new_token_ids and scheduled_s is not None:  # its prefill: peer fetch weighs it
+                    prefilled = True
+                    worker.note_prefill(out.num_prompt_tokens + len(request.prior_output_token_ids)
+                                        - out.num_cached_tokens, time.monotonic() - scheduled_s)
+                faults.drop_stream(request.faults, timer.num_tokens, resumed=bool(request.prior_output_token_ids))
+                timer.on_tokens(len(out.new_token_ids))
+                yield TokenDelta.of_output(out, streamed_by=worker.name, worker_name=worker.name)
+    except BaseException as exc:
+        error = exc
+        raise
+    finally:
+        stages.finish(error)  # prefill.queue, prefill.compute, decode.generate spans
     timer.finish()
 
 

@@ -22,9 +22,15 @@ def pytest_runtest_teardown(item, nextitem):
 
 
 @pytest.fixture(scope="session")
-def colocated_cluster(shared_ray):
+def colocated_trace_file(tmp_path_factory):
+    return tmp_path_factory.mktemp("colocated-traces") / "spans.jsonl"
+
+
+@pytest.fixture(scope="session")
+def colocated_cluster(shared_ray, colocated_trace_file):
     config = ClusterConfig(port=free_service_port(), mode="colocated", dtype="float32",
                            colocated=small_pool(num_replicas=1), lease_ttl_s=120.0,
+                           trace_file=str(colocated_trace_file),  # every process's spans in one file
                            admission=AdmissionSettings(shed=False))
     yield from directory_cluster(shared_ray, config, _RUNNING)
 

@@ -15,7 +15,7 @@ from span_helpers import finished_spans
 from pdcluster.observability import metrics, tracing
 from pdcluster.services.messages import TokenDelta
 from pdcluster.services.engine.request import FinishReason
-from pdcluster.observability.stages import DecodeStages, PrefillStages, observe_gateway_stream
+from pdcluster.observability.stages import DecodeStages, PrefillStages, WholeStages, observe_gateway_stream
 
 
 @pytest.fixture
@@ -97,6 +97,44 @@ def test_decode_stage_failure_before_pull_is_an_error_kv_span(span_file: Path, o
     DecodeStages({}, "decode-2", 16, "socket").finish(RuntimeError("transfer failed"))
     kv = finished_spans(span_file)["kv.transfer"]
     assert kv["status"] == "ERROR" and "transfer failed" in kv["status_message"]
+
+
+def test_whole_stages_split_queue_compute_and_generate_under_the_gateway_span(span_file: Path,
+                                                                              observed: list) -> None:
+    """Both phases on one replica (colocated, a decode replica's fallback): the queue ends at the first
+    step, the prefill at the first token, the decode at the last token; spans only, no metrics."""
+    tracing.setup_tracing("pdcluster-colocated", jsonl_path=span_file)
+    with tracing.span("gateway.request") as root:
+        carrier = tracing.inject(root)
+    stages = WholeStages(carrier, "colocated-1", 16)
+    time.sleep(0.01)
+    scheduled = time.monotonic()
+    stages.on_output(_out([], scheduled))  # a prompt chunk: no token yet
+    time.sleep(0.02)
+    stages.on_output(_out([5], scheduled))
+    stages.on_output(_out([6, 7], scheduled, FinishReason.LENGTH))
+    stages.finish()
+    spans = finished_spans(span_file)
+    queue, compute, gen = spans["prefill.queue"], spans["prefill.compute"], spans["decode.generate"]
+    root_id = spans["gateway.request"]["span_id"]
+    assert queue["parent_span_id"] == compute["parent_span_id"] == gen["parent_span_id"] == root_id
+    assert queue["end_ns"] == compute["start_ns"] and compute["end_ns"] == gen["start_ns"]
+    assert queue["end_ns"] - queue["start_ns"] >= 9e6 and compute["end_ns"] - compute["start_ns"] >= 19e6
+    assert compute["attributes"] == {"replica": "colocated-1", "prompt.tokens": 40, "prompt.cached_tokens": 32,
+                                     "cache.hit_blocks": 2}
+    assert gen["attributes"] == {"replica": "colocated-1", "output.tokens": 3, "finish_reason": "length"}
+    assert observed == []  # stream_whole_request keeps the replica's metrics
+
+
+def test_whole_stages_failure_before_the_first_token_is_an_error_compute_span(span_file: Path,
+                                                                              observed: list) -> None:
+    tracing.setup_tracing("pdcluster-colocated", jsonl_path=span_file)
+    stages = WholeStages({}, "colocated-2", 16)
+    stages.finish(RuntimeError("engine step failed"))
+    spans = finished_spans(span_file)
+    assert spans["prefill.compute"]["status"] == "ERROR" and "engine step failed" in \
+        spans["prefill.compute"]["status_message"]
+    assert "decode.generate" not in spans
 
 
 def test_gateway_stream_times_tokens_and_closes_the_backend(span_file: Path, observed: list) -> None:
