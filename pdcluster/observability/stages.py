@@ -99,8 +99,11 @@ class WholeStages(_Stages):
                 self.finish_reason = out.finish_reason.value
 
     def finish(self, error: BaseException | None = None) -> None:
-        # Ends with the last token, not when the generator is closed (the gateway's span may end first).
-        now = self.finished_s if error is None and self.finished_s is not None else time.monotonic()
+        # Ends with the last token, not when the generator is closed (the gateway's span may end first);
+        # a stream closed after its last token was served whole: not an error.
+        if self.finished_s is not None:
+            error = None
+        now = self.finished_s if self.finished_s is not None else time.monotonic()
         scheduled = min(max(self.scheduled_s or now, self.entered_s), now)
         self._record("prefill.queue", self.entered_s, scheduled)
         if self.first_token_s is None:  # failed, or cancelled, before its first token

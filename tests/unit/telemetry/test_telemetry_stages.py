@@ -113,9 +113,10 @@ def test_whole_stages_split_queue_compute_and_generate_under_the_gateway_span(sp
     time.sleep(0.02)
     stages.on_output(_out([5], scheduled))
     stages.on_output(_out([6, 7], scheduled, FinishReason.LENGTH))
-    stages.finish()
+    stages.finish(GeneratorExit())  # the consumer closed the stream after its last token: served whole
     spans = finished_spans(span_file)
     queue, compute, gen = spans["prefill.queue"], spans["prefill.compute"], spans["decode.generate"]
+    assert gen["status"] != "ERROR" and compute["status"] != "ERROR"
     root_id = spans["gateway.request"]["span_id"]
     assert queue["parent_span_id"] == compute["parent_span_id"] == gen["parent_span_id"] == root_id
     assert queue["end_ns"] == compute["start_ns"] and compute["end_ns"] == gen["start_ns"]
