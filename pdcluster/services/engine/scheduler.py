@@ -175,7 +175,7 @@ class Scheduler:
         """
         hashes = self.update_hashes(req)
         if self.tiers is not None:  # the blocks its host tier keeps need no pull (disk ones would wait a read)
-            self.stage_tier_blocks(req.request_id, hashes, req.all_token_ids, host_only=True)
+            self.stage_tier_blocks(req.request_id, hashes, req.all_token_ids, req.params.tenant, host_only=True)
         match = self.kv.match_prefix(hashes, req.all_token_ids)
         need = _cdiv(req.num_tokens, self.block_size) - match.num_blocks
         if need > self.kv.num_free_blocks - match.num_evictable:
@@ -454,16 +454,17 @@ class Scheduler:
         return True
 
     def stage_tier_blocks(self, key: str, hashes: Sequence[int], token_ids: Sequence[int],
-                          host_only: bool = False) -> int:
+                          tenant: str = DEFAULT_TENANT, host_only: bool = False) -> int:
         """Brings a prompt's blocks past the pool's match back from the tiers for no
         request of this engine (a peer's lease takes them from the prefix cache,
         peer_import.lend_blocks; a reservation, ``reserve_external``): host blocks
         land now, disk blocks once the loader thread has read them (``land_tier_loads``:
-        a load no request owns gives its blocks back, cached); ``host_only``: the
-        leading run the host tier holds, nothing read from disk.  Returns how many
-        blocks are still loading under ``key``."""
+        a load no request owns gives its blocks back, cached), charged to ``tenant``
+        (a reservation's, so its KV guarantee keeps them); ``host_only``: the leading
+        run the host tier holds, nothing read from disk.  Returns how many blocks are
+        still loading under ``key``."""
         num_loading, landed = self._start_tier_load(key, hashes, token_ids, self.kv.match_prefix(hashes, token_ids),
-                                                    host_only=host_only)
+                                                    tenant, host_only)
         if landed is None:
             return num_loading
         self.kv.free(landed.keep + landed.drop)

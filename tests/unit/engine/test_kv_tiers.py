@@ -165,8 +165,9 @@ def test_a_reservation_takes_the_blocks_its_host_tier_keeps_and_leaves_disk_ones
     sources = tiers.lookup(hashes, prompt, 0)
     in_host = next((i for i, src in enumerate(sources) if src.tier != "host"), len(sources))
     assert in_host == (1 if disk else 3)  # the disk case: the host tier kept the first block, the next two are on disk
-    req = Request("r", prompt, SamplingParams(max_tokens=1))
+    req = Request("r", prompt, SamplingParams(max_tokens=1, tenant="team-a"))
     assert sched.reserve_external(req) == in_host
+    assert kv.charged.get("team-a", 0) >= in_host  # the staged blocks are the reservation's tenant's
     assert req.num_cached_tokens == in_host * BS and len(req.block_ids) == 4 and "r" in sched.awaiting_kv
     assert [float(kv.kv_pool[b].float().mean()) for b in req.block_ids[:in_host]] == [1.0, 2.0, 3.0][:in_host]
     s = tiers.snapshot()
