@@ -85,7 +85,7 @@ class WholeStages(_Stages):
 
     def on_output(self, out: Any) -> None:
         now = time.monotonic()
-        if self.scheduled_s is None and _scheduled_s(out) is not None:
+        if self.scheduled_s is None:
             self.scheduled_s = _scheduled_s(out)
         if not self.prompt_attrs:
             self.prompt_attrs = {t.PROMPT_TOKENS: out.num_prompt_tokens, t.CACHED_TOKENS: out.num_cached_tokens,
