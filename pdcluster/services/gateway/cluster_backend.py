@@ -13,10 +13,12 @@
           gone, deadline) releases the lease itself once its pull ended, so no
           release frees blocks a one-sided READ is still reading.
 
-Every request runs under two deadlines (end-to-end, and the gap between
-tokens once the first arrived); past either, the calls in flight are
-cancelled (the replicas abort and free their blocks) and the client gets
-504 or an SSE error event.  A prefill replica that dies before the
+Every request's stream is one loop (relay.py: admission, then its
+attempts): the first attempt on the place admission chose, the next ones
+resumed elsewhere, each chunk waited for under one timer set to the nearest
+of its deadlines (deadlines.py: end-to-end, first token, the gap between
+tokens); past one, the calls in flight are cancelled (the replicas abort and
+free their blocks) and the client gets 504 or an SSE error event.  A prefill replica that dies before the
 hand-off is retried once (the router picks again); replica-side typed
 errors keep their HTTP meaning.
 
@@ -55,14 +57,14 @@ from pdcluster.services.backend import (
     Backend, BackendError, BackendFailure, BackendOverloaded, BackendUnavailable, for_client,
 )
 from pdcluster.services.gateway.admission import DEFAULT_RULES, Admission, Ticket
-from pdcluster.services.gateway.deadlines import with_deadlines, with_gap_deadline
 from pdcluster.services.gateway.failover import (AVOIDED, RECOMPUTE, FailoverReason, ReplicaLost, ResumeTarget, decide,
                                        decode_call_over, gave_up_message, live_elsewhere, lost_reason, resume_path,
                                        resume_target)
 from pdcluster.services.gateway.failover_log import FailoverLog, PendingSpan
 from pdcluster.services.gateway.liveness import PoolLiveness
 from pdcluster.services.gateway.placement import DECODE, Placement
-from pdcluster.services.gateway.resume import StreamProgress, resume_request, with_stream_seed
+from pdcluster.services.gateway.relay import StreamRelay
+from pdcluster.services.gateway.resume import StreamProgress, resume_request
 from pdcluster.services.messages import GenerateRequest, LeaseRelease, PrefillResponse, TokenDelta
 
 log = logging.getLogger("pdcluster.gateway")
@@ -146,7 +148,7 @@ class ClusterBackend(Backend):
         last read."""
         return self.liveness is not None and self.liveness.cached_scaled_to_zero("prefill")
 
-    async def _admit(self, req: GenerateRequest) -> Ticket:
+    async def admit(self, req: GenerateRequest) -> Ticket:
         """Where the prompt is prefilled (admission's placement), or 429."""
         num_tokens = len(req.prompt_token_ids)
         who = {"tenant": req.params.tenant, "priority": req.params.priority, "arrived_at": req.arrived_at}
@@ -183,48 +185,26 @@ class ClusterBackend(Backend):
             return 0
         return await self.liveness.live("prefill")
 
-    async def generate(self, req: GenerateRequest) -> AsyncIterator[TokenDelta]:
-        ticket = await self._admit(req)  # or 429
-        req = with_stream_seed(req)  # so a failover's hop draws what the lost replica would have
-        # The inter-token deadline is per attempt (with_gap_deadline): passing it may fail over.
-        first_token_s = max(self.first_token_timeout_s, 3 * ticket.placement.predicted_ttft_s)
-        chunks = with_deadlines(self._with_failover(req, ticket.placement), self.request_timeout_s, math.inf,
-                                first_token_s)
-        try:
-            async for chunk in chunks:
-                ticket.first_token(len(chunk.token_ids), chunk.worker_name, chunk.num_cached_tokens)
-                yield chunk
-        finally:
-            ticket.close()
-            await chunks.aclose()
+    def generate(self, req: GenerateRequest) -> AsyncIterator[TokenDelta]:
+        """Admission, then the stream on its place, failing over when it loses its replica, under the
+        deadlines: one loop (relay.py)."""
+        return StreamRelay(self, req).chunks()
 
-    async def _with_failover(self, req: GenerateRequest, placement: Placement) -> AsyncIterator[TokenDelta]:
-        """The stream, resumed on another replica each time it loses its own
-        (at most ``max_failovers`` times); then the loss's error."""
-        progress = StreamProgress(len(req.prompt_token_ids), req.params.max_tokens)
-        attempt, pending = self._generate(req, placement, progress), None
-        while True:
-            chunks = with_gap_deadline(attempt, self.inter_token_timeout_s, pending is not None, progress)
-            try:
-                async for chunk in chunks:
-                    if chunk.waiting:  # a hand-off in line for a decode seat or KV: the deadline starts again
-                        continue
-                    if pending is not None:  # the new replica's first token: the pause is over
-                        self.failovers.span(pending, req.trace_context, progress.replica or chunk.worker_name)
-                        pending = None
-                    progress.add(chunk)
-                    yield chunk
-                return
-            except ReplicaLost as lost:
-                if pending is not None:
-                    self.failovers.span(pending, req.trace_context, "", error=lost)
-                target = await self._failover_target(req, progress, lost)  # raises when it cannot
-                pending = self.failovers.resumed_on(req.request_id, lost.reason.value, lost.replica, target.pool,
-                                                    progress.num_failovers + 1, len(progress.token_ids), target.path)
-                progress.failed_over(lost.reason.value, lost.replica, avoid=lost.reason in AVOIDED)
-                attempt = self._resume(req, progress, target, pending)
-            finally:
-                await chunks.aclose()  # client gone or failed: the attempt's replica call is cancelled
+    async def resume(self, req: GenerateRequest, progress: StreamProgress, lost: ReplicaLost,
+                     pending: PendingSpan | None) -> tuple[AsyncIterator[TokenDelta], PendingSpan]:
+        """The attempt that continues a stream that lost its replica (at most ``max_failovers`` times),
+        and its failover's span; raises the loss's error where the stream does not resume."""
+        if pending is not None:
+            self.failovers.span(pending, req.trace_context, "", error=lost)
+        target = await self._failover_target(req, progress, lost)  # raises when it cannot
+        pending = self.failovers.resumed_on(req.request_id, lost.reason.value, lost.replica, target.pool,
+                                            progress.num_failovers + 1, len(progress.token_ids), target.path)
+        progress.failed_over(lost.reason.value, lost.replica, avoid=lost.reason in AVOIDED)
+        return self._resume(req, progress, target, pending), pending
+
+    def resumed(self, pending: PendingSpan, req: GenerateRequest, replica: str) -> None:
+        """A resumed stream's new replica sent its first token: the failover's span ends."""
+        self.failovers.span(pending, req.trace_context, replica)
 
     async def _failover_target(self, req: GenerateRequest, progress: StreamProgress,
                                lost: ReplicaLost) -> ResumeTarget:
@@ -285,8 +265,8 @@ class ClusterBackend(Backend):
             async for chunk in chunks:
                 yield chunk
 
-    async def _generate(self, req: GenerateRequest, placement: Placement,
-                        progress: StreamProgress | None = None) -> AsyncIterator[TokenDelta]:
+    async def first_attempt(self, req: GenerateRequest, placement: Placement,
+                            progress: StreamProgress | None = None) -> AsyncIterator[TokenDelta]:
         """The request on its place.  Admission already predicted it within
         the SLO, so a full queue before its first token (every place it can
         go to refused a seat: Serve's max_queue, a replica's in-flight
@@ -309,25 +289,27 @@ class ClusterBackend(Backend):
             await asyncio.sleep(seat_retry_delay_s(waits))
             waits += 1
 
-    async def _on_place(self, req: GenerateRequest, placement: Placement,
-                        progress: StreamProgress | None = None) -> AsyncIterator[TokenDelta]:
+    def _on_place(self, req: GenerateRequest, placement: Placement,
+                  progress: StreamProgress | None = None) -> AsyncIterator[TokenDelta]:
         """One offer of the request to its place (the decode pool when the prefill pool cannot take it)."""
         if self.mode == "colocated":
-            async for chunk in self._whole_request("colocated", "generate", req, progress):
-                yield chunk
-            return
+            return self._whole_request("colocated", "generate", req, progress)
         if placement.pool == DECODE:
-            async for chunk in self._on_decode(req, placement.reason, progress):
-                yield chunk
-            return
+            return self._on_decode(req, placement.reason, progress)
+        return self._prefill_then_hand_off(req, progress)
+
+    async def _prefill_then_hand_off(self, req: GenerateRequest,
+                                     progress: StreamProgress | None) -> AsyncIterator[TokenDelta]:
+        """Prefill on the prefill pool, then the hand-off to a decode replica."""
         try:
             pre = await self._prefill(req)
         except (BackendFailure, BackendOverloaded, BackendUnavailable) as exc:
             # Nothing was sent yet: the decode replica can prefill it (a dead prefill pool is not a lost request).
             log.warning("prefill of %s failed before its first token (%s); the decode pool prefills it",
                         req.request_id, exc)
-            async for chunk in self._on_decode(req, "prefill_failed", progress):
-                yield chunk
+            async with aclosing(self._on_decode(req, "prefill_failed", progress)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
             return
         # Closed with this generator (the client left): its lease release must not wait for GC.
         async with aclosing(self._decode_handoff(req, pre, progress)) as chunks:

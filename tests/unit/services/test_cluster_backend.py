@@ -137,7 +137,7 @@ async def test_admission_starts_from_the_replicas_start_up_prefill_time(mode, pu
     admission = Admission(2.0, 1 << 30, shed=False, adopts_measured_prefill=True)
     backend = ClusterBackend(handles, mode=mode, model_name="m", max_model_len=64, block_size=16,
                              liveness=FakeLiveness(1, per_token_s=published), admission=admission)
-    await backend._admit(GenerateRequest("r1", [1, 2, 3], greedy(2), RoutingHeader((), 3)))
+    await backend.admit(GenerateRequest("r1", [1, 2, 3], greedy(2), RoutingHeader((), 3)))
     configured = DEFAULT_RULES.prefill.per_token_s
     assert admission.rules.prefill.per_token_s == (adopted or configured)
     assert ("measured at start-up" in admission.view()["prefill_model"]) is (adopted is not None)

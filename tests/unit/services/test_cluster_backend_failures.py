@@ -18,7 +18,7 @@ from pdcluster.services.backend import BackendKVTransferFailed, BackendOverloade
 from pdcluster.services.gateway.failover import FailoverReason, ReplicaLost, decode_call_over
 from pdcluster.router.routing_header import RoutingHeader
 from pdcluster.services.messages import GenerateRequest
-from pdcluster.services.gateway.cluster_backend import ClusterBackend, seat_retry_delay_s, with_deadlines
+from pdcluster.services.gateway.cluster_backend import ClusterBackend, seat_retry_delay_s
 from pdcluster.services.engine.sampling_params import greedy
 from pdcluster.services.messages import TokenDelta
 from tests.unit.services.serve_fakes import HANDOFF, SERVERS, FakeResponse, FakeStream
@@ -205,40 +205,3 @@ def test_only_an_ended_decode_call_frees_the_gateway_to_release():
     assert decode_call_over(ReplicaLost(FailoverReason.KV_TRANSFER_FAILED, "x", cause=BackendKVTransferFailed("x")))
     assert not decode_call_over(ReplicaLost(FailoverReason.STREAM_BROKEN, "broken"))
     assert not decode_call_over(asyncio.CancelledError()) and not decode_call_over(GeneratorExit())
-
-
-async def test_request_deadline_covers_the_wait_for_the_first_token():
-    async def slow():
-        await asyncio.sleep(3600)
-        yield "never"
-
-    with pytest.raises(BackendTimeout, match="deadline"):
-        async for _ in with_deadlines(slow(), 0.1, 10.0):
-            pass
-
-
-async def test_a_first_token_later_than_its_deadline_aborts_the_stream():
-    cancelled = asyncio.Event()
-
-    async def stalled():
-        try:
-            await asyncio.sleep(3600)
-            yield "never"
-        finally:
-            cancelled.set()  # the replica calls behind it are cancelled
-
-    with pytest.raises(BackendTimeout, match="admission.first_token_timeout_s"):
-        async for _ in with_deadlines(stalled(), 300.0, 10.0, first_token_timeout_s=0.1):
-            pass
-    assert cancelled.is_set()
-
-
-async def test_the_first_token_deadline_ends_with_the_first_token():
-    async def slow_after_first():
-        yield TokenDelta([1], "a")
-        await asyncio.sleep(0.3)   # past the first-token bound, within the inter-token one
-        yield TokenDelta([2], "b", "length")
-
-    chunks = [c async for c in with_deadlines(slow_after_first(), 300.0, 10.0, first_token_timeout_s=0.1)]
-    assert [c.text for c in chunks] == ["a", "b"]
-
