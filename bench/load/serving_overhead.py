@@ -1,0 +1,169 @@
+"""Where a lone stream's time per output token goes: the engine alone against
+the same engine behind a bare ``pdcluster up`` (issue 34's (b) row: TPOT p50
+at concurrency 1, where llama.cpp's C++ server came within 6% of us).
+
+    engine alone   the engine a bare `pdcluster up` decodes with here (its
+                   pool's config and compute threads), in this process: a
+                   step's median time while one 256-token prompt decodes 128
+                   greedy tokens
+    cluster        a bare `pdcluster up`: the same prompts streamed one at a
+                   time through its OpenAI API (our load generator's client
+                   path: one connection a request), the mean gap between
+                   chunks per request; and the CPU its processes spent per
+                   streamed token, from /proc: the gateway replica's, and the
+                   engine replica's outside its compute threads (all but its
+                   ``compute threads`` busiest threads)
+
+The difference is the serving path's share of a token: what the gateway and
+the replica's event loop do per token runs on the cores the engine computes
+on.  One after the other, the engine first (its memory freed before the
+cluster starts); nothing else may run meanwhile.  No targets: issue 34's
+(b) target is vs_peer's.
+
+    python -m bench.load.serving_overhead [--requests 8] [--port 8000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from bench.fingerprint import print_fingerprint
+from bench.load.servers import OurServer
+from pdcluster.prefix_store.redis_server import free_service_port
+
+PROMPT_TOKENS, OUTPUT_TOKENS = 256, 128
+COMMAND = "python -m bench.load.serving_overhead"
+
+
+def prompt(i: int, vocab: int = 40000) -> list[int]:
+    """The i-th request's prompt: real token ids, different per request (no prefix hits)."""
+    return [(7919 * t + 131 * i + 17) % vocab + 500 for t in range(PROMPT_TOKENS)]
+
+
+def engine_alone_step_s(requests: int) -> tuple[float, int, str]:
+    """Median decode step (seconds) of the default layout's decoding engine, its compute threads, its pool."""
+    from pdcluster.services.cli.default_layout import default_layout, usable_cores
+    from pdcluster.services.config import ClusterConfig
+    from pdcluster.services.engine.engine import Engine
+    from pdcluster.services.engine.sampling_params import greedy
+
+    cluster = ClusterConfig.model_validate(default_layout(usable_cores()))
+    pool_name = "colocated" if cluster.mode == "colocated" else "decode"
+    pool = getattr(cluster, pool_name)
+    engine = Engine(dataclasses.replace(cluster.engine_config(pool), enable_prefix_caching=False))
+    engine.set_compute_threads(pool.num_threads)
+    steps: list[float] = []
+    for i in range(requests + 1):  # the first warms up
+        engine.add_request(f"alone-{i}", prompt(i), dataclasses.replace(greedy(OUTPUT_TOKENS), ignore_eos=True))
+        times = []
+        while engine.has_unfinished():
+            engine.step()
+            times.append(time.perf_counter())
+        if i:
+            steps += [b - a for a, b in zip(times[1:], times[2:])]  # decode steps only
+    engine.close()
+    del engine
+    gc.collect()
+    return statistics.median(steps), pool.num_threads, pool_name
+
+
+@dataclass(frozen=True)
+class ThreadCpu:
+    pid: int
+    tid: int
+    seconds: float
+
+
+def _cpu_seconds(pids: list[int]) -> dict[tuple[int, int], float]:
+    hz = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for pid in pids:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue  # the thread ended
+            out[(pid, int(tid))] = (int(fields[11]) + int(fields[12])) / hz
+    return out
+
+
+def replica_pids(name_part: str) -> list[int]:
+    """Processes whose command line names ``name_part`` (Serve's replica actors: ServeReplica:pdcluster:POOL)."""
+    pids = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if name_part in cmdline:
+                pids.append(int(pid))
+    return pids
+
+
+def stream_tpot_s(url: str, model: str, i: int) -> tuple[float, int]:
+    """One streamed completion: the mean gap between its chunks, and how many chunks carried text."""
+    body = {"model": model, "prompt": prompt(i), "max_tokens": OUTPUT_TOKENS, "stream": True, "temperature": 0,
+            "ignore_eos": True}
+    times = []
+    with httpx.Client(timeout=120) as client, client.stream("POST", url + "/v1/completions", json=body) as resp:
+        resp.raise_for_status()
+        for line in resp.iter_lines():
+            if line.startswith("data:") and "[DONE]" not in line:
+                times.append(time.perf_counter())
+    return (times[-1] - times[0]) / max(len(times) - 1, 1), len(times)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--requests", type=int, default=8, help="streams timed on each side (after one warm-up)")
+    ap.add_argument("--port", type=int, default=0, help="the cluster's port (default: a free one)")
+    args = ap.parse_args(argv)
+    print_fingerprint()
+    print(f"# compares: a lone stream ({PROMPT_TOKENS} in / {OUTPUT_TOKENS} out, greedy) -- the engine alone vs "
+          "behind a bare `pdcluster up`, one after the other", flush=True)
+    print(f"# reproduce: {COMMAND} --requests {args.requests}", flush=True)
+    step_s, threads, pool = engine_alone_step_s(args.requests)
+    print(f"engine alone ({pool} pool's engine, {threads} compute threads): decode step median {step_s * 1e3:.2f} ms",
+          flush=True)
+    port = args.port or free_service_port()
+    with tempfile.TemporaryDirectory(prefix="serving-overhead-") as tmp:
+        server = OurServer(None, port, Path(tmp) / "up.log")
+        server.start()
+        try:
+            model = httpx.get(server.url + "/v1/models", timeout=10).json()["data"][0]["id"]
+            stream_tpot_s(server.url, model, 0)  # warm-up
+            gateway, engines = replica_pids("ServeReplica:pdcluster:gateway"), replica_pids(f"ServeReplica:pdcluster:{pool}")
+            before = _cpu_seconds(gateway + engines)
+            tpots, chunks = [], 0
+            for i in range(1, args.requests + 1):
+                tpot, n = stream_tpot_s(server.url, model, i)
+                tpots.append(tpot)
+                chunks += n
+            after = _cpu_seconds(gateway + engines)
+        finally:
+            server.stop()
+    spent = {key: after[key] - before.get(key, 0.0) for key in after}
+    gateway_s = sum(s for (pid, _), s in spent.items() if pid in gateway)
+    engine_threads = sorted((s for (pid, _), s in spent.items() if pid in engines), reverse=True)
+    serving_s = sum(engine_threads[threads:])
+    tpot = statistics.median(tpots)
+    print(f"cluster (bare `pdcluster up`, {pool} pool): TPOT median {tpot * 1e3:.2f} ms over {args.requests} streams "
+          f"({chunks} chunks)", flush=True)
+    print(f"per streamed token: cluster TPOT - engine step = {(tpot - step_s) * 1e3:.2f} ms "
+          f"({tpot / step_s:.2f}x the engine alone); CPU: the gateway replica {gateway_s / chunks * 1e3:.2f} ms, "
+          f"the engine replica beside its {threads} compute threads {serving_s / chunks * 1e3:.2f} ms", flush=True)
+
+
+if __name__ == "__main__":
+    main()
