@@ -101,8 +101,13 @@ class OurServer:
     def log_tail(self) -> str:
         return last_line(self.log.read_text(errors="replace")) if self.log.is_file() else "(no log)"
 
+    @property
+    def pid(self) -> int:
+        """The `pdcluster up` process (the root of the cluster's process tree); 0 before start."""
+        return self._proc.pid if self._proc else 0
+
     def rss_bytes(self) -> int:
-        return tree_rss_bytes(self._proc.pid) if self._proc else 0
+        return tree_rss_bytes(self.pid) if self.pid else 0
 
     def stop(self) -> None:
         """SIGTERM (``pdcluster up`` then stops Serve, Ray and Redis), SIGKILL to the group after 60 s."""

@@ -28,17 +28,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import os
 import statistics
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
 from bench.fingerprint import print_fingerprint
 from bench.load.servers import OurServer
+from bench.machine_load import OtherLoad
 from pdcluster.prefix_store.redis_server import free_service_port
 
 PROMPT_TOKENS, OUTPUT_TOKENS = 256, 128
@@ -77,38 +76,31 @@ def engine_alone_step_s(requests: int) -> tuple[float, int, str]:
     return statistics.median(steps), pool.num_threads, pool_name
 
 
-@dataclass(frozen=True)
-class ThreadCpu:
-    pid: int
-    tid: int
-    seconds: float
+def thread_cpu_s(procs) -> dict[tuple[int, int], float]:
+    """CPU seconds (user + system) of every thread of ``procs`` (psutil processes), by (pid, tid)."""
+    import psutil
 
-
-def _cpu_seconds(pids: list[int]) -> dict[tuple[int, int], float]:
-    hz = os.sysconf("SC_CLK_TCK")
     out = {}
-    for pid in pids:
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            try:
-                fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue  # the thread ended
-            out[(pid, int(tid))] = (int(fields[11]) + int(fields[12])) / hz
+    for proc in procs:
+        try:
+            out.update({(proc.pid, t.id): t.user_time + t.system_time for t in proc.threads()})
+        except psutil.Error:
+            pass  # the process ended: its threads count for nothing
     return out
 
 
-def replica_pids(name_part: str) -> list[int]:
-    """Processes whose command line names ``name_part`` (Serve's replica actors: ServeReplica:pdcluster:POOL)."""
-    pids = []
-    for pid in os.listdir("/proc"):
-        if pid.isdigit():
-            try:
-                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            except OSError:
-                continue
-            if name_part in cmdline:
-                pids.append(int(pid))
-    return pids
+def replicas(server: OurServer, pool: str) -> list:
+    """The Serve replica processes of ``pool`` (ServeReplica:pdcluster:POOL) in this run's cluster's process tree."""
+    import psutil
+
+    found = []
+    for proc in psutil.Process(server.pid).children(recursive=True):
+        try:
+            if f"ServeReplica:pdcluster:{pool}" in " ".join(proc.cmdline()):
+                found.append(proc)
+        except psutil.Error:
+            continue
+    return found
 
 
 def stream_tpot_s(url: str, model: str, i: int) -> tuple[float, int]:
@@ -121,7 +113,9 @@ def stream_tpot_s(url: str, model: str, i: int) -> tuple[float, int]:
         for line in resp.iter_lines():
             if line.startswith("data:") and "[DONE]" not in line:
                 times.append(time.perf_counter())
-    return (times[-1] - times[0]) / max(len(times) - 1, 1), len(times)
+    if len(times) < 2:
+        raise RuntimeError(f"stream {i} carried {len(times)} chunk(s): no gap between chunks to time")
+    return (times[-1] - times[0]) / (len(times) - 1), len(times)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -129,6 +123,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--requests", type=int, default=8, help="streams timed on each side (after one warm-up)")
     ap.add_argument("--port", type=int, default=0, help="the cluster's port (default: a free one)")
     args = ap.parse_args(argv)
+    if args.requests < 1:
+        ap.error(f"--requests {args.requests}: time at least 1 stream")
+    if not 0 <= args.port <= 65535:
+        ap.error(f"--port {args.port}: a TCP port is 0 (a free one) to 65535")
     print_fingerprint()
     print(f"# compares: a lone stream ({PROMPT_TOKENS} in / {OUTPUT_TOKENS} out, greedy) -- the engine alone vs "
           "behind a bare `pdcluster up`, one after the other", flush=True)
@@ -143,19 +141,24 @@ def main(argv: list[str] | None = None) -> None:
         try:
             model = httpx.get(server.url + "/v1/models", timeout=10).json()["data"][0]["id"]
             stream_tpot_s(server.url, model, 0)  # warm-up
-            gateway, engines = replica_pids("ServeReplica:pdcluster:gateway"), replica_pids(f"ServeReplica:pdcluster:{pool}")
-            before = _cpu_seconds(gateway + engines)
+            gateway, engines = replicas(server, "gateway"), replicas(server, pool)
+            if not gateway or not engines:
+                raise RuntimeError(f"no gateway or {pool} replica in the cluster's process tree")
+            other = OtherLoad().start()
+            before = thread_cpu_s(gateway + engines)
             tpots, chunks = [], 0
             for i in range(1, args.requests + 1):
                 tpot, n = stream_tpot_s(server.url, model, i)
                 tpots.append(tpot)
                 chunks += n
-            after = _cpu_seconds(gateway + engines)
+            after = thread_cpu_s(gateway + engines)
+            other_cores = other.cores()
         finally:
             server.stop()
     spent = {key: after[key] - before.get(key, 0.0) for key in after}
-    gateway_s = sum(s for (pid, _), s in spent.items() if pid in gateway)
-    engine_threads = sorted((s for (pid, _), s in spent.items() if pid in engines), reverse=True)
+    gateway_pids, engine_pids = {p.pid for p in gateway}, {p.pid for p in engines}
+    gateway_s = sum(s for (pid, _), s in spent.items() if pid in gateway_pids)
+    engine_threads = sorted((s for (pid, _), s in spent.items() if pid in engine_pids), reverse=True)
     serving_s = sum(engine_threads[threads:])
     tpot = statistics.median(tpots)
     print(f"cluster (bare `pdcluster up`, {pool} pool): TPOT median {tpot * 1e3:.2f} ms over {args.requests} streams "
@@ -163,6 +166,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"per streamed token: cluster TPOT - engine step = {(tpot - step_s) * 1e3:.2f} ms "
           f"({tpot / step_s:.2f}x the engine alone); CPU: the gateway replica {gateway_s / chunks * 1e3:.2f} ms, "
           f"the engine replica beside its {threads} compute threads {serving_s / chunks * 1e3:.2f} ms", flush=True)
+    print(f"# other processes on the machine used {other_cores:.2f} cores while the streams ran", flush=True)
 
 
 if __name__ == "__main__":
