@@ -118,55 +118,100 @@ def stream_tpot_s(url: str, model: str, i: int) -> tuple[float, int]:
     return (times[-1] - times[0]) / (len(times) - 1), len(times)
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--requests", type=int, default=8, help="streams timed on each side (after one warm-up)")
-    ap.add_argument("--port", type=int, default=0, help="the cluster's port (default: a free one)")
-    args = ap.parse_args(argv)
-    if args.requests < 1:
-        ap.error(f"--requests {args.requests}: time at least 1 stream")
-    if not 0 <= args.port <= 65535:
-        ap.error(f"--port {args.port}: a TCP port is 0 (a free one) to 65535")
-    print_fingerprint()
-    print(f"# compares: a lone stream ({PROMPT_TOKENS} in / {OUTPUT_TOKENS} out, greedy) -- the engine alone vs "
-          "behind a bare `pdcluster up`, one after the other", flush=True)
-    print(f"# reproduce: {COMMAND} --requests {args.requests}", flush=True)
-    step_s, threads, pool = engine_alone_step_s(args.requests)
-    print(f"engine alone ({pool} pool's engine, {threads} compute threads): decode step median {step_s * 1e3:.2f} ms",
-          flush=True)
-    port = args.port or free_service_port()
-    with tempfile.TemporaryDirectory(prefix="serving-overhead-") as tmp:
-        server = OurServer(None, port, Path(tmp) / "up.log")
-        server.start()
-        try:
-            model = httpx.get(server.url + "/v1/models", timeout=10).json()["data"][0]["id"]
-            stream_tpot_s(server.url, model, 0)  # warm-up
-            gateway, engines = replicas(server, "gateway"), replicas(server, pool)
-            if not gateway or not engines:
-                raise RuntimeError(f"no gateway or {pool} replica in the cluster's process tree")
-            other = OtherLoad().start()
-            before = thread_cpu_s(gateway + engines)
-            tpots, chunks = [], 0
-            for i in range(1, args.requests + 1):
-                tpot, n = stream_tpot_s(server.url, model, i)
-                tpots.append(tpot)
-                chunks += n
-            after = thread_cpu_s(gateway + engines)
-            other_cores = other.cores()
-        finally:
-            server.stop()
+@dataclasses.dataclass(frozen=True)
+class ClusterFigures:
+    tpot_s: float          # the median over streams of the mean gap between chunks
+    chunks: int
+    gateway_cpu_s: float   # per streamed chunk
+    serving_cpu_s: float   # the engine replica's, beside its compute threads, per streamed chunk
+    other_cores: float
+
+
+def measure_cluster(config: Path | None, requests: int, pool: str, threads: int, port: int,
+                    tmp: Path) -> ClusterFigures:
+    """``requests`` lone streams through ``pdcluster up [--config config]`` and the CPU they cost."""
+    server = OurServer(config, port, tmp / "up.log")
+    server.start()
+    try:
+        model = httpx.get(server.url + "/v1/models", timeout=10).json()["data"][0]["id"]
+        stream_tpot_s(server.url, model, 0)  # warm-up
+        gateway, engines = replicas(server, "gateway"), replicas(server, pool)
+        if not gateway or not engines:
+            raise RuntimeError(f"no gateway or {pool} replica in the cluster's process tree")
+        other = OtherLoad().start()
+        before = thread_cpu_s(gateway + engines)
+        tpots, chunks = [], 0
+        for i in range(1, requests + 1):
+            tpot, n = stream_tpot_s(server.url, model, i)
+            tpots.append(tpot)
+            chunks += n
+        after = thread_cpu_s(gateway + engines)
+        other_cores = other.cores()
+    finally:
+        server.stop()
     spent = {key: after[key] - before.get(key, 0.0) for key in after}
     gateway_pids, engine_pids = {p.pid for p in gateway}, {p.pid for p in engines}
     gateway_s = sum(s for (pid, _), s in spent.items() if pid in gateway_pids)
     engine_threads = sorted((s for (pid, _), s in spent.items() if pid in engine_pids), reverse=True)
     serving_s = sum(engine_threads[threads:])
-    tpot = statistics.median(tpots)
-    print(f"cluster (bare `pdcluster up`, {pool} pool): TPOT median {tpot * 1e3:.2f} ms over {args.requests} streams "
-          f"({chunks} chunks)", flush=True)
-    print(f"per streamed token: cluster TPOT - engine step = {(tpot - step_s) * 1e3:.2f} ms "
-          f"({tpot / step_s:.2f}x the engine alone); CPU: the gateway replica {gateway_s / chunks * 1e3:.2f} ms, "
-          f"the engine replica beside its {threads} compute threads {serving_s / chunks * 1e3:.2f} ms", flush=True)
-    print(f"# other processes on the machine used {other_cores:.2f} cores while the streams ran", flush=True)
+    return ClusterFigures(statistics.median(tpots), chunks, gateway_s / chunks, serving_s / chunks, other_cores)
+
+
+def print_cluster(name: str, f: ClusterFigures, step_s: float, requests: int, threads: int) -> None:
+    print(f"{name}: TPOT median {f.tpot_s * 1e3:.2f} ms over {requests} streams ({f.chunks} chunks); "
+          f"cluster TPOT - engine step = {(f.tpot_s - step_s) * 1e3:.2f} ms ({f.tpot_s / step_s:.2f}x the engine "
+          f"alone); CPU per streamed token: the gateway replica {f.gateway_cpu_s * 1e3:.2f} ms, the engine replica "
+          f"beside its {threads} compute threads {f.serving_cpu_s * 1e3:.2f} ms "
+          f"(other processes: {f.other_cores:.2f} cores)", flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--requests", type=int, default=8, help="streams timed on each side (after one warm-up)")
+    ap.add_argument("--port", type=int, default=0, help="the cluster's port (default: a free one)")
+    ap.add_argument("--vs-serve-streaming", action="store_true",
+                    help="also time the cluster with `token_channel: false` (every token through Serve's "
+                         "streaming), alternating with the default for --rounds rounds")
+    ap.add_argument("--rounds", type=int, default=1, help="cluster runs of each kind (with --vs-serve-streaming)")
+    args = ap.parse_args(argv)
+    if args.requests < 1:
+        ap.error(f"--requests {args.requests}: time at least 1 stream")
+    if args.rounds < 1:
+        ap.error(f"--rounds {args.rounds}: run at least 1 round")
+    if not 0 <= args.port <= 65535:
+        ap.error(f"--port {args.port}: a TCP port is 0 (a free one) to 65535")
+    print_fingerprint()
+    against = " and with every token through Serve's streaming (token_channel: false), alternating" \
+        if args.vs_serve_streaming else ""
+    print(f"# compares: a lone stream ({PROMPT_TOKENS} in / {OUTPUT_TOKENS} out, greedy) -- the engine alone vs "
+          f"behind a bare `pdcluster up`{against}, one after the other", flush=True)
+    extra = f" --vs-serve-streaming --rounds {args.rounds}" if args.vs_serve_streaming else ""
+    print(f"# reproduce: {COMMAND} --requests {args.requests}{extra}", flush=True)
+    step_s, threads, pool = engine_alone_step_s(args.requests)
+    print(f"engine alone ({pool} pool's engine, {threads} compute threads): decode step median {step_s * 1e3:.2f} ms",
+          flush=True)
+    port = args.port or free_service_port()
+    kinds = [("cluster (bare `pdcluster up`)", None)]
+    with tempfile.TemporaryDirectory(prefix="serving-overhead-") as tmp:
+        if args.vs_serve_streaming:
+            off = Path(tmp) / "serve-streaming.yaml"
+            off.write_text("token_channel: false\n")
+            kinds.append(("cluster, token_channel: false", off))
+        figures: dict[str, list[ClusterFigures]] = {name: [] for name, _ in kinds}
+        for _ in range(args.rounds if args.vs_serve_streaming else 1):
+            for name, config in kinds:
+                f = measure_cluster(config, args.requests, pool, threads, port, Path(tmp))
+                figures[name].append(f)
+                print_cluster(f"{name}, {pool} pool", f, step_s, args.requests, threads)
+    if args.vs_serve_streaming:
+        (on_name, _), (off_name, _) = kinds
+        on = statistics.median(f.tpot_s for f in figures[on_name])
+        off_ = statistics.median(f.tpot_s for f in figures[off_name])
+        cpu_on = statistics.median(f.gateway_cpu_s + f.serving_cpu_s for f in figures[on_name])
+        cpu_off = statistics.median(f.gateway_cpu_s + f.serving_cpu_s for f in figures[off_name])
+        print(f"token channel vs Serve streaming: TPOT {on * 1e3:.2f} vs {off_ * 1e3:.2f} ms ({on / off_:.2f}x); "
+              f"serving CPU per token {cpu_on * 1e3:.2f} vs {cpu_off * 1e3:.2f} ms ({cpu_on / cpu_off:.2f}x)",
+              flush=True)
 
 
 if __name__ == "__main__":

@@ -408,6 +408,11 @@ class ClusterConfig(_Strict):
     ingress: Literal["gateway", "serve_proxy"] = Field(
         "gateway", description="gateway: the gateway replica serves HTTP on host:port itself, no Serve proxy "
                                "(one Serve hop less per streamed token); serve_proxy: Serve's HTTP proxy in front")
+    token_channel: bool = Field(
+        True, description="engine replicas send streamed tokens to the gateway over one authenticated TCP "
+                          "connection each (pdcluster/services/token_channel.py) instead of one Serve streaming "
+                          "item per token; Serve still carries each call, its errors and cancellation.  false: "
+                          "every token through Serve")
     max_body_bytes: int = Field(1 * 2**20, ge=1024)
     shutdown_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM or Ctrl-C, `pdcluster up` drains the "
                                                             "gateway first: new requests get 503, /ready fails, "

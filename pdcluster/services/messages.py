@@ -5,7 +5,9 @@ engine and back (pickled by Ray across each hop; plain dataclasses).
                       set), colocated, a resumed stream (``prior_output_token_ids``,
                       on a whole-request call, or on both calls of a hand-off)
     PrefillResponse   the prefill replica's answer: first token + where its KV is
-    TokenDelta        one streamed piece, replica -> gateway -> HTTP layer
+    TokenDelta        one streamed piece, replica -> gateway -> HTTP layer (over
+                      the token channel when the call names a ``reply_to``)
+    ReplyTo / ChannelDone   the token channel's address and a call's frame count
     LeaseRelease      drop a hand-off's lease on the replica holding it
     PrefixLeaseRequest / PrefixLease   a replica asks a peer to lend a prompt's
                       cached leading blocks (peer prefix fetch, pdcluster/services/pools/peer_fetch.py)
@@ -48,6 +50,22 @@ class PrefillResponse:
 
 
 @dataclass(frozen=True)
+class ReplyTo:
+    """A gateway's token inbox and the mailbox of one attempt in it (``key``: random, per call)."""
+    host: str
+    port: int
+    inbox: str
+    key: str
+
+
+@dataclass(frozen=True)
+class ChannelDone:
+    """A streaming call's last item over Serve when its deltas went over the token channel: how
+    many frames it sent there (the gateway takes that many before anything Serve says next)."""
+    frames: int
+
+
+@dataclass(frozen=True)
 class GenerateRequest:
     request_id: str
     prompt_token_ids: list[int]
@@ -65,6 +83,9 @@ class GenerateRequest:
     # time.monotonic() when the gateway began reading it (0: unknown): admission measures the
     # TTFT it calibrates with from here, as the client sees it, not from its own decision.
     arrived_at: float = 0.0
+    # Where a streaming call sends its deltas instead of yielding each through Serve (the
+    # gateway's token inbox, pdcluster/services/gateway/token_inbox.py); None: through Serve.
+    reply_to: ReplyTo | None = None
 
     @property
     def draw(self) -> StreamDraw:
@@ -112,6 +133,11 @@ class TokenDelta:
         by its lease), which is no stalled replica; the gateway's inter-token deadline starts again
         from it, and no client ever sees it."""
         return cls([], "", streamed_by=replica, waiting=True)
+
+    @classmethod
+    def decoded(cls, token_ids: list[int], text: str, finish_reason: str | None, **fields) -> "TokenDelta":
+        """A delta the token channel carried, its fields type-checked (pdcluster/services/delta_wire.py)."""
+        return cls(token_ids, text, finish_reason, **fields)
 
     @classmethod
     def of_prefill(cls, pre: "PrefillResponse") -> "TokenDelta":

@@ -11,6 +11,9 @@ made for one purpose is never accepted for another:
     "write-request"  puller agent, owner agent, the request's fields   NIXL write path, puller -> owner
     "write-done"     owner agent, puller agent, seq, ok, code, error   NIXL write path, owner -> puller
     "write-cancel"   puller agent, owner agent, seq                    NIXL write path, puller -> owner
+    "token-sender"   inbox nonce, sender nonce, replica, inbox id      token channel, replica -> gateway
+    "token-inbox"    the same fields                                   token channel, gateway -> replica
+                     (made in pdcluster/services/token_channel.py, which the gateway imports without this package)
 
 Fields are packed as one msgpack list (length-prefixed, so no two field lists
 encode alike).  The secret itself never leaves ClusterSecret: not in a repr,

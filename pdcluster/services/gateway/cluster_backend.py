@@ -64,6 +64,8 @@ from pdcluster.services.gateway.failover_log import FailoverLog, PendingSpan
 from pdcluster.services.gateway.liveness import PoolLiveness
 from pdcluster.services.gateway.placement import DECODE, Placement
 from pdcluster.services.gateway.relay import StreamRelay
+from pdcluster.services.gateway.reply_order import ordered_replies
+from pdcluster.services.gateway.token_inbox import TokenInbox
 from pdcluster.services.gateway.resume import StreamProgress, resume_request
 from pdcluster.services.messages import GenerateRequest, LeaseRelease, PrefillResponse, TokenDelta
 
@@ -113,8 +115,10 @@ class ClusterBackend(Backend):
                  request_timeout_s: float = 300.0, inter_token_timeout_s: float = 30.0,
                  max_failovers: int = 2, failovers: FailoverLog | None = None, resume_local_max_tokens: int = 512,
                  handoff_wait_s: float = 30.0, first_token_timeout_s: float = math.inf,
-                 prefix_index: PrefixIndex | None = None, prefill_policy: str = "cache_aware"):
+                 prefix_index: PrefixIndex | None = None, prefill_policy: str = "cache_aware",
+                 inbox: TokenInbox | None = None):
         self.handles = handles
+        self.inbox = inbox  # where the replicas send streamed deltas (None: through Serve)
         self.max_failovers = max_failovers
         # A resumed stream with more tokens to prefill again than this goes through the prefill pool.
         self.resume_local_max_tokens = resume_local_max_tokens
@@ -238,8 +242,7 @@ class ClusterBackend(Backend):
         if target.via_prefill_pool:
             chunks = self._resume_via_prefill_pool(message, progress, pending)
         else:
-            stream = getattr(self.handles[target.pool].options(stream=True), target.method).remote(message)
-            chunks = self._relay(stream, progress)
+            chunks = self._relay(target.pool, target.method, message, progress)
         async with aclosing(chunks):  # closed with this attempt, not when collected
             async for chunk in chunks:
                 # The prompt's logprobs went out with the first attempt's first chunk.
@@ -256,8 +259,7 @@ class ClusterBackend(Backend):
             log.warning("failover of %s: the prefill pool could not prefill the remainder (%s); recomputing it "
                         "on the decode pool", message.request_id, exc)
             pending.path = RECOMPUTE
-            stream = self.handles["decode"].options(stream=True).generate_colocated.remote(message)
-            async with aclosing(self._relay(stream, progress)) as chunks:
+            async with aclosing(self._relay("decode", "generate_colocated", message, progress)) as chunks:
                 async for chunk in chunks:
                     yield chunk
             return
@@ -344,15 +346,15 @@ class ClusterBackend(Backend):
                                          routing=dataclasses.replace(req.routing, prefer_worker=None))
             give_up_at = min(pre.lease_deadline_unix - _HANDOFF_LEASE_MARGIN_S, time.time() + self.handoff_wait_s)
             while True:
-                stream = self.handles["decode"].options(stream=True).generate.remote(decode)
+                calls: list = []  # the Serve call, once made
                 taken = True
                 try:
-                    async for chunk in self._relay(stream, progress):
+                    async for chunk in self._relay("decode", "generate", decode, progress, calls):
                         decoded = True
                         yield chunk
                     return
                 except BaseException as exc:
-                    taken = _reached_a_replica(stream) and not decode_call_over(exc)
+                    taken = bool(calls) and _reached_a_replica(calls[0]) and not decode_call_over(exc)
                     # The first token went out: a full decode replica means wait for a seat (the lease
                     # holds the blocks), never an error mid-stream -- until the lease runs short.
                     if not isinstance(exc, BackendOverloaded) or decoded or time.time() > give_up_at:
@@ -367,6 +369,7 @@ class ClusterBackend(Backend):
                 self._in_background(self._release(pre))
 
     def _in_background(self, coro) -> None:
+        """Runs ``coro`` as a task this backend keeps until it ends."""
         task = asyncio.get_running_loop().create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
@@ -386,8 +389,7 @@ class ClusterBackend(Backend):
     def _whole_request(self, pool: str, method: str, req: GenerateRequest,
                        progress: StreamProgress | None = None) -> AsyncIterator[TokenDelta]:
         """Both phases on one replica of ``pool`` (its ``method`` streams TokenDeltas)."""
-        stream = getattr(self.handles[pool].options(stream=True), method).remote(req)
-        return self._relay(stream, progress)
+        return self._relay(pool, method, req, progress)
 
     async def _prefill(self, req: GenerateRequest) -> PrefillResponse:
         for attempt in (0, 1):
@@ -406,13 +408,24 @@ class ClusterBackend(Backend):
                 raise backend_error(exc) from exc
         raise AssertionError("unreachable")
 
-    async def _relay(self, stream, progress: StreamProgress | None = None) -> AsyncIterator[TokenDelta]:
-        """The replica's deltas.  A lost replica raises
-        ReplicaLost (failover.py decides what follows); a request-level
-        error (429, bad request, a failure of this request alone) its typed error."""
+    async def _relay(self, pool: str, method: str, req: GenerateRequest, progress: StreamProgress | None = None,
+                     calls: list | None = None) -> AsyncIterator[TokenDelta]:
+        """One streaming call of ``method`` on ``pool`` (made when first iterated; appended to
+        ``calls``) and its deltas: over the token channel when this gateway has an inbox
+        (token_inbox.py), else through Serve.  A lost replica raises ReplicaLost (failover.py
+        decides what follows); a request-level error (429, bad request, a failure of this request
+        alone) its typed error."""
+        key, box = None, None
+        if self.inbox is not None:
+            reply_to, box = self.inbox.open()
+            key, req = reply_to.key, dataclasses.replace(req, reply_to=reply_to)
+        stream = getattr(self.handles[pool].options(stream=True), method).remote(req)
+        if calls is not None:
+            calls.append(stream)
+        deltas = stream if box is None else ordered_replies(stream, box, self._in_background)
         finished, replica = False, ""
         try:
-            async for delta in stream:
+            async for delta in deltas:
                 delta: TokenDelta
                 finished = delta.finish_reason is not None
                 if delta.streamed_by:
@@ -434,6 +447,9 @@ class ClusterBackend(Backend):
         finally:
             if not finished:
                 stream.cancel()  # client left or failure: the replica aborts and frees blocks
+            if key is not None:
+                self.inbox.close(key)
+                await deltas.aclose()
 
     # ---- readiness ---------------------------------------------------------
     def _needed_pools(self) -> tuple[str, ...]:

@@ -24,6 +24,8 @@ from pdcluster.services.gateway.failover_log import FailoverLog
 from pdcluster.services.gateway.http import GatewayHTTPServer
 from pdcluster.services.gateway.liveness import PoolLiveness
 from pdcluster.services.gateway.seed_check import SeedCheck
+from pdcluster.services.gateway.token_inbox import TokenInbox
+from pdcluster.services.cluster_secret import cluster_secret
 from pdcluster.services.model_meta import model_hash_seed, read_model_config
 from pdcluster.services.openai.gateway_metrics import GatewayMetrics
 from pdcluster.services.openai.slo import Slo
@@ -118,6 +120,10 @@ class Gateway:
         adm = cfg.admission
         # The board: /metrics reads every replica's KV numbers from it, the seed check their seeds.
         self.board = StatusBoardReader(cfg.index_url, cfg.cluster_name)
+        self.inbox: TokenInbox | None = None  # the replicas' streamed tokens arrive here (token_inbox.py)
+        if cfg.token_channel:
+            self.inbox = TokenInbox(cfg.topology.internal_address(), cluster_secret())
+            await self.inbox.start()
         backend = GatewayBackend(handles, seed_check=SeedCheck(hash_seed, self.board, handles),
                                  mode=cfg.mode, model_name=cfg.served_model_name,
                                  max_model_len=max_len, block_size=cfg.block_size,
@@ -135,7 +141,7 @@ class Gateway:
                                                          model=cfg.served_model_name,
                                                          lookup_timeout_s=cfg.router.lookup_timeout_s)
                                  if cfg.enable_prefix_caching and cfg.index_url else None,
-                                 prefill_policy=cfg.router.prefill_policy)
+                                 prefill_policy=cfg.router.prefill_policy, inbox=self.inbox)
         gateway_metrics = GatewayMetrics(board=self.board, admission_view=backend.admission.view,
                                          failover_view=backend.failovers.view, model_name=cfg.served_model_name,
                                          block_size=cfg.block_size,
@@ -173,6 +179,8 @@ class Gateway:
             await self.http.stop()
         await self.supervisor.stop()
         await self.board.aclose()
+        if self.inbox is not None:
+            await self.inbox.stop()
 
 
 GatewayDeployment = serve.deployment(Gateway, name="gateway")

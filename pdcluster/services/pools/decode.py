@@ -17,6 +17,7 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 
 from ray import serve
 
@@ -24,9 +25,10 @@ from pdcluster.services.pools import faults
 from pdcluster.services.backend import (BackendInvalidRequest, BackendKVTransferFailed, BackendLeaseExpired, BackendOverloaded,
                               engine_errors_as_backend_errors)
 from pdcluster.services.config import ClusterConfig
-from pdcluster.services.messages import GenerateRequest, TokenDelta
+from pdcluster.services.messages import ChannelDone, GenerateRequest, TokenDelta
 from pdcluster.services.pools.prefill import _replica_name
 from pdcluster.observability.stages import DecodeStages
+from pdcluster.services.pools.token_sender import over_channel
 from pdcluster.services.pools.worker import Worker, WorkerEndpoints, stream_whole_request
 from pdcluster.transfer import TransferError
 from pdcluster.transfer.errors import LeaseExpiredError, TransferInDoubtError
@@ -134,7 +136,13 @@ class DecodeServer(WorkerEndpoints):
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def generate(self, req: GenerateRequest) -> AsyncIterator[TokenDelta]:
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[TokenDelta | ChannelDone]:
+        """The hand-off's decode, its deltas over the token channel when the call names one."""
+        async with aclosing(over_channel(self.worker.sender, req, self._generate(req))) as items:
+            async for item in items:
+                yield item
+
+    async def _generate(self, req: GenerateRequest) -> AsyncIterator[TokenDelta]:
         if req.handoff is None:
             raise BackendInvalidRequest(f"decode of {req.request_id} without a prefill hand-off: a whole request "
                                         "goes to generate_colocated")
@@ -213,12 +221,13 @@ class DecodeServer(WorkerEndpoints):
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def generate_colocated(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
-        """Both phases here: the gateway's counted fallback when no prefill
-        replica is alive and ``fallback_to_colocated`` is set."""
+    async def generate_colocated(self, request: GenerateRequest) -> AsyncIterator[TokenDelta | ChannelDone]:
+        """Both phases here: a prompt admission places on the decode pool, or a stream resumed here."""
         capacity = self.cfg.scheduler.max_num_seqs + self.cfg.decode.max_queue
-        async for delta in stream_whole_request(self.worker, request, capacity):
-            yield delta
+        deltas = stream_whole_request(self.worker, request, capacity)
+        async with aclosing(over_channel(self.worker.sender, request, deltas)) as items:
+            async for item in items:
+                yield item
 
 
 async def _inject_pull_faults(faults_: tuple[str, ...]) -> None:

@@ -42,6 +42,7 @@ from pdcluster.services.pools.profile_store import profile_store_for
 from pdcluster.services.pools.shutdown_steps import run_steps
 from pdcluster.services.pools.startup_profile import start_up_profiles
 from pdcluster.services.pools.status_board import publish_forever
+from pdcluster.services.pools.token_sender import TokenSender
 from pdcluster.services.supervisor import RestartPolicy, Supervisor
 from pdcluster.transfer import KVLayout, create_backend
 
@@ -114,6 +115,7 @@ class Worker:
             self.transfer.register_pool(kv, KVLayout.of_pool(kv, self.engine.hash_seed),
                                         lease_guard=self.engine.leases)
         self.counters = WorkerCounters()
+        self.sender = TokenSender(self.name, cluster_secret())  # streams' deltas to the gateways' inboxes
         self.pull_estimate = PullEstimate(DEFAULT_PULL_S_PER_BLOCK)  # per block, from this replica's pulls
         self.peer_fetch = None  # pulls a prefix a peer holds before prefilling it here
         if self.transfer is not None and config.peer_fetch.enabled:
@@ -287,6 +289,7 @@ class Worker:
             await run_steps(self.name, [("drain_leases", self.drain_leases)], self.config.lease_ttl_s + 1.0)
         steps = [("supervisor", self.supervisor.stop), ("publisher", self.publisher.stop),
                  ("engine_loop", self.aengine.shutdown), ("board_reader", self.threads.reader.close)]
+        steps.append(("token_channels", self.sender.close))
         if self.busy_flag is not None:
             steps.append(("busy_flag", self.busy_flag.close))
         steps.append(("engine", self.engine.close))  # the tiers' workers; the disk tier's directory goes with them

@@ -31,6 +31,7 @@ class _Engine:
 class _Worker:
     name = "decode-test"
     transfer = SimpleNamespace(name="socket")
+    sender = None  # no token channel: the deltas go through Serve
 
     def __init__(self) -> None:
         self.aengine = _Engine()
