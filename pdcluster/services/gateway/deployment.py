@@ -146,7 +146,8 @@ class Gateway:
                                          failover_view=backend.failovers.view, model_name=cfg.served_model_name,
                                          block_size=cfg.block_size,
                                          slo=Slo(adm.ttft_slo_s, adm.tpot_slo_s),
-                                         prefix_caching=cfg.enable_prefix_caching)
+                                         prefix_caching=cfg.enable_prefix_caching,
+                                         token_channel_view=self.inbox.view if self.inbox is not None else None)
         _HOST.update(backend=backend, tokenizer=tokenizer, settings=settings, metrics=gateway_metrics,
                      rate_limits=TenantRateLimits(TenantLimit(t.name, t.requests_per_s, t.tokens_per_s, t.burst_s)
                                                   for t in cfg.tenants))

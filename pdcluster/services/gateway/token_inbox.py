@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import secrets
 from dataclasses import dataclass
@@ -66,6 +67,10 @@ class TokenInbox:
 
     def close(self, key: str) -> None:
         self._boxes.pop(key, None)
+
+    def view(self) -> dict:
+        """Its counters (the gateway's /metrics)."""
+        return dataclasses.asdict(self.counters)
 
     @property
     def open_mailboxes(self) -> int:

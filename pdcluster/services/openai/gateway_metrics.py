@@ -105,8 +105,10 @@ class GatewayMetrics:
 
     def __init__(self, board: StatusBoard | None = None, admission_view: Callable[[], dict] | None = None,
                  failover_view: Callable[[], dict] | None = None, model_name: str = "", block_size: int = 16,
-                 slo: Slo | None = None, prefix_caching: bool = True):
+                 slo: Slo | None = None, prefix_caching: bool = True,
+                 token_channel_view: Callable[[], dict] | None = None):
         self.board, self.admission_view = board, admission_view
+        self.token_channel_view = token_channel_view  # the token inbox's counters (gateway/token_inbox.py)
         self.model_name, self.block_size = model_name, block_size
         self.tally = GatewayTally.empty()   # the vLLM families' gateway-side numbers (vllm_families.py)
         self.slo, self.prefix_caching = slo, prefix_caching
@@ -254,6 +256,23 @@ class _ScrapeCollector:
                 yield _failover_family(self.owner.failover_view())
             except Exception as exc:  # noqa: BLE001 - one bad source must not empty the scrape
                 self.owner._warn_once("pdcluster_failovers", exc)
+        if self.owner.token_channel_view is not None:
+            yield from _token_channel_families(self.owner.token_channel_view())
+
+
+def _token_channel_families(view: dict) -> list[Metric]:
+    frames = CounterMetricFamily("pdcluster_token_channel_frames", "Streamed deltas the engine replicas sent "
+                                 "this gateway over the token channel: delivered to a stream, dropped (the "
+                                 "stream had ended), malformed (its connection closed)", labels=("outcome",))
+    frames.add_metric(("delivered",), view["frames"])
+    frames.add_metric(("dropped",), view["dropped"])
+    frames.add_metric(("malformed",), view["bad_frames"])
+    connections = CounterMetricFamily("pdcluster_token_channel_connections", "Engine replicas' connections to "
+                                      "this gateway's token inbox: accepted, or refused at the challenge",
+                                      labels=("outcome",))
+    connections.add_metric(("accepted",), view["connections"])
+    connections.add_metric(("refused",), view["refused"])
+    return [frames, connections]
 
 
 def _failover_family(view: dict) -> Metric:

@@ -248,6 +248,7 @@ class Worker:
             "task_crashes": self.supervisor.crash_counts(),
             "queue_time_s": metrics.queue_times(self.role).snapshot(),
             "transfer_backend": self.transfer.name if self.transfer else None,
+            "token_channel_fallbacks": self.sender.num_fallbacks,  # streams that named an inbox but went via Serve
             "internal_address": self.internal_address,
             "host": self.host, "threads": self.pool.num_threads, "compute_threads": self.engine.compute_threads,
             "thread_changes": self.threads.num_changes,

@@ -11,6 +11,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.integration.cluster.conftest import board
+
 pytestmark = pytest.mark.integration
 MODEL = "SmolLM2-135M-Instruct"
 TYPES = {
@@ -111,3 +113,25 @@ def test_vllm_families_move_under_traffic(base_url, client):
         assert (sample(after, name, labels) or 0) > (sample(before, name, labels) or 0), (name, labels)
     assert sample(after, "vllm:generation_tokens_total", CLUSTER) >= sample(
         before, "vllm:generation_tokens_total", CLUSTER) + 96
+
+
+def test_a_decode_replicas_tokens_reach_the_gateway_over_the_token_channel(base_url, client, cluster):
+    """The default (token_channel: true): every streamed delta after the prefill replica's first
+    token arrives as a frame at the gateway's inbox, none refused or malformed, and no replica fell
+    back to Serve's per-token streaming."""
+    before = scrape(base_url)
+    stream = client.completions.create(model=MODEL, prompt="Name three colours:", max_tokens=12, temperature=0,
+                                       stream=True, extra_body={"ignore_eos": True})
+    texts = [c.choices[0].text for c in stream if c.choices]
+    after = scrape(base_url)
+
+    def delta(name: str, outcome: str) -> float:
+        labels = {"outcome": outcome}
+        return (sample(after, name, labels) or 0) - (sample(before, name, labels) or 0)
+
+    assert len(texts) >= 12
+    assert delta("pdcluster_token_channel_frames_total", "delivered") >= 11  # the first token is the prefill's
+    assert sample(after, "pdcluster_token_channel_frames_total", {"outcome": "malformed"}) == 0
+    assert sample(after, "pdcluster_token_channel_connections_total", {"outcome": "refused"}) == 0
+    assert sample(after, "pdcluster_token_channel_connections_total", {"outcome": "accepted"}) >= 1
+    assert all(s["token_channel_fallbacks"] == 0 for s in board(cluster))
