@@ -19,10 +19,9 @@ zero width (prefill) or end at the first output (decode).
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
-from opentelemetry import trace
 
 from pdcluster.observability import metrics, tracing as t
 def _scheduled_s(out: Any) -> float | None:
@@ -179,29 +178,3 @@ class DecodeStages(_Stages):
         if error is None:
             metrics.observe_queue("decode", scheduled - start)
             self.timer.finish(ttft=False)  # the first token came from the prefill pool
-
-
-def observe_gateway_stream(chunks: AsyncIterator[Any], num_prompt_tokens: int) -> AsyncIterator[Any]:
-    """Wraps the backend's TokenDelta stream: client-visible TTFT/TPOT/E2E
-    (pool "gateway") and token counts and finish reason on ``gateway.request``.
-    Call it in the route handler, where that span is current."""
-    return _observed(chunks, trace.get_current_span(), num_prompt_tokens)
-
-
-async def _observed(chunks: AsyncIterator[Any], root: trace.Span, num_prompt_tokens: int) -> AsyncIterator[Any]:
-    timer = metrics.RequestTimer("gateway")
-    finish_reason, cached = None, 0
-    try:
-        async for chunk in chunks:
-            timer.on_tokens(len(chunk.token_ids))
-            cached = max(cached, chunk.num_cached_tokens)
-            if chunk.finish_reason is not None:
-                finish_reason = chunk.finish_reason
-                timer.finish()  # now: the consumer may close us right after this chunk
-            yield chunk
-    finally:
-        t.set_attrs({t.PROMPT_TOKENS: num_prompt_tokens, t.CACHED_TOKENS: cached,
-                     t.OUTPUT_TOKENS: timer.num_tokens, t.FINISH_REASON: finish_reason}, span=root)
-        aclose = getattr(chunks, "aclose", None)
-        if aclose is not None:
-            await aclose()  # closing the backend's stream is what aborts the request

@@ -56,12 +56,14 @@ import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from typing import Any, Protocol
 
+from opentelemetry import trace
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from starlette.routing import get_route_path
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pdcluster.observability import metrics
+from pdcluster.observability import tracing as span_attrs
 from pdcluster.observability.vllm_families import GatewayTally, vllm_families
 from pdcluster.services.backend import BackendOverloaded
 from pdcluster.services.openai.slo import Slo
@@ -153,17 +155,18 @@ class GatewayMetrics:
             self._warn_once("pdcluster_tenant_requests", exc)
 
     def observe_stream(self, chunks: AsyncIterator[Any], num_prompt_tokens: int = 0,
-                       tenant: str | None = None) -> AsyncIterator[Any]:
-        """Wraps a TokenDelta stream (closing it closes ``chunks``): TTFT and
-        prompt tokens at the first token, inter-token gaps per chunk, TPOT,
-        E2E and the SLO outcome at the finish reason, tokens at the end;
-        with ``tenant`` (a bounded label), its TTFT, tokens and admission 429s too."""
-        return self._observed(chunks, num_prompt_tokens, tenant)
+                       tenant: str | None = None, root: trace.Span | None = None) -> AsyncIterator[Any]:
+        """Wraps a TokenDelta stream (closing it closes ``chunks``), the one timer of a request at
+        the gateway: TTFT and prompt tokens at the first token, inter-token gaps per chunk, TPOT,
+        E2E and the SLO outcome at the finish reason (here and in Ray's metrics, pool "gateway"),
+        tokens at the end; with ``tenant`` (a bounded label), its TTFT, tokens and admission 429s
+        too; on the ``root`` span (the route's ``gateway.request``), the token counts and finish reason."""
+        return self._observed(chunks, num_prompt_tokens, tenant, root)
 
     async def _observed(self, chunks: AsyncIterator[Any], num_prompt_tokens: int,
-                        tenant: str | None) -> AsyncIterator[Any]:
-        timer = metrics.RequestTimer("gateway")   # its arithmetic only: finish() is observe_gateway_stream's
-        finished, cached = False, 0
+                        tenant: str | None, root: trace.Span | None) -> AsyncIterator[Any]:
+        timer = metrics.RequestTimer("gateway")
+        finished, cached, finish_reason = False, 0, None
         tally = self.tally
         try:
             async for chunk in chunks:
@@ -182,7 +185,8 @@ class GatewayMetrics:
                 elif chunk.token_ids and last_s is not None:
                     tally.inter_token.observe(timer.last_token_s - last_s)
                 if chunk.finish_reason is not None and not finished:
-                    finished = True
+                    finished, finish_reason = True, chunk.finish_reason
+                    timer.finish()  # Ray's gateway-pool histograms, now: the consumer may close us after this chunk
                     if timer.tpot_s is not None:
                         self._record("pdcluster_tpot_seconds", self._tpot.observe, timer.tpot_s)
                     e2e_s = timer.clock() - timer.start_s
@@ -196,6 +200,10 @@ class GatewayMetrics:
                 self.count_tenant(tenant, "shed")
             raise
         finally:
+            if root is not None:
+                span_attrs.set_attrs({span_attrs.PROMPT_TOKENS: num_prompt_tokens, span_attrs.CACHED_TOKENS: cached,
+                                      span_attrs.OUTPUT_TOKENS: timer.num_tokens,
+                                      span_attrs.FINISH_REASON: finish_reason}, span=root)
             tally.cached_prompt_tokens += cached if timer.num_tokens else 0
             if timer.num_tokens:
                 tally.generation_tokens += timer.num_tokens

@@ -26,12 +26,12 @@ from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from opentelemetry import trace
 
 from pdcluster.services.pools import faults
 
 from pdcluster.observability import tracing
 from pdcluster.services.openai.tracing import TracingMiddleware
-from pdcluster.observability.stages import observe_gateway_stream
 from pdcluster.router.routing_header import RoutingHeader
 from pdcluster.services.backend import Backend
 from pdcluster.services.engine.tokenizer import Tokenizer
@@ -195,9 +195,9 @@ async def _generate(request: Request, kind: type[CompletionRequest] | type[ChatC
         faults.parse(request.headers.get(faults.HEADER), settings.fault_injection), arrived_at=arrived_at), req.n)
     if wants_prompt_only:
         chunks = prompt_only(chunks)
-    chunks = observe_gateway_stream(chunks, len(prompt.token_ids))  # TTFT/TPOT/E2E, finish reason on the root
-    chunks = host.metrics.observe_stream(chunks, len(prompt.token_ids),  # the same, for the gateway's /metrics
-                                         tenant_label(tenant, host))
+    # TTFT/TPOT/E2E for /metrics and Ray's, token counts and the finish reason on the root span
+    chunks = host.metrics.observe_stream(chunks, len(prompt.token_ids), tenant_label(tenant, host),
+                                         trace.get_current_span())
     tally = Tally(prompt_tokens=len(prompt.token_ids), n=req.n)
     logprobs = None if params.logprobs is None else LogprobRenderer(host.tokenizer, params.logprobs)
     include_usage = req.stream and req.stream_options is not None and req.stream_options.include_usage

@@ -15,7 +15,7 @@ from span_helpers import finished_spans
 from pdcluster.observability import metrics, tracing
 from pdcluster.services.messages import TokenDelta
 from pdcluster.services.engine.request import FinishReason
-from pdcluster.observability.stages import DecodeStages, PrefillStages, WholeStages, observe_gateway_stream
+from pdcluster.observability.stages import DecodeStages, PrefillStages, WholeStages
 
 
 @pytest.fixture
@@ -139,6 +139,12 @@ def test_whole_stages_failure_before_the_first_token_is_an_error_compute_span(sp
 
 
 def test_gateway_stream_times_tokens_and_closes_the_backend(span_file: Path, observed: list) -> None:
+    """The gateway's one stream wrapper (pdcluster/services/openai/gateway_metrics.py) also feeds Ray's
+    gateway-pool histograms and the root span."""
+    from opentelemetry import trace
+
+    from pdcluster.services.openai.gateway_metrics import GatewayMetrics
+
     tracing.setup_tracing("pdcluster-gateway", jsonl_path=span_file)
     closed = []
 
@@ -152,7 +158,7 @@ def test_gateway_stream_times_tokens_and_closes_the_backend(span_file: Path, obs
 
     async def consume() -> None:
         with tracing.span("gateway.request"):
-            chunks = observe_gateway_stream(backend(), num_prompt_tokens=20)
+            chunks = GatewayMetrics().observe_stream(backend(), num_prompt_tokens=20, root=trace.get_current_span())
             async for chunk in chunks:  # like generation.py: stop at the finish reason, then aclose
                 if chunk.finish_reason:
                     break
