@@ -36,7 +36,7 @@ class TextTokenizer(Protocol):
 def locate_default_gguf() -> Path:
     """Path of the default model's GGUF (the engine's locator: found on disk
     without importing the package that ships it)."""
-    from pdcluster.services.engine.model.default import default_model_path
+    from pdcluster.services.default_model import default_model_path
 
     return default_model_path()
 

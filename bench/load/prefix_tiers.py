@@ -62,7 +62,7 @@ from pdcluster.services.engine.config import EngineConfig, KVTierConfig, Schedul
 from pdcluster.services.engine.engine import Engine
 from pdcluster.services.engine.kv_disk_tier import read_record, write_record
 from pdcluster.services.engine.model.loader import load_model
-from pdcluster.services.engine.sampling_params import SamplingParams
+from pdcluster.services.sampling_params import SamplingParams
 
 MODES = ("off", "host", "disk")
 GOAL_PREFILL_RATIO, GOAL_TTFT_RATIO, GOAL_VLLM_RATIO, GOAL_PEER_SHARE = 0.4, 0.5, 0.5, 0.2

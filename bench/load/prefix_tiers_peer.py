@@ -51,7 +51,7 @@ def _generate(prompt: list[int], target: str, max_tokens: int) -> tuple[list[int
 
     from pdcluster.router.routing_header import RoutingHeader
     from pdcluster.services.cli.cluster_runtime import APP_NAME
-    from pdcluster.services.engine.sampling_params import SamplingParams
+    from pdcluster.services.sampling_params import SamplingParams
     from pdcluster.services.messages import GenerateRequest
 
     req = GenerateRequest(f"bench-{uuid.uuid4().hex[:10]}", prompt,

@@ -54,7 +54,7 @@ def engine_alone_step_s(requests: int) -> tuple[float, int, str]:
     from pdcluster.services.cli.default_layout import default_layout, usable_cores
     from pdcluster.services.config import ClusterConfig
     from pdcluster.services.engine.engine import Engine
-    from pdcluster.services.engine.sampling_params import greedy
+    from pdcluster.services.sampling_params import greedy
 
     cluster = ClusterConfig.model_validate(default_layout(usable_cores()))
     pool_name = "colocated" if cluster.mode == "colocated" else "decode"

@@ -28,8 +28,8 @@ from bench.fingerprint import print_fingerprint
 from bench.targets import print_target
 from pdcluster.services.engine.config import EngineConfig, SchedulerConfig
 from pdcluster.services.engine.engine import Engine
-from pdcluster.services.engine.guided_spec import GuidedSpec
-from pdcluster.services.engine.sampling_params import SamplingParams, greedy
+from pdcluster.services.guided_spec import GuidedSpec
+from pdcluster.services.sampling_params import SamplingParams, greedy
 
 GOAL = 1.15
 SCHEMA = {"type": "object", "properties": {

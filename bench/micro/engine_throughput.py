@@ -20,9 +20,9 @@ import torch
 from bench.fingerprint import print_fingerprint
 from pdcluster.services.engine.config import EngineConfig, SchedulerConfig
 from pdcluster.services.engine.engine import Engine
-from pdcluster.services.engine.model.default import default_model_path
+from pdcluster.services.default_model import default_model_path
 from pdcluster.services.engine.model.loader import load_model
-from pdcluster.services.engine.sampling_params import greedy
+from pdcluster.services.sampling_params import greedy
 
 PROMPT_TOKENS = 256
 

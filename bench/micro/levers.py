@@ -43,7 +43,7 @@ from bench.targets import print_target
 from pdcluster.services.engine.config import EngineConfig, SpeculativeConfig
 from pdcluster.services.engine.engine import Engine
 from pdcluster.services.engine.model.loader import LoadedModel, load_model
-from pdcluster.services.engine.sampling_params import SamplingParams, greedy
+from pdcluster.services.sampling_params import SamplingParams, greedy
 
 SNIPPETS = [
     "def area(w, h):\n    return w * h\n\n\ndef perimeter(w, h):\n    return 2 * (w + h)\n\n\n"

@@ -85,7 +85,7 @@ def greedy_outputs(kv_dtype: str, max_tokens: int, questions, loaded, model_dtyp
     """Greedy token ids and their top-2 logprobs per prompt, one engine."""
     from pdcluster.services.engine.config import EngineConfig
     from pdcluster.services.engine.engine import Engine
-    from pdcluster.services.engine.sampling_params import SamplingParams
+    from pdcluster.services.sampling_params import SamplingParams
 
     engine = Engine(EngineConfig(dtype=model_dtype, kv_cache_dtype=kv_dtype, num_kv_blocks=512), loaded=loaded)
     prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": q}]) for q in questions]
@@ -147,7 +147,7 @@ def kv_capacity_and_transfer(kv_dtype: str = "int8", kv_mib: int = 512, max_toke
                              k_smoothing: bool = True, k_rotation: bool = True) -> dict[str, float]:
     """Measures and prints the three kv8 targets; returns the measured ratios."""
     from pdcluster.services.engine.kv_cache import KVCacheSpec
-    from pdcluster.services.engine.model.default import resolve_model_path
+    from pdcluster.services.default_model import resolve_model_path
     from pdcluster.services.model_meta import read_model_config
     from pdcluster.transfer import KVLayout
 

@@ -46,7 +46,7 @@ def measure(tokens: int = 3072, threads: int | None = None, repeats: int = 2) ->
     from pdcluster.services.cli.default_layout import default_layout, usable_cores
     from pdcluster.services.config import ClusterConfig
     from pdcluster.services.engine.engine import Engine
-    from pdcluster.services.engine.sampling_params import greedy
+    from pdcluster.services.sampling_params import greedy
 
     cluster = ClusterConfig.model_validate(default_layout(usable_cores()))
     threads = threads or len(os.sched_getaffinity(0))

@@ -28,7 +28,7 @@ from bench.targets import print_target
 from pdcluster.services.engine.config import EngineConfig
 from pdcluster.services.engine.engine import Engine
 from pdcluster.services.engine.model.loader import load_model
-from pdcluster.services.engine.sampling_params import SamplingParams
+from pdcluster.services.sampling_params import SamplingParams
 
 PROMPTS = [
     "The history of the printing press begins",

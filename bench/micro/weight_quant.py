@@ -42,7 +42,7 @@ from bench.targets import print_target
 from pdcluster.services.engine.config import EngineConfig, SchedulerConfig
 from pdcluster.services.engine.engine import Engine
 from pdcluster.services.engine.forward_batch import ForwardBatch
-from pdcluster.services.engine.sampling_params import greedy
+from pdcluster.services.sampling_params import greedy
 
 TEXT = Path(__file__).resolve().parents[1] / "workloads" / "perplexity_text.txt"
 WINDOW = 512

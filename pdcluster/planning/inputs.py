@@ -244,7 +244,7 @@ ACCELERATOR_PRESETS = {
 }
 
 
-# The bundled default model (pdcluster/services/engine/model/default.py ships its GGUF):
+# The bundled default model (pdcluster/services/default_model.py ships its GGUF):
 # SmolLM2-135M: 30 layers, hidden 576, 9 heads, 3 KV heads, head_dim 64,
 # vocab 49,152, tied embeddings -> 49,152 x 576 + 30 x 3,540,096 + 576 params.
 DEFAULT_MODEL_ALIASES = ("default", "SmolLM2-135M-Instruct")

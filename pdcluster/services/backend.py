@@ -10,7 +10,7 @@ import contextlib
 from collections.abc import AsyncIterator, Iterator
 from typing import TypeVar
 
-from pdcluster.services.engine.errors import EngineDeadError, InvalidRequestError, RequestFailedError
+from pdcluster.services.engine_errors import EngineDeadError, InvalidRequestError, RequestFailedError
 from pdcluster.services.messages import GenerateRequest, TokenDelta
 
 

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 from pdcluster.planning.speed import PrefillModel, StepModel
 from pdcluster.services.engine.config import EngineConfig, KVTierConfig, SchedulerConfig, SpeculativeConfig
-from pdcluster.services.engine.sampling_params import DEFAULT_TENANT  # noqa: F401 - re-exported
+from pdcluster.services.sampling_params import DEFAULT_TENANT  # noqa: F401 - re-exported
 from pdcluster.services.topology import TopologySettings, internal_exposure_problem, is_loopback  # noqa: F401 - re-exported
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import msgpack
 
-from pdcluster.services.engine.logprobs import TokenLogprob
+from pdcluster.services.token_logprob import TokenLogprob
 from pdcluster.services.messages import TokenDelta
 
 MAX_FRAME_BYTES = 64 * 2**20  # a long prompt's prompt_logprobs with top-20 alternatives fits

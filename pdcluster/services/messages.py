@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pdcluster.router.routing_header import RoutingHeader
-from pdcluster.services.engine.logprobs import TokenLogprob
-from pdcluster.services.engine.sampling_params import SamplingParams, StreamDraw
+from pdcluster.services.token_logprob import TokenLogprob
+from pdcluster.services.sampling_params import SamplingParams, StreamDraw
 
 if TYPE_CHECKING:
     from pdcluster.services.engine.outputs import RequestOutput

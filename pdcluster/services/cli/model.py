@@ -12,7 +12,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pdcluster.services.engine.model.default import ModelNotFoundError, resolve_model_path
+    from pdcluster.services.default_model import ModelNotFoundError, resolve_model_path
     from pdcluster.services.model_meta import read_model_config
 
     try:

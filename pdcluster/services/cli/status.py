@@ -128,7 +128,7 @@ def seed_warnings(state: dict, board: list[dict]) -> list[str]:
     """A warning per replica whose block-hash seed is not the one the cluster's
     config gives (pdcluster/services/model_meta.py): the gateway reports unhealthy meanwhile."""
     from pdcluster.services.config import ClusterConfig
-    from pdcluster.services.engine.model.default import resolve_model_path
+    from pdcluster.services.default_model import resolve_model_path
     from pdcluster.services.model_meta import model_hash_seed, seed_mismatches
 
     try:

@@ -33,11 +33,11 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, TypeVar
 
 from pdcluster.services.engine.engine import Engine
-from pdcluster.services.engine.errors import EngineDeadError, EngineError, InvalidRequestError, InvalidRequestReason, RequestFailedError
+from pdcluster.services.engine_errors import EngineDeadError, EngineError, InvalidRequestError, InvalidRequestReason, RequestFailedError
 from pdcluster.services.engine.outputs import EngineStats, ExternalKVAllocation, RequestOutput
 from pdcluster.services.engine.request import Request
 from pdcluster.services.engine.reservation_line import ReservationLine
-from pdcluster.services.engine.sampling_params import SamplingParams, StreamDraw
+from pdcluster.services.sampling_params import SamplingParams, StreamDraw
 from pdcluster.services.engine.turn_clock import TurnClock
 
 log = logging.getLogger(__name__)

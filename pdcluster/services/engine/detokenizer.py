@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 
-from pdcluster.services.engine.tokenizer import Tokenizer
+from pdcluster.services.tokenizer import Tokenizer
 
 # A character is at most 4 bytes: a longer run of tokens that still ends in
 # an incomplete one is emitted as is (with U+FFFD), not decoded again forever.

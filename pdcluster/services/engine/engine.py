@@ -29,7 +29,7 @@ from pdcluster.kernels.kv_quant import is_quantized, pool_dtype
 
 from pdcluster.services.engine.config import EngineConfig
 from pdcluster.services.engine.detokenizer import IncrementalDetokenizer
-from pdcluster.services.engine.errors import EngineDeadError, InvalidRequestError, RequestTooLongError, UnknownRequestError
+from pdcluster.services.engine_errors import EngineDeadError, InvalidRequestError, RequestTooLongError, UnknownRequestError
 from pdcluster.services.engine.grammar import GrammarCache
 from pdcluster.services.engine.kv_cache import KVCache, KVCacheSpec, KVEventCallback
 from pdcluster.services.engine.kv_quota import KVQuota, largest_charges
@@ -43,7 +43,7 @@ from pdcluster.services.engine.outputs import EngineStats, ExternalKVAllocation,
 from pdcluster.services.engine.request import FinishReason, Request
 from pdcluster.services.engine.runner import ModelRunner
 from pdcluster.services.engine.sampler import SampleResult
-from pdcluster.services.engine.sampling_params import SamplingParams, StreamDraw
+from pdcluster.services.sampling_params import SamplingParams, StreamDraw
 from pdcluster.services.engine.scheduler import Scheduler, SchedulerOutput
 from pdcluster.services.engine.spec_decode import Speculator
 from pdcluster.services.engine.spec_draft import build_draft_proposer

@@ -45,10 +45,10 @@ import time
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
-from pdcluster.services.engine.errors import InvalidRequestError
+from pdcluster.services.engine_errors import InvalidRequestError
 from pdcluster.services.engine.grammar_pool import GrammarCompilePool, GrammarCompileTimeout
-from pdcluster.services.engine.guided_spec import GuidedSpec
-from pdcluster.services.engine.tokenizer import Tokenizer
+from pdcluster.services.guided_spec import GuidedSpec
+from pdcluster.services.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     import xgrammar

@@ -34,11 +34,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from pdcluster.services.engine.errors import InvalidRequestReason
+from pdcluster.services.engine_errors import InvalidRequestReason
 from pdcluster.services.engine.grammar import GrammarCache, xgrammar_module
-from pdcluster.services.engine.guided_spec import GuidedSpec
+from pdcluster.services.guided_spec import GuidedSpec
 from pdcluster.services.engine.penalties import TokenHistory
-from pdcluster.services.engine.sampling_params import SamplingParams
+from pdcluster.services.sampling_params import SamplingParams
 
 NO_GRAMMARS = ("this engine has no grammar compiler bound (structured output is not set up on this "
                "replica): send the request without response_format / guided_*")

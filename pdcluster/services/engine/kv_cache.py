@@ -44,7 +44,7 @@ import torch
 
 from pdcluster.kernels.kv_quant import row_width
 from pdcluster.services.engine.kv_quota import KVQuota, pick_victims
-from pdcluster.services.engine.sampling_params import DEFAULT_TENANT
+from pdcluster.services.sampling_params import DEFAULT_TENANT
 
 KVEventCallback = Callable[[str, list[int]], None]  # ("stored" | "evicted", block hashes)
 # (block id, its hash, its tokens): called before an evicted block is reused (kv_tiers.py keeps its bytes)

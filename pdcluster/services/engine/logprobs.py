@@ -29,19 +29,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from pdcluster.services.engine.sampling_params import SamplingParams
+from pdcluster.services.sampling_params import SamplingParams
+from pdcluster.services.token_logprob import TokenLogprob
 
 if TYPE_CHECKING:
-    import torch   # imported where used: TokenLogprob travels to the gateway, which runs without torch
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    """One token's log-probability and the likeliest alternatives at its
-    position (``top``: (token id, logprob), likeliest first, k of them)."""
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()
+    import torch   # imported where used (the engine's thread)
 
 
 def token_logprobs(logits: torch.Tensor, token_ids: Sequence[int], ks: Sequence[int]) -> list[TokenLogprob]:

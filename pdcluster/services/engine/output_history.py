@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pdcluster.services.engine.detokenizer import IncrementalDetokenizer
-from pdcluster.services.engine.errors import InvalidRequestError
+from pdcluster.services.engine_errors import InvalidRequestError
 
 
 def check_prior_output(prior: Sequence[int], max_tokens: int, vocab_size: int) -> None:

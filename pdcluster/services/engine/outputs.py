@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from pdcluster.services.engine.logprobs import TokenLogprob
+from pdcluster.services.token_logprob import TokenLogprob
 from pdcluster.services.engine.request import FinishReason
 
 if TYPE_CHECKING:

@@ -29,7 +29,7 @@ from typing import Protocol
 
 import torch
 
-from pdcluster.services.engine.sampling_params import SamplingParams
+from pdcluster.services.sampling_params import SamplingParams
 
 
 class TokenHistory(Protocol):

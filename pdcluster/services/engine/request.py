@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdcluster.services.engine.sampling_params import SamplingParams, StreamDraw
+from pdcluster.services.sampling_params import SamplingParams, StreamDraw
 
 
 class RequestStatus(enum.Enum):

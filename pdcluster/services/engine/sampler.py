@@ -19,12 +19,13 @@ import torch
 
 from pdcluster.kernels import ops
 from pdcluster.services.engine.categorical import draw
-from pdcluster.services.engine.errors import RequestFailedError
+from pdcluster.services.engine_errors import RequestFailedError
 from pdcluster.services.engine.grammar_guide import GrammarGuide
-from pdcluster.services.engine.logprobs import TokenLogprob, token_logprobs
+from pdcluster.services.engine.logprobs import token_logprobs
+from pdcluster.services.token_logprob import TokenLogprob
 from pdcluster.services.engine.penalties import Penalties, TokenHistory
 from pdcluster.services.engine.random_stream import position_seed
-from pdcluster.services.engine.sampling_params import SamplingParams
+from pdcluster.services.sampling_params import SamplingParams
 from pdcluster.services.engine.spec_decode import emitted_tokens, verify_sampled
 
 NONFINITE_LOGITS = ("numerical error in this request's logits (NaN or inf out of the model); "

@@ -53,7 +53,7 @@ from pdcluster.services.engine.fair_queue import FairClock
 from pdcluster.services.engine.kv_cache import KVCache, PrefixMatch
 from pdcluster.services.engine.kv_tiers import HOST, KVTiers, LandedLoad
 from pdcluster.services.engine.request import FinishReason, Request, RequestStatus
-from pdcluster.services.engine.sampling_params import DEFAULT_TENANT
+from pdcluster.services.sampling_params import DEFAULT_TENANT
 from pdcluster.services.engine.spec_decode import Speculator
 from pdcluster.services.engine.step_limits import StepCost, Stream, step_limits, widest_step
 

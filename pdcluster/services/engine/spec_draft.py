@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from pdcluster.kernels import ops
 from pdcluster.services.engine.config import SpeculativeConfig
-from pdcluster.services.engine.model.default import resolve_model_path
+from pdcluster.services.default_model import resolve_model_path
 from pdcluster.services.engine.model.llama import LlamaModel
 from pdcluster.services.engine.model.loader import LoadedModel, load_model
 from pdcluster.services.engine.request import Request

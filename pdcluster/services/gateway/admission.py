@@ -51,7 +51,7 @@ from pdcluster.planning.calibration import Calibration, RatioCalibration
 from pdcluster.planning.speed import StepModel
 from pdcluster.services.backend import BackendOverloaded, for_client
 from pdcluster.services.config import AutoscaleSpeed
-from pdcluster.services.engine.sampling_params import DEFAULT_TENANT
+from pdcluster.services.sampling_params import DEFAULT_TENANT
 from pdcluster.services.gateway.fair_share import Class, may_take_seat, tokens_ahead
 from pdcluster.services.gateway.placement import (DECODE, PREFILL, PlaceLoad, Placement, Rules, Snapshot, Work,
                                                   is_long_prompt, modelled_ttft_s, place)

@@ -14,8 +14,8 @@ from pdcluster.observability import tracing
 from pdcluster.prefix_store.index import make_index
 from pdcluster.prefix_store.url_reference import resolve_index_url
 from pdcluster.services.config import ClusterConfig
-from pdcluster.services.engine.model.default import resolve_model_path
-from pdcluster.services.engine.tokenizer import Tokenizer
+from pdcluster.services.default_model import resolve_model_path
+from pdcluster.services.tokenizer import Tokenizer
 from pdcluster.services.gc_pauses import freeze_startup_heap
 from pdcluster.services.gateway.admission import Admission
 from pdcluster.services.gateway.placement import Rules

@@ -10,7 +10,7 @@ import dataclasses
 from collections.abc import AsyncIterator
 
 from pdcluster.services.messages import TokenDelta
-from pdcluster.services.engine.tokenizer import Tokenizer
+from pdcluster.services.tokenizer import Tokenizer
 from pdcluster.services.openai.formats import Echo
 from pdcluster.services.openai.protocol import AnyRequest, CompletionRequest
 

@@ -27,7 +27,7 @@ from pdcluster.services.backend import (
     BackendError, BackendFailure, BackendInvalidRequest, BackendKVTransferFailed, BackendLeaseExpired,
     BackendOverloaded, BackendTimeout, BackendUnavailable, as_backend_error,
 )
-from pdcluster.services.engine.errors import EngineDeadError, InvalidRequestError, RequestFailedError
+from pdcluster.services.engine_errors import EngineDeadError, InvalidRequestError, RequestFailedError
 
 log = logging.getLogger(__name__)
 

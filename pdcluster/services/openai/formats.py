@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pdcluster.services.messages import TokenDelta
-from pdcluster.services.engine.logprobs import TokenLogprob
+from pdcluster.services.token_logprob import TokenLogprob
 from pdcluster.services.openai.logprobs_format import ChatLogprobs, CompletionLogprobs, LogprobRenderer
 from pdcluster.services.openai.responses import (
     AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionResponse, ChatDelta,

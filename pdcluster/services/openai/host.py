@@ -2,7 +2,7 @@
 or a test), read from ``app.state`` on every request:
 
     app.state.backend          a pdcluster.services.backend.Backend
-    app.state.tokenizer        a pdcluster.services.engine.tokenizer.Tokenizer (same model as the backend)
+    app.state.tokenizer        a pdcluster.services.tokenizer.Tokenizer (same model as the backend)
     app.state.openai_settings  an OpenAISettings (served names, body limit, block hashing, API keys)
     app.state.gateway_metrics  a GatewayMetrics (the gateway's own /metrics registry)
 
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from starlette.requests import Request
 
 from pdcluster.services.backend import Backend
-from pdcluster.services.engine.tokenizer import Tokenizer
+from pdcluster.services.tokenizer import Tokenizer
 from pdcluster.services.openai.errors import OpenAIError
 from pdcluster.services.openai.gateway_metrics import GatewayMetrics
 from pdcluster.services.openai.settings import OpenAISettings

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pdcluster.services.engine.sampling_params import (
+from pdcluster.services.sampling_params import (
     LOGIT_BIAS_RANGE,
     MAX_LOGIT_BIAS_ENTRIES,
     MAX_LOGPROBS,

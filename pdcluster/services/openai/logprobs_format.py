@@ -22,8 +22,8 @@ from weakref import WeakKeyDictionary
 
 from pydantic import BaseModel
 
-from pdcluster.services.engine.logprobs import TokenLogprob
-from pdcluster.services.engine.tokenizer import Tokenizer
+from pdcluster.services.token_logprob import TokenLogprob
+from pdcluster.services.tokenizer import Tokenizer
 
 
 class ChatTopLogprob(BaseModel):

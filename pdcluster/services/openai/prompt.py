@@ -25,7 +25,7 @@ from weakref import WeakKeyDictionary
 from jinja2 import TemplateError
 
 from pdcluster.prefix_store.hashing import hash_prompt_blocks
-from pdcluster.services.engine.tokenizer import Tokenizer
+from pdcluster.services.tokenizer import Tokenizer
 from pdcluster.services.openai.chat_messages import template_messages
 from pdcluster.services.openai.errors import OpenAIError, invalid_request
 from pdcluster.services.openai.input_size import InputSize, input_size

@@ -14,8 +14,8 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 
-from pdcluster.services.engine.errors import InvalidRequestError
-from pdcluster.services.engine.sampling_params import SamplingParams, checked_fields
+from pdcluster.services.engine_errors import InvalidRequestError
+from pdcluster.services.sampling_params import SamplingParams, checked_fields
 from pdcluster.services.openai.errors import OpenAIError, invalid_request
 from pdcluster.services.openai.limits import (
     LOGIT_BIAS_SCHEMA,

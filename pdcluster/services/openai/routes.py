@@ -34,7 +34,7 @@ from pdcluster.observability import tracing
 from pdcluster.services.openai.tracing import TracingMiddleware
 from pdcluster.router.routing_header import RoutingHeader
 from pdcluster.services.backend import Backend
-from pdcluster.services.engine.tokenizer import Tokenizer
+from pdcluster.services.tokenizer import Tokenizer
 from pdcluster.services.openai.rate_limits import TenantRateLimits
 from pdcluster.services.openai.auth import ApiKeyMiddleware
 from pdcluster.services.openai.tenant_limits import check_request_rate, check_token_rate, tenant_label, tenant_priority

@@ -26,8 +26,8 @@ import json
 import re
 from typing import Any
 
-from pdcluster.services.engine.errors import InvalidRequestError
-from pdcluster.services.engine.guided_spec import GuidedSpec
+from pdcluster.services.engine_errors import InvalidRequestError
+from pdcluster.services.guided_spec import GuidedSpec
 from pdcluster.services.openai.errors import OpenAIError, invalid_request
 
 GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")

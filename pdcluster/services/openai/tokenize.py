@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 from jinja2 import TemplateError
 from pydantic import BaseModel, ConfigDict, Field, RootModel, ValidationError
 
-from pdcluster.services.engine.tokenizer import Tokenizer
+from pdcluster.services.tokenizer import Tokenizer
 from pdcluster.services.openai.errors import invalid_request, validation_error
 from pdcluster.services.openai.intake import parse_body
 from pdcluster.services.openai.input_size import TEMPLATE_CHARS_PER_MESSAGE

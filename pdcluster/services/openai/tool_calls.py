@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdcluster.services.messages import TokenDelta
-from pdcluster.services.engine.guided_spec import GuidedSpec
+from pdcluster.services.guided_spec import GuidedSpec
 from pdcluster.services.openai.errors import invalid_request
 from pdcluster.services.openai.formats import ChatFormat, ChoiceTally, Tally
 from pdcluster.services.openai.responses import (

@@ -34,7 +34,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from pdcluster.services.engine.guided_spec import MAX_GUIDED_SOURCE_CHARS, GuidedSpec
+from pdcluster.services.guided_spec import MAX_GUIDED_SOURCE_CHARS, GuidedSpec
 from pdcluster.services.openai.errors import OpenAIError, invalid_request
 from pdcluster.services.openai.structured import check_spec
 

@@ -48,7 +48,7 @@ import time
 from pdcluster.planning.speed import PrefillModel, StepModel
 from pdcluster.services.engine.config import KVTierConfig, SpeculativeConfig
 from pdcluster.services.engine.engine import Engine
-from pdcluster.services.engine.sampling_params import greedy
+from pdcluster.services.sampling_params import greedy
 from pdcluster.services.pools.profile_store import ProfileStore, fold, reusable
 
 log = logging.getLogger(__name__)

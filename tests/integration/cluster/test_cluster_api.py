@@ -29,7 +29,7 @@ def wait_no_leaks(cluster, timeout_s: float = 5.0) -> list[dict]:
 def test_chat_matches_the_offline_engine_and_counts_usage(cluster, client):
     from pdcluster.services.engine.config import EngineConfig
     from pdcluster.services.engine.engine import Engine
-    from pdcluster.services.engine.sampling_params import greedy
+    from pdcluster.services.sampling_params import greedy
 
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     resp = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0)

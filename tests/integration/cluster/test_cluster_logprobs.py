@@ -37,7 +37,7 @@ def _reference_engine(cluster):
 def _log_softmax_along(engine, token_ids: list[int], from_position: int) -> list:
     """The engine's log-softmax at each position >= ``from_position`` of
     ``token_ids``, from one prefill of the whole sequence (prompt logprobs)."""
-    from pdcluster.services.engine.sampling_params import SamplingParams
+    from pdcluster.services.sampling_params import SamplingParams
 
     out = engine.generate([token_ids], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=5))[0]
     return out.prompt_logprobs[from_position - 1:]
@@ -65,7 +65,7 @@ def test_greedy_top_logprobs_equal_the_engines_own_log_softmax(cluster, client):
 
 
 def _greedy_with_logprobs():
-    from pdcluster.services.engine.sampling_params import SamplingParams
+    from pdcluster.services.sampling_params import SamplingParams
 
     return SamplingParams(max_tokens=MAX_NEW, temperature=0, logprobs=5)
 

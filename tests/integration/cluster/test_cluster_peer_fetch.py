@@ -14,7 +14,7 @@ import pytest
 
 from pdcluster.router.routing_header import RoutingHeader
 from pdcluster.services.cli.cluster_runtime import APP_NAME
-from pdcluster.services.engine.sampling_params import SamplingParams
+from pdcluster.services.sampling_params import SamplingParams
 from pdcluster.services.messages import GenerateRequest
 from tests.integration.cluster.conftest import board
 from tests.integration.cluster.test_cluster_api import wait_no_leaks

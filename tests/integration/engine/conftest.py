@@ -17,7 +17,7 @@ import torch
 from pdcluster.services import model_cache
 from pdcluster.services.engine.config import EngineConfig, SchedulerConfig
 from pdcluster.services.engine.engine import Engine
-from pdcluster.services.engine.model.default import default_model_path
+from pdcluster.services.default_model import default_model_path
 from pdcluster.services.engine.model.loader import load_model
 
 _TOPICS = [

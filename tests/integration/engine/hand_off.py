@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 
 from pdcluster.services.engine.engine import Engine
 from pdcluster.services.engine.outputs import RequestOutput
-from pdcluster.services.engine.sampling_params import SamplingParams
+from pdcluster.services.sampling_params import SamplingParams
 
 SECRET = b"engine-hand-off-test-secret-0123456789"
 Requests = Sequence[tuple[str, list[int], SamplingParams]]

@@ -11,9 +11,9 @@ import pytest
 from pdcluster.kernels.block_copy import gather_blocks_ref, scatter_blocks_ref
 from pdcluster.prefix_store.hashing import hash_prompt_blocks
 from pdcluster.services.engine.async_engine import AsyncEngine
-from pdcluster.services.engine.errors import InvalidRequestError, RequestTooLongError
+from pdcluster.services.engine_errors import InvalidRequestError, RequestTooLongError
 from pdcluster.services.engine.request import FinishReason
-from pdcluster.services.engine.sampling_params import SamplingParams, greedy
+from pdcluster.services.sampling_params import SamplingParams, greedy
 from tests.integration.engine.conftest import document, make_engine
 
 

@@ -19,9 +19,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pdcluster.services.engine.async_engine import AsyncEngine
-from pdcluster.services.engine.errors import RequestFailedError
+from pdcluster.services.engine_errors import RequestFailedError
 from pdcluster.services.engine.request import FinishReason
-from pdcluster.services.engine.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, SamplingParams
+from pdcluster.services.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, SamplingParams
 from tests.integration.engine.conftest import make_engine
 
 TEMPERATURES = [0, 5e-324, 1e-300, 1e-40, 1e-8, 1e-5, 0.5, 2, 100, 1e30]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pdcluster.kernels import greedy_head, greedy_head_file, ops
-from pdcluster.services.engine.sampling_params import greedy
+from pdcluster.services.sampling_params import greedy
 from pdcluster.services.model_cache import derived_dir
 from tests.integration.engine.conftest import document, make_engine, run_staggered
 

@@ -13,9 +13,9 @@ import time
 import pytest
 
 from pdcluster.services.engine.async_engine import AsyncEngine
-from pdcluster.services.engine.errors import EngineDeadError, InvalidRequestError, RequestFailedError, UnknownRequestError
+from pdcluster.services.engine_errors import EngineDeadError, InvalidRequestError, RequestFailedError, UnknownRequestError
 from pdcluster.services.engine.request import FinishReason
-from pdcluster.services.engine.sampling_params import SamplingParams, greedy
+from pdcluster.services.sampling_params import SamplingParams, greedy
 from tests.integration.engine.conftest import make_engine
 
 

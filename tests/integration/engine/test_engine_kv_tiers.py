@@ -14,7 +14,7 @@ import pytest
 from pdcluster.services.engine.config import EngineConfig, KVTierConfig
 from pdcluster.services.engine.engine import Engine
 from pdcluster.services.engine.kv_disk_tier import SUFFIX
-from pdcluster.services.engine.sampling_params import SamplingParams
+from pdcluster.services.sampling_params import SamplingParams
 from tests.integration.engine.conftest import document
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from pdcluster.services.engine.errors import InvalidRequestError
+from pdcluster.services.engine_errors import InvalidRequestError
 from pdcluster.services.engine.request import FinishReason
-from pdcluster.services.engine.sampling_params import SamplingParams, greedy
+from pdcluster.services.sampling_params import SamplingParams, greedy
 from tests.integration.engine.conftest import make_engine
 
 

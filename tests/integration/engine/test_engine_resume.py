@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 
-from pdcluster.services.engine.errors import InvalidRequestError
-from pdcluster.services.engine.sampling_params import SamplingParams
+from pdcluster.services.engine_errors import InvalidRequestError
+from pdcluster.services.sampling_params import SamplingParams
 from tests.integration.engine.conftest import make_engine
 
 N = 24

@@ -16,7 +16,7 @@ import pytest
 
 from pdcluster.services.engine.config import EngineConfig
 from pdcluster.services.engine.engine import Engine
-from pdcluster.services.engine.sampling_params import SamplingParams
+from pdcluster.services.sampling_params import SamplingParams
 
 N = 40
 HOPS = (1, 13, 29)

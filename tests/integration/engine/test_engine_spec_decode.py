@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pdcluster.services.engine.config import EngineConfig, SpeculativeConfig
 from pdcluster.services.engine.engine import Engine
-from pdcluster.services.engine.sampling_params import SamplingParams, greedy
+from pdcluster.services.sampling_params import SamplingParams, greedy
 
 CODE = "def add(a, b):\n    return a + b\n\ndef mul(a, b):\n    return a * b\n\ndef sub(a, b):\n    return a - b\n"
 

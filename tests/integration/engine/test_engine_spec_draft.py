@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pdcluster.services.engine.config import EngineConfig, SpeculativeConfig
 from pdcluster.services.engine.engine import Engine
-from pdcluster.services.engine.sampling_params import SamplingParams, greedy
+from pdcluster.services.sampling_params import SamplingParams, greedy
 from tests.integration.engine.hand_off import decode_all, prefill_and_pull
 
 EARLY_EXIT_LAYERS = 12

@@ -12,9 +12,9 @@ import jsonschema
 import torch
 
 from pdcluster.kernels.block_copy import gather_blocks_ref, scatter_blocks_ref
-from pdcluster.services.engine.guided_spec import GuidedSpec
+from pdcluster.services.guided_spec import GuidedSpec
 from pdcluster.services.engine.request import FinishReason
-from pdcluster.services.engine.sampling_params import greedy
+from pdcluster.services.sampling_params import greedy
 from tests.integration.engine.conftest import make_engine
 
 PERSON = {"type": "object", "properties": {
@@ -114,7 +114,7 @@ async def test_async_engine_compiles_at_admission_and_refuses_a_bad_spec(smol_bf
     import pytest
 
     from pdcluster.services.engine.async_engine import AsyncEngine
-    from pdcluster.services.engine.errors import InvalidRequestError
+    from pdcluster.services.engine_errors import InvalidRequestError
 
     aengine = AsyncEngine(make_engine(smol_bf16))
     try:
@@ -137,8 +137,8 @@ async def test_async_engine_compiles_at_admission_and_refuses_a_bad_spec(smol_bf
 
 
 def test_a_grammar_dead_end_fails_only_its_request_as_invalid(smol_bf16):
-    from pdcluster.services.engine.errors import InvalidRequestReason
-    from pdcluster.services.engine.sampling_params import SamplingParams
+    from pdcluster.services.engine_errors import InvalidRequestReason
+    from pdcluster.services.sampling_params import SamplingParams
 
     engine = make_engine(smol_bf16)
     prompt = smol_bf16.tokenizer.encode("-")

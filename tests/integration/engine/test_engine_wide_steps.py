@@ -6,7 +6,7 @@ give (how wide a step goes never changes what it computes)."""
 from __future__ import annotations
 
 from pdcluster.services.engine import step_limits
-from pdcluster.services.engine.sampling_params import greedy
+from pdcluster.services.sampling_params import greedy
 from tests.integration.engine.conftest import document, make_engine, run_staggered
 
 # a colocated replica's caps (services/config.py): 256-token chunks, 320-token steps, short prompts first

@@ -21,7 +21,7 @@ import pytest
 
 from pdcluster.services.engine.config import EngineConfig
 from pdcluster.services.engine.engine import Engine
-from pdcluster.services.engine.sampling_params import SamplingParams
+from pdcluster.services.sampling_params import SamplingParams
 from tests.integration.engine.hand_off import decode_all, prefill_and_pull
 from tests.integration.engine.test_parity import NEAR_TIE_NATS
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from pdcluster.services import model_cache
-from pdcluster.services.engine.model.default import default_model_path
+from pdcluster.services.default_model import default_model_path
 from tests.integration.engine.conftest import _hf_model
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdcluster.services.engine.sampling_params import greedy
+from pdcluster.services.sampling_params import greedy
 from tests.integration.engine.conftest import (
     _hf_model,
     divergence_from_transformers,

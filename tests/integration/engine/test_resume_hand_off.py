@@ -18,7 +18,7 @@ from __future__ import annotations
 import pytest
 
 from pdcluster.services.engine.engine import Engine
-from pdcluster.services.engine.sampling_params import SamplingParams
+from pdcluster.services.sampling_params import SamplingParams
 from tests.integration.engine.conftest import make_engine
 from tests.integration.engine.hand_off import prefill_only, pull_and_commit
 

@@ -16,7 +16,7 @@ import pytest
 
 from pdcluster.services.engine.config import EngineConfig, SpeculativeConfig
 from pdcluster.services.engine.engine import Engine
-from pdcluster.services.engine.sampling_params import SamplingParams, greedy
+from pdcluster.services.sampling_params import SamplingParams, greedy
 from tests.integration.engine.hand_off import decode_all, prefill_and_pull
 from tests.integration.engine.test_engine_spec_decode import CODE
 

@@ -51,7 +51,7 @@ def ask(base: str, prompt: str) -> dict:
 def reference(prompts: list[str]) -> list[str]:
     from pdcluster.services.engine.config import EngineConfig
     from pdcluster.services.engine.engine import Engine
-    from pdcluster.services.engine.sampling_params import greedy
+    from pdcluster.services.sampling_params import greedy
 
     engine = Engine(EngineConfig(num_kv_blocks=64, dtype=DTYPE))
     return [engine.generate([engine.tokenizer.apply_chat_template([{"role": "user", "content": p}])],

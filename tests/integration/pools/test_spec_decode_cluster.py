@@ -32,7 +32,7 @@ def cluster(shared_ray):
 def test_speculation_after_a_hand_off_equals_an_engine_without_it(cluster):
     from pdcluster.services.engine.config import EngineConfig
     from pdcluster.services.engine.engine import Engine
-    from pdcluster.services.engine.sampling_params import SamplingParams, greedy
+    from pdcluster.services.sampling_params import SamplingParams, greedy
 
     offline = Engine(EngineConfig(dtype="float32", num_kv_blocks=128))  # no speculation
     tok = offline.tokenizer

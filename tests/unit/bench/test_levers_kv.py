@@ -4,7 +4,7 @@ baseline's top-2 gap there (pure; no model)."""
 import pytest
 
 from bench.micro.levers_kv import compare, max_concurrent_sequences
-from pdcluster.services.engine.logprobs import TokenLogprob
+from pdcluster.services.token_logprob import TokenLogprob
 
 
 def lps(*gaps: float) -> list[TokenLogprob]:

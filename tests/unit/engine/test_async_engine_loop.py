@@ -8,7 +8,7 @@ import time
 import pytest
 
 from pdcluster.services.engine.async_engine import AsyncEngine
-from pdcluster.services.engine.errors import EngineDeadError, RequestFailedError
+from pdcluster.services.engine_errors import EngineDeadError, RequestFailedError
 from pdcluster.services.engine.outputs import RequestOutput
 from pdcluster.services.engine.request import FinishReason
 

@@ -22,7 +22,7 @@ from pdcluster.services.engine.kv_cache import KVCache, KVCacheSpec
 from pdcluster.services.engine.model.llama import LlamaModel
 from pdcluster.services.engine.request import Request
 from pdcluster.services.engine.runner import ModelRunner, replay_start
-from pdcluster.services.engine.sampling_params import SamplingParams
+from pdcluster.services.sampling_params import SamplingParams
 from pdcluster.services.engine.scheduler import ScheduledRequest, SchedulerOutput
 from tests.unit.engine.test_kv8_engine import BS, tiny_model
 

@@ -11,7 +11,7 @@ from pdcluster.services.engine.config import SchedulerConfig
 from pdcluster.services.engine.fair_queue import FairClock, start_tag
 from pdcluster.services.engine.kv_cache import KVCache, KVCacheSpec
 from pdcluster.services.engine.request import Request
-from pdcluster.services.engine.sampling_params import SamplingParams, greedy
+from pdcluster.services.sampling_params import SamplingParams, greedy
 from pdcluster.services.engine.scheduler import Scheduler
 
 BS = 4

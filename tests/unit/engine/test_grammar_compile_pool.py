@@ -14,12 +14,12 @@ import pytest
 import torch
 
 from pdcluster.services.engine import grammar, grammar_pool
-from pdcluster.services.engine.errors import InvalidRequestError
+from pdcluster.services.engine_errors import InvalidRequestError
 from pdcluster.services.engine.grammar import GrammarCache
-from pdcluster.services.engine.guided_spec import GuidedSpec
+from pdcluster.services.guided_spec import GuidedSpec
 from pdcluster.services.engine.sampler import Sampler
-from pdcluster.services.engine.sampling_params import SamplingParams
-from pdcluster.services.engine.tokenizer import Tokenizer
+from pdcluster.services.sampling_params import SamplingParams
+from pdcluster.services.tokenizer import Tokenizer
 from tests.slow_grammars import slow_schema_text
 
 pytestmark = pytest.mark.usefixtures("grammar_clocks_off")  # no wall-clock guard decides here
@@ -31,7 +31,7 @@ EOS = 2
 def tokenizer() -> Tokenizer:
     from transformers import AutoTokenizer
 
-    from pdcluster.services.engine.model.default import default_model_path
+    from pdcluster.services.default_model import default_model_path
 
     path = default_model_path()
     return Tokenizer(AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name), eos_token_ids=(EOS,))

@@ -136,7 +136,7 @@ def test_quantized_weights_are_made_once_beside_the_converted_copy_and_are_the_g
     """The int8 file holds the GGUF's own values: dequantized, every projection (q and k rows in our order)
     and the head equal the converted copy's fp32 tensors (gguf's own dequantization), bit for bit."""
     from pdcluster.services.engine.model import weight_quant
-    from pdcluster.services.engine.model.default import resolve_model_path
+    from pdcluster.services.default_model import resolve_model_path
     from pdcluster.services.engine.model.loader import _load_tensors
     from pdcluster.services.model_cache import converted
     from pdcluster.services.model_meta import WEIGHT_SCHEMES, read_model_config
@@ -176,7 +176,7 @@ def test_the_default_model_in_int8_answers_as_bf16_does():
     """int8 answers bf16's tokens up to bf16's first near tie (top-2 gap under 0.3 nats, issue 35's bound),
     and that is at least the first three tokens (bench.micro.weight_quant measures the rest)."""
     from pdcluster.services.engine.engine import Engine
-    from pdcluster.services.engine.sampling_params import SamplingParams
+    from pdcluster.services.sampling_params import SamplingParams
 
     answers, gaps = {}, []
     for weight_dtype in ("auto", "int8"):

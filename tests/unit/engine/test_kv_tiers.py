@@ -20,7 +20,7 @@ from pdcluster.services.engine.kv_tiers import KVTiers
 from pdcluster.services.engine.lease import LeaseTable
 from pdcluster.services.engine.peer_import import lend_blocks
 from pdcluster.services.engine.request import FinishReason, Request
-from pdcluster.services.engine.sampling_params import SamplingParams
+from pdcluster.services.sampling_params import SamplingParams
 from pdcluster.services.engine.scheduler import Scheduler
 
 SEED, BS = 12345, 4

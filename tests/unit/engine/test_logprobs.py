@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdcluster.services.engine.errors import InvalidRequestError
+from pdcluster.services.engine_errors import InvalidRequestError
 from pdcluster.services.engine.logprobs import SampledLogprobs, prompt_span, record_prompt_logprobs, token_logprobs
 from pdcluster.services.engine.request import Request
 from pdcluster.services.engine.sampler import Sampler
-from pdcluster.services.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from pdcluster.services.sampling_params import MAX_LOGPROBS, SamplingParams
 
 VOCAB = 64
 

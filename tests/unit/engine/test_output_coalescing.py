@@ -6,7 +6,7 @@ import asyncio
 import pytest
 
 from pdcluster.services.engine.async_engine import AsyncEngine
-from pdcluster.services.engine.errors import EngineDeadError
+from pdcluster.services.engine_errors import EngineDeadError
 from pdcluster.services.engine.outputs import PrefillResult, RequestOutput
 from pdcluster.services.engine.request import FinishReason
 

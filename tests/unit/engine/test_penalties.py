@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from pdcluster.services.engine.categorical import draw
-from pdcluster.services.engine.errors import InvalidRequestError
+from pdcluster.services.engine_errors import InvalidRequestError
 from pdcluster.services.engine.penalties import Penalties
 from pdcluster.services.engine.random_stream import position_seed
 from pdcluster.services.engine.sampler import NONFINITE_LOGITS, Sampler, probabilities
-from pdcluster.services.engine.sampling_params import MAX_LOGIT_BIAS_ENTRIES, SamplingParams
+from pdcluster.services.sampling_params import MAX_LOGIT_BIAS_ENTRIES, SamplingParams
 
 VOCAB = 96
 EOS = (0, 95)

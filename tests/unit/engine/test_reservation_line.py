@@ -12,7 +12,7 @@ import concurrent.futures
 import pytest
 
 from pdcluster.services.engine.async_engine import AsyncEngine
-from pdcluster.services.engine.errors import EngineDeadError, InvalidRequestError
+from pdcluster.services.engine_errors import EngineDeadError, InvalidRequestError
 from pdcluster.services.engine.reservation_line import ReservationLine
 
 

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from pdcluster.services.engine.errors import InvalidRequestError
+from pdcluster.services.engine_errors import InvalidRequestError
 from pdcluster.services.engine.sampler import Sampler, probabilities
-from pdcluster.services.engine.sampling_params import SamplingParams
+from pdcluster.services.sampling_params import SamplingParams
 
 
 def test_top_k_keeps_exactly_k_even_with_ties():

@@ -6,9 +6,9 @@ import math
 import pytest
 import torch
 
-from pdcluster.services.engine.errors import InvalidRequestError, RequestFailedError
+from pdcluster.services.engine_errors import InvalidRequestError, RequestFailedError
 from pdcluster.services.engine.sampler import NONFINITE_LOGITS, Sampler
-from pdcluster.services.engine.sampling_params import (
+from pdcluster.services.sampling_params import (
     GREEDY_TEMPERATURE,
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,

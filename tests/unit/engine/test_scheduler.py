@@ -6,7 +6,7 @@ import torch
 from pdcluster.services.engine.config import SchedulerConfig
 from pdcluster.services.engine.kv_cache import KVCache, KVCacheSpec
 from pdcluster.services.engine.request import FinishReason, Request, RequestStatus
-from pdcluster.services.engine.sampling_params import greedy
+from pdcluster.services.sampling_params import greedy
 from pdcluster.services.engine.scheduler import Scheduler
 
 BS = 4

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from pdcluster.services.engine.config import SchedulerConfig
-from pdcluster.services.engine.errors import InvalidRequestError
+from pdcluster.services.engine_errors import InvalidRequestError
 from pdcluster.services.engine.kv_cache import KVCache, KVCacheSpec
 from pdcluster.services.engine.request import Request, RequestStatus
-from pdcluster.services.engine.sampling_params import SamplingParams, greedy
+from pdcluster.services.sampling_params import SamplingParams, greedy
 from pdcluster.services.engine.scheduler import Scheduler, _insert_by_priority
 
 BS = 4

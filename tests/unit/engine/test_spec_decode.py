@@ -8,7 +8,7 @@ from pdcluster.services.engine.categorical import draw
 from pdcluster.services.engine.config import SchedulerConfig, SpeculativeConfig
 from pdcluster.services.engine.kv_cache import KVCache, KVCacheSpec
 from pdcluster.services.engine.request import Request
-from pdcluster.services.engine.sampling_params import SamplingParams, greedy
+from pdcluster.services.sampling_params import SamplingParams, greedy
 from pdcluster.services.engine.scheduler import Scheduler
 from pdcluster.services.engine.spec_decode import BACKOFF_STEPS, Speculator, emitted_tokens, verify_sampled
 

@@ -14,11 +14,11 @@ import torch
 from pdcluster.services.engine.config import SchedulerConfig, SpeculativeConfig
 from pdcluster.services.engine.kv_cache import KVCache, KVCacheSpec
 from pdcluster.services.engine.model.config import ModelConfig
-from pdcluster.services.engine.model.default import default_model_path
+from pdcluster.services.default_model import default_model_path
 from pdcluster.services.engine.model.llama import LlamaModel
 from pdcluster.services.engine.model.loader import LoadedModel
 from pdcluster.services.engine.request import Request
-from pdcluster.services.engine.sampling_params import greedy
+from pdcluster.services.sampling_params import greedy
 from pdcluster.services.engine.scheduler import Scheduler
 from pdcluster.services.engine.spec_decode import Speculator
 from pdcluster.services.engine.spec_draft import (DraftModel, DraftProposer, build_draft_proposer, shared_prefix_len,

@@ -14,7 +14,7 @@ from pdcluster.services.config import ClusterConfig
 from pdcluster.services.engine.config import SchedulerConfig
 from pdcluster.services.engine.kv_cache import KVCache, KVCacheSpec
 from pdcluster.services.engine.request import FinishReason, Request
-from pdcluster.services.engine.sampling_params import greedy
+from pdcluster.services.sampling_params import greedy
 from pdcluster.services.engine import scheduler as scheduler_module
 from pdcluster.services.engine.scheduler import Scheduler
 from pdcluster.services.engine.step_limits import (MIN_SAMPLE_TOKENS, WIDE_STEP_S, StepCost, StepLimits, Stream,

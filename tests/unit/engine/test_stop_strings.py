@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdcluster.services.engine.detokenizer import IncrementalDetokenizer, StopMatcher
-from pdcluster.services.engine.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
+from pdcluster.services.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
 
 
 class CharTokenizer:

@@ -10,10 +10,10 @@ import torch
 
 from pdcluster.services.engine.config import EngineConfig
 from pdcluster.services.engine.engine import Engine
-from pdcluster.services.engine.errors import InvalidRequestError
+from pdcluster.services.engine_errors import InvalidRequestError
 from pdcluster.services.engine.request import Request
 from pdcluster.services.engine.sampler import Sampler
-from pdcluster.services.engine.sampling_params import SamplingParams, StreamDraw
+from pdcluster.services.sampling_params import SamplingParams, StreamDraw
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,8 @@
   none among packages (bench, pdcluster.planning, pdcluster.services.<room>);
 - outside pdcluster/kernels/, kernels are reached only through ``pdcluster.kernels.ops`` (and
   ``pdcluster.kernels.kv_quant`` for the KV pool's format names, see below);
+- the gateway's rooms (services/gateway, services/openai) never import the
+  engine: what both sides share is the contract at services/ root;
 - no bench module is named like a standard-library module or a top-level
   package, so ``python bench/<room>/<x>.py`` cannot shadow one."""
 
@@ -128,6 +130,20 @@ def test_planning_imports_neither_services_nor_bench():
     assert not offenders, "planning is pure: pass values in, or move pure types here:\n" + "\n".join(offenders)
 
 
+# The gateway's rooms: they reach the engine only through Serve and the contract at services/ root
+# (messages, sampling_params, engine_errors, guided_spec, token_logprob, tokenizer, default_model).
+GATEWAY_ROOMS = (f"{ROOT}.services.gateway", f"{ROOT}.services.openai")
+
+
+def test_the_gateway_never_imports_the_engine():
+    """Issue 39: the types both sides share live at services/ root, so the gateway's process loads no
+    engine module (not even lazily; a type-only import is no load)."""
+    offenders = sorted(f"{m} imports {dep}" for m in MODULES if m.startswith(GATEWAY_ROOMS)
+                       for dep in _imports(m, top_level_only=False)
+                       if dep == f"{ROOT}.services.engine" or dep.startswith(f"{ROOT}.services.engine."))
+    assert not offenders, "move what both sides share to services/ root:\n" + "\n".join(offenders)
+
+
 def _package(module: str) -> str:
     """The package whose imports are weighed: ``pdcluster.services.<room>`` in the serving layer (its
     rooms are packages of their own: autoscale, cli, gateway, ...), ``pdcluster.<x>`` elsewhere, ``bench``."""
@@ -146,8 +162,10 @@ def _package_graph() -> dict[str, set[str]]:
 
 
 # Package circles there are, to untangle: the engine's loader reads model_meta, which reads the converted
-# model's config through model_cache, which converts with the engine's model code.
-KNOWN_PACKAGE_CIRCLES = [[f"{ROOT}.services.engine", f"{ROOT}.services.model_cache", f"{ROOT}.services.model_meta"]]
+# model's config through model_cache, which converts with the engine's model code; the tokenizer (the
+# engine's and the gateway's, at services/ root since issue 39) loads its files from the model cache.
+KNOWN_PACKAGE_CIRCLES = [[f"{ROOT}.services.engine", f"{ROOT}.services.model_cache", f"{ROOT}.services.model_meta",
+                          f"{ROOT}.services.tokenizer"]]
 
 
 def test_no_package_circles():

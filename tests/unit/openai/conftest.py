@@ -11,14 +11,14 @@ import httpx
 import pytest
 from openai_fakes import FakeBackend, make_app, serve_app
 
-from pdcluster.services.engine.tokenizer import Tokenizer
+from pdcluster.services.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="session")
 def tokenizer() -> Tokenizer:
     from transformers import AutoTokenizer
 
-    from pdcluster.services.engine.model.default import default_model_path
+    from pdcluster.services.default_model import default_model_path
 
     path = default_model_path()
     return Tokenizer(AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name), eos_token_ids=())

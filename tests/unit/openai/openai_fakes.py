@@ -19,7 +19,7 @@ from fastapi import FastAPI
 
 from pdcluster.services.backend import Backend, BackendError, BackendFailure
 from pdcluster.services.messages import GenerateRequest, TokenDelta
-from pdcluster.services.engine.tokenizer import Tokenizer
+from pdcluster.services.tokenizer import Tokenizer
 from pdcluster.services.openai import OpenAISettings, configure_app, create_app
 
 MODEL = "SmolLM2-135M-Instruct"

@@ -16,7 +16,7 @@ from pdcluster.services.backend import (
     BackendError, BackendFailure, BackendInvalidRequest, BackendKVTransferFailed, BackendLeaseExpired,
     BackendOverloaded, BackendTimeout, BackendUnavailable, for_client,
 )
-from pdcluster.services.engine.errors import EngineDeadError, InvalidRequestError, RequestFailedError
+from pdcluster.services.engine_errors import EngineDeadError, InvalidRequestError, RequestFailedError
 from pdcluster.services.gateway.failover import FailoverReason, ReplicaLost, gave_up_message
 from pdcluster.services.messages import TokenDelta
 from pdcluster.services.openai.errors import client_message

@@ -15,7 +15,7 @@ from openai_fakes import FakeBackend, assert_openai_error, make_app
 import pdcluster.services.openai.prompt as prompt_module
 import pdcluster.services.openai.structured as structured_module
 import pdcluster.services.openai.tools as tools_module
-from pdcluster.services.engine.guided_spec import MAX_GUIDED_SOURCE_CHARS
+from pdcluster.services.guided_spec import MAX_GUIDED_SOURCE_CHARS
 from pdcluster.services.openai.input_size import InputSize, input_size
 from pdcluster.services.openai.prompt import OFF_LOOP_PROMPT_SIZE, longest_token_chars
 from pdcluster.services.openai.protocol import ChatCompletionRequest

@@ -13,7 +13,7 @@ import time
 import pytest
 from openai_fakes import CHAT, assert_openai_error
 
-from pdcluster.services.engine.sampling_params import (
+from pdcluster.services.sampling_params import (
     MAX_LOGIT_BIAS_ENTRIES,
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,

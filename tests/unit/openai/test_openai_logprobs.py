@@ -16,8 +16,8 @@ from openai_fakes import MODEL, make_app, sse_events
 from pdcluster.services.backend import Backend
 from pdcluster.router.routing_header import RoutingHeader
 from pdcluster.services.messages import GenerateRequest, TokenDelta
-from pdcluster.services.engine.logprobs import TokenLogprob
-from pdcluster.services.engine.sampling_params import SamplingParams
+from pdcluster.services.token_logprob import TokenLogprob
+from pdcluster.services.sampling_params import SamplingParams
 from pdcluster.services.openai.choices import choice_seed, generate_choices
 
 C, CC = "/v1/completions", "/v1/chat/completions"

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from openai_fakes import CHAT, assert_openai_error
 
-from pdcluster.services.engine.sampling_params import MAX_LOGIT_BIAS_ENTRIES, SamplingParams
+from pdcluster.services.sampling_params import MAX_LOGIT_BIAS_ENTRIES, SamplingParams
 from pdcluster.services.openai import create_app
 
 C, CC = "/v1/completions", "/v1/chat/completions"

@@ -11,7 +11,7 @@ import pytest
 from openai_fakes import CHAT, MAX_BODY_BYTES, MODEL, FakeBackend, assert_openai_error, make_app
 
 from pdcluster.services.config import api_key_digest
-from pdcluster.services.engine.tokenizer import Tokenizer
+from pdcluster.services.tokenizer import Tokenizer
 from pdcluster.services.openai.prompt import OFF_LOOP_PROMPT_SIZE, longest_token_chars
 
 TEXT = "Once upon a time, in a land far away, there lived a tokenizer."

@@ -14,7 +14,7 @@ import httpx
 import pytest
 from openai_fakes import CHAT, MODEL, FakeBackend, make_app
 
-from pdcluster.services.engine.sampling_params import SamplingParams
+from pdcluster.services.sampling_params import SamplingParams
 from pdcluster.services.gateway.resume import StreamProgress, resume_request, with_stream_seed
 from pdcluster.services.messages import GenerateRequest, TokenDelta
 from pdcluster.services.openai.choices import choice_seed

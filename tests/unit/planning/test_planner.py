@@ -17,7 +17,7 @@ from pdcluster.planning.inputs import (
     Accelerator, Deployment, ModelShape, PerInstance, Pipeline, PrefixCache, Questions, Slos, Speculation, Traffic,
 )
 from pdcluster.planning.planner import Figure, final_instances, make_plan
-from pdcluster.services.engine.model.default import default_model_path
+from pdcluster.services.default_model import default_model_path
 from pdcluster.services.model_meta import read_model_shape
 
 MODEL = ModelShape("toy-gqa", 1e9, num_layers=10, num_heads=8, num_kv_heads=2, head_dim=64)

@@ -10,7 +10,7 @@ from pdcluster.router.routing_header import RoutingHeader
 from pdcluster.services.backend import BackendUnavailable
 from pdcluster.services.messages import GenerateRequest
 from pdcluster.services.gateway.cluster_backend import ClusterBackend
-from pdcluster.services.engine.sampling_params import greedy
+from pdcluster.services.sampling_params import greedy
 from pdcluster.services.messages import TokenDelta
 from tests.unit.services.liveness_fake import FakeLiveness
 

@@ -19,7 +19,7 @@ from pdcluster.services.gateway.failover import FailoverReason, ReplicaLost, dec
 from pdcluster.router.routing_header import RoutingHeader
 from pdcluster.services.messages import GenerateRequest
 from pdcluster.services.gateway.cluster_backend import ClusterBackend, seat_retry_delay_s
-from pdcluster.services.engine.sampling_params import greedy
+from pdcluster.services.sampling_params import greedy
 from pdcluster.services.messages import TokenDelta
 from tests.unit.services.serve_fakes import HANDOFF, SERVERS, FakeResponse, FakeStream
 

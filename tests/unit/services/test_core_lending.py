@@ -155,7 +155,7 @@ async def test_the_borrower_follows_the_board_and_gives_the_threads_back(redis_s
 def test_the_engine_computes_the_same_logits_on_one_thread_and_on_two():
     from pdcluster.services.engine.config import EngineConfig
     from pdcluster.services.engine.engine import Engine
-    from pdcluster.services.engine.sampling_params import SamplingParams
+    from pdcluster.services.sampling_params import SamplingParams
 
     engine = Engine(EngineConfig(num_kv_blocks=64, num_threads=1, enable_prefix_caching=False))
     if not engine._native:
@@ -175,7 +175,7 @@ def test_the_engine_computes_the_same_logits_on_one_thread_and_on_two():
 def test_a_thread_count_that_changes_every_step_changes_no_token_or_logprob():
     from pdcluster.services.engine.config import EngineConfig
     from pdcluster.services.engine.engine import Engine
-    from pdcluster.services.engine.sampling_params import SamplingParams
+    from pdcluster.services.sampling_params import SamplingParams
 
     engine = Engine(EngineConfig(num_kv_blocks=96, num_threads=1, enable_prefix_caching=False))
     if not engine._native:

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 from pdcluster.router.routing_header import RoutingHeader
 from pdcluster.services.config import ClusterConfig
-from pdcluster.services.engine.sampling_params import greedy
+from pdcluster.services.sampling_params import greedy
 from pdcluster.services.messages import GenerateRequest, PrefillResponse
 from pdcluster.services.pools.decode import DecodeServer
 

@@ -19,7 +19,7 @@ from pdcluster.services.backend import (BackendFailure, BackendInvalidRequest, B
 from pdcluster.services.config import ClusterConfig, RouterSettings, SchedulerSettings
 from pdcluster.services.gateway.cluster_backend import ClusterBackend
 from pdcluster.services.engine.random_stream import position_seed
-from pdcluster.services.engine.sampling_params import SamplingParams, greedy
+from pdcluster.services.sampling_params import SamplingParams, greedy
 from pdcluster.services.gateway.failover import (FailoverReason, ResumeTarget, decide, live_elsewhere, lost_reason, resume_path,
                                        resume_target)
 from pdcluster.services.gateway.failover_log import summary

@@ -15,7 +15,7 @@ import torch
 
 from pdcluster.kernels.kv_quant import KV_CACHE_DTYPES, pool_dtype
 from pdcluster.prefix_store.hashing import model_fingerprint
-from pdcluster.services.engine.model.default import default_model_path
+from pdcluster.services.default_model import default_model_path
 from pdcluster.services.engine.model.loader import parse_dtype
 from pdcluster.services.gateway.seed_check import SeedCheck
 from pdcluster.services.model_meta import (K_ROTATION_ID, K_SMOOTHING_ID, MODEL_DTYPES, block_hash_seed, count_parameters,

@@ -28,7 +28,7 @@ from pdcluster.services.engine.engine import Engine
 from pdcluster.services.engine.kv_cache import KVCache, KVCacheSpec
 from pdcluster.services.engine.lease import LeaseTable
 from pdcluster.services.engine.peer_import import PeerImports
-from pdcluster.services.engine.sampling_params import SamplingParams
+from pdcluster.services.sampling_params import SamplingParams
 from pdcluster.services.messages import GenerateRequest
 from pdcluster.services.pools.peer_fetch import PeerFetcher, lend_prefix
 from pdcluster.services.pools.pull_estimate import PullEstimate

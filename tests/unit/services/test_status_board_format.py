@@ -24,7 +24,7 @@ def test_blocks_held_in_quarantine_have_their_column():
 def test_a_replica_hashing_with_another_seed_is_a_warning():
     from pdcluster.services.cli.status import seed_warnings
     from pdcluster.services.config import ClusterConfig
-    from pdcluster.services.engine.model.default import default_model_path
+    from pdcluster.services.default_model import default_model_path
     from pdcluster.services.model_meta import model_hash_seed
 
     state = {"config": ClusterConfig().model_dump()}

@@ -20,7 +20,7 @@ from pdcluster.services.gateway.deadlines import Deadline, Deadlines
 from pdcluster.services.gateway.failover import FailoverReason, ReplicaLost
 from pdcluster.services.gateway.relay import StreamRelay
 from pdcluster.router.routing_header import RoutingHeader
-from pdcluster.services.engine.sampling_params import greedy
+from pdcluster.services.sampling_params import greedy
 from pdcluster.services.messages import GenerateRequest, TokenDelta
 
 R, F, G = Deadline.REQUEST, Deadline.FIRST_TOKEN, Deadline.INTER_TOKEN

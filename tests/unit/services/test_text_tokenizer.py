@@ -13,8 +13,8 @@ import sys
 import jinja2
 import pytest
 
-from pdcluster.services.engine.model.default import resolve_model_path
-from pdcluster.services.engine.tokenizer import Tokenizer
+from pdcluster.services.default_model import resolve_model_path
+from pdcluster.services.tokenizer import Tokenizer
 from pdcluster.services.model_meta import read_model_config
 from pdcluster.services.text_tokenizer import TextTokenizer, load_text_tokenizer
 
@@ -105,7 +105,7 @@ def test_no_chat_template_is_a_value_error_naming_the_fix(pair):
 def test_the_gateway_loads_it_without_torch_or_transformers():
     code = ("import sys\n"
             "import pdcluster.services.gateway.deployment as d\n"
-            "from pdcluster.services.engine.model.default import resolve_model_path\n"
+            "from pdcluster.services.default_model import resolve_model_path\n"
             "from pdcluster.services.model_meta import read_model_config\n"
             "p = resolve_model_path(None)\n"
             "t = d.Tokenizer.from_path(p, read_model_config(p))  # what the gateway builds\n"
@@ -116,9 +116,9 @@ def test_the_gateway_loads_it_without_torch_or_transformers():
 
 def test_the_engines_tokenizer_works_from_the_cache_files_and_loads_transformers_only_for_hf():
     code = ("import sys\n"
-            "from pdcluster.services.engine.model.default import resolve_model_path\n"
+            "from pdcluster.services.default_model import resolve_model_path\n"
             "from pdcluster.services.model_meta import read_model_config\n"
-            "from pdcluster.services.engine.tokenizer import Tokenizer\n"
+            "from pdcluster.services.tokenizer import Tokenizer\n"
             "p = resolve_model_path(None)\n"
             "t = Tokenizer.from_path(p, read_model_config(p))\n"
             "ids = t.apply_chat_template([{'role': 'user', 'content': 'hi'}])\n"

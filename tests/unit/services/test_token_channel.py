@@ -14,8 +14,8 @@ import pytest
 from pdcluster.router.routing_header import RoutingHeader
 from pdcluster.services.backend import BackendFailure
 from pdcluster.services.delta_wire import BadFrame, pack_delta, unpack_delta
-from pdcluster.services.engine.logprobs import TokenLogprob
-from pdcluster.services.engine.sampling_params import greedy
+from pdcluster.services.token_logprob import TokenLogprob
+from pdcluster.services.sampling_params import greedy
 from pdcluster.services.gateway.cluster_backend import ClusterBackend
 from pdcluster.services.gateway.reply_order import deliverable, ordered_replies
 from pdcluster.services.gateway.token_inbox import END, ERROR, FRAME, SERVE, TokenInbox

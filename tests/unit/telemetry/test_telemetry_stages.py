@@ -173,7 +173,7 @@ def test_gateway_stream_times_tokens_and_closes_the_backend(span_file: Path, obs
 
 
 def test_every_stage_span_carries_the_requests_tenant_and_class(span_file: Path, observed: list) -> None:
-    from pdcluster.services.engine.sampling_params import SamplingParams
+    from pdcluster.services.sampling_params import SamplingParams
     from pdcluster.services.messages import GenerateRequest
     from pdcluster.router.routing_header import RoutingHeader
 

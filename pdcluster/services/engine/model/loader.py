@@ -9,9 +9,9 @@ from pathlib import Path
 import torch
 
 from pdcluster.services.engine.model.config import ModelConfig
-from pdcluster.services.engine.model.default import resolve_model_path
+from pdcluster.services.default_model import resolve_model_path
 from pdcluster.services.engine.model.llama import LlamaModel
-from pdcluster.services.engine.tokenizer import Tokenizer
+from pdcluster.services.tokenizer import Tokenizer
 from pdcluster.services.model_meta import (block_hash_seed, check_weight_dtype, is_gguf, model_dtype_name, read_model_config,
                                  safetensors_files, weights_id)
 

@@ -14,8 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from types import SimpleNamespace
 
-from pdcluster.services.engine.errors import InvalidRequestError
-from pdcluster.services.engine.guided_spec import GuidedSpec
+from pdcluster.services.engine_errors import InvalidRequestError
+from pdcluster.services.guided_spec import GuidedSpec
 
 # Caps on what one request may ask the engine thread to check every token:
 # the stop strings are scanned after each token, for every running request.

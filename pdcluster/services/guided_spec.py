@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdcluster.services.engine.errors import InvalidRequestError
+from pdcluster.services.engine_errors import InvalidRequestError
 
 GUIDED_KINDS = ("json_schema", "regex", "ebnf")
 # A schema or grammar bigger than this is not a response format but an
