@@ -108,6 +108,16 @@ def _reached_a_replica(stream: Any) -> bool:
     return not (assignment.done() and assignment.cancelled())
 
 
+async def _assignment_settled(stream: Any, bound_s: float = 1.0) -> None:
+    """Waits (at most ``bound_s``) until a cancelled call's assignment to a replica is settled, so
+    ``_reached_a_replica`` reads its outcome: Serve's assignment is a task of this loop, and
+    ``cancel()`` only asks it to stop.  (Awaiting the call used to settle it: a task cancelled while
+    awaiting a future cancels that future first.  The token channel's watcher awaits it instead.)"""
+    assignment = getattr(stream, "_replica_result_future", None)
+    if isinstance(assignment, asyncio.Future) and not assignment.done():
+        await asyncio.wait({assignment}, timeout=bound_s)
+
+
 class ClusterBackend(Backend):
     def __init__(self, handles: dict[str, Any], *, mode: str, model_name: str, max_model_len: int,
                  block_size: int, liveness: PoolLiveness | None = None, fallback_to_colocated: bool = False,
@@ -447,6 +457,7 @@ class ClusterBackend(Backend):
         finally:
             if not finished:
                 stream.cancel()  # client left or failure: the replica aborts and frees blocks
+                await _assignment_settled(stream)
             if key is not None:
                 self.inbox.close(key)
                 await deltas.aclose()

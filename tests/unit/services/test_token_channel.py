@@ -22,6 +22,7 @@ from pdcluster.services.gateway.token_inbox import END, ERROR, FRAME, SERVE, Tok
 from pdcluster.services.messages import ChannelDone, GenerateRequest, ReplyTo, TokenDelta
 from pdcluster.services.pools.token_sender import TokenSender, over_channel
 from pdcluster.services.token_channel import frame
+from tests.unit.services.serve_fakes import HANDOFF, FakeResponse
 
 SECRET = bytes(range(32))
 
@@ -330,3 +331,74 @@ async def test_a_client_that_leaves_cancels_the_call_and_closes_the_mailbox(inbo
         assert first.token_ids == [0] and inbox.open_mailboxes == 0
     finally:
         sender.close()
+
+
+class _QueuedCall:
+    """A Serve call still waiting for a replica: its assignment is a task of this loop, as Serve's
+    router makes it, and ``cancel()`` only asks that task to stop."""
+
+    def __init__(self):
+        self._replica_result_future = asyncio.get_running_loop().create_task(asyncio.sleep(3600))
+
+    def __aiter__(self):
+        async def gen():
+            await self._replica_result_future
+            yield None
+        return gen()
+
+    def cancel(self):
+        self._replica_result_future.cancel()
+
+
+class _HandOffPools:
+    """A decode pool whose calls wait for a replica, and a prefill pool that records lease releases."""
+
+    def __init__(self):
+        self.released: list[str] = []
+        self.calls: list[_QueuedCall] = []
+
+    def __getitem__(self, pool: str):
+        return self if pool in ("decode", "prefill") else None
+
+    def __contains__(self, pool: str) -> bool:
+        return pool in ("decode", "prefill")
+
+    def options(self, **_):
+        return self
+
+    @property
+    def generate(self):
+        return self
+
+    @property
+    def release(self):
+        pools = self
+
+        class _Release:
+            @staticmethod
+            def remote(message):
+                pools.released.append(message.request_id)
+                return FakeResponse(True)
+        return _Release
+
+    def remote(self, req):
+        self.calls.append(_QueuedCall())
+        return self.calls[-1]
+
+
+async def test_a_hand_off_whose_decode_call_never_reached_a_replica_releases_its_lease(inbox):
+    """The first token went out, the decode call waits for a replica (none is live), a deadline
+    cancels it: it never ran anywhere, so the gateway releases the prefill replica's lease at once
+    (with the channel the call's assignment is awaited by its watcher, not by the relay)."""
+    pools = _HandOffPools()
+    backend = ClusterBackend(pools, mode="disaggregated", model_name="m", max_model_len=64, block_size=16,
+                             inbox=inbox)
+    chunks = backend._decode_handoff(_request(), HANDOFF, None)
+    assert (await chunks.__anext__()).token_ids == [HANDOFF.first_token_id]
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(0.05):  # a deadline: the call never answers, whatever the machine's speed
+            await chunks.__anext__()
+    await chunks.aclose()
+    await asyncio.gather(*backend._background)
+    assert pools.calls[0]._replica_result_future.cancelled()
+    assert pools.released == [HANDOFF.request_id] and inbox.open_mailboxes == 0
