@@ -11,7 +11,9 @@
           pulling (none was made, it was refused, or it ended): prefill.release(lease)
           on the replica that holds it.  A decode call cancelled mid-pull (client
           gone, deadline) releases the lease itself once its pull ended, so no
-          release frees blocks a one-sided READ is still reading.
+          release frees blocks a one-sided READ is still reading; the gateway releases
+          too once that call ended there (a call cancelled before its replica ran
+          it releases nothing itself; a second release is a no-op).
 
 Every request's stream is one loop (relay.py: admission, then its
 attempts): the first attempt on the place admission chose, the next ones
@@ -40,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+from dataclasses import dataclass
 import math
 import time
 from collections.abc import AsyncIterator
@@ -64,7 +67,7 @@ from pdcluster.services.gateway.failover_log import FailoverLog, PendingSpan
 from pdcluster.services.gateway.liveness import PoolLiveness
 from pdcluster.services.gateway.placement import DECODE, Placement
 from pdcluster.services.gateway.relay import StreamRelay
-from pdcluster.services.gateway.reply_order import ordered_replies
+from pdcluster.services.gateway.reply_order import ordered_replies, watch_call
 from pdcluster.services.gateway.token_inbox import TokenInbox
 from pdcluster.services.gateway.resume import StreamProgress, resume_request
 from pdcluster.services.messages import GenerateRequest, LeaseRelease, PrefillResponse, TokenDelta
@@ -72,6 +75,7 @@ from pdcluster.services.messages import GenerateRequest, LeaseRelease, PrefillRe
 log = logging.getLogger("pdcluster.gateway")
 _REPLICA_DIED = (ray_exceptions.RayActorError, ray_exceptions.ActorUnavailableError)
 _RELEASE_TIMEOUT_S = 5.0
+_RELEASE_WAIT_S = 60.0        # the longest wait for a cancelled decode call to end, its lease's deadline unknown
 _HANDOFF_RETRY_S = 0.25       # between offers of a hand-off to a full decode pool
 _HANDOFF_LEASE_MARGIN_S = 2.0  # stop offering it this long before its lease runs out
 _SEAT_RETRY_FIRST_S, _SEAT_RETRY_MAX_S = 0.05, 0.5  # offers of a request no place had a seat for
@@ -96,6 +100,14 @@ def seat_retry_delay_s(waits: int) -> float:
 def prefill_locally(prompt_tokens: int, local_prefill_max_tokens: int) -> bool:
     """Conditional disaggregation: whether the decode replica prefills this prompt itself."""
     return 0 < prompt_tokens <= local_prefill_max_tokens
+
+
+@dataclass(frozen=True)
+class Call:
+    """A streaming call to a replica: Serve's handle and the task that reads it (done once the call
+    ended on its replica)."""
+    stream: Any
+    watcher: asyncio.Task
 
 
 def _reached_a_replica(stream: Any) -> bool:
@@ -356,7 +368,7 @@ class ClusterBackend(Backend):
                                          routing=dataclasses.replace(req.routing, prefer_worker=None))
             give_up_at = min(pre.lease_deadline_unix - _HANDOFF_LEASE_MARGIN_S, time.time() + self.handoff_wait_s)
             while True:
-                calls: list = []  # the Serve call, once made
+                calls: list[Call] = []  # the Serve call, once made
                 taken = True
                 try:
                     async for chunk in self._relay("decode", "generate", decode, progress, calls):
@@ -364,7 +376,7 @@ class ClusterBackend(Backend):
                         yield chunk
                     return
                 except BaseException as exc:
-                    taken = bool(calls) and _reached_a_replica(calls[0]) and not decode_call_over(exc)
+                    taken = bool(calls) and _reached_a_replica(calls[0].stream) and not decode_call_over(exc)
                     # The first token went out: a full decode replica means wait for a seat (the lease
                     # holds the blocks), never an error mid-stream -- until the lease runs short.
                     if not isinstance(exc, BackendOverloaded) or decoded or time.time() > give_up_at:
@@ -377,12 +389,26 @@ class ClusterBackend(Backend):
                 # Client gone before the decode call, decode 429, pull failure, decode death: no pull
                 # will happen (or it already ended): the blocks go back now, not at the lease's TTL.
                 self._in_background(self._release(pre))
+            elif pre.block_ids and pre.finish_reason is None and not decoded and calls:
+                # Cancelled on its replica, which releases once its pull ended -- if its generate ran
+                # at all: a call cancelled before it started never does.  Released here once the call
+                # is over there (a second release of a lease is a no-op).
+                self._in_background(self._release_when_over(calls[0].watcher, pre))
 
-    def _in_background(self, coro) -> None:
+    def _in_background(self, coro) -> asyncio.Task:
         """Runs ``coro`` as a task this backend keeps until it ends."""
         task = asyncio.get_running_loop().create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+        return task
+
+    async def _release_when_over(self, call: asyncio.Task, pre: PrefillResponse) -> None:
+        """Releases ``pre``'s lease once ``call`` (its decode call's watcher) ended, no pull of it can
+        still run; not after the lease's own deadline (the owner frees the blocks then)."""
+        left_s = pre.lease_deadline_unix - time.time() if pre.lease_deadline_unix else _RELEASE_WAIT_S
+        await asyncio.wait({call}, timeout=max(left_s, 0.0))
+        if call.done():
+            await self._release(pre)
 
     async def _release(self, pre: PrefillResponse) -> None:
         """Drops ``pre``'s lease on the prefill replica that holds it (routed by worker name)."""
@@ -425,14 +451,15 @@ class ClusterBackend(Backend):
         (token_inbox.py), else through Serve.  A lost replica raises ReplicaLost (failover.py
         decides what follows); a request-level error (429, bad request, a failure of this request
         alone) its typed error."""
-        key, box = None, None
+        key, box = None, asyncio.Queue()
         if self.inbox is not None:
             reply_to, box = self.inbox.open()
             key, req = reply_to.key, dataclasses.replace(req, reply_to=reply_to)
         stream = getattr(self.handles[pool].options(stream=True), method).remote(req)
+        watcher = self._in_background(watch_call(stream, box))  # ends when the call ends on its replica
         if calls is not None:
-            calls.append(stream)
-        deltas = stream if box is None else ordered_replies(stream, box, self._in_background)
+            calls.append(Call(stream, watcher))
+        deltas = ordered_replies(box)
         finished, replica = False, ""
         try:
             async for delta in deltas:
@@ -460,7 +487,7 @@ class ClusterBackend(Backend):
                 await _assignment_settled(stream)
             if key is not None:
                 self.inbox.close(key)
-                await deltas.aclose()
+            await deltas.aclose()
 
     # ---- readiness ---------------------------------------------------------
     def _needed_pools(self) -> tuple[str, ...]:

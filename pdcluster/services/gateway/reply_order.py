@@ -8,14 +8,16 @@ once until a ChannelDone was seen, and after one only once that many frames
 were taken (``deliverable``).  A replica that dies sends no ChannelDone: its
 death is acted on at once, and frames still in flight are dropped with the
 mailbox -- the stream resumes from the tokens the client got.  A delta that
-Serve itself carries (the replica could not reach the inbox) is in Serve's
-order, after the ChannelDone that ended the channel's part."""
+Serve itself carries (the replica could not reach the inbox, or the gateway
+has none: ``token_channel: false``) is in Serve's order, after the
+ChannelDone that ended the channel's part.  Either way the Serve call is read
+by its own watcher task, whose end is the call's end on its replica."""
 
 from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 from pdcluster.services.gateway.token_inbox import END, ERROR, FRAME, SERVE
@@ -41,11 +43,9 @@ async def watch_call(stream: AsyncIterator[Any], box: asyncio.Queue) -> None:
         box.put_nowait((END, None))
 
 
-async def ordered_replies(stream: AsyncIterator[Any], box: asyncio.Queue,
-                          spawn: Callable[[Any], None]) -> AsyncIterator[TokenDelta]:
-    """The call's deltas in the replica's order; raises its error where the replica raised it.
-    ``spawn`` runs the Serve watcher as a task the caller keeps a reference to."""
-    spawn(watch_call(stream, box))
+async def ordered_replies(box: asyncio.Queue) -> AsyncIterator[TokenDelta]:
+    """The call's deltas in the replica's order, from its mailbox (``watch_call`` copies what
+    Serve says into it; the inbox, the frames); raises the call's error where the replica raised it."""
     taken, expected = 0, None
     held: deque = deque()
     while True:

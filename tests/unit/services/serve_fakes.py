@@ -52,7 +52,9 @@ class FakeStream:
         async def gen():
             for i, d in enumerate(self.deltas):
                 if i == self.stall_after:
-                    await asyncio.sleep(3600)
+                    while not self.cancelled:  # stalled until cancelled, then ended as Serve's call is
+                        await asyncio.sleep(0.01)
+                    raise RuntimeError("the call was cancelled")
                 yield d
             if self.error is not None:
                 raise self.error

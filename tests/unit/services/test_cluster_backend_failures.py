@@ -148,23 +148,26 @@ async def test_a_decoded_stream_leaves_the_lease_to_the_puller():
     assert [c.text for c in chunks] == ["a", "b", "c"] and _releases(fake) == []
 
 
-async def test_inter_token_deadline_aborts_the_stalled_stream_and_leaves_the_lease_to_the_decode_replica():
-    # Cancelled before its first token, the decode call may be mid-pull: a release from the gateway would
-    # let the prefill replica reuse blocks a one-sided READ is still reading (issue 33).  The decode
-    # replica releases once its pull ended (pdcluster/services/pools/decode.py); the lease's TTL is the backstop.
+async def test_inter_token_deadline_aborts_the_stalled_stream_and_releases_the_lease_once_the_call_ended():
+    # Cancelled before its first token, the decode call may be mid-pull: a release from the gateway while
+    # it runs would let the prefill replica reuse blocks a one-sided READ is still reading (issue 33).
+    # The decode replica releases once its pull ended (pdcluster/services/pools/decode.py) -- if it ran
+    # the call at all: one cancelled before it started never does, so the gateway releases too, once
+    # the call ended there (tests/unit/services/test_token_channel.py checks the "not before").
     stream = FakeStream([TokenDelta([6], "b"), TokenDelta([7], "c", "length")], stall_after=0)
     backend, fake = _backend(stream, inter_token_timeout_s=0.2)
     with pytest.raises(BackendTimeout, match="no token for 0.2 s"):
         await _drain(backend)
     await _settle(backend)
     assert stream.cancelled  # the decode call was cancelled: the replica aborts, then releases
-    assert _releases(fake) == []
+    assert _releases(fake) == [("r1", "prefill-x")]
 
 
-@pytest.mark.parametrize("assigned, released", [(True, False), (None, False), (False, True)])
-async def test_client_gone_while_the_decode_call_pulls_leaves_the_lease_to_the_decode_replica(assigned, released):
-    # assigned: a decode replica took the call and may be pulling (it releases); None: the handle
-    # cannot tell (treated as taken); False: cancelled before Serve assigned it, nobody pulls.
+@pytest.mark.parametrize("assigned, released", [(True, True), (None, True), (False, True)])
+async def test_client_gone_while_the_decode_call_pulls_has_the_lease_released(assigned, released):
+    # assigned: a decode replica took the call and may be pulling (it releases; the gateway too, once
+    # the call ended there); None: the handle cannot tell (treated as taken); False: cancelled before
+    # Serve assigned it, nobody pulls: released at once.
     stream = FakeStream([TokenDelta([6], "b")], stall_after=0, assigned=assigned)  # no token yet
     backend, fake = _backend(stream)
     chunks = backend.generate(GenerateRequest("r1", list(range(20)), greedy(8), RoutingHeader((), 20)))

@@ -17,7 +17,7 @@ from pdcluster.services.delta_wire import BadFrame, pack_delta, unpack_delta
 from pdcluster.services.token_logprob import TokenLogprob
 from pdcluster.services.sampling_params import greedy
 from pdcluster.services.gateway.cluster_backend import ClusterBackend
-from pdcluster.services.gateway.reply_order import deliverable, ordered_replies
+from pdcluster.services.gateway.reply_order import deliverable, ordered_replies, watch_call
 from pdcluster.services.gateway.token_inbox import END, ERROR, FRAME, SERVE, TokenInbox
 from pdcluster.services.messages import ChannelDone, GenerateRequest, ReplyTo, TokenDelta
 from pdcluster.services.pools.token_sender import TokenSender, over_channel
@@ -110,18 +110,17 @@ class _ServeCall:
         return gen()
 
 
-def _spawner(tasks: set):
-    def spawn(coro):
-        task = asyncio.get_running_loop().create_task(coro)
-        tasks.add(task)
-    return spawn
+def _watched(call: _ServeCall, box: asyncio.Queue, tasks: set):
+    """The call's replies in order, its watcher started as the backend starts it."""
+    tasks.add(asyncio.get_running_loop().create_task(watch_call(call, box)))
+    return ordered_replies(box)
 
 
 async def test_frames_late_behind_serves_end_still_come_out_before_it_in_order():
     box: asyncio.Queue = asyncio.Queue()
     tasks: set = set()
     box.put_nowait((FRAME, _delta(0)))  # frames 1 and 2 arrive after Serve's ChannelDone(3) and END
-    replies = ordered_replies(_ServeCall([ChannelDone(3)]), box, _spawner(tasks))
+    replies = _watched(_ServeCall([ChannelDone(3)]), box, tasks)
     got = [await replies.__anext__()]
     await asyncio.sleep(0)  # the watcher copies ChannelDone and END into the mailbox
     box.put_nowait((FRAME, _delta(1)))
@@ -133,8 +132,7 @@ async def test_frames_late_behind_serves_end_still_come_out_before_it_in_order()
 async def test_an_error_after_its_frames_is_raised_after_them():
     box: asyncio.Queue = asyncio.Queue()
     tasks: set = set()
-    replies = ordered_replies(_ServeCall([ChannelDone(2)], error=BackendFailure("engine step failed")), box,
-                              _spawner(tasks))
+    replies = _watched(_ServeCall([ChannelDone(2)], error=BackendFailure("engine step failed")), box, tasks)
     await asyncio.sleep(0)
     got = []
     with pytest.raises(BackendFailure, match="engine step failed"):
@@ -148,7 +146,7 @@ async def test_an_error_after_its_frames_is_raised_after_them():
 async def test_a_death_without_channel_done_is_raised_at_once_though_frames_may_be_on_their_way():
     box: asyncio.Queue = asyncio.Queue()
     tasks: set = set()
-    replies = ordered_replies(_ServeCall([], error=ConnectionError("actor died")), box, _spawner(tasks))
+    replies = _watched(_ServeCall([], error=ConnectionError("actor died")), box, tasks)
     with pytest.raises(ConnectionError, match="actor died"):
         await replies.__anext__()
 
@@ -158,8 +156,7 @@ async def test_deltas_serve_carries_come_after_the_channels_part():
     box: asyncio.Queue = asyncio.Queue()
     tasks: set = set()
     gate = asyncio.Event()
-    replies = ordered_replies(_ServeCall([ChannelDone(1), _delta(1), _delta(2, "stop")], gate=gate), box,
-                              _spawner(tasks))
+    replies = _watched(_ServeCall([ChannelDone(1), _delta(1), _delta(2, "stop")], gate=gate), box, tasks)
     for _ in range(5):
         await asyncio.sleep(0)
     box.put_nowait((FRAME, _delta(0)))
@@ -402,3 +399,54 @@ async def test_a_hand_off_whose_decode_call_never_reached_a_replica_releases_its
     await asyncio.gather(*backend._background)
     assert pools.calls[0]._replica_result_future.cancelled()
     assert pools.released == [HANDOFF.request_id] and inbox.open_mailboxes == 0
+
+
+class _AssignedCall:
+    """A Serve call already assigned to a replica: cancelling it asks the replica to stop, and the call
+    ends when the replica's task does (``end``), with or without its generate having run."""
+
+    def __init__(self):
+        loop = asyncio.get_running_loop()
+        self._replica_result_future = loop.create_future()
+        self._replica_result_future.set_result(None)
+        self.end = asyncio.Event()
+        self.cancel_asked = False
+
+    def __aiter__(self):
+        async def gen():
+            await self.end.wait()
+            raise RuntimeError("the task was cancelled")  # as Serve's TaskCancelledError
+            yield None
+        return gen()
+
+    def cancel(self):
+        self.cancel_asked = True
+
+
+async def test_a_decode_call_cancelled_on_its_replica_has_its_lease_released_once_the_call_ended(inbox):
+    """A client that leaves right after the first token: the decode call already reached a replica,
+    which may never run it (cancelled before it started), so its own release may never come.  The
+    gateway releases the lease once the call ended there -- not before, while a pull could still read."""
+    pools = _HandOffPools()
+    assigned: list[_AssignedCall] = []
+
+    def remote(req):
+        assigned.append(_AssignedCall())
+        return assigned[-1]
+    pools.remote = remote
+    backend = ClusterBackend(pools, mode="disaggregated", model_name="m", max_model_len=64, block_size=16,
+                             inbox=inbox)
+    chunks = backend._decode_handoff(_request(), HANDOFF, None)
+    await chunks.__anext__()
+    waiting = asyncio.ensure_future(chunks.__anext__())
+    await asyncio.sleep(0)  # the decode call is made
+    waiting.cancel()        # the client leaves
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    await chunks.aclose()
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert assigned[0].cancel_asked and pools.released == []  # the call has not ended on its replica yet
+    assigned[0].end.set()
+    await asyncio.gather(*backend._background)
+    assert pools.released == [HANDOFF.request_id]
