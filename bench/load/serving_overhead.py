@@ -20,7 +20,10 @@ on.  One after the other, the engine first (its memory freed before the
 cluster starts); nothing else may run meanwhile.  No targets: issue 34's
 (b) target is vs_peer's.
 
-    python -m bench.load.serving_overhead [--requests 8] [--port 8000]
+    python -m bench.load.serving_overhead [--requests 8] [--port 8000] [--vs-serve-streaming [--rounds 2]]
+
+``--vs-serve-streaming`` adds the cluster with ``token_channel: false`` (every token a Serve streaming
+item), alternating with the default: what the token channel saves a token.
 """
 
 from __future__ import annotations

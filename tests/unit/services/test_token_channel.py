@@ -302,11 +302,16 @@ class _Call:
         self.cancelled = True
 
 
+def _colocated(inbox: TokenInbox, sender: TokenSender, n: int) -> tuple[ClusterBackend, _ChannelReplica]:
+    """A colocated backend over ``inbox`` whose one replica streams ``n`` deltas through ``sender``."""
+    replica = _ChannelReplica(sender, n)
+    return ClusterBackend({"colocated": replica}, mode="colocated", model_name="m", max_model_len=64,
+                          block_size=16, inbox=inbox), replica
+
+
 async def test_the_backend_streams_a_request_through_its_inbox_and_closes_the_mailbox(inbox):
     sender = TokenSender("colocated-1", SECRET)
-    replica = _ChannelReplica(sender, 4)
-    backend = ClusterBackend({"colocated": replica}, mode="colocated", model_name="m", max_model_len=64,
-                             block_size=16, inbox=inbox)
+    backend, replica = _colocated(inbox, sender, 4)
     try:
         got = [d async for d in backend.generate(_request())]
         assert [d.token_ids for d in got] == [[0], [1], [2], [3]] and got[-1].finish_reason == "length"
@@ -318,9 +323,7 @@ async def test_the_backend_streams_a_request_through_its_inbox_and_closes_the_ma
 
 async def test_a_client_that_leaves_cancels_the_call_and_closes_the_mailbox(inbox):
     sender = TokenSender("colocated-1", SECRET)
-    replica = _ChannelReplica(sender, 6)
-    backend = ClusterBackend({"colocated": replica}, mode="colocated", model_name="m", max_model_len=64,
-                             block_size=16, inbox=inbox)
+    backend, _ = _colocated(inbox, sender, 6)
     try:
         stream = backend.generate(_request())
         first = await stream.__anext__()
