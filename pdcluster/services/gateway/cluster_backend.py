@@ -120,16 +120,6 @@ def _reached_a_replica(stream: Any) -> bool:
     return not (assignment.done() and assignment.cancelled())
 
 
-async def _assignment_settled(stream: Any, bound_s: float = 1.0) -> None:
-    """Waits (at most ``bound_s``) until a cancelled call's assignment to a replica is settled, so
-    ``_reached_a_replica`` reads its outcome: Serve's assignment is a task of this loop, and
-    ``cancel()`` only asks it to stop.  (Awaiting the call used to settle it: a task cancelled while
-    awaiting a future cancels that future first.  The token channel's watcher awaits it instead.)"""
-    assignment = getattr(stream, "_replica_result_future", None)
-    if isinstance(assignment, asyncio.Future) and not assignment.done():
-        await asyncio.wait({assignment}, timeout=bound_s)
-
-
 class ClusterBackend(Backend):
     def __init__(self, handles: dict[str, Any], *, mode: str, model_name: str, max_model_len: int,
                  block_size: int, liveness: PoolLiveness | None = None, fallback_to_colocated: bool = False,
@@ -385,14 +375,16 @@ class ClusterBackend(Backend):
                 yield TokenDelta.waiting_on("")  # waiting for a seat: no stall (the inter-token deadline)
                 await asyncio.sleep(_HANDOFF_RETRY_S)
         finally:
-            if pre.block_ids and pre.finish_reason is None and not decoded and not taken:
+            unpulled = bool(pre.block_ids) and pre.finish_reason is None and not decoded
+            if unpulled and not taken:
                 # Client gone before the decode call, decode 429, pull failure, decode death: no pull
                 # will happen (or it already ended): the blocks go back now, not at the lease's TTL.
                 self._in_background(self._release(pre))
-            elif pre.block_ids and pre.finish_reason is None and not decoded and calls:
-                # Cancelled on its replica, which releases once its pull ended -- if its generate ran
-                # at all: a call cancelled before it started never does.  Released here once the call
-                # is over there (a second release of a lease is a no-op).
+            elif unpulled and calls:
+                # Cancelled on its replica (or Serve could not yet tell whether it got there), which
+                # releases once its pull ended -- if its generate ran at all: a call cancelled before
+                # it started never does.  Released here once the call is over there (a second release
+                # of a lease is a no-op).
                 self._in_background(self._release_when_over(calls[0].watcher, pre))
 
     def _in_background(self, coro) -> asyncio.Task:
@@ -451,10 +443,11 @@ class ClusterBackend(Backend):
         (token_inbox.py), else through Serve.  A lost replica raises ReplicaLost (failover.py
         decides what follows); a request-level error (429, bad request, a failure of this request
         alone) its typed error."""
-        key, box = None, asyncio.Queue()
+        key, box = None, None
         if self.inbox is not None:
             reply_to, box = self.inbox.open()
             key, req = reply_to.key, dataclasses.replace(req, reply_to=reply_to)
+        box = box if box is not None else asyncio.Queue()  # no inbox: Serve's items alone
         stream = getattr(self.handles[pool].options(stream=True), method).remote(req)
         watcher = self._in_background(watch_call(stream, box))  # ends when the call ends on its replica
         if calls is not None:
@@ -484,7 +477,6 @@ class ClusterBackend(Backend):
         finally:
             if not finished:
                 stream.cancel()  # client left or failure: the replica aborts and frees blocks
-                await _assignment_settled(stream)
             if key is not None:
                 self.inbox.close(key)
             await deltas.aclose()

@@ -34,7 +34,8 @@ class Link:
 
     @property
     def open(self) -> bool:
-        return not self._writer.is_closing()
+        """Not closed by either side (the inbox never writes after the challenge: EOF is its close)."""
+        return not self._writer.is_closing() and not self._reader.at_eof()
 
     async def send(self, key: str, delta: TokenDelta) -> None:
         """Raises ConnectionError when the connection is gone."""
