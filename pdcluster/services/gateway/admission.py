@@ -88,6 +88,7 @@ class PlaceQueue:
         self._arriving_tokens = 0  # their sum
         self._first_answer_at: dict[str, float] = {}  # replica -> when it answered its first first token here
         self.samples_left_out = 0  # first tokens of requests that waited for a replica to start
+        self.fresh_burst = False  # every prompt queued here arrived after it was idle, before its next first token
 
     @property
     def num_samples(self) -> int:
@@ -98,6 +99,7 @@ class PlaceQueue:
         """``ticket``'s first token came out of ``replica`` ("": unknown) ``measured_s`` after the
         request arrived.  No sample when ``replica`` had answered none before the request arrived."""
         self.settle(now)
+        self.fresh_burst = False
         self.served_tokens += ticket.computed
         self.served_square += ticket.computed_square
         if self.is_long(ticket.computed):
@@ -143,9 +145,12 @@ class PlaceQueue:
         return PlaceLoad(live_replicas, ahead, self.queued_requests if ahead else 0, self.calibration.predict,
                          self.calibration.margin_s, self._arriving_tokens / ARRIVALS_S,
                          min(self.queued_long_tokens, ahead), self.backlog_tokens,
-                         max(self.queued_square, 0.0) * share, max(self.queued_long_square, 0.0) * share)
+                         max(self.queued_square, 0.0) * share, max(self.queued_long_square, 0.0) * share,
+                         self.fresh_burst)
 
     def admit(self, who: Class, tokens: int, now: float, in_outage: bool = False) -> None:
+        if self.queued_requests == 0:
+            self.fresh_burst = True
         self.add(who, tokens, +1, in_outage)
         self._arrivals.append((now, tokens))
         self._arriving_tokens += tokens
@@ -324,7 +329,8 @@ class Admission:
         return Snapshot(prefill=prefill, decode=self.places[DECODE].load(decode, now, who, prompt_tokens, w),
                         decode_streams=self.in_flight, decode_seats=self.decode_seats_per_replica * max(decode, 1),
                         decode_busy_s=sum(s for _, s in self._decode_busy),
-                        calibrated=self.num_measured >= MIN_SAMPLES)
+                        calibrated=self.num_measured >= MIN_SAMPLES,
+                        burst_seats=self.slo_seats(max(decode, 1), self.decode_seats_per_replica * max(decode, 1)))
 
     def place(self, prompt_tokens: int, prefill_live: int | None, decode_live: int | None,
               tenant: str = DEFAULT_TENANT, priority: int = 0, arrived_at: float = 0.0,

@@ -38,6 +38,23 @@ The decode replica may prefill only while its streams keep their TPOT:
                                                                  the place's recent TTFTs landed above
                                                                  the calibrated line)
               and the place already has queued work             (an idle place cannot do better later)
+              and the prompt is long (over long_prefill_tokens, else decode_step_tokens), or the work
+                  is not a fresh burst, or the decode pool already runs the streams it keeps within
+                  TPOT SLO x headroom (``burst_seats``)         (a burst is the prompts that reach an
+                                                                 idle place before its next first
+                                                                 token: nothing measured says the
+                                                                 cluster is overloaded -- a closed-loop
+                                                                 client's first burst, 8 simultaneous
+                                                                 streams on an idle cluster -- and a
+                                                                 refusal re-sent at once by a closed-loop
+                                                                 client would find the same queue: its
+                                                                 16 slots spent 38 of 48 prompts on 429s
+                                                                 in 4 s while 10 were served, Zen 4;
+                                                                 a short prompt late costs the streams
+                                                                 beside it a step, a long one seconds
+                                                                 of their TPOT: four 3k prompts admitted
+                                                                 whole on the colocated replica cost 7
+                                                                 of 37 chats their TPOT SLO, same class)
               and the model is calibrated                       (enough first tokens measured)
               and the place has a live replica and no outage backlog  (prompts admitted while it had
                                                                  none: its queue waits for a replica to
@@ -76,6 +93,7 @@ class PlaceLoad:
     backlog_tokens: int = 0         # of queued_tokens: admitted while the place had no live replica
     queued_square_tokens: float = 0.0   # the sum of the queued prompts' squared lengths (their attention)
     queued_long_square_tokens: float = 0.0  # of it: the long prompts'
+    fresh_burst: bool = False       # every prompt queued here arrived after it was idle, before its next first token
 
 
 @dataclass(frozen=True)
@@ -86,6 +104,7 @@ class Snapshot:
     decode_seats: int = 1 << 30     # streams it can hold in all (batch seats + queue, x replicas)
     decode_busy_s: float = 0.0      # prefill seconds placed on decode replicas within the window
     calibrated: bool = True         # enough first tokens measured to refuse on a prediction
+    burst_seats: int = 0            # a fresh burst is admitted while fewer streams run (the TPOT SLO's seats)
 
 
 @dataclass(frozen=True)
@@ -225,6 +244,9 @@ def _admit_or_refuse(choice: Placement, load: PlaceLoad, snap: Snapshot, rules: 
     bound = rules.ttft_slo_s * rules.headroom
     tail = choice.predicted_ttft_s + load.tail_s
     if not rules.shed or not snap.calibrated or load.queued_requests == 0 or tail <= bound:
+        return choice
+    if load.fresh_burst and snap.decode_streams < snap.burst_seats and not is_long_prompt(
+            choice.computed_tokens, rules.long_prefill_tokens or rules.decode_step_tokens):
         return choice
     if load.live_replicas <= 0 or load.backlog_tokens > 0:
         return choice

@@ -29,6 +29,15 @@ def _calibrate(adm: Admission, pool: str = PREFILL) -> None:
         adm.places[pool].calibration.observe(0.1, 0.1)
 
 
+def _past_a_first_token(adm: Admission, prefill_live: int, decode_live: int) -> None:
+    """Leaves one 1-token prompt queued behind a first token: the queue is no fresh burst (a burst
+    onto an idle place is admitted whole), so the prediction alone decides.  The first token comes
+    from a replica answering its first one: no calibration sample."""
+    opener = adm.place(1, prefill_live, decode_live)
+    adm.place(1, prefill_live, decode_live)
+    opener.first_token(1, "a-replica-answering-its-first")
+
+
 def test_sixteen_simultaneous_chats_on_an_idle_cluster_are_all_admitted_and_split():
     adm = _admission()
     _calibrate(adm)
@@ -158,6 +167,32 @@ def test_refusal_waits_for_measurements_then_gives_retry_after():
     with pytest.raises(BackendOverloaded, match="admission.ttft_slo_s") as err:
         adm.place(3000, 1, 1)
     assert err.value.retry_after_s >= 1.0 and adm.num_shed == 1
+
+
+def test_a_burst_onto_an_idle_place_is_admitted_whole_until_the_tpot_slo_seats():
+    """vLLM's closed-loop client at concurrency 16 (256 in / 128 out) sends 16 prompts at once:
+    the model puts the last past 0.8 x the SLO, yet nothing measured says the cluster is
+    overloaded, and each refusal is re-sent at once into the same queue (on Zen 4 its 16 slots
+    spent 38 of 48 prompts on 429s in 4 s while 10 were served).  A burst onto an idle place is
+    admitted whole, up to the streams the decode pool runs within TPOT SLO x headroom; after the
+    place's next first token the prediction decides again."""
+    adm = _admission()
+    _calibrate(adm, DECODE)
+    seats = adm.slo_seats(1, 1 << 30)
+    assert seats == 30  # (0.08 s - 0.02 s) / 0.002 s a stream
+    burst = [adm.place(256, 0, 1) for _ in range(16)]
+    last = modelled_ttft_s(256, PlaceLoad(1, 15 * 256), RULES, beside_streams=15)
+    assert last > RULES.ttft_slo_s and adm.num_shed == 0  # the model says late; admitted all the same
+    burst[0].first_token(1, "colocated-a")
+    with pytest.raises(BackendOverloaded, match="admission.ttft_slo_s"):
+        adm.place(256, 0, 1)  # the place answered and still holds the burst's late tail
+    for t in burst:
+        t.first_token(1, "colocated-a")
+    fresh = [adm.place(256, 0, 1) for _ in range(seats - len(burst))]  # a second burst, idle again
+    assert adm.in_flight == seats and adm.num_shed == 1
+    with pytest.raises(BackendOverloaded, match="admission.ttft_slo_s"):
+        adm.place(256, 0, 1)  # the decode pool runs the streams its TPOT SLO keeps
+    assert fresh and adm.num_shed == 2
 
 
 def test_in_flight_cap_is_a_429():
@@ -344,6 +379,7 @@ def test_the_start_up_prefill_time_replaces_the_configured_one_once_and_only_bef
     assert fast.rules.prefill.per_token_s == pytest.approx(RULES.prefill.per_token_s / 2.4)
     for adm in (slow, fast):
         _calibrate(adm, DECODE)
+        _past_a_first_token(adm, 0, 1)
     admitted = {}
     for name, adm in (("slow", slow), ("fast", fast)):
         n = 0
@@ -379,6 +415,7 @@ def test_a_start_up_line_with_its_square_term_replaces_the_configured_line_whole
     assert configured.rules.prefill.per_token2_s == 1.7e-7
     for adm in (measured, configured):
         _calibrate(adm, DECODE)
+        _past_a_first_token(adm, 0, 1)
         adm.place(200, 0, 1)  # queued work, so a prediction may refuse
     measured.place(3072, 0, 1)
     with pytest.raises(BackendOverloaded):
