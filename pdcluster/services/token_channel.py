@@ -7,7 +7,8 @@ stream's time").
 
 Frames are a 4-byte big-endian length and a msgpack body.  The connection
 opens with a mutual challenge keyed by the cluster secret
-(the labels beside pdcluster/transfer/auth.py's):
+(``ClusterSecret``, with labels beside pdcluster/transfer/auth.py's; importing
+that module loads no transfer backend):
 
     inbox  -> {"op": "challenge", "nonce": sn, "inbox": id}
     sender -> {"op": "auth", "replica": r, "nonce": cn, "mac"}   HMAC("token-sender", sn, cn, r, id)
@@ -20,53 +21,18 @@ to reach a stream, and it is decoded as typed fields, never unpickled."""
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import hmac
-import secrets
 import struct
 from typing import Any
 
 import msgpack
 
+from pdcluster.transfer.auth import ClusterSecret, is_nonce, new_nonce
+
 HEADER = struct.Struct(">I")
-NONCE_BYTES = 32
-TOKEN_SENDER_PROOF = "token-sender"   # labels beside the transfer layer's (the labels beside pdcluster/transfer/auth.py's):
+TOKEN_SENDER_PROOF = "token-sender"   # labels beside the transfer layer's (pdcluster/transfer/auth.py):
 TOKEN_INBOX_PROOF = "token-inbox"     # a tag made for one purpose is never accepted for another
 HANDSHAKE_BYTES = 1024
 HANDSHAKE_TIMEOUT_S = 5.0
-
-
-class ChannelSecret:
-    """The cluster secret as the token channel uses it (the gateway imports no transfer backend)."""
-    __slots__ = ("_key",)
-
-    def __init__(self, secret: bytes) -> None:
-        self._key = secret
-
-    @classmethod
-    def of(cls, secret: bytes | None) -> ChannelSecret | None:
-        return None if secret is None else cls(secret)
-
-    def mac(self, label: str, *fields: Any) -> bytes:
-        return hmac.new(self._key, msgpack.packb([label, *fields], use_bin_type=True), hashlib.sha256).digest()
-
-    def verify(self, tag: Any, label: str, *fields: Any) -> bool:
-        """True when ``tag`` (untrusted: any type) is the MAC of these fields."""
-        return isinstance(tag, bytes) and hmac.compare_digest(tag, self.mac(label, *fields))
-
-    def __repr__(self) -> str:
-        return "ChannelSecret(<redacted>)"
-
-    def __reduce__(self):
-        raise TypeError("a ChannelSecret is not pickled; each process reads the secret from its environment")
-
-
-def new_nonce() -> bytes:
-    return secrets.token_bytes(NONCE_BYTES)
-
-
-def is_nonce(value: Any) -> bool:
-    return isinstance(value, bytes) and len(value) == NONCE_BYTES
 
 
 class ChannelRefused(ConnectionError):
@@ -101,7 +67,7 @@ def _send(writer: asyncio.StreamWriter, message: dict[str, Any]) -> None:
 
 
 async def challenge_sender(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                           secret: ChannelSecret | None, inbox_id: str) -> str:
+                           secret: ClusterSecret | None, inbox_id: str) -> str:
     """Inbox side: the replica's name once it proved it holds the secret; ChannelRefused otherwise
     (the caller closes the connection)."""
     server_nonce = new_nonce()
@@ -122,7 +88,7 @@ async def challenge_sender(reader: asyncio.StreamReader, writer: asyncio.StreamW
 
 
 async def answer_challenge(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                           secret: ChannelSecret | None, replica: str, inbox_id: str) -> None:
+                           secret: ClusterSecret | None, replica: str, inbox_id: str) -> None:
     """Sender side: proves this replica holds the secret and checks that the inbox does, and that it
     is the inbox the call named; ChannelRefused otherwise."""
     challenge = await _read_message(reader)

@@ -9,22 +9,59 @@ fallback behind one interface (see pdcluster.transfer.base for the call sequence
                          lease_deadline_unix=deadline)  # puller; LeaseExpiredError: prefill again
     backend.release(descriptor, lease_id)            # puller that will not pull after all
     for n in backend.poll_notifications(): lease_table.release(n.lease_id)  # owner
+
+The names below load their module on first use (module ``__getattr__``), so
+importing a light submodule -- ``pdcluster.transfer.auth`` for the cluster
+secret, as the gateway's token inbox does -- loads no backend and no torch.
 """
 
-from pdcluster.transfer.base import TransferBackend, TransferStats
-from pdcluster.transfer.errors import (AuthenticationError, BackendUnavailableError, LayoutMismatchError, LeaseExpiredError,
-                             TransferError)
-from pdcluster.transfer.layout import KVLayout, check_compatible
-from pdcluster.transfer.lease_guard import LEASE_SAFETY_MARGIN_S, OWNER_FREE_GRACE_S, LeaseGuard
-from pdcluster.transfer.peer import Notification, PeerDescriptor
-from pdcluster.transfer.pool_alloc import allocate_kv_pool
-from pdcluster.transfer.registry import backend_class, backend_names, create_backend
-from pdcluster.transfer.runs import BlockRun, coalesce_block_runs
+from __future__ import annotations
 
-__all__ = [
-    "LEASE_SAFETY_MARGIN_S", "OWNER_FREE_GRACE_S",
-    "AuthenticationError", "BackendUnavailableError", "BlockRun", "KVLayout", "LayoutMismatchError",
-    "LeaseExpiredError", "LeaseGuard",
-    "Notification", "PeerDescriptor", "TransferBackend", "TransferError", "TransferStats", "allocate_kv_pool",
-    "backend_class", "backend_names", "check_compatible", "coalesce_block_runs", "create_backend",
-]
+from types import ModuleType
+
+_EXPORTS = {  # module under pdcluster.transfer -> the names it exports here
+    "base": ("TransferBackend", "TransferStats"),
+    "errors": ("AuthenticationError", "BackendUnavailableError", "LayoutMismatchError", "LeaseExpiredError",
+               "TransferError"),
+    "layout": ("KVLayout", "check_compatible"),
+    "lease_guard": ("LEASE_SAFETY_MARGIN_S", "OWNER_FREE_GRACE_S", "LeaseGuard"),
+    "peer": ("Notification", "PeerDescriptor"),
+    "pool_alloc": ("allocate_kv_pool",),
+    "registry": ("backend_class", "backend_names", "create_backend"),
+    "runs": ("BlockRun", "coalesce_block_runs"),
+}
+__all__ = sorted(name for names in _EXPORTS.values() for name in names)
+
+
+def __getattr__(name: str):
+    home = next((module for module, names in _EXPORTS.items() if name in names), None)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(_load(home), name)
+    globals()[name] = value  # once
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+def _load(home: str) -> ModuleType:
+    """Plain import statements, so that the layout tests read this package's imports."""
+    if home == "base":
+        import pdcluster.transfer.base as module
+    elif home == "errors":
+        import pdcluster.transfer.errors as module
+    elif home == "layout":
+        import pdcluster.transfer.layout as module
+    elif home == "lease_guard":
+        import pdcluster.transfer.lease_guard as module
+    elif home == "peer":
+        import pdcluster.transfer.peer as module
+    elif home == "pool_alloc":
+        import pdcluster.transfer.pool_alloc as module
+    elif home == "registry":
+        import pdcluster.transfer.registry as module
+    else:
+        import pdcluster.transfer.runs as module
+    return module

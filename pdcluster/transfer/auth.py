@@ -13,7 +13,7 @@ made for one purpose is never accepted for another:
     "write-cancel"   puller agent, owner agent, seq                    NIXL write path, puller -> owner
     "token-sender"   inbox nonce, sender nonce, replica, inbox id      token channel, replica -> gateway
     "token-inbox"    the same fields                                   token channel, gateway -> replica
-                     (made in pdcluster/services/token_channel.py, which the gateway imports without this package)
+                     (pdcluster/services/token_channel.py; this module loads no backend)
 
 Fields are packed as one msgpack list (length-prefixed, so no two field lists
 encode alike).  The secret itself never leaves ClusterSecret: not in a repr,

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 
 from pdcluster.services.delta_wire import MAX_FRAME_BYTES, BadFrame, unpack_delta
 from pdcluster.services.messages import ReplyTo
-from pdcluster.services.token_channel import ChannelSecret, HANDSHAKE_TIMEOUT_S, ChannelRefused, challenge_sender, read_frame
+from pdcluster.services.token_channel import HANDSHAKE_TIMEOUT_S, ChannelRefused, challenge_sender, read_frame
+from pdcluster.transfer.auth import ClusterSecret
 
 log = logging.getLogger("pdcluster.gateway")
 
@@ -47,7 +48,7 @@ class TokenInbox:
         self.port = 0
         self.inbox_id = secrets.token_hex(8)
         self.counters = InboxCounters()
-        self._secret = ChannelSecret.of(secret)
+        self._secret = ClusterSecret.of(secret)
         self._boxes: dict[str, asyncio.Queue] = {}
         self._server: asyncio.Server | None = None
         self._connections: set[asyncio.Task] = set()

@@ -19,7 +19,8 @@ from contextlib import aclosing
 
 from pdcluster.services.delta_wire import pack_delta
 from pdcluster.services.messages import ChannelDone, GenerateRequest, ReplyTo, TokenDelta
-from pdcluster.services.token_channel import ChannelSecret, HANDSHAKE_TIMEOUT_S, ChannelRefused, answer_challenge, frame
+from pdcluster.services.token_channel import HANDSHAKE_TIMEOUT_S, ChannelRefused, answer_challenge, frame
+from pdcluster.transfer.auth import ClusterSecret
 
 log = logging.getLogger("pdcluster.worker")
 RETRY_AFTER_S = 30.0          # an inbox that could not be reached is tried again after this
@@ -53,7 +54,7 @@ class Link:
 class TokenSender:
     def __init__(self, replica: str, secret: bytes | None, clock=time.monotonic):
         self.replica = replica
-        self._secret = ChannelSecret.of(secret)
+        self._secret = ClusterSecret.of(secret)
         self._clock = clock
         self._links: dict[tuple[str, int, str], Link] = {}
         self._locks: dict[tuple[str, int, str], asyncio.Lock] = {}
