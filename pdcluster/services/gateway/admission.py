@@ -265,6 +265,7 @@ class Admission:
         self.places = {PREFILL: PlaceQueue(), DECODE: PlaceQueue(self.rules.long_prefill_tokens)}
         self._decode_busy: deque[tuple[float, float]] = deque()  # (when placed, seconds of decode time)
         self.num_shed = 0
+        self.num_burst_admitted = 0  # admitted although predicted late (placement.py: a fresh burst's short prompts)
         self.num_over_capacity = 0
         self.num_admitted = 0
         self.placed = {PREFILL: 0, DECODE: 0}
@@ -369,6 +370,7 @@ class Admission:
             # placement.py's reasons are numbers and setting names, never replica names
             raise for_client(BackendOverloaded(f"{choice.reason}; retry after {choice.retry_after_s:.0f} s or add "
                                                "replicas", retry_after_s=choice.retry_after_s))
+        self.num_burst_admitted += choice.past_prediction
         if choice.pool == DECODE:
             self._decode_busy.append((now, choice.local_prefill_s))
         in_outage = (snap.decode if choice.pool == DECODE else snap.prefill).live_replicas <= 0
@@ -416,7 +418,8 @@ class Admission:
             q.answered(ticket, measured_s, time.monotonic(), replica)
 
     def view(self) -> dict:
-        return {"in_flight": self.in_flight, "shed": self.num_shed, "over_capacity": self.num_over_capacity,
+        return {"in_flight": self.in_flight, "shed": self.num_shed, "burst_admitted": self.num_burst_admitted,
+                "over_capacity": self.num_over_capacity,
                 "seat_share": self.num_seat_shares, "streams_by_tenant": dict(self.streams_of),
                 "tpot_factor": round(self.tpot.factor, 3), "tpot_samples": self.tpot.num_samples,
                 "admitted": self.num_admitted, "admitted_prompt_tokens": self.admitted_prompt_tokens,

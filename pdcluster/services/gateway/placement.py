@@ -133,6 +133,7 @@ class Placement:
     live_replicas: int = 1          # the place's live replicas, and the streams per replica it decodes
     beside_streams: float | None = None  # beside the prompt (None: a prefill replica): what the model assumed
     computed_tokens: int = 0        # of the prompt: what the place is expected to compute (less its cached prefix)
+    past_prediction: bool = False   # admitted although predicted late: a short prompt of a fresh burst
 
 
 def is_long_prompt(prompt_tokens: int, long_prefill_tokens: int) -> bool:
@@ -247,7 +248,7 @@ def _admit_or_refuse(choice: Placement, load: PlaceLoad, snap: Snapshot, rules: 
         return choice
     if load.fresh_burst and snap.decode_streams < snap.burst_seats and not is_long_prompt(
             choice.computed_tokens, rules.long_prefill_tokens or rules.decode_step_tokens):
-        return choice
+        return replace(choice, past_prediction=True)
     if load.live_replicas <= 0 or load.backlog_tokens > 0:
         return choice
     excess = tail - bound

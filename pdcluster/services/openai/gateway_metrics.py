@@ -22,6 +22,8 @@ prometheus_client's global one), so two apps in a process never mix numbers.
                                                                                   the decode streams in the SLO)
     pdcluster_admission_queued_tokens        gauge      pool                    prompt tokens awaiting a first token
     pdcluster_admission_admitted_total       counter                            requests admitted
+    pdcluster_admission_past_prediction_total counter                           of them: predicted over the SLO
+                                                                                  (a fresh burst's short prompts)
     pdcluster_admission_prompt_tokens_total  counter                            their prompt tokens (any pool)
     pdcluster_failovers_total                counter    reason                  streams resumed on another replica
     pdcluster_kv_blocks_used                 gauge      pool, replica           at scrape, from the Redis status
@@ -305,9 +307,12 @@ def _admission_families(view: dict) -> list[Metric]:
         queued.add_metric((pool,), rate["queued_tokens"])
     admitted = CounterMetricFamily("pdcluster_admission_admitted", "Requests admitted to a pool",
                                    value=view.get("admitted", 0))
+    past = CounterMetricFamily("pdcluster_admission_past_prediction", "Requests admitted although predicted over "
+                               "the TTFT SLO: short prompts of a burst onto an idle place "
+                               "(pdcluster/services/gateway/placement.py)", value=view.get("burst_admitted", 0))
     prompt = CounterMetricFamily("pdcluster_admission_prompt_tokens", "Prompt tokens of the admitted requests, "
                                  "whichever pool prefills them", value=view.get("admitted_prompt_tokens", 0))
-    return [in_flight, rejections, queued, admitted, prompt]
+    return [in_flight, rejections, queued, admitted, past, prompt]
 
 
 def _number(value: Any) -> bool:

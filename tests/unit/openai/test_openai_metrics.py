@@ -125,6 +125,7 @@ async def test_admission_counters(backend, tokenizer):
         assert value(families, "pdcluster_admission_rejections_total", reason="in_flight_cap") == 1
         assert value(families, "pdcluster_admission_rejections_total", reason="slo") == 0
         assert value(families, "pdcluster_admission_admitted_total") == 1  # the refused one is not counted
+        assert value(families, "pdcluster_admission_past_prediction_total") == 0
         assert value(families, "pdcluster_admission_prompt_tokens_total") == 100
         ticket.close()
         assert value(await scrape(c), "pdcluster_admission_in_flight") == 0

@@ -75,6 +75,8 @@ def test_placement_table(case, prompt, snapshot, pool, reason):
     else:
         assert p.reason == reason, (case, p)
         assert p.predicted_ttft_s > 0, case
+        # every admitted burst row is predicted late: admitted past the prediction, and counted so
+        assert p.past_prediction == snapshot.decode.fresh_burst, case
 
 
 def test_the_tail_margin_counts_toward_the_refusal():
