@@ -246,11 +246,11 @@ def _admit_or_refuse(choice: Placement, load: PlaceLoad, snap: Snapshot, rules: 
     tail = choice.predicted_ttft_s + load.tail_s
     if not rules.shed or not snap.calibrated or load.queued_requests == 0 or tail <= bound:
         return choice
+    if load.live_replicas <= 0 or load.backlog_tokens > 0:
+        return choice
     if load.fresh_burst and snap.decode_streams < snap.burst_seats and not is_long_prompt(
             choice.computed_tokens, rules.long_prefill_tokens or rules.decode_step_tokens):
         return replace(choice, past_prediction=True)
-    if load.live_replicas <= 0 or load.backlog_tokens > 0:
-        return choice
     excess = tail - bound
     return Placement(None, choice.predicted_ttft_s, choice.modelled_ttft_s, reason=(
         f"predicted time to first token {choice.predicted_ttft_s:.1f} s (+{load.tail_s:.1f} s for the slowest "
