@@ -265,7 +265,7 @@ class Admission:
         self.places = {PREFILL: PlaceQueue(), DECODE: PlaceQueue(self.rules.long_prefill_tokens)}
         self._decode_busy: deque[tuple[float, float]] = deque()  # (when placed, seconds of decode time)
         self.num_shed = 0
-        self.num_burst_admitted = 0  # admitted although predicted late (placement.py: a fresh burst's short prompts)
+        self.num_past_prediction = 0  # admitted although predicted late (placement.py: a fresh burst's short prompts)
         self.num_over_capacity = 0
         self.num_admitted = 0
         self.placed = {PREFILL: 0, DECODE: 0}
@@ -331,7 +331,7 @@ class Admission:
                         decode_streams=self.in_flight, decode_seats=self.decode_seats_per_replica * max(decode, 1),
                         decode_busy_s=sum(s for _, s in self._decode_busy),
                         calibrated=self.num_measured >= MIN_SAMPLES,
-                        burst_seats=self.slo_seats(max(decode, 1), self.decode_seats_per_replica * max(decode, 1)))
+                        slo_seats=self.slo_seats(max(decode, 1), self.decode_seats_per_replica * max(decode, 1)))
 
     def place(self, prompt_tokens: int, prefill_live: int | None, decode_live: int | None,
               tenant: str = DEFAULT_TENANT, priority: int = 0, arrived_at: float = 0.0,
@@ -349,7 +349,7 @@ class Admission:
         who = (priority, tenant)
         snap = self.snapshot(prefill_live, decode_live, now, who, prompt_tokens)
         self._decode_live = max(decode_live or 1, 1)
-        slo_seats = self.slo_seats(self._decode_live, snap.decode_seats)
+        slo_seats = snap.slo_seats
         active = self._active(tenant, now)
         # Only on a measured prediction: the step model scaled by TPOTs measured here.
         measured = self.tpot.num_samples >= MIN_SAMPLES
@@ -370,7 +370,7 @@ class Admission:
             # placement.py's reasons are numbers and setting names, never replica names
             raise for_client(BackendOverloaded(f"{choice.reason}; retry after {choice.retry_after_s:.0f} s or add "
                                                "replicas", retry_after_s=choice.retry_after_s))
-        self.num_burst_admitted += choice.past_prediction
+        self.num_past_prediction += choice.past_prediction
         if choice.pool == DECODE:
             self._decode_busy.append((now, choice.local_prefill_s))
         in_outage = (snap.decode if choice.pool == DECODE else snap.prefill).live_replicas <= 0
@@ -418,7 +418,7 @@ class Admission:
             q.answered(ticket, measured_s, time.monotonic(), replica)
 
     def view(self) -> dict:
-        return {"in_flight": self.in_flight, "shed": self.num_shed, "burst_admitted": self.num_burst_admitted,
+        return {"in_flight": self.in_flight, "shed": self.num_shed, "past_prediction": self.num_past_prediction,
                 "over_capacity": self.num_over_capacity,
                 "seat_share": self.num_seat_shares, "streams_by_tenant": dict(self.streams_of),
                 "tpot_factor": round(self.tpot.factor, 3), "tpot_samples": self.tpot.num_samples,

@@ -42,7 +42,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from dataclasses import dataclass
 import math
 import time
 from collections.abc import AsyncIterator
@@ -102,7 +101,7 @@ def prefill_locally(prompt_tokens: int, local_prefill_max_tokens: int) -> bool:
     return 0 < prompt_tokens <= local_prefill_max_tokens
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Call:
     """A streaming call to a replica: Serve's handle and the task that reads it (done once the call
     ended on its replica)."""

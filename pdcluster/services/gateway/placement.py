@@ -40,7 +40,7 @@ The decode replica may prefill only while its streams keep their TPOT:
               and the place already has queued work             (an idle place cannot do better later)
               and the prompt is long (over long_prefill_tokens, else decode_step_tokens), or the work
                   is not a fresh burst, or the decode pool already runs the streams it keeps within
-                  TPOT SLO x headroom (``burst_seats``)         (a burst is the prompts that reach an
+                  TPOT SLO x headroom (``slo_seats``)           (a burst is the prompts that reach an
                                                                  idle place before its next first
                                                                  token: nothing measured says the
                                                                  cluster is overloaded -- a closed-loop
@@ -104,7 +104,7 @@ class Snapshot:
     decode_seats: int = 1 << 30     # streams it can hold in all (batch seats + queue, x replicas)
     decode_busy_s: float = 0.0      # prefill seconds placed on decode replicas within the window
     calibrated: bool = True         # enough first tokens measured to refuse on a prediction
-    burst_seats: int = 0            # a fresh burst is admitted while fewer streams run (the TPOT SLO's seats)
+    slo_seats: int = 0              # streams the decode pool runs within TPOT SLO x headroom (a fresh burst's bound)
 
 
 @dataclass(frozen=True)
@@ -248,7 +248,7 @@ def _admit_or_refuse(choice: Placement, load: PlaceLoad, snap: Snapshot, rules: 
         return choice
     if load.live_replicas <= 0 or load.backlog_tokens > 0:
         return choice
-    if load.fresh_burst and snap.decode_streams < snap.burst_seats and not is_long_prompt(
+    if load.fresh_burst and snap.decode_streams < snap.slo_seats and not is_long_prompt(
             choice.computed_tokens, rules.long_prefill_tokens or rules.decode_step_tokens):
         return replace(choice, past_prediction=True)
     excess = tail - bound

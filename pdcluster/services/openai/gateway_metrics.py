@@ -309,7 +309,7 @@ def _admission_families(view: dict) -> list[Metric]:
                                    value=view.get("admitted", 0))
     past = CounterMetricFamily("pdcluster_admission_past_prediction", "Requests admitted although predicted over "
                                "the TTFT SLO: short prompts of a burst onto an idle place "
-                               "(pdcluster/services/gateway/placement.py)", value=view.get("burst_admitted", 0))
+                               "(pdcluster/services/gateway/placement.py)", value=view.get("past_prediction", 0))
     prompt = CounterMetricFamily("pdcluster_admission_prompt_tokens", "Prompt tokens of the admitted requests, "
                                  "whichever pool prefills them", value=view.get("admitted_prompt_tokens", 0))
     return [in_flight, rejections, queued, admitted, past, prompt]

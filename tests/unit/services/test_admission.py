@@ -183,7 +183,7 @@ def test_a_burst_onto_an_idle_place_is_admitted_whole_until_the_tpot_slo_seats()
     burst = [adm.place(256, 0, 1) for _ in range(16)]
     last = modelled_ttft_s(256, PlaceLoad(1, 15 * 256), RULES, beside_streams=15)
     assert last > RULES.ttft_slo_s and adm.num_shed == 0  # the model says late; admitted all the same
-    assert 0 < adm.num_burst_admitted == adm.view()["burst_admitted"] < 16  # the first ones were on time
+    assert 0 < adm.num_past_prediction == adm.view()["past_prediction"] < 16  # the first ones were on time
     burst[0].first_token(1, "colocated-a")
     with pytest.raises(BackendOverloaded, match="admission.ttft_slo_s"):
         adm.place(256, 0, 1)  # the place answered and still holds the burst's late tail

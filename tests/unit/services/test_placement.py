@@ -16,14 +16,14 @@ RULES = Rules(prefill=PrefillModel(0.02, 0.001), step=StepModel(0.02, 0.002), tt
 
 
 def snap(prefill=(1, 0, 0), decode=(1, 0, 0), streams=0, seats=1 << 30, busy_s=0.0, calibrated=True,
-         fresh_burst=False, burst_seats=0):
+         fresh_burst=False, slo_seats=0):
     """(live replicas, queued tokens, queued requests) per place; prefill None: no live prefill replica;
     ``fresh_burst``: both places' queues arrived after they were idle, before a first token."""
     def load(live, tokens, requests):
         return PlaceLoad(live, tokens, requests, fresh_burst=fresh_burst)
     return Snapshot(prefill=None if prefill is None else load(*prefill), decode=load(*decode),
                     decode_streams=streams, decode_seats=seats, decode_busy_s=busy_s, calibrated=calibrated,
-                    burst_seats=burst_seats)
+                    slo_seats=slo_seats)
 
 
 @pytest.mark.parametrize("case, prompt, snapshot, pool, reason", [
@@ -52,15 +52,15 @@ def snap(prefill=(1, 0, 0), decode=(1, 0, 0), streams=0, seats=1 << 30, busy_s=0
     # A burst onto an idle place is served whole while the decode pool keeps its TPOT: nothing
     # measured says the cluster is overloaded (a closed-loop client's first 16 prompts).
     ("7th of 8 simultaneous 250-token prompts on a colocated replica", 250,
-     snap(prefill=None, decode=(1, 1500, 6), streams=6, fresh_burst=True, burst_seats=30), DECODE,
+     snap(prefill=None, decode=(1, 1500, 6), streams=6, fresh_burst=True, slo_seats=30), DECODE,
      "no_prefill_replica"),
     ("9th of 16 simultaneous 256-token prompts on one colocated replica", 256,
-     snap(prefill=None, decode=(1, 2048, 8), streams=8, fresh_burst=True, burst_seats=30), DECODE,
+     snap(prefill=None, decode=(1, 2048, 8), streams=8, fresh_burst=True, slo_seats=30), DECODE,
      "no_prefill_replica"),
     ("a fresh burst past the streams the TPOT SLO keeps", 250,
-     snap(prefill=None, decode=(1, 1500, 6), streams=30, fresh_burst=True, burst_seats=30), None, None),
+     snap(prefill=None, decode=(1, 1500, 6), streams=30, fresh_burst=True, slo_seats=30), None, None),
     ("a long prompt of a fresh burst: late, it costs the streams beside it their TPOT", 3000,
-     snap(prefill=(1, 3000, 1), streams=1, fresh_burst=True, burst_seats=30), None, None),
+     snap(prefill=(1, 3000, 1), streams=1, fresh_burst=True, slo_seats=30), None, None),
     ("uncalibrated: no refusal on a guess", 3000, snap(prefill=(1, 3000, 1), streams=1, calibrated=False),
      PREFILL, "prefill_pool"),
     ("two prefill replicas halve the queue", 1200, snap(prefill=(2, 1600, 2), streams=2), PREFILL,
