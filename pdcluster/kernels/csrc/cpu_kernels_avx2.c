@@ -21,6 +21,7 @@
 
 #include "work_pool.h"
 #include "bf16_scalar.h"
+#include "prefetch_rows.h"
 
 #define PREFETCH_BYTES 4096 /* how far ahead of the current weight rows to prefetch */
 
@@ -373,15 +374,20 @@ static void decode_chunk(void *arg, int64_t begin, int64_t end) {
         for (int64_t t0 = 0, blk = 0; t0 < ctx; t0 += block_size, blk++) {
             const bf16 *kb = kv + (int64_t)table[blk] * block_stride + col0;
             const bf16 *kn = t0 + block_size < ctx ? kv + (int64_t)table[blk + 1] * block_stride + col0 : NULL;
+            const bf16 *kf = t0 + 2 * block_size < ctx ? kv + (int64_t)table[blk + 2] * block_stride + col0 : NULL;
             const int64_t nb = ctx - t0 < block_size ? ctx - t0 : block_size;
+            if (blk == 0 && kn) prefetch_rows_l2(kn, block_size, tok_stride, per_item * D);
             for (int64_t s0 = 0; s0 < nb; s0 += 8) {
                 const int64_t n = nb - s0 < 8 ? nb - s0 : 8;
-                /* the next block's rows as this block's are read: the
-                 * hardware prefetcher does not follow a block table */
-                if (kn)
-                    for (int64_t o = s0; o < s0 + 8 && o < block_size; o++)
-                        for (int64_t c = 0; c < per_item * D; c += 32)
-                            _mm_prefetch((const char *)(kn + o * tok_stride + c), _MM_HINT_T0);
+                /* the next block's rows into L1 and the one after's into L2 as
+                 * this block's are read: the hardware prefetcher does not follow
+                 * a block table, and L1 alone keeps too few lines in flight
+                 * (as in cpu_kernels.c's decode fast path) */
+                for (int64_t o = s0; o < s0 + 8 && o < block_size; o++)
+                    for (int64_t c = 0; c < per_item * D; c += 32) {
+                        if (kn) _mm_prefetch((const char *)(kn + o * tok_stride + c), _MM_HINT_T0);
+                        if (kf) _mm_prefetch((const char *)(kf + o * tok_stride + c), _MM_HINT_T1);
+                    }
                 for (int64_t hg = 0; hg < HG; hg++) {
                     const bf16 *k0 = kb + s0 * tok_stride + hg / G * D;
                     const float *qv = qf + hg * D;
@@ -413,6 +419,9 @@ static void decode_chunk(void *arg, int64_t begin, int64_t end) {
                     for (int64_t c = 0; c < per_item * D; c += 32)
                         _mm_prefetch((const char *)(vn + o * tok_stride + c), _MM_HINT_T0);
             }
+            if (t0 + 2 * block_size < ctx)
+                prefetch_rows_l2(kv + (int64_t)table[blk + 2] * block_stride + half + col0, block_size, tok_stride,
+                                 per_item * D);
             for (int64_t hh = 0; hh < per_item; hh++)
                 for (int64_t d = 0; d < D; d += 16)
                     for (int64_t g0 = hh * G; g0 < (hh + 1) * G; g0 += GC) {
