@@ -88,7 +88,9 @@ class PlaceQueue:
         self._arriving_tokens = 0  # their sum
         self._first_answer_at: dict[str, float] = {}  # replica -> when it answered its first first token here
         self.samples_left_out = 0  # first tokens of requests that waited for a replica to start
-        self.fresh_burst = False  # every prompt queued here arrived after it was idle, before its next first token
+        # every prompt queued here arrived after it was idle, before the first token of one that waited
+        # (the burst's first prompt ran alone on an idle engine: its first token says nothing of the queue)
+        self.fresh_burst = False
 
     @property
     def num_samples(self) -> int:
@@ -99,7 +101,8 @@ class PlaceQueue:
         """``ticket``'s first token came out of ``replica`` ("": unknown) ``measured_s`` after the
         request arrived.  No sample when ``replica`` had answered none before the request arrived."""
         self.settle(now)
-        self.fresh_burst = False
+        if not ticket.opened_burst:  # the prompt that opened it ran on an idle engine: says nothing of the queue
+            self.fresh_burst = False
         self.served_tokens += ticket.computed
         self.served_square += ticket.computed_square
         if self.is_long(ticket.computed):
@@ -148,12 +151,15 @@ class PlaceQueue:
                          max(self.queued_square, 0.0) * share, max(self.queued_long_square, 0.0) * share,
                          self.fresh_burst)
 
-    def admit(self, who: Class, tokens: int, now: float, in_outage: bool = False) -> None:
-        if self.queued_requests == 0:
+    def admit(self, who: Class, tokens: int, now: float, in_outage: bool = False) -> bool:
+        """Queues a prompt here; True when it opens a fresh burst (nothing was queued)."""
+        opens = self.queued_requests == 0
+        if opens:
             self.fresh_burst = True
         self.add(who, tokens, +1, in_outage)
         self._arrivals.append((now, tokens))
         self._arriving_tokens += tokens
+        return opens
 
     def add(self, who: Class, tokens: int, sign: int, in_outage: bool = False) -> None:
         self.queued_tokens += sign * tokens
@@ -178,9 +184,10 @@ class Ticket:
     how many were cached)."""
 
     def __init__(self, admission: Admission, placement: Placement, tokens: int, who: Class = (0, DEFAULT_TENANT),
-                 arrived_at: float = 0.0, in_outage: bool = False):
+                 arrived_at: float = 0.0, in_outage: bool = False, opened_burst: bool = False):
         self._admission, self.placement, self.tokens, self.who = admission, placement, tokens, who
         self.in_outage = in_outage  # admitted while its place had no live replica
+        self.opened_burst = opened_burst  # it found its place's queue empty (PlaceQueue.fresh_burst)
         self.pool = placement.pool
         # what its place counts queued for it: the prompt less the prefix the index says is cached there
         self.queued = placement.computed_tokens or tokens
@@ -378,13 +385,13 @@ class Admission:
 
     def _enqueue(self, choice: Placement, prompt_tokens: int, who: Class, now: float, arrived_at: float,
                  in_outage: bool = False) -> Ticket:
-        self.places[choice.pool].admit(who, choice.computed_tokens or prompt_tokens, now, in_outage)
+        opened = self.places[choice.pool].admit(who, choice.computed_tokens or prompt_tokens, now, in_outage)
         self.in_flight += 1
         self.streams_of[who[1]] = self.streams_of.get(who[1], 0) + 1
         self.num_admitted += 1
         self.placed[choice.pool] += 1
         self.admitted_prompt_tokens += prompt_tokens
-        return Ticket(self, choice, prompt_tokens, who, arrived_at, in_outage)
+        return Ticket(self, choice, prompt_tokens, who, arrived_at, in_outage, opened_burst=opened)
 
     def _active(self, tenant: str, now: float) -> list[str]:
         """The tenants that asked within ACTIVE_S (``tenant`` marked as asking now)."""

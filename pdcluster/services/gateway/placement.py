@@ -41,8 +41,13 @@ The decode replica may prefill only while its streams keep their TPOT:
               and the prompt is long (over long_prefill_tokens, else decode_step_tokens), or the work
                   is not a fresh burst, or the decode pool already runs the streams it keeps within
                   TPOT SLO x headroom (``slo_seats``)           (a burst is the prompts that reach an
-                                                                 idle place before its next first
-                                                                 token: nothing measured says the
+                                                                 idle place before the first token of
+                                                                 one that waited there (the first ran
+                                                                 alone on an idle engine, often done
+                                                                 before the burst has all arrived:
+                                                                 closing there refused the tail of a
+                                                                 client's burst of 16 one run in two,
+                                                                 Zen 4): nothing measured says the
                                                                  cluster is overloaded -- a closed-loop
                                                                  client's first burst, 8 simultaneous
                                                                  streams on an idle cluster -- and a
@@ -93,7 +98,7 @@ class PlaceLoad:
     backlog_tokens: int = 0         # of queued_tokens: admitted while the place had no live replica
     queued_square_tokens: float = 0.0   # the sum of the queued prompts' squared lengths (their attention)
     queued_long_square_tokens: float = 0.0  # of it: the long prompts'
-    fresh_burst: bool = False       # every prompt queued here arrived after it was idle, before its next first token
+    fresh_burst: bool = False       # every prompt queued here arrived after it was idle, before a waiting one's first token
 
 
 @dataclass(frozen=True)
