@@ -46,7 +46,7 @@ The decode replica may prefill only while its streams keep their TPOT:
                                                                  alone on an idle engine, often done
                                                                  before the burst has all arrived:
                                                                  closing there refused the tail of a
-                                                                 client's burst of 16 one run in two,
+                                                                 client's burst of 16 in 2 runs of 15,
                                                                  Zen 4): nothing measured says the
                                                                  cluster is overloaded -- a closed-loop
                                                                  client's first burst, 8 simultaneous

@@ -177,7 +177,7 @@ def test_a_burst_onto_an_idle_place_is_admitted_whole_until_the_tpot_slo_seats()
     admitted whole, up to the streams the decode pool runs within TPOT SLO x headroom; after the
     first token of a prompt that waited there the prediction decides again.  The burst's first
     prompt ran alone on the idle engine, often done before the burst had all arrived: its first
-    token leaves the burst open (closing there refused the burst's tail in one run of two, Zen 4)."""
+    token leaves the burst open (closing there refused the burst's tail in 2 runs of 15, Zen 4)."""
     adm = _admission()
     _calibrate(adm, DECODE)
     seats = adm.slo_seats(1, 1 << 30)
