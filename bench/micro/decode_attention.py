@@ -52,9 +52,20 @@ def step_ms(pool: torch.Tensor, tables: torch.Tensor, batch: int, ctx: int, repe
     return sorted(times)[len(times) // 2] * 1e3
 
 
+def threads_arg(text: str) -> int:
+    """--threads: a whole number of threads, at least 1."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"--threads must be a whole number >= 1, got {text!r}")
+    return n
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=threads_arg, default=2)
     ap.add_argument("--variant", help="native kernel variant to load (PDCLUSTER_CPU_KERNELS), e.g. avx2")
     args = ap.parse_args(argv)
     if args.variant:
