@@ -6,8 +6,10 @@
 * ``on_event`` is the engine hook: synchronous, thread-safe, never blocks on
   or raises because of the index.  It updates the worker's own view of what
   it holds (``held_blocks``) and coalesces the event into a pending batch.
-* A background task flushes the batch every ``flush_interval_s``, heartbeats
-  every ``heartbeat_ttl_s / 3`` and now and then purges dead workers' entries.
+* A background task flushes the batch ``flush_interval_s`` after its first
+  event (the event wakes it: an idle worker's task sleeps until then or its
+  next heartbeat), heartbeats every ``heartbeat_ttl_s / 3`` and now and then
+  purges dead workers' entries.
 * While the index is down, events stay buffered (coalesced per block, so the
   buffer is bounded by distinct blocks).  Past ``max_pending_blocks`` the
   buffer is dropped (counted in ``events_dropped``) and the worker re-syncs
@@ -70,6 +72,9 @@ class KVEventPublisher:
         self._next_purge_s = 0.0
         self._retry_at_s = 0.0
         self._task: asyncio.Task | None = None
+        self._wake: asyncio.Event | None = None    # set (on run's loop) by the first event after ``_armed``
+        self._wake_loop: asyncio.AbstractEventLoop | None = None
+        self._armed = False                        # run's task sleeps: the next event must wake it
 
     # -- engine hook (any thread) ------------------------------------------
     def on_event(self, kind: str, block_hashes: Iterable[int]) -> None:
@@ -87,13 +92,24 @@ class KVEventPublisher:
                 held.update(hashes)
             else:
                 held.difference_update(hashes)
-            if self._needs_resync:
-                return  # the re-sync will publish _held as a whole
-            self._pending.add(kind, hashes, tier)
-            if len(self._pending) > self.max_pending_blocks:
-                self.counters.events_dropped += len(self._pending)
-                self._pending = EventBatch()
-                self._needs_resync = True
+            if not self._needs_resync:  # else the re-sync publishes _held as a whole
+                self._pending.add(kind, hashes, tier)
+                if len(self._pending) > self.max_pending_blocks:
+                    self.counters.events_dropped += len(self._pending)
+                    self._pending = EventBatch()
+                    self._needs_resync = True
+            wake, self._armed = self._armed, False
+        if wake:
+            self._wake_up()
+
+    def _wake_up(self) -> None:
+        loop, event = self._wake_loop, self._wake
+        if loop is None or event is None:
+            return
+        try:
+            loop.call_soon_threadsafe(event.set)
+        except RuntimeError:
+            pass  # that loop is closed: nothing left to wake
 
     @property
     def held_blocks(self) -> frozenset[int]:
@@ -103,6 +119,12 @@ class KVEventPublisher:
     def held_in(self, tier: str) -> frozenset[int]:
         with self._lock:
             return frozenset(self._held if tier == DEVICE else self._held_tiers[tier])
+
+    @property
+    def sleeping(self) -> bool:
+        """The background task waits for the next event or heartbeat (nothing to publish)."""
+        with self._lock:
+            return self._armed
 
     @property
     def in_sync(self) -> bool:
@@ -132,10 +154,29 @@ class KVEventPublisher:
 
     async def run(self) -> None:
         """Syncs with the index until superseded (returns then) or cancelled."""
+        self._wake, self._wake_loop = asyncio.Event(), asyncio.get_running_loop()
         while not self.counters.superseded:
             if time.monotonic() >= self._retry_at_s:
                 await self.sync_once()
-            await asyncio.sleep(self.flush_interval_s)
+            await self._until_work()
+            await asyncio.sleep(self.flush_interval_s)  # the batch gathers; no two syncs closer than this
+
+    async def _until_work(self) -> None:
+        """Returns at once when events wait (or a re-sync does); else when the
+        next event arrives or the next heartbeat is due, whichever comes first."""
+        with self._lock:
+            if len(self._pending) or self._needs_resync:
+                return
+            self._armed = True
+            self._wake.clear()
+        try:
+            async with asyncio.timeout(max(0.0, self._next_heartbeat_s - time.monotonic())):
+                await self._wake.wait()
+        except TimeoutError:
+            pass
+        finally:
+            with self._lock:
+                self._armed = False
 
     # -- one round of work ---------------------------------------------------
     async def sync_once(self, *, heartbeat: bool = False) -> bool:

@@ -1,6 +1,7 @@
 """The worker-side publisher against the in-memory index, with outages
 simulated by a wrapper that refuses writes."""
 
+import asyncio
 import threading
 
 import pytest
@@ -146,3 +147,40 @@ async def test_on_event_is_safe_from_engine_threads(index):
     assert await pub.sync_once()
     assert len(pub.held_blocks) == 2000 and pub.counters.events_received == 2000
     assert await matches(index, [3499]) == {"w": 1}
+
+
+async def _until(condition, what: str, limit_s: float = 30.0):
+    for _ in range(int(limit_s / 0.005)):
+        if condition():
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError(f"not {what} within {limit_s} s")
+
+
+async def test_an_idle_publisher_sleeps_until_an_event_wakes_it(index):
+    """No 50 Hz polling while nothing happens: the task syncs once after its
+    first contact, then only when an event (here from another thread) arrives."""
+    pub = KVEventPublisher(index, WorkerId("w", 1), heartbeat_ttl_s=3000.0, flush_interval_s=0.001)
+    syncs = []
+    real_sync = pub.sync_once
+
+    async def counted(**kwargs):
+        syncs.append(kwargs)
+        return await real_sync(**kwargs)
+
+    pub.sync_once = counted
+    await pub.start()
+    try:
+        await _until(lambda: pub.sleeping and pub.in_sync, "asleep after the first contact")
+        first = len(syncs)
+        for _ in range(40):               # ~100 syncs' worth of the old 1 ms cadence
+            await asyncio.sleep(0.0025)
+        assert len(syncs) == first and pub.sleeping
+        worker = threading.Thread(target=pub.on_event, args=("stored", [7, 8]))
+        worker.start()
+        worker.join()
+        await _until(lambda: pub.sleeping and pub.in_sync and len(syncs) > first, "woken and asleep again")
+        assert len(syncs) == first + 1
+        assert await matches(index, [7, 8]) == {"w": 2}
+    finally:
+        await pub.stop()
