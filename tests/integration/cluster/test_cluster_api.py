@@ -113,3 +113,21 @@ def test_replicas_run_at_normal_priority(cluster):
     assert {"prefill", "decode", "gateway"} <= {part.rsplit(":", 1)[-1].split(".", 1)[0] for p in replicas
                                                 for part in p.info["cmdline"] or [] if "ServeReplica:" in part}
     assert {p.pid: p.info["nice"] for p in replicas} == {p.pid: 0 for p in replicas}
+
+
+def test_serve_runs_its_quiet_loops(cluster):
+    """Serve's controller loops every 0.25 s and every replica hands its Serve metrics over once a
+    second, not every 0.1 s (pdcluster/services/cluster_env.py; an idle cluster's CPU in bench/README.md):
+    Serve reads both once, at import, from the environment its processes start with."""
+    import psutil
+
+    def titled(word):
+        return [p for p in psutil.process_iter(["cmdline"])
+                if any(word in part for part in (p.info["cmdline"] or []))]
+
+    controllers, replicas = titled("ServeController"), titled("ServeReplica:")
+    assert controllers and replicas
+    assert {p.pid: p.environ().get("RAY_SERVE_CONTROL_LOOP_INTERVAL_S") for p in controllers} == \
+        {p.pid: "0.25" for p in controllers}
+    assert {p.pid: p.environ().get("RAY_SERVE_METRICS_EXPORT_INTERVAL_MS") for p in replicas} == \
+        {p.pid: "1000" for p in replicas}
