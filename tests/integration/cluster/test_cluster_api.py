@@ -102,32 +102,41 @@ def test_models_health_and_request_id(base_url):
     assert httpx.get(base_url + "/health", timeout=30).status_code == 200
 
 
+def _ray_processes(word: str) -> list[dict]:
+    """This run's Ray processes (the test process started its Ray: they descend from it, so a
+    cluster someone else runs on the machine is not looked at) whose title holds ``word``: pid,
+    title, nice and environment, read together; a process that exits meanwhile is left out."""
+    import psutil
+
+    from pdcluster.services.cli.local_ray import descendants
+
+    found = []
+    for proc in descendants():
+        try:
+            title = next((part for part in proc.cmdline() if word in part), None)
+            if title is not None:
+                found.append({"pid": proc.pid, "title": title, "nice": proc.nice(), "env": proc.environ()})
+        except psutil.Error:
+            continue
+    return found
+
+
 def test_replicas_run_at_normal_priority(cluster):
     """Ray starts workers at nice 15 unless told otherwise (pdcluster/services/cluster_env.py):
     every Serve replica of this cluster must run at nice 0, as the host's work."""
-    import psutil
-
-    replicas = [p for p in psutil.process_iter(["cmdline", "nice"])
-                if any("ServeReplica:" in part for part in (p.info["cmdline"] or []))]
+    replicas = _ray_processes("ServeReplica:")
     # A replica's title names the method it runs at that moment ("...:decode.check_health"): the pool alone.
-    assert {"prefill", "decode", "gateway"} <= {part.rsplit(":", 1)[-1].split(".", 1)[0] for p in replicas
-                                                for part in p.info["cmdline"] or [] if "ServeReplica:" in part}
-    assert {p.pid: p.info["nice"] for p in replicas} == {p.pid: 0 for p in replicas}
+    assert {"prefill", "decode", "gateway"} <= {p["title"].rsplit(":", 1)[-1].split(".", 1)[0] for p in replicas}
+    assert {p["pid"]: p["nice"] for p in replicas} == {p["pid"]: 0 for p in replicas}
 
 
 def test_serve_runs_its_quiet_loops(cluster):
     """Serve's controller loops every 0.25 s and every replica hands its Serve metrics over once a
     second, not every 0.1 s (pdcluster/services/cluster_env.py; an idle cluster's CPU in bench/README.md):
     Serve reads both once, at import, from the environment its processes start with."""
-    import psutil
-
-    def titled(word):
-        return [p for p in psutil.process_iter(["cmdline"])
-                if any(word in part for part in (p.info["cmdline"] or []))]
-
-    controllers, replicas = titled("ServeController"), titled("ServeReplica:")
+    controllers, replicas = _ray_processes("ServeController"), _ray_processes("ServeReplica:")
     assert controllers and replicas
-    assert {p.pid: p.environ().get("RAY_SERVE_CONTROL_LOOP_INTERVAL_S") for p in controllers} == \
-        {p.pid: "0.25" for p in controllers}
-    assert {p.pid: p.environ().get("RAY_SERVE_METRICS_EXPORT_INTERVAL_MS") for p in replicas} == \
-        {p.pid: "1000" for p in replicas}
+    assert {p["pid"]: p["env"].get("RAY_SERVE_CONTROL_LOOP_INTERVAL_S") for p in controllers} == \
+        {p["pid"]: "0.25" for p in controllers}
+    assert {p["pid"]: p["env"].get("RAY_SERVE_METRICS_EXPORT_INTERVAL_MS") for p in replicas} == \
+        {p["pid"]: "1000" for p in replicas}
