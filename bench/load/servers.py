@@ -61,10 +61,14 @@ def tree_rss_bytes(pid: int) -> int:
     return total
 
 
-def up_command(config: Path | None, port: int, extra_args: tuple[str, ...] = ()) -> list[str]:
-    """The ``pdcluster up`` command line; no --config when ``config`` is None."""
+def up_command(config: Path | None, port: int, extra_args: tuple[str, ...] = (),
+               checkout: Path | None = None) -> list[str]:
+    """The ``pdcluster up`` command line; no --config when ``config`` is None.  ``checkout``: another
+    checkout's own ``.venv/bin/pdcluster`` (an older commit's, whose modules may live elsewhere)."""
     with_config = ["--config", str(config)] if config is not None else []
-    return [sys.executable, "-m", "pdcluster.services.cli.main", "up", *with_config, "--port", str(port), *extra_args]
+    program = [str(checkout / ".venv" / "bin" / "pdcluster")] if checkout is not None \
+        else [sys.executable, "-m", "pdcluster.services.cli.main"]
+    return [*program, "up", *with_config, "--port", str(port), *extra_args]
 
 
 @dataclass
@@ -80,6 +84,7 @@ class OurServer:
     # /v1/models answers about 2.5 s before that, and the first requests sent then took 3 s here.
     ready_path: str = "/health"
     extra_args: tuple[str, ...] = ()  # more `pdcluster up` flags, e.g. ("--weight-dtype", "int8")
+    checkout: Path | None = None      # run another checkout (its .venv, its working directory); None: this one
     _proc: subprocess.Popen | None = field(default=None, repr=False)
 
     @property
@@ -90,7 +95,8 @@ class OurServer:
         t0 = time.monotonic()
         with open(self.log, "w") as log:
             self._proc = subprocess.Popen(
-                up_command(self.config, self.port, self.extra_args), cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                up_command(self.config, self.port, self.extra_args, self.checkout), cwd=self.checkout or REPO,
+                stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True)
         try:
             wait_ready(self.url + self.ready_path, self._proc, timeout_s)

@@ -22,7 +22,9 @@ requests (our admission answers 429 when the predicted TTFT passes 2 s) are
 counted per server and workload and never count as throughput.
 
 Extra columns, each optional: ``--tuned-config deploy/race.yaml`` (a tuned
-config, its own column, no targets); ours with ``--weight-dtype int8``
+config, its own column, no targets); ``--baseline CHECKOUT`` (another
+commit's bare ``pdcluster up`` from its own checkout and .venv: before/after
+in one run, no targets); ours with ``--weight-dtype int8``
 (issue 35; ``--no-int8``; in the tuned config when there is one, so that it
 compares weights on the same admitted load) against vLLM bf16 and llama.cpp Q8_0; llama.cpp
 q4_1 (what its users run; ``--no-q4-1``) and Q8_0 (made here from the bf16
@@ -40,6 +42,7 @@ import asyncio
 import math
 import shlex
 import statistics
+import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
@@ -60,7 +63,9 @@ SHARED_PEER = REPO.parent / "shared" / "peer"
 # (ratio column, numerator, denominator), printed when both ran
 COMPARISONS = (("ours/vLLM", "ours", "vLLM"), ("ours/llama.cpp bf16", "ours", "llama.cpp bf16"),
                ("ours/llama.cpp q4_1", "ours", "llama.cpp q4_1"), ("tuned/vLLM", "ours tuned", "vLLM"),
-               ("int8/vLLM", "ours int8", "vLLM"), ("int8/llama.cpp q8_0", "ours int8", "llama.cpp q8_0"))
+               ("int8/vLLM", "ours int8", "vLLM"), ("int8/llama.cpp q8_0", "ours int8", "llama.cpp q8_0"),
+               ("ours/baseline", "ours", "baseline"), ("baseline/vLLM", "baseline", "vLLM"),
+               ("baseline/llama.cpp bf16", "baseline", "llama.cpp bf16"))
 
 
 def workload(name: str, input_tokens: int, output_tokens: int, concurrency: int, num_requests: int) -> Workload:
@@ -149,6 +154,10 @@ def contestants(args) -> tuple[list[tuple[str, object]], list[str]]:
     if args.tuned_config:
         chosen.append(("ours tuned", OurServer(Path(args.tuned_config), free_service_port(),
                                                 runs / "vs_peer_ours_tuned.log", name="pdcluster tuned")))
+    if args.baseline:
+        checkout = Path(args.baseline).resolve()
+        chosen.append(("baseline", OurServer(None, free_service_port(), runs / "vs_peer_baseline.log",
+                                             name=f"pdcluster baseline ({checkout.name})", checkout=checkout)))
     if not args.no_int8:
         named = args.int8_config or args.tuned_config
         config = Path(named) if named else None
@@ -174,10 +183,18 @@ def llamacpp_contestants(args) -> list[tuple[str, LlamaCppServer | None, str]]:
     return out
 
 
+def checkout_commit(checkout: Path) -> str:
+    """``git describe``-like one line for a checkout: short hash and subject (or why not)."""
+    done = subprocess.run(["git", "-C", str(checkout), "log", "-1", "--format=%h %s"], capture_output=True,
+                          text=True, check=False)
+    return done.stdout.strip()[:100] if done.returncode == 0 else f"not a git checkout: {done.stderr.strip()}"
+
+
 def reproduce_command(args) -> str:
     flags = [f"--rounds {args.rounds}"]
     flags += [f"--tuned-config {shlex.quote(args.tuned_config)}"] if args.tuned_config else []
     flags += [f"--int8-config {shlex.quote(args.int8_config)}"] if args.int8_config else []
+    flags += [f"--baseline {shlex.quote(args.baseline)}"] if args.baseline else []
     flags += [f"--{name.replace('_', '-')}" for name in ("no_vllm", "no_llamacpp", "no_int8", "no_q4_1", "no_q8_0",
                                                          "smoke") if getattr(args, name)]
     return "python -m bench.load.vs_peer " + " ".join(flags)
@@ -214,6 +231,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--tuned-config", help="a tuned cluster config raced as its own column (e.g. deploy/race.yaml)")
     ap.add_argument("--int8-config", help="config for the int8 column (default: --tuned-config's, else none, i.e. "
                                           "`pdcluster up --weight-dtype int8`)")
+    ap.add_argument("--baseline", metavar="CHECKOUT",
+                    help="another checkout of pdcluster with its own .venv (e.g. `git worktree add ../before "
+                         "COMMIT && make -C ../before setup`): its bare `pdcluster up` raced as column "
+                         "'baseline', to compare two commits in one run (no targets)")
     ap.add_argument("--peer-script", default=str(SHARED_PEER / "vllm-cpu.sh"))
     ap.add_argument("--llamacpp-script", default=str(SHARED_PEER / "llamacpp.sh"))
     ap.add_argument("--no-vllm", action="store_true", help="leave vLLM-CPU out")
@@ -235,6 +256,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# compares: ours = `pdcluster up` with no config ({layout} here, SLO admission on) against vLLM-CPU "
           f"0.32 bf16 and llama.cpp llama-server bf16 (2 threads, 16 slots); SmolLM2-135M-Instruct, the same cores, "
           f"one server at a time, {args.rounds} round(s) of: {', '.join(order)}")
+    if "baseline" in order:
+        print(f"# baseline = `pdcluster up` with no config from {Path(args.baseline).resolve()} "
+              f"({checkout_commit(Path(args.baseline))})")
     if "ours int8" in order:
         int8 = args.int8_config or args.tuned_config
         print(f"# ours int8 = `pdcluster up --weight-dtype int8{f' --config {int8}' if int8 else ''}`")

@@ -15,7 +15,8 @@ from bench.load.llamacpp_server import ensure_q8_0, missing_reason
 from bench.load.race_table import (TARGETS_VS_LLAMACPP, TARGETS_VS_VLLM, Measured, Summary, failure_line,
                                    race_order, ratio_table, ratios, server_table, summarize, target_lines)
 from bench.load.servers import last_line, up_command
-from bench.load.vs_peer import parse_args, race_workloads, record_workload, reproduce_command
+from bench.load.vs_peer import (COMPARISONS, contestants, parse_args, race_workloads, record_workload,
+                                reproduce_command)
 
 
 def summary(**kw) -> Summary:
@@ -110,6 +111,20 @@ def test_ours_is_the_bare_pdcluster_up_unless_a_config_is_given():
     assert bare[-4:] == ["pdcluster.services.cli.main", "up", "--port", "8123"] and "--config" not in bare
     tuned = up_command(Path("deploy/race.yaml"), 8123, ("--weight-dtype", "int8"))
     assert tuned[-7:] == ["up", "--config", "deploy/race.yaml", "--port", "8123", "--weight-dtype", "int8"]
+
+
+def test_a_baseline_checkout_runs_its_own_venvs_pdcluster():
+    before = up_command(None, 8123, checkout=Path("/work/before"))
+    assert before == ["/work/before/.venv/bin/pdcluster", "up", "--port", "8123"]
+
+
+def test_the_baseline_column_is_raced_and_compared_without_targets():
+    args = parse_args(["--rounds", "1", "--baseline", "../before", "--no-vllm", "--no-llamacpp", "--no-int8"])
+    chosen, _ = contestants(args)
+    assert [name for name, _ in chosen] == ["ours", "baseline"]
+    assert chosen[1][1].checkout == Path("../before").resolve()
+    assert ("ours/baseline", "ours", "baseline") in COMPARISONS
+    assert reproduce_command(args).endswith("--baseline ../before --no-vllm --no-llamacpp --no-int8")
 
 
 def test_reproduce_command_names_every_flag_given():
