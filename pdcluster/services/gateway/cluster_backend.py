@@ -344,7 +344,8 @@ class ClusterBackend(Backend):
     async def _decode_handoff(self, req: GenerateRequest, pre: PrefillResponse,
                               progress: StreamProgress | None) -> AsyncIterator[TokenDelta]:
         """The prefill replica's first token, then the decode replica's stream from its hand-off."""
-        decoded = False  # a decode token back means the decode side pulled and released the lease
+        decoded = False  # a decode token back (not a keep-alive): the decode side pulled the blocks
+        ended = False    # the decode stream ran to its end: its pull's notification released the lease
         # A decode call in flight may be pulling the blocks: its replica releases the lease once
         # that pull ended (a release from here could free blocks a one-sided READ still reads).
         taken = False
@@ -361,8 +362,9 @@ class ClusterBackend(Backend):
                 taken = True
                 try:
                     async for chunk in self._relay("decode", "generate", decode, progress, calls):
-                        decoded = True
+                        decoded = decoded or not chunk.waiting
                         yield chunk
+                    ended = True
                     return
                 except BaseException as exc:
                     taken = bool(calls) and _reached_a_replica(calls[0].stream) and not decode_call_over(exc)
@@ -374,16 +376,18 @@ class ClusterBackend(Backend):
                 yield TokenDelta.waiting_on("")  # waiting for a seat: no stall (the inter-token deadline)
                 await asyncio.sleep(_HANDOFF_RETRY_S)
         finally:
-            unpulled = bool(pre.block_ids) and pre.finish_reason is None and not decoded
-            if unpulled and not taken:
+            held = bool(pre.block_ids) and pre.finish_reason is None and not ended
+            if held and not decoded and not taken:
                 # Client gone before the decode call, decode 429, pull failure, decode death: no pull
                 # will happen (or it already ended): the blocks go back now, not at the lease's TTL.
                 self._in_background(self._release(pre))
-            elif unpulled and calls:
-                # Cancelled on its replica (or Serve could not yet tell whether it got there), which
-                # releases once its pull ended -- if its generate ran at all: a call cancelled before
-                # it started never does.  Released here once the call is over there (a second release
-                # of a lease is a no-op).
+            elif held and calls:
+                # A stream that did not run to its end.  Cancelled on its replica (or Serve could not
+                # yet tell whether it got there), which releases once its pull ended -- if its
+                # generate ran at all: a call cancelled before it started never does.  Or its replica
+                # pulled and died: the pull's notification may not have left it (a replica killed
+                # 10 tokens after its pull stranded the lease until its TTL).  Released here once the
+                # call is over there (a second release of a lease is a no-op).
                 self._in_background(self._release_when_over(calls[0].watcher, pre))
 
     def _in_background(self, coro) -> asyncio.Task:

@@ -183,6 +183,31 @@ async def test_client_gone_while_the_decode_call_pulls_has_the_lease_released(as
     assert stream.cancelled and _releases(fake) == ([("r1", "prefill-x")] if released else [])
 
 
+@pytest.mark.parametrize("before_death", [[TokenDelta([6], "b")], [TokenDelta.waiting_on("decode-x")]],
+                         ids=["after-its-tokens", "while-it-waited-for-kv"])
+async def test_a_decode_replica_that_dies_mid_stream_has_the_lease_released_once_its_call_is_over(before_death):
+    # After its tokens: it pulled, but its pull's notification may never have left it (a replica killed
+    # 10 tokens after its pull held the lease until its TTL).  A keep-alive is no pull at all.
+    backend, fake = _backend(FakeStream(before_death, error=ActorDiedError()), max_failovers=0)
+    with pytest.raises(Exception):
+        await _drain(backend)
+    await _settle(backend)
+    assert _releases(fake) == [("r1", "prefill-x")]
+
+
+async def test_a_keep_alive_is_not_a_decoded_token_for_the_seat_wait():
+    # A decode replica that sent only keep-alives and then answered 429 pulled nothing: the hand-off is
+    # offered again (the lease holds the blocks), as for a 429 before anything came back.
+    streams = [FakeStream([TokenDelta.waiting_on("decode-x")], error=BackendOverloaded("full")),
+               FakeStream([TokenDelta([6], "b"), TokenDelta([7], "c", "length")])]
+    backend, fake = _backend(None)
+    fake.next_streams = streams
+    chunks = await _drain(backend)
+    await _settle(backend)
+    assert [c.text for c in chunks if not c.waiting] == ["a", "b", "c"] and backend.num_handoff_waits == 1
+    assert _releases(fake) == []
+
+
 def test_serve_handles_still_carry_the_assignment_future_the_gateway_reads():
     from ray.serve.handle import _DeploymentResponseBase
 
