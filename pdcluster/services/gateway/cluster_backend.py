@@ -363,6 +363,8 @@ class ClusterBackend(Backend):
                 try:
                     async for chunk in self._relay("decode", "generate", decode, progress, calls):
                         decoded = decoded or not chunk.waiting
+                        # Its last token: a consumer may stop here (a whole response closes the stream).
+                        ended = ended or chunk.finish_reason is not None
                         yield chunk
                     ended = True
                     return

@@ -183,6 +183,22 @@ async def test_client_gone_while_the_decode_call_pulls_has_the_lease_released(as
     assert stream.cancelled and _releases(fake) == ([("r1", "prefill-x")] if released else [])
 
 
+async def test_a_consumer_that_stops_at_the_finish_leaves_the_lease_to_the_puller():
+    # A whole (non-streamed) response closes the stream as soon as it has its finish reason: the decode
+    # replica pulled and released, so no second release goes out for every such request.
+    backend, fake = _backend(FakeStream([TokenDelta([6], "b"), TokenDelta([7], "c", "length"),
+                                         TokenDelta([], "")]))
+    chunks = backend.generate(GenerateRequest("r1", list(range(20)), greedy(8), RoutingHeader((), 20)))
+    texts = []
+    async for chunk in chunks:
+        texts.append(chunk.text)
+        if chunk.finish_reason is not None:
+            break
+    await chunks.aclose()
+    await _settle(backend)
+    assert texts == ["a", "b", "c"] and _releases(fake) == []
+
+
 @pytest.mark.parametrize("before_death", [[TokenDelta([6], "b")], [TokenDelta.waiting_on("decode-x")]],
                          ids=["after-its-tokens", "while-it-waited-for-kv"])
 async def test_a_decode_replica_that_dies_mid_stream_has_the_lease_released_once_its_call_is_over(before_death):
